@@ -1,0 +1,187 @@
+"""Build a megatron-core ``GPTModel`` (or a scalar value-head variant) from a :class:`ModelSpec`.
+
+The layer is composed from megatron's ``ModuleSpec``s: the transformer-engine spec on CUDA,
+the local (pure megatron-core) spec on CPU.  Both realise the same function; only kernels
+differ.  The value-head variant (critic, neural reward model) replaces the vocabulary
+projection by a replicated ``hidden -> 1`` linear so it maps to HF ``*ForTokenClassification``
+with ``num_labels=1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megarl.models.hf_config import ModelConfigError, ModelSpec, check_parallel_fit
+from megarl.runtime import cpu_compat
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """How to build (not what): parallel sizes, dtype, vocab padding."""
+
+    tp: int = 1
+    pp: int = 1
+    params_dtype: torch.dtype = torch.float32
+    #: pad the vocabulary to a multiple of this; must be divisible by every TP size the
+    #: checkpoint will be loaded at, so the padded shape is the same for all layouts.
+    vocab_multiple: int = 128
+    use_transformer_engine: Optional[bool] = None  # None: TE on CUDA, local spec on CPU
+    seq_length: int = 0  # 0: the spec's max_sequence_length
+
+    def resolved_te(self) -> bool:
+        if self.use_transformer_engine is None:
+            return not cpu_compat.on_cpu()
+        return self.use_transformer_engine
+
+
+def padded_vocab_size(spec: ModelSpec, opts: BuildOptions) -> int:
+    padded = spec.padded_vocab_size(opts.vocab_multiple)
+    if padded % opts.tp:
+        raise ModelConfigError(
+            f"model.vocab_multiple={opts.vocab_multiple} gives padded vocabulary {padded}, "
+            f"which is not divisible by tp={opts.tp}; use a multiple of {opts.tp}"
+        )
+    return padded
+
+
+def transformer_config(spec: ModelSpec, opts: BuildOptions):
+    """megatron ``TransformerConfig`` realising ``spec`` exactly (dropout 0, no fusions on CPU)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    on_cpu = cpu_compat.on_cpu()
+    if on_cpu and opts.params_dtype != torch.float32:
+        raise ModelConfigError(
+            f"model.dtype={opts.params_dtype}: on CPU only float32 is supported "
+            "(megatron's bf16/fp16 paths type-check CUDA tensors)"
+        )
+    bf16 = opts.params_dtype == torch.bfloat16
+    fp16 = opts.params_dtype == torch.float16
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        kv_channels=spec.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=spec.linear_bias,
+        add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_softmax_in_fp32=True,
+        apply_query_key_layer_scaling=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        cross_entropy_loss_fusion=False,
+        tensor_model_parallel_size=opts.tp,
+        pipeline_model_parallel_size=opts.pp,
+        sequence_parallel=False,
+        params_dtype=opts.params_dtype,
+        pipeline_dtype=opts.params_dtype,
+        bf16=bf16,
+        fp16=fp16,
+        use_cpu_initialization=on_cpu,
+        perform_initialization=True,
+        variable_seq_lengths=False,
+        batch_p2p_comm=False,
+        batch_p2p_sync=not on_cpu,
+    )
+
+
+def layer_spec(spec: ModelSpec, opts: BuildOptions):
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if opts.resolved_te():
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=spec.qk_norm
+        )
+    return gpt_layer_specs.get_gpt_layer_local_spec(
+        qk_layernorm=spec.qk_norm, normalization="RMSNorm"
+    )
+
+
+class ScalarValueHead(torch.nn.Module):
+    """``hidden -> 1`` projection, replicated over TP (a scalar cannot be vocab-split).
+
+    Signature-compatible with megatron's ``ColumnParallelLinear`` as used by ``GPTModel``.
+    """
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, bias: bool = False):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype)) if bias else None
+        self.sequence_parallel = False
+        torch.nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        return F.linear(hidden_states, self.weight, self.bias), None
+
+
+def build_model(spec: ModelSpec, opts: BuildOptions, seed: int = 1234):
+    """Build this rank's stage of the model (megatron parallel_state must be initialised).
+
+    Every rank seeds identically before building: with CPU initialisation megatron builds the
+    full master weight and slices it, so all ranks must draw the same numbers.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    check_parallel_fit(spec, opts.tp, opts.pp)
+    if parallel_state.get_tensor_model_parallel_world_size() != opts.tp or (
+        parallel_state.get_pipeline_model_parallel_world_size() != opts.pp
+    ):
+        raise ModelConfigError(
+            f"build options tp={opts.tp} pp={opts.pp} disagree with the initialised parallel "
+            f"state tp={parallel_state.get_tensor_model_parallel_world_size()} "
+            f"pp={parallel_state.get_pipeline_model_parallel_world_size()}"
+        )
+    cpu_compat.seed_megatron_rng(seed)
+    config = transformer_config(spec, opts)
+    pre = parallel_state.is_pipeline_first_stage()
+    post = parallel_state.is_pipeline_last_stage()
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(spec, opts),
+        vocab_size=padded_vocab_size(spec, opts),
+        max_sequence_length=opts.seq_length or spec.max_sequence_length,
+        pre_process=pre,
+        post_process=post,
+        parallel_output=True,
+        share_embeddings_and_output_weights=spec.tie_word_embeddings and not spec.value_head,
+        position_embedding_type="rope",
+        rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
+        rope_scaling=False,
+    )
+    if spec.rope_scaling is not None and hasattr(model, "rotary_pos_emb"):
+        # GPTModel only forwards the factor; the HF config also sets the other three knobs.
+        rs = spec.rope_scaling
+        rope = model.rotary_pos_emb
+        rope.inv_freq = rope._apply_scaling(
+            rope.inv_freq,
+            factor=rs.factor,
+            low_freq_factor=rs.low_freq_factor,
+            high_freq_factor=rs.high_freq_factor,
+            original_max_position_embeddings=rs.original_max_position_embeddings,
+        )
+    if spec.value_head and post:
+        model.output_layer = ScalarValueHead(spec.hidden_size, opts.params_dtype).to(
+            next(model.parameters()).device
+        )
+    if not cpu_compat.on_cpu():
+        model = model.cuda()
+    # Attach what the mapping and I/O layers need to find their way around this stage.
+    model.megarl_spec = spec
+    model.megarl_opts = opts
+    return model

@@ -1,0 +1,177 @@
+"""Teacher-forced forwards through a (TP x PP sharded) megatron model.
+
+* :func:`token_log_probs_from_logits` — vocab-parallel log-prob of given targets, exact with
+  a padded vocabulary (padding rows are masked out of the partition function), differentiable.
+* :func:`forward_only` — run micro-batches through the pipeline (megatron's own schedule) and
+  return per-micro-batch results from the last stage, broadcast to every rank.
+
+Sequences are right-padded ``[batch, seq]`` token ids; attention is causal, so positions
+past a sequence's end never influence its valid positions.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megarl.models.builder import padded_vocab_size
+
+
+def mask_padded_vocab(logits_shard: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Set logits of padding vocabulary rows (ids >= ``vocab_size``) to -inf on this TP shard.
+
+    Padding rows are zero weights, so their logits are 0, not -inf: left in, they would add
+    ``exp(0)`` terms to the softmax and bias every log-prob.
+    """
+    from megatron.core import parallel_state as ps
+
+    per = logits_shard.shape[-1]
+    start = ps.get_tensor_model_parallel_rank() * per
+    n_pad = start + per - vocab_size
+    if n_pad <= 0:
+        return logits_shard
+    keep = torch.arange(start, start + per, device=logits_shard.device) < vocab_size
+    return logits_shard.masked_fill(~keep, float("-inf"))
+
+
+def token_log_probs_from_logits(logits_shard: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+                                temperature: float = 1.0) -> torch.Tensor:
+    """``log softmax(logits / T)[target]`` from vocab-parallel logits.
+
+    Args:
+        logits_shard: ``(b, s, V_padded / tp)`` this TP rank's slice of the logits.
+        targets: ``(b, s)`` token ids (global vocabulary).
+    Returns:
+        ``(b, s)`` log-probs, identical on every TP rank, with gradient to the logits.
+    """
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    logits = mask_padded_vocab(logits_shard, vocab_size)
+    if temperature != 1.0:
+        logits = logits / temperature
+    # megatron's kernel expects [s, b, v] and returns the negative log-likelihood.
+    nll = vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous().float(),
+                                       targets.transpose(0, 1).contiguous())
+    return -nll.transpose(0, 1)
+
+
+def gather_vocab(logits_shard: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Full ``(b, s, vocab_size)`` logits from the TP shards (for tests and inspection)."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp > 1:
+        parts = [torch.empty_like(logits_shard) for _ in range(tp)]
+        dist.all_gather(parts, logits_shard.contiguous(), group=ps.get_tensor_model_parallel_group())
+        logits_shard = torch.cat(parts, -1)
+    return logits_shard[..., :vocab_size]
+
+
+def position_ids_for(tokens: torch.Tensor) -> torch.Tensor:
+    return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+
+
+def forward_only(model, micro_batches: List[torch.Tensor],
+                 on_output: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> List[torch.Tensor]:
+    """Run ``micro_batches`` (each ``(b, s)`` token ids, same ``s`` within a micro-batch)
+    through the pipeline without gradients.
+
+    ``on_output(model_output, tokens)`` runs on the last stage on every TP rank and must
+    return a tensor whose shape is a function of ``tokens.shape`` only; its results are
+    broadcast from the last stage so every rank returns the same list.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    inner = model
+    while hasattr(inner, "module"):
+        inner = inner.module
+    pp = ps.get_pipeline_model_parallel_world_size()
+    dev = next(inner.parameters()).device
+    results: List[Optional[torch.Tensor]] = []
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            if pp == 1:
+                for tokens in micro_batches:
+                    tokens = tokens.to(dev)
+                    out = model(tokens, position_ids_for(tokens), None)
+                    results.append(on_output(out, tokens))
+                return results
+            it = iter([t.to(dev) for t in micro_batches])
+
+            def step(data_iterator, m):
+                tokens = next(data_iterator)
+                out = m(tokens, position_ids_for(tokens), None)
+
+                def loss_func(output):
+                    res = on_output(output, tokens)
+                    return res, {"result": res}
+
+                return out, loss_func
+
+            for tokens in micro_batches:
+                # one micro-batch per schedule call: shapes may differ between micro-batches
+                fb = get_forward_backward_func()
+                store = fb(forward_step_func=step, data_iterator=it, model=[model],
+                           num_microbatches=1, seq_length=tokens.shape[1],
+                           micro_batch_size=tokens.shape[0], forward_only=True)
+                last = ps.is_pipeline_last_stage()
+                res = store[0]["result"] if last else None
+                results.append(res)
+    finally:
+        if was_training:
+            model.train()
+    # Broadcast each result from the last stage (shapes are agreed via a small header).
+    group = ps.get_pipeline_model_parallel_group()
+    src = dist.get_global_rank(group, pp - 1)
+    out: List[torch.Tensor] = []
+    for res in results:
+        header = torch.zeros(8, dtype=torch.long)
+        if res is not None:
+            header[0] = res.dim()
+            header[1:1 + res.dim()] = torch.tensor(res.shape)
+        dist.broadcast(header, src=src, group=group)
+        shape = tuple(header[1:1 + int(header[0])].tolist())
+        buf = res.contiguous().to(dev) if res is not None else torch.empty(shape, device=dev)
+        dist.broadcast(buf, src=src, group=group)
+        out.append(buf)
+    return out
+
+
+def full_logits(model, tokens: torch.Tensor, micro_batch_size: int = 0) -> torch.Tensor:
+    """Full-vocabulary logits ``(b, s, vocab)`` for ``tokens`` on every rank."""
+    inner = model
+    while hasattr(inner, "module"):
+        inner = inner.module
+    V = inner.megarl_spec.vocab_size
+    mbs = micro_batch_size or tokens.shape[0]
+    chunks = list(tokens.split(mbs, 0))
+    outs = forward_only(model, chunks, lambda out, _t: gather_vocab(out, V).float())
+    return torch.cat(outs, 0)
+
+
+def teacher_forced_log_probs(model, tokens: torch.Tensor, micro_batch_size: int = 0,
+                             temperature: float = 1.0) -> torch.Tensor:
+    """``(b, s-1)``: log-prob of ``tokens[:, t+1]`` given ``tokens[:, :t+1]`` on every rank."""
+    inner = model
+    while hasattr(inner, "module"):
+        inner = inner.module
+    V = inner.megarl_spec.vocab_size
+    mbs = micro_batch_size or tokens.shape[0]
+    chunks = list(tokens.split(mbs, 0))
+
+    def on_output(out, toks):
+        return token_log_probs_from_logits(out[:, :-1], toks[:, 1:], V, temperature).float()
+
+    return torch.cat(forward_only(model, chunks, on_output), 0)
+
+
+def scalar_values(model, tokens: torch.Tensor, micro_batch_size: int = 0) -> torch.Tensor:
+    """``(b, s)`` scalar head outputs of a value-head model (critic / reward model)."""
+    mbs = micro_batch_size or tokens.shape[0]
+    chunks = list(tokens.split(mbs, 0))
+    return torch.cat(forward_only(model, chunks, lambda out, _t: out[..., 0].float()), 0)

@@ -1,0 +1,292 @@
+"""HuggingFace ``config.json`` -> :class:`ModelSpec`, the one description megarl builds from.
+
+Only the decoder families whose every config field we understand are accepted: Llama,
+Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm) and Mistral.  A field we do not understand,
+or a value we cannot realise exactly (another activation, another RoPE scaling type, sliding
+window attention shorter than the sequences we run), is rejected *by name*: training on a
+silently different model is worse than not starting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+
+class ModelConfigError(ValueError):
+    """An HF config megarl cannot realise exactly; the message names the file and the key."""
+
+
+#: architectures entry -> (family, head kind)
+ARCHITECTURES = {
+    "LlamaForCausalLM": ("llama", "lm"),
+    "Qwen2ForCausalLM": ("qwen2", "lm"),
+    "Qwen3ForCausalLM": ("qwen3", "lm"),
+    "MistralForCausalLM": ("mistral", "lm"),
+    "LlamaForTokenClassification": ("llama", "value"),
+    "Qwen2ForTokenClassification": ("qwen2", "value"),
+    "Qwen3ForTokenClassification": ("qwen3", "value"),
+    "MistralForTokenClassification": ("mistral", "value"),
+}
+MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
+
+# Keys that describe bookkeeping, generation defaults or HF runtime switches: they do not
+# change the function the network computes, so they are accepted and carried along.
+_BENIGN_KEYS = {
+    "_name_or_path", "architectures", "model_type", "transformers_version", "torch_dtype",
+    "dtype", "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "id2label",
+    "label2id", "initializer_range", "output_attentions", "output_hidden_states",
+    "return_dict", "problem_type", "chunk_size_feed_forward", "is_encoder_decoder",
+    "attention_dropout", "pretraining_tp", "tokenizer_class", "task_specific_params",
+    "prefix", "finetuning_task", "add_cross_attention", "tie_encoder_decoder",
+    "cross_attention_hidden_size", "decoder_start_token_id", "sep_token_id",
+    "num_labels", "classifier_dropout", "_attn_implementation_autoset", "layer_types",
+    "max_window_layers", "use_bfloat16", "tf_legacy_loss", "pruned_heads",
+    "torchscript", "is_decoder", "typical_p", "auto_map", "keys_to_ignore_at_inference",
+    "output_scores", "return_dict_in_generate", "megarl",
+}
+# Keys whose values megarl reads or checks below.
+_SEMANTIC_KEYS = {
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
+    "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings",
+    "tie_word_embeddings", "attention_bias", "mlp_bias", "sliding_window",
+    "use_sliding_window", "partial_rotary_factor",
+}
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything needed to build the megatron model and map its tensors to and from HF."""
+
+    family: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    linear_bias: bool
+    qk_norm: bool
+    rope_scaling: Optional[Llama3RopeScaling] = None
+    sliding_window: Optional[int] = None
+    value_head: bool = False
+    raw_config: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def max_sequence_length(self) -> int:
+        """Longest sequence this model computes exactly (a sliding window caps it)."""
+        if self.sliding_window is not None:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    def padded_vocab_size(self, multiple: int) -> int:
+        return -(-self.vocab_size // multiple) * multiple
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("raw_config")
+        return d
+
+
+def _require(cfg: dict, key: str, where: str) -> Any:
+    if key not in cfg or cfg[key] is None:
+        raise ModelConfigError(f"{where}: required key '{key}' is missing")
+    return cfg[key]
+
+
+def _rope(cfg: dict, where: str) -> tuple[float, Optional[Llama3RopeScaling]]:
+    """RoPE theta and scaling from either the transformers>=5 ``rope_parameters`` dict or the
+    older top-level ``rope_theta`` + ``rope_scaling``."""
+    params = cfg.get("rope_parameters")
+    if params is not None:
+        theta = params.get("rope_theta", cfg.get("rope_theta"))
+        scaling = params if params.get("rope_type", "default") != "default" else None
+        key = "rope_parameters"
+    else:
+        theta = cfg.get("rope_theta", 10000.0)
+        scaling = cfg.get("rope_scaling")
+        key = "rope_scaling"
+    if theta is None:
+        raise ModelConfigError(f"{where}: required key 'rope_theta' is missing")
+    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ModelConfigError(
+            f"{where}: partial_rotary_factor={cfg['partial_rotary_factor']} is not supported "
+            "(only full rotary embeddings)"
+        )
+    if not scaling:
+        return float(theta), None
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type in (None, "default"):
+        return float(theta), None
+    if rope_type != "llama3":
+        raise ModelConfigError(
+            f"{where}: {key}.rope_type='{rope_type}' is not supported (supported: default, llama3)"
+        )
+    try:
+        rs = Llama3RopeScaling(
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        )
+    except KeyError as e:
+        raise ModelConfigError(f"{where}: {key} of type llama3 lacks key {e}") from None
+    return float(theta), rs
+
+
+def spec_from_hf_config(cfg: dict, where: str = "config.json") -> ModelSpec:
+    """Validate an HF config dict and turn it into a :class:`ModelSpec`.
+
+    Raises :class:`ModelConfigError` naming ``where`` and the offending key.
+    """
+    archs = cfg.get("architectures") or []
+    model_type = cfg.get("model_type")
+    if len(archs) > 1:
+        raise ModelConfigError(f"{where}: 'architectures' lists {archs}; expected exactly one")
+    if archs:
+        arch = archs[0]
+        if arch not in ARCHITECTURES:
+            raise ModelConfigError(
+                f"{where}: architectures entry '{arch}' is not supported; supported: "
+                f"{sorted(ARCHITECTURES)}"
+            )
+        family, head = ARCHITECTURES[arch]
+    else:
+        if model_type not in MODEL_TYPES:
+            raise ModelConfigError(
+                f"{where}: no 'architectures' and model_type={model_type!r} is not one of "
+                f"{sorted(MODEL_TYPES)}"
+            )
+        family, head = model_type, "lm"
+        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}[family]
+    if model_type is not None and model_type != family:
+        raise ModelConfigError(
+            f"{where}: model_type='{model_type}' disagrees with architectures entry '{arch}'"
+        )
+
+    unknown = sorted(k for k in cfg if k not in _BENIGN_KEYS and k not in _SEMANTIC_KEYS)
+    if unknown:
+        raise ModelConfigError(
+            f"{where}: config key(s) {unknown} are not understood by megarl's {family} "
+            "mapping; refusing to build a model that might silently differ"
+        )
+
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelConfigError(f"{where}: hidden_act='{act}' is not supported (expected 'silu')")
+
+    hidden = int(_require(cfg, "hidden_size", where))
+    heads = int(_require(cfg, "num_attention_heads", where))
+    groups = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = cfg.get("head_dim")
+    if head_dim is None:
+        if hidden % heads:
+            raise ModelConfigError(
+                f"{where}: hidden_size={hidden} is not divisible by num_attention_heads={heads}"
+            )
+        head_dim = hidden // heads
+    if heads % groups:
+        raise ModelConfigError(
+            f"{where}: num_attention_heads={heads} is not divisible by num_key_value_heads={groups}"
+        )
+
+    attention_bias = bool(cfg.get("attention_bias", False))
+    mlp_bias = bool(cfg.get("mlp_bias", False))
+    if family == "qwen2":
+        qkv_bias, linear_bias = True, False
+    else:
+        if attention_bias != mlp_bias:
+            raise ModelConfigError(
+                f"{where}: attention_bias={attention_bias} with mlp_bias={mlp_bias} is not "
+                "supported (megatron's add_bias_linear covers o_proj and the MLP together)"
+            )
+        qkv_bias = linear_bias = attention_bias
+
+    sliding_window = cfg.get("sliding_window")
+    if family == "qwen2" or family == "qwen3":
+        if cfg.get("use_sliding_window", False):
+            raise ModelConfigError(
+                f"{where}: use_sliding_window=true is not supported (sliding window attention)"
+            )
+        sliding_window = None
+    theta, rope_scaling = _rope(cfg, where)
+    if rope_scaling is not None and family != "llama":
+        raise ModelConfigError(f"{where}: llama3 rope scaling on family '{family}' is unexpected")
+
+    return ModelSpec(
+        family=family,
+        architecture=arch,
+        vocab_size=int(_require(cfg, "vocab_size", where)),
+        hidden_size=hidden,
+        ffn_hidden_size=int(_require(cfg, "intermediate_size", where)),
+        num_layers=int(_require(cfg, "num_hidden_layers", where)),
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        head_dim=int(head_dim),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        linear_bias=linear_bias,
+        qk_norm=(family == "qwen3"),
+        rope_scaling=rope_scaling,
+        sliding_window=int(sliding_window) if sliding_window else None,
+        value_head=(head == "value"),
+        raw_config=dict(cfg),
+    )
+
+
+def load_spec(model_dir: str) -> ModelSpec:
+    """Read ``model_dir/config.json`` into a :class:`ModelSpec`."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ModelConfigError(f"{path}: file not found (expected an HF config.json)")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ModelConfigError(f"{path}: not valid JSON ({e})") from None
+    return spec_from_hf_config(cfg, where=path)
+
+
+def check_parallel_fit(spec: ModelSpec, tp: int, pp: int, where: str = "config.json") -> None:
+    """Raise a named error if the model cannot be split at this TP/PP."""
+    if spec.num_attention_heads % tp:
+        raise ModelConfigError(
+            f"{where}: num_attention_heads={spec.num_attention_heads} is not divisible by "
+            f"tensor parallel size tp={tp}"
+        )
+    if spec.num_query_groups % tp:
+        raise ModelConfigError(
+            f"{where}: num_key_value_heads={spec.num_query_groups} is not divisible by "
+            f"tensor parallel size tp={tp}"
+        )
+    if spec.ffn_hidden_size % tp:
+        raise ModelConfigError(
+            f"{where}: intermediate_size={spec.ffn_hidden_size} is not divisible by tp={tp}"
+        )
+    if spec.num_layers % pp:
+        raise ModelConfigError(
+            f"{where}: num_hidden_layers={spec.num_layers} is not divisible by pipeline "
+            f"parallel size pp={pp}"
+        )

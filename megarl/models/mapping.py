@@ -1,0 +1,254 @@
+"""The single source of truth for HF <-> megatron tensor names and layouts.
+
+Every path that moves weights between the two worlds goes through this module: HF
+checkpoint import (each TP rank reads only the rows/columns it owns), export back to HF
+safetensors, and the hybrid-engine weight sync that streams logical HF-named tensors into
+the rollout engine.
+
+Layouts (megatron-core ``attention.py`` / ``mlp.py``; Megatron-Bridge ``param_mapping.py``):
+
+* ``linear_qkv`` is grouped per query group g: rows ``[q heads of g; k_g; v_g]`` with
+  ``heads_per_group * head_dim`` q rows.  TP splits dim 0, so a rank holds whole groups.
+  Biases follow the same layout.  RoPE is rotate-half in both, so no q/k permutation.
+* ``linear_fc1`` (SwiGLU) is logically ``[gate; up]``, but TP rank r holds
+  ``[gate_r; up_r]``: gate and up are split separately, then concatenated per rank.
+* Row-parallel weights (``linear_proj``, ``linear_fc2``) split dim 1; their biases are
+  replicated (added after the all-reduce).
+* Embedding and output layer: the vocabulary is padded with zero rows to the padded size,
+  split over TP along dim 0, and the padding is dropped on export.
+* Tied embeddings: only ``embedding.word_embeddings.weight`` is mapped; HF ``lm_head.weight``
+  is absent (or ignored on import when it equals the embedding).
+* Layer names are global (``decoder.layers.{global}``); a PP stage's local index is offset by
+  the layer's ``layer_number``.  The transformer-engine spec fuses the pre-attention and
+  pre-MLP norms into ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``:
+  :func:`canonical_name` maps those to the local-spec names.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from megarl.models.hf_config import ModelSpec
+
+# Layout kinds.
+REPLICATED = "replicated"
+VOCAB = "vocab"
+ROW = "row"  # TP-split along dim 1
+QKV = "qkv"
+GATE_UP = "gate_up"
+
+_TE_ALIASES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+class MappingError(ValueError):
+    """A tensor that does not fit the mapping; the message names it."""
+
+
+@dataclass(frozen=True)
+class ParamRule:
+    """How one logical megatron parameter is made of HF tensors."""
+
+    megatron_name: str  # canonical, global layer index
+    hf_names: Tuple[str, ...]
+    kind: str
+    layer: Optional[int] = None  # global layer index; None for embedding / final / output
+    where: str = "layer"  # "first" stage, "last" stage or the stage owning ``layer``
+
+
+def rules(spec: ModelSpec) -> List[ParamRule]:
+    """All logical megatron parameters of ``spec``, in a fixed canonical order."""
+    out = [ParamRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), VOCAB,
+                     where="first")]
+    for i in range(spec.num_layers):
+        m, h = f"decoder.layers.{i}", f"model.layers.{i}"
+        attn = f"{h}.self_attn"
+        mlp = f"{h}.mlp"
+        r = [
+            ParamRule(f"{m}.input_layernorm.weight", (f"{h}.input_layernorm.weight",), REPLICATED, i),
+            ParamRule(f"{m}.self_attention.linear_qkv.weight",
+                      (f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight"), QKV, i),
+        ]
+        if spec.qkv_bias:
+            r.append(ParamRule(f"{m}.self_attention.linear_qkv.bias",
+                               (f"{attn}.q_proj.bias", f"{attn}.k_proj.bias", f"{attn}.v_proj.bias"), QKV, i))
+        if spec.qk_norm:
+            r.append(ParamRule(f"{m}.self_attention.q_layernorm.weight", (f"{attn}.q_norm.weight",), REPLICATED, i))
+            r.append(ParamRule(f"{m}.self_attention.k_layernorm.weight", (f"{attn}.k_norm.weight",), REPLICATED, i))
+        r.append(ParamRule(f"{m}.self_attention.linear_proj.weight", (f"{attn}.o_proj.weight",), ROW, i))
+        if spec.linear_bias:
+            r.append(ParamRule(f"{m}.self_attention.linear_proj.bias", (f"{attn}.o_proj.bias",), REPLICATED, i))
+        r.append(ParamRule(f"{m}.pre_mlp_layernorm.weight", (f"{h}.post_attention_layernorm.weight",), REPLICATED, i))
+        r.append(ParamRule(f"{m}.mlp.linear_fc1.weight", (f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"), GATE_UP, i))
+        if spec.linear_bias:
+            r.append(ParamRule(f"{m}.mlp.linear_fc1.bias", (f"{mlp}.gate_proj.bias", f"{mlp}.up_proj.bias"), GATE_UP, i))
+        r.append(ParamRule(f"{m}.mlp.linear_fc2.weight", (f"{mlp}.down_proj.weight",), ROW, i))
+        if spec.linear_bias:
+            r.append(ParamRule(f"{m}.mlp.linear_fc2.bias", (f"{mlp}.down_proj.bias",), REPLICATED, i))
+        out.extend(r)
+    out.append(ParamRule("decoder.final_layernorm.weight", ("model.norm.weight",), REPLICATED, where="last"))
+    if spec.value_head:
+        out.append(ParamRule("output_layer.weight", ("score.weight",), REPLICATED, where="last"))
+    elif not spec.tie_word_embeddings:
+        out.append(ParamRule("output_layer.weight", ("lm_head.weight",), VOCAB, where="last"))
+    return out
+
+
+def hf_shapes(spec: ModelSpec) -> Dict[str, Tuple[int, ...]]:
+    """The shape every HF tensor must have under ``spec`` (used to reject mismatched files)."""
+    H, F, V = spec.hidden_size, spec.ffn_hidden_size, spec.vocab_size
+    q, kv = spec.num_attention_heads * spec.head_dim, spec.num_query_groups * spec.head_dim
+    shapes: Dict[str, Tuple[int, ...]] = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
+    if spec.value_head:
+        shapes["score.weight"] = (1, H)
+    elif not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (V, H)
+    for i in range(spec.num_layers):
+        h = f"model.layers.{i}"
+        a, m = f"{h}.self_attn", f"{h}.mlp"
+        shapes.update({
+            f"{h}.input_layernorm.weight": (H,), f"{h}.post_attention_layernorm.weight": (H,),
+            f"{a}.q_proj.weight": (q, H), f"{a}.k_proj.weight": (kv, H), f"{a}.v_proj.weight": (kv, H),
+            f"{a}.o_proj.weight": (H, q), f"{m}.gate_proj.weight": (F, H),
+            f"{m}.up_proj.weight": (F, H), f"{m}.down_proj.weight": (H, F),
+        })
+        if spec.qkv_bias:
+            shapes.update({f"{a}.q_proj.bias": (q,), f"{a}.k_proj.bias": (kv,), f"{a}.v_proj.bias": (kv,)})
+        if spec.qk_norm:
+            shapes.update({f"{a}.q_norm.weight": (spec.head_dim,), f"{a}.k_norm.weight": (spec.head_dim,)})
+        if spec.linear_bias:
+            shapes.update({f"{a}.o_proj.bias": (H,), f"{m}.gate_proj.bias": (F,),
+                           f"{m}.up_proj.bias": (F,), f"{m}.down_proj.bias": (H,)})
+    return shapes
+
+
+def canonical_name(local_name: str, layer_numbers: Sequence[int]) -> str:
+    """Map a parameter name of one PP stage (local layer index, TE or local spec) to the
+    canonical global name.  ``layer_numbers[i]`` is the 1-based global ``layer_number`` of
+    local layer ``i``."""
+    m = _LAYER_RE.match(local_name)
+    if not m:
+        return local_name
+    local, rest = int(m.group(1)), m.group(2)
+    rest = _TE_ALIASES.get(rest, rest)
+    return f"decoder.layers.{layer_numbers[local] - 1}.{rest}"
+
+
+def stage_param_names(model) -> Dict[str, str]:
+    """``{canonical name: local name}`` for the parameters of this PP stage's model chunk."""
+    layers = getattr(getattr(model, "decoder", None), "layers", [])
+    numbers = [layer.layer_number for layer in layers]
+    out = {}
+    for local_name, _ in model.named_parameters():
+        out[canonical_name(local_name, numbers)] = local_name
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# HF -> one TP shard
+# --------------------------------------------------------------------------------------
+
+#: read(hf_name, dim, start, stop) -> tensor slice (dim None: the whole tensor)
+SliceReader = Callable[[str, Optional[int], int, int], torch.Tensor]
+
+
+def _chunk(n: int, tp: int, rank: int, what: str) -> Tuple[int, int]:
+    if n % tp:
+        raise MappingError(f"{what}: size {n} is not divisible by tp={tp}")
+    step = n // tp
+    return rank * step, (rank + 1) * step
+
+
+def shard_from_hf(rule: ParamRule, read: SliceReader, spec: ModelSpec, tp_rank: int, tp: int,
+                  padded_vocab: int) -> torch.Tensor:
+    """Build TP rank ``tp_rank``'s shard of ``rule`` reading only the HF slices it owns."""
+    if rule.kind == REPLICATED:
+        return read(rule.hf_names[0], None, 0, 0)
+    if rule.kind == ROW:
+        name = rule.hf_names[0]
+        full = {"o_proj": spec.num_attention_heads * spec.head_dim,
+                "down_proj": spec.ffn_hidden_size}[name.split(".")[-2]]
+        a, b = _chunk(full, tp, tp_rank, rule.megatron_name)
+        return read(name, 1, a, b)
+    if rule.kind == VOCAB:
+        a, b = _chunk(padded_vocab, tp, tp_rank, rule.megatron_name)
+        real_b = min(b, spec.vocab_size)
+        parts = []
+        if real_b > a:
+            parts.append(read(rule.hf_names[0], 0, a, real_b))
+        pad_rows = b - max(a, real_b)
+        if pad_rows:
+            ref = parts[0] if parts else read(rule.hf_names[0], 0, 0, 1)
+            parts.append(torch.zeros((pad_rows,) + tuple(ref.shape[1:]), dtype=ref.dtype))
+        return torch.cat(parts, 0)
+    if rule.kind == GATE_UP:
+        a, b = _chunk(spec.ffn_hidden_size, tp, tp_rank, rule.megatron_name)
+        return torch.cat([read(rule.hf_names[0], 0, a, b), read(rule.hf_names[1], 0, a, b)], 0)
+    if rule.kind == QKV:
+        ng, hd = spec.num_query_groups, spec.head_dim
+        hpg = spec.num_attention_heads // ng
+        g0, g1 = _chunk(ng, tp, tp_rank, rule.megatron_name + " (query groups)")
+        q = read(rule.hf_names[0], 0, g0 * hpg * hd, g1 * hpg * hd)
+        k = read(rule.hf_names[1], 0, g0 * hd, g1 * hd)
+        v = read(rule.hf_names[2], 0, g0 * hd, g1 * hd)
+        n = g1 - g0
+        tail = tuple(q.shape[1:])
+        fused = torch.cat([q.reshape((n, hpg * hd) + tail), k.reshape((n, hd) + tail),
+                           v.reshape((n, hd) + tail)], 1)
+        return fused.reshape((n * (hpg + 2) * hd,) + tail)
+    raise MappingError(f"{rule.megatron_name}: unknown layout kind {rule.kind!r}")
+
+
+# --------------------------------------------------------------------------------------
+# TP shards -> HF tensors
+# --------------------------------------------------------------------------------------
+
+def hf_from_shards(rule: ParamRule, shards: Sequence[torch.Tensor], spec: ModelSpec) -> Dict[str, torch.Tensor]:
+    """Merge the TP shards of ``rule`` (in TP-rank order) back into its HF tensors."""
+    if rule.kind == REPLICATED:
+        return {rule.hf_names[0]: shards[0]}
+    if rule.kind == ROW:
+        return {rule.hf_names[0]: torch.cat(list(shards), 1)}
+    if rule.kind == VOCAB:
+        return {rule.hf_names[0]: torch.cat(list(shards), 0)[: spec.vocab_size]}
+    if rule.kind == GATE_UP:
+        halves = [s.chunk(2, 0) for s in shards]
+        return {rule.hf_names[0]: torch.cat([h[0] for h in halves], 0),
+                rule.hf_names[1]: torch.cat([h[1] for h in halves], 0)}
+    if rule.kind == QKV:
+        ng, hd = spec.num_query_groups, spec.head_dim
+        hpg = spec.num_attention_heads // ng
+        full = torch.cat(list(shards), 0)
+        tail = tuple(full.shape[1:])
+        grouped = full.reshape((ng, (hpg + 2) * hd) + tail)
+        q, k, v = grouped.split([hpg * hd, hd, hd], 1)
+        return {rule.hf_names[0]: q.reshape((ng * hpg * hd,) + tail),
+                rule.hf_names[1]: k.reshape((ng * hd,) + tail),
+                rule.hf_names[2]: v.reshape((ng * hd,) + tail)}
+    raise MappingError(f"{rule.megatron_name}: unknown layout kind {rule.kind!r}")
+
+
+def shard_shape(rule: ParamRule, spec: ModelSpec, tp: int, padded_vocab: int) -> Tuple[int, ...]:
+    """Shape of one TP shard of ``rule`` (known on every rank without communication)."""
+    H, F = spec.hidden_size, spec.ffn_hidden_size
+    q, kv = spec.num_attention_heads * spec.head_dim, spec.num_query_groups * spec.head_dim
+    shapes = hf_shapes(spec)
+    if rule.kind == REPLICATED:
+        return shapes[rule.hf_names[0]]
+    if rule.kind == ROW:
+        full = shapes[rule.hf_names[0]]
+        return (full[0], full[1] // tp)
+    if rule.kind == VOCAB:
+        return (padded_vocab // tp, H)
+    if rule.kind == GATE_UP:
+        return (2 * F // tp,) + shapes[rule.hf_names[0]][1:]
+    if rule.kind == QKV:
+        return ((q + 2 * kv) // tp,) + shapes[rule.hf_names[0]][1:]
+    raise MappingError(f"{rule.megatron_name}: unknown layout kind {rule.kind!r}")

@@ -1,0 +1,75 @@
+"""Tiny random HF checkpoints of each supported family, made locally with ``transformers``.
+
+The embedded default job and the tests use these: nothing is downloaded.  A real run points
+``model.path`` at a real checkpoint instead.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def tiny_hf_config(family: str, vocab_size: int = 300, hidden_size: int = 64, num_layers: int = 2,
+                   num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
+                   tie_word_embeddings: Optional[bool] = None, max_position_embeddings: int = 512,
+                   **extra):
+    """A transformers config of ``family`` with small dimensions (GQA on by default)."""
+    import transformers
+
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                  num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                  num_key_value_heads=num_kv_heads, max_position_embeddings=max_position_embeddings,
+                  rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if family == "llama":
+        cfg = transformers.LlamaConfig(**common, tie_word_embeddings=bool(tie_word_embeddings),
+                                       **extra)
+    elif family == "qwen2":
+        cfg = transformers.Qwen2Config(
+            **common, tie_word_embeddings=True if tie_word_embeddings is None else tie_word_embeddings,
+            **extra)
+    elif family == "qwen3":
+        cfg = transformers.Qwen3Config(**common, head_dim=hidden_size // num_heads,
+                                       tie_word_embeddings=bool(tie_word_embeddings), **extra)
+    elif family == "mistral":
+        cfg = transformers.MistralConfig(**common, sliding_window=None,
+                                         tie_word_embeddings=bool(tie_word_embeddings), **extra)
+    else:
+        raise ValueError(f"unknown tiny family {family!r}; choose from {FAMILIES}")
+    return cfg
+
+
+def make_tiny_hf_checkpoint(out_dir: str, family: str = "llama", seed: int = 0,
+                            value_head: bool = False, tokenizer_dir: Optional[str] = None,
+                            **config_kwargs) -> str:
+    """Create a random HF checkpoint (``save_pretrained``, fp32 safetensors) in ``out_dir``.
+
+    Non-zero random norms and biases so that every mapped tensor matters in parity tests.
+    """
+    import transformers
+
+    cfg = tiny_hf_config(family, **config_kwargs)
+    torch.manual_seed(seed)
+    if value_head:
+        cfg.num_labels = 1
+        model = transformers.AutoModelForTokenClassification.from_config(cfg)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.05 * torch.randn_like(p))
+    model = model.float()
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if tokenizer_dir:
+        from megarl.models.safetensors_io import copy_tokenizer_files
+
+        copy_tokenizer_files(tokenizer_dir, out_dir)
+    return out_dir

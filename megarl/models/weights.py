@@ -1,0 +1,193 @@
+"""Moving weights into and out of megatron shards, for any TP x PP layout.
+
+* :func:`load_hf_weights` fills this rank's shards from an HF safetensors checkpoint, reading
+  only the slices this rank owns.
+* :func:`iter_hf_tensors` is the collective stream of logical HF-named tensors out of the
+  shards (gather over TP, broadcast over PP), one tensor at a time so the whole model is
+  never materialised on one rank.  Export and the hybrid-engine weight sync both use it.
+* :func:`export_hf` writes that stream as an HF checkpoint.
+
+All layout knowledge comes from :mod:`megarl.models.mapping`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megarl.models import mapping
+from megarl.models.builder import padded_vocab_size
+from megarl.models.hf_config import ModelSpec
+from megarl.models.safetensors_io import CheckpointError, HFCheckpointReader, write_hf_checkpoint
+
+
+def unwrap(model):
+    """The bare megatron module under DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _owner_stage(rule: mapping.ParamRule, spec: ModelSpec, pp: int) -> int:
+    if rule.where == "first":
+        return 0
+    if rule.where == "last":
+        return pp - 1
+    return rule.layer // (spec.num_layers // pp)
+
+
+def _pp_tp():
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size(),
+            ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
+
+
+@torch.no_grad()
+def load_hf_weights(model, hf_dir: str, spec: Optional[ModelSpec] = None, show_progress: bool = False) -> None:
+    """Load an HF safetensors checkpoint into this rank's megatron shards.
+
+    Each rank opens only the safetensors files holding tensors of its stage and reads only
+    its TP slice of each.  Shapes are checked against the config first, so a checkpoint that
+    disagrees with its ``config.json`` fails naming the file and tensor.
+    """
+    model = unwrap(model)
+    spec = spec or model.megarl_spec
+    opts = model.megarl_opts
+    pp_rank, pp, tp_rank, tp = _pp_tp()
+    padded = padded_vocab_size(spec, opts)
+    reader = HFCheckpointReader(hf_dir)
+    expected = mapping.hf_shapes(spec)
+    config_path = os.path.join(hf_dir, "config.json")
+
+    local = mapping.stage_param_names(model)
+    params = dict(model.named_parameters())
+    rules = {r.megatron_name: r for r in mapping.rules(spec)}
+    if spec.tie_word_embeddings and not spec.value_head and "output_layer.weight" in local:
+        # PP>1 with tied embeddings: the last stage keeps its own copy of the embedding.
+        rules["output_layer.weight"] = mapping.ParamRule(
+            "output_layer.weight", ("model.embed_tokens.weight",), mapping.VOCAB, where="last")
+
+    def read(name, dim, start, stop):
+        got = reader.shape(name)
+        if tuple(got) != tuple(expected[name]):
+            raise CheckpointError(
+                f"{reader.path_of(name)}: tensor '{name}' has shape {list(got)} but "
+                f"{config_path} implies {list(expected[name])}"
+            )
+        return reader.read(name, dim, start, stop)
+
+    unknown = sorted(set(local) - set(rules))
+    if unknown:
+        raise mapping.MappingError(f"megatron parameters without a mapping rule: {unknown}")
+    items = sorted(local.items())
+    it = items
+    if show_progress:
+        from tqdm import tqdm
+
+        it = tqdm(items, desc=f"load {os.path.basename(os.path.normpath(hf_dir))}", unit="tensor")
+    for canon, local_name in it:
+        shard = mapping.shard_from_hf(rules[canon], read, spec, tp_rank, tp, padded)
+        p = params[local_name]
+        if tuple(shard.shape) != tuple(p.shape):
+            raise mapping.MappingError(
+                f"{canon}: mapped shard has shape {list(shard.shape)}, megatron parameter "
+                f"'{local_name}' has {list(p.shape)}"
+            )
+        p.data.copy_(shard.to(device=p.device, dtype=p.dtype))
+
+
+def _stage_params(model) -> Dict[str, torch.Tensor]:
+    local = mapping.stage_param_names(model)
+    params = dict(model.named_parameters())
+    return {canon: params[name] for canon, name in local.items()}
+
+
+@torch.no_grad()
+def iter_hf_tensors(model, spec: Optional[ModelSpec] = None, dtype: Optional[torch.dtype] = None
+                    ) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Collective: yield ``(hf_name, full logical tensor)`` on every rank, in canonical order.
+
+    All ranks of the model-parallel group must iterate this generator to the end together.
+    The owner PP stage gathers the TP shards and merges them with the mapping; the merged
+    HF tensors are then broadcast over the PP group.  Only one parameter's tensors are alive
+    at a time.  Tensors are on CPU, cast to ``dtype`` when given.
+    """
+    from megatron.core import parallel_state as ps
+
+    model = unwrap(model)
+    spec = spec or model.megarl_spec
+    opts = model.megarl_opts
+    pp_rank, pp, tp_rank, tp = _pp_tp()
+    padded = padded_vocab_size(spec, opts)
+    shapes = mapping.hf_shapes(spec)
+    mine = _stage_params(model)
+    tp_group = ps.get_tensor_model_parallel_group()
+    pp_group = ps.get_pipeline_model_parallel_group()
+    param_dtype = next(model.parameters()).dtype
+    dev = next(model.parameters()).device
+    for rule in mapping.rules(spec):
+        owner = _owner_stage(rule, spec, pp)
+        merged: Dict[str, torch.Tensor] = {}
+        if owner == pp_rank:
+            p = mine.get(rule.megatron_name)
+            if p is None:
+                raise mapping.MappingError(
+                    f"{rule.megatron_name}: expected on pipeline stage {pp_rank}, not found")
+            shard = p.detach().contiguous()
+            if tp > 1 and rule.kind != mapping.REPLICATED:
+                shards = [torch.empty_like(shard) for _ in range(tp)]
+                dist.all_gather(shards, shard, group=tp_group)
+            else:
+                shards = [shard]
+            merged = mapping.hf_from_shards(rule, shards, spec)
+        for name in rule.hf_names:
+            if pp > 1:
+                if owner == pp_rank:
+                    t = merged[name].contiguous()
+                else:
+                    t = torch.empty(shapes[name], dtype=param_dtype, device=dev)
+                dist.broadcast(t, src=dist.get_global_rank(pp_group, owner), group=pp_group)
+            else:
+                t = merged[name]
+            t = t.to(device="cpu", dtype=dtype or t.dtype)
+            yield name, t
+        del merged
+
+
+def hf_config_for_export(spec: ModelSpec, dtype: torch.dtype) -> dict:
+    cfg = dict(spec.raw_config)
+    cfg["architectures"] = [spec.architecture]
+    cfg["model_type"] = spec.family
+    cfg["tie_word_embeddings"] = spec.tie_word_embeddings
+    cfg["torch_dtype"] = str(dtype).replace("torch.", "")
+    cfg.pop("dtype", None)
+    if spec.value_head:
+        cfg["num_labels"] = 1
+    return cfg
+
+
+def export_hf(model, out_dir: str, tokenizer_dir: Optional[str] = None,
+              dtype: Optional[torch.dtype] = None, max_shard_bytes: int = 2 * 1024**3,
+              show_progress: bool = False) -> None:
+    """Collective: gather the shards and write an HF checkpoint on global rank 0."""
+    model_ = unwrap(model)
+    spec = model_.megarl_spec
+    dtype = dtype or next(model_.parameters()).dtype
+    stream = iter_hf_tensors(model_, spec, dtype=dtype)
+    rank0 = (not dist.is_initialized()) or dist.get_rank() == 0
+    if show_progress and rank0:
+        from tqdm import tqdm
+
+        stream = tqdm(stream, total=len(mapping.hf_shapes(spec)), desc="export", unit="tensor")
+    if rank0:
+        write_hf_checkpoint(out_dir, stream, hf_config_for_export(spec, dtype),
+                            max_shard_bytes=max_shard_bytes, tokenizer_dir=tokenizer_dir)
+    else:
+        for _ in stream:
+            pass
+    if dist.is_initialized():
+        dist.barrier()

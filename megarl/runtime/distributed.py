@@ -1,0 +1,141 @@
+"""Process-group bring-up: ``torch.distributed`` from the torchrun environment, then
+megatron-core ``parallel_state`` with TP, PP and DP.
+
+Every megarl entry point (train, tools, tests' worker scripts) calls :func:`initialize` once.
+Under ``torchrun`` the world comes from ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``;
+a plain ``python -m ...`` process runs as a world of size 1.  NCCL is used when CUDA is
+available, gloo otherwise (with :mod:`megarl.runtime.cpu_compat` installed).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megarl.runtime import cpu_compat
+
+
+class ParallelConfigError(ValueError):
+    """A parallel layout that cannot be realised with the given world."""
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Sizes of the parallel dimensions; ``dp`` is derived from the world size."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+
+    def validate(self, world_size: int) -> int:
+        """Return the data-parallel size, or raise naming the offending key."""
+        for key in ("tp", "pp", "cp", "ep"):
+            if getattr(self, key) < 1:
+                raise ParallelConfigError(f"parallel.{key} must be >= 1, got {getattr(self, key)}")
+        if self.cp != 1:
+            raise ParallelConfigError(
+                f"parallel.cp={self.cp}: context parallelism is not supported yet; set it to 1"
+            )
+        if self.ep != 1:
+            raise ParallelConfigError(
+                f"parallel.ep={self.ep}: expert parallelism is not supported yet; set it to 1"
+            )
+        mp = self.tp * self.pp
+        if world_size % mp != 0:
+            raise ParallelConfigError(
+                f"world size {world_size} is not divisible by tp*pp = {self.tp}*{self.pp} = {mp}"
+            )
+        return world_size // mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_process_group(timeout_minutes: int = 30) -> None:
+    """Initialise ``torch.distributed`` from the torchrun environment (or as world size 1)."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ["RANK"] = "0"
+        os.environ["WORLD_SIZE"] = "1"
+        os.environ["LOCAL_RANK"] = "0"
+    backend = "gloo" if cpu_compat.on_cpu() else "nccl"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(
+        backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes)
+    )
+
+
+def initialize(
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    seed: int = 1234,
+    timeout_minutes: int = 30,
+) -> ParallelLayout:
+    """Bring up torch.distributed and megatron-core parallel state; seed every rank.
+
+    Raises :class:`ParallelConfigError` (before touching any process group) when the layout
+    does not fit the world size, or context/expert parallelism is requested.
+    """
+    layout = ParallelLayout(tp=tp, pp=pp, cp=cp, ep=ep)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    layout.validate(world)
+    cpu_compat.install()
+    cpu_compat.check_megatron_version()
+    init_process_group(timeout_minutes)
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        distributed_timeout_minutes=timeout_minutes,
+        create_gloo_process_groups=cpu_compat.on_cpu(),
+    )
+    cpu_compat.seed_megatron_rng(seed)
+    return layout
+
+
+def shutdown() -> None:
+    """Tear down megatron parallel state and the process group (idempotent)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def device() -> torch.device:
+    """The device this rank computes on."""
+    if cpu_compat.on_cpu():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())

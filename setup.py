@@ -1,0 +1,28 @@
+from setuptools import find_packages, setup
+
+# torch is deliberately not capped from above here: on a GPU image (NGC PyTorch) the
+# preinstalled CUDA build must be kept.  CPU machines install the pinned CPU wheel first,
+# see README ("pip install torch==2.13.0 -e .[dev]").
+setup(
+    name="megarl",
+    version="0.1.0",
+    description="Megatron-native SPMD trainer for RLHF / RLVR (PPO, GRPO)",
+    packages=find_packages(include=["megarl", "megarl.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core>=0.16.1,<0.17",
+        "transformers>=4.51",
+        "tokenizers",
+        "safetensors>=0.4",
+        "omegaconf>=2.3",
+        "numpy",
+        "psutil",  # required by megatron-core's torch_dist checkpoint writer
+        "tqdm",
+        "tensorboard",
+    ],
+    extras_require={
+        "dev": ["pytest>=8", "hypothesis>=6"],
+        "gpu": ["sglang>=0.5", "transformer-engine[pytorch]>=2.0"],
+    },
+)
