@@ -14,8 +14,10 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from megarl.errors import MegarlError
 
-class ModelConfigError(ValueError):
+
+class ModelConfigError(MegarlError, ValueError):
     """An HF config megarl cannot realise exactly; the message names the file and the key."""
 
 

@@ -32,6 +32,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from megarl.errors import MegarlError
 from megarl.models.hf_config import ModelSpec
 
 # Layout kinds.
@@ -48,7 +49,7 @@ _TE_ALIASES = {
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
-class MappingError(ValueError):
+class MappingError(MegarlError, ValueError):
     """A tensor that does not fit the mapping; the message names it."""
 
 

@@ -16,6 +16,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from megarl.errors import MegarlError
+
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 TOKENIZER_FILES = (
@@ -25,7 +27,7 @@ TOKENIZER_FILES = (
 )
 
 
-class CheckpointError(ValueError):
+class CheckpointError(MegarlError, ValueError):
     """A checkpoint file that is missing, truncated or inconsistent; names the file/key."""
 
 

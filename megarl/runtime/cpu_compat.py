@@ -14,6 +14,8 @@ What is patched, and why (observed on megatron-core 0.16.1, see shared/notes):
   cpu for every torch function (``torch.zeros(..., device="cuda")`` in the schedules), and makes
   ``Tensor.cuda()`` return the tensor itself.
 * ``torch.cuda.synchronize`` / ``torch.cuda.empty_cache`` become no-ops.
+* Gradient clipping: megatron's ``clip_grad_by_total_norm_fp32`` asserts CUDA grad types; a
+  CPU twin with the same arithmetic replaces it (the norm itself is megatron's own).
 * The CUDA RNG tracker that megatron requires is replaced by megatron's own tracker initialised
   in inference mode (dropout is 0 in RL fine-tuning; the tracker is never forked on CPU).
 
@@ -86,8 +88,30 @@ def install() -> bool:
     torch.cuda.empty_cache = _noop  # type: ignore[assignment]
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()
+    _patch_grad_clipping()
     _INSTALLED = True
     return True
+
+
+def _clip_grad_by_total_norm_fp32_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """megatron's ``clip_grad_by_total_norm_fp32`` minus its ``torch.cuda.FloatTensor`` assert.
+
+    Same arithmetic: scale every grad by ``max_norm / (total_norm + 1e-6)`` when that is < 1.
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr).detach() for p in parameters if getattr(p, attr, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
+def _patch_grad_clipping() -> None:
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32_cpu
+    optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32_cpu
 
 
 def seed_megatron_rng(seed: int) -> None:

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megarl.errors import MegarlError
 from megarl.runtime import cpu_compat
 
 
-class ParallelConfigError(ValueError):
+class ParallelConfigError(MegarlError, ValueError):
     """A parallel layout that cannot be realised with the given world."""
 
 

@@ -1,0 +1,32 @@
+"""The root of megarl's user-facing errors.
+
+Every error raised for bad input (config, checkpoint, dataset, tokenizer, layout) derives from
+:class:`MegarlError` and carries a message naming the file or key and what was expected.
+Command-line entry points print that message alone (no traceback) and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+
+class MegarlError(Exception):
+    """Bad input that the user can fix; the message says what and where."""
+
+
+def cli_main(fn):
+    """Decorate a ``main()``: a :class:`MegarlError` becomes one line on stderr and exit 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except MegarlError as e:
+            rank = os.environ.get("RANK")
+            prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
+            print(f"{prefix}error: {e}", file=sys.stderr, flush=True)
+            sys.exit(2)
+
+    return wrapper

@@ -1,0 +1,117 @@
+"""megarl model checkpoints in megatron-core ``dist_checkpointing`` format.
+
+A directory holds::
+
+    megarl_model.json   format tag, layout it was saved at, vocab padding, dtype
+    config.json         the HF config the model was built from (the ModelSpec source)
+    tokenizer files     copied from the source checkpoint
+    dist/               megatron-core dist_checkpointing (torch_dist), loadable at any TP/PP
+
+:func:`load_model` accepts either an HF directory or such a directory, so tools take "a
+checkpoint" without the user saying which kind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megarl.models.builder import BuildOptions, build_model
+from megarl.models.hf_config import load_spec
+from megarl.models.safetensors_io import CheckpointError, copy_tokenizer_files
+from megarl.models.weights import load_hf_weights, unwrap
+
+FORMAT = "megarl-megatron-v1"
+META_NAME = "megarl_model.json"
+DIST_DIR = "dist"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def is_megatron_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, META_NAME))
+
+
+def read_meta(path: str) -> dict:
+    meta_path = os.path.join(path, META_NAME)
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{meta_path}: cannot read megarl checkpoint metadata ({e})") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{meta_path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    return meta
+
+
+def save_megatron_checkpoint(model, out_dir: str, tokenizer_dir: Optional[str] = None) -> None:
+    """Collective: write this model (all ranks' shards) as a dist checkpoint in ``out_dir``."""
+    from megatron.core import dist_checkpointing, parallel_state as ps
+
+    inner = unwrap(model)
+    spec, opts = inner.megarl_spec, inner.megarl_opts
+    dist_dir = os.path.join(out_dir, DIST_DIR)
+    rank0 = (not dist.is_initialized()) or dist.get_rank() == 0
+    if rank0:
+        os.makedirs(dist_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            cfg = dict(spec.raw_config, architectures=[spec.architecture])
+            json.dump(cfg, f, indent=2, sort_keys=True)
+        if tokenizer_dir:
+            copy_tokenizer_files(tokenizer_dir, out_dir)
+    if dist.is_initialized():
+        dist.barrier()
+    dist_checkpointing.save(inner.sharded_state_dict(), dist_dir)
+    if rank0:
+        meta = {
+            "format": FORMAT,
+            "saved_tp": ps.get_tensor_model_parallel_world_size(),
+            "saved_pp": ps.get_pipeline_model_parallel_world_size(),
+            "vocab_multiple": opts.vocab_multiple,
+            "dtype": str(next(inner.parameters()).dtype).replace("torch.", ""),
+        }
+        # Written last: its presence marks a complete checkpoint.
+        with open(os.path.join(out_dir, META_NAME), "w") as f:
+            json.dump(meta, f, indent=2)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def load_megatron_checkpoint(model, ckpt_dir: str) -> None:
+    """Collective: fill ``model`` (any TP/PP) from a dist checkpoint written at any TP/PP."""
+    from megatron.core import dist_checkpointing
+
+    read_meta(ckpt_dir)
+    inner = unwrap(model)
+    dist_dir = os.path.join(ckpt_dir, DIST_DIR)
+    if not os.path.isdir(dist_dir):
+        raise CheckpointError(f"{dist_dir}: missing (megarl checkpoint without its dist/ folder)")
+    state = dist_checkpointing.load(inner.sharded_state_dict(), dist_dir)
+    missing, unexpected = inner.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing:
+        raise CheckpointError(f"{dist_dir}: checkpoint lacks parameters {missing}")
+
+
+def load_model(path: str, tp: int = 1, pp: int = 1, dtype: Optional[torch.dtype] = None,
+               vocab_multiple: Optional[int] = None, show_progress: bool = False):
+    """Build the megatron model for ``path`` (HF or megarl checkpoint) at this TP/PP and load it.
+
+    megatron parallel state must already be initialised at ``tp``/``pp``.
+    """
+    spec = load_spec(path)
+    if is_megatron_checkpoint(path):
+        meta = read_meta(path)
+        opts = BuildOptions(tp=tp, pp=pp, params_dtype=dtype or _DTYPES[meta["dtype"]],
+                            vocab_multiple=vocab_multiple or meta["vocab_multiple"])
+        model = build_model(spec, opts)
+        load_megatron_checkpoint(model, path)
+    else:
+        opts = BuildOptions(tp=tp, pp=pp, params_dtype=dtype or torch.float32,
+                            vocab_multiple=vocab_multiple or 128)
+        model = build_model(spec, opts)
+        load_hf_weights(model, path, spec, show_progress=show_progress)
+    return model

@@ -1,0 +1,148 @@
+"""megatron DDP + megatron optimizer, and one optimizer step under a fixed loss contract.
+
+The loss contract (DESIGN.md contract 6): a step's loss is a *sum* over the global batch of
+per-token (or per-sequence) terms divided by a *global* normaliser computed before the step
+(token or sequence count over all micro-batches and DP ranks).  Each micro-batch's loss
+function returns its share ``sum(terms in micro-batch) / global_normaliser``; gradients are
+then summed over micro-batches and DP ranks and nothing else rescales them.  To get that from
+megatron we set ``calculate_per_token_loss=True`` (DDP sums instead of averaging, the schedule
+does not divide by the micro-batch count) and finalize gradients without megatron's
+``1/num_tokens`` scaling.  The result does not depend on micro-batch size, DP size, TP or PP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from megarl.runtime import cpu_compat
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    optimizer: str = "adam"  # "adam" (AdamW, decoupled weight decay) or "sgd"
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.0
+    clip_grad: float = 1.0
+    use_distributed_optimizer: Optional[bool] = None  # None: on CUDA yes, on CPU no
+
+
+def _finalize_without_token_scaling(model_chunks, num_tokens=None, **kwargs):
+    """megatron's ``finalize_model_grads`` (DP all-reduce, tied-embedding/layernorm sync) with
+    the per-token rescaling disabled: our loss already divides by the global normaliser."""
+    from megatron.core.distributed import finalize_model_grads
+
+    return finalize_model_grads(model_chunks, num_tokens=None, **kwargs)
+
+
+def wrap_for_training(model, cfg: OptimConfig):
+    """Wrap a freshly built megatron model in megatron DDP and build its optimizer.
+
+    Returns ``(ddp_model, optimizer)``.
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    if cfg.optimizer not in ("adam", "sgd"):
+        raise ValueError(f"optim.optimizer={cfg.optimizer!r}: expected 'adam' or 'sgd'")
+    on_cpu = cpu_compat.on_cpu()
+    use_dist_opt = (not on_cpu) if cfg.use_distributed_optimizer is None else cfg.use_distributed_optimizer
+    if on_cpu and use_dist_opt:
+        raise ValueError("optim.use_distributed_optimizer=true needs CUDA (megatron type-checks "
+                         "torch.cuda tensors); set it to false on CPU")
+    tconf = model.config
+    tconf.calculate_per_token_loss = True
+    tconf.finalize_model_grads_func = _finalize_without_token_scaling
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_dist_opt,
+        average_in_collective=False,  # gloo has no ReduceOp.AVG; we sum by contract anyway
+        check_for_nan_in_grad=True,
+    )
+    spec, opts = model.megarl_spec, model.megarl_opts
+    ddp = DistributedDataParallel(config=tconf, ddp_config=ddp_config, module=model)
+    ddp.megarl_spec, ddp.megarl_opts = spec, opts
+    ocfg = OptimizerConfig(
+        optimizer=cfg.optimizer,
+        lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2,
+        adam_eps=cfg.adam_eps,
+        sgd_momentum=cfg.sgd_momentum,
+        clip_grad=cfg.clip_grad,
+        bf16=tconf.bf16,
+        fp16=tconf.fp16,
+        params_dtype=tconf.params_dtype,
+        use_distributed_optimizer=use_dist_opt,
+    )
+    optimizer = get_megatron_optimizer(ocfg, [ddp])
+    tconf.grad_scale_func = optimizer.scale_loss if (tconf.fp16 or tconf.bf16) else None
+    tconf.no_sync_func = ddp.no_sync
+    return ddp, optimizer
+
+
+#: loss_fn(model_output, micro_batch) -> (loss share of the global loss, metrics dict)
+LossFn = Callable[[torch.Tensor, Dict[str, torch.Tensor]], Tuple[torch.Tensor, Dict[str, float]]]
+
+
+@dataclass
+class StepResult:
+    update_successful: bool
+    grad_norm: float
+    metrics: List[Dict[str, float]]
+
+
+def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Tensor]],
+               loss_fn: LossFn) -> StepResult:
+    """One optimizer step over ``micro_batches`` (this DP rank's part of the global batch).
+
+    Each micro-batch is a dict with at least ``tokens`` ``(b, s)``; all micro-batches of a
+    step must share ``s`` (pad to a common length; padding is masked out by ``loss_fn``).
+    ``loss_fn`` returns ``sum(terms) / global_normaliser`` for its micro-batch.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megarl.models.forward import position_ids_for
+
+    if not micro_batches:
+        raise ValueError("train_step needs at least one micro-batch")
+    seq = micro_batches[0]["tokens"].shape[1]
+    mbs = micro_batches[0]["tokens"].shape[0]
+    for i, mb in enumerate(micro_batches):
+        if tuple(mb["tokens"].shape) != (mbs, seq):
+            raise ValueError(f"micro-batch {i} has tokens of shape {list(mb['tokens'].shape)}; "
+                             f"all micro-batches of a step must be [{mbs}, {seq}]")
+    dev = next(ddp_model.parameters()).device
+    it = iter([{k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in mb.items()} for mb in micro_batches])
+
+    def step(data_iterator, model):
+        mb = next(data_iterator)
+        out = model(mb["tokens"], position_ids_for(mb["tokens"]), None)
+
+        def loss_func(output):
+            loss, metrics = loss_fn(output, mb)
+            # (loss, num_tokens, reported): num_tokens is ignored by our finalize function.
+            return loss, torch.ones((), dtype=torch.int, device=loss.device), metrics
+
+        return out, loss_func
+
+    ddp_model.train()
+    ddp_model.zero_grad_buffer()
+    optimizer.zero_grad()
+    metrics = get_forward_backward_func()(
+        forward_step_func=step, data_iterator=it, model=[ddp_model],
+        num_microbatches=len(micro_batches), seq_length=seq, micro_batch_size=mbs,
+        forward_only=False,
+    )
+    ok, grad_norm, _ = optimizer.step()
+    return StepResult(bool(ok), float(grad_norm or 0.0), list(metrics))

@@ -1,0 +1,91 @@
+#!/usr/bin/env python
+"""Convert model checkpoints between HuggingFace safetensors and megarl/megatron format.
+
+    tools/convert_checkpoint.py hf-to-megatron --hf HF_DIR --out MEG_DIR [--tp N --pp N]
+    tools/convert_checkpoint.py megatron-to-hf --megatron MEG_DIR --out HF_DIR [--tp N --pp N]
+
+Run under ``torchrun --nproc-per-node TP*PP`` (or as a plain process when both are 1).
+The megatron checkpoint is megatron-core ``dist_checkpointing`` and loads at any TP/PP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megarl.errors import cli_main  # noqa: E402
+from megarl.runtime.distributed import ParallelConfigError  # noqa: E402
+
+
+def _check_world(tp: int, pp: int) -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != tp * pp:
+        raise ParallelConfigError(
+            f"--tp {tp} --pp {pp} needs exactly {tp * pp} processes, got WORLD_SIZE={world}; "
+            f"run under 'torchrun --nproc-per-node {tp * pp}'"
+        )
+
+
+def hf_to_megatron(args) -> None:
+    from megarl.models.hf_config import check_parallel_fit, load_spec
+    from megarl.models.megatron_ckpt import load_model, save_megatron_checkpoint
+    from megarl.models.safetensors_io import HFCheckpointReader
+    from megarl.runtime import distributed as rt
+
+    spec = load_spec(args.hf)  # validate before any process group exists
+    check_parallel_fit(spec, args.tp, args.pp, where=os.path.join(args.hf, "config.json"))
+    HFCheckpointReader(args.hf)
+    _check_world(args.tp, args.pp)
+    rt.initialize(tp=args.tp, pp=args.pp)
+    model = load_model(args.hf, tp=args.tp, pp=args.pp, vocab_multiple=args.vocab_multiple,
+                       show_progress=rt.is_main())
+    save_megatron_checkpoint(model, args.out, tokenizer_dir=args.hf)
+    if rt.is_main():
+        print(f"wrote megatron checkpoint {args.out} (saved at tp={args.tp} pp={args.pp})")
+    rt.shutdown()
+
+
+def megatron_to_hf(args) -> None:
+    from megarl.models.hf_config import check_parallel_fit, load_spec
+    from megarl.models.megatron_ckpt import load_model, read_meta
+    from megarl.models.weights import export_hf
+    from megarl.runtime import distributed as rt
+
+    read_meta(args.megatron)
+    spec = load_spec(args.megatron)
+    check_parallel_fit(spec, args.tp, args.pp, where=os.path.join(args.megatron, "config.json"))
+    _check_world(args.tp, args.pp)
+    rt.initialize(tp=args.tp, pp=args.pp)
+    model = load_model(args.megatron, tp=args.tp, pp=args.pp)
+    export_hf(model, args.out, tokenizer_dir=args.megatron,
+              max_shard_bytes=int(args.max_shard_gb * 1024**3), show_progress=rt.is_main())
+    if rt.is_main():
+        print(f"wrote HF checkpoint {args.out}")
+    rt.shutdown()
+
+
+@cli_main
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("hf-to-megatron", help="HF safetensors -> megatron dist checkpoint")
+    a.add_argument("--hf", required=True, help="HF checkpoint directory")
+    a.add_argument("--out", required=True, help="output megatron checkpoint directory")
+    a.add_argument("--vocab-multiple", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this (must be divisible by every TP used)")
+    b = sub.add_parser("megatron-to-hf", help="megatron dist checkpoint -> HF safetensors")
+    b.add_argument("--megatron", required=True, help="megatron checkpoint directory")
+    b.add_argument("--out", required=True, help="output HF checkpoint directory")
+    b.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size")
+    for s in (a, b):
+        s.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+        s.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    args = p.parse_args(argv)
+    {"hf-to-megatron": hf_to_megatron, "megatron-to-hf": megatron_to_hf}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
