@@ -176,7 +176,7 @@ def build_model(spec: ModelSpec, opts: BuildOptions, seed: int = 1234):
             original_max_position_embeddings=rs.original_max_position_embeddings,
         )
     if spec.value_head and post:
-        model.output_layer = ScalarValueHead(spec.hidden_size, opts.params_dtype).to(
+        model.output_layer = ScalarValueHead(spec.hidden_size, opts.params_dtype, bias=spec.value_head_bias).to(
             next(model.parameters()).device
         )
     if not cpu_compat.on_cpu():

@@ -55,7 +55,7 @@ _SEMANTIC_KEYS = {
     "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
     "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings",
     "tie_word_embeddings", "attention_bias", "mlp_bias", "sliding_window",
-    "use_sliding_window", "partial_rotary_factor",
+    "use_sliding_window", "partial_rotary_factor", "token_classification_bias",
 }
 
 
@@ -90,6 +90,7 @@ class ModelSpec:
     rope_scaling: Optional[Llama3RopeScaling] = None
     sliding_window: Optional[int] = None
     value_head: bool = False
+    value_head_bias: bool = False  # HF *ForTokenClassification: token_classification_bias
     raw_config: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -254,6 +255,7 @@ def spec_from_hf_config(cfg: dict, where: str = "config.json") -> ModelSpec:
         rope_scaling=rope_scaling,
         sliding_window=int(sliding_window) if sliding_window else None,
         value_head=(head == "value"),
+        value_head_bias=(head == "value") and bool(cfg.get("token_classification_bias", True)),
         raw_config=dict(cfg),
     )
 

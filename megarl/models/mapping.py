@@ -97,6 +97,8 @@ def rules(spec: ModelSpec) -> List[ParamRule]:
     out.append(ParamRule("decoder.final_layernorm.weight", ("model.norm.weight",), REPLICATED, where="last"))
     if spec.value_head:
         out.append(ParamRule("output_layer.weight", ("score.weight",), REPLICATED, where="last"))
+        if spec.value_head_bias:
+            out.append(ParamRule("output_layer.bias", ("score.bias",), REPLICATED, where="last"))
     elif not spec.tie_word_embeddings:
         out.append(ParamRule("output_layer.weight", ("lm_head.weight",), VOCAB, where="last"))
     return out
@@ -109,6 +111,8 @@ def hf_shapes(spec: ModelSpec) -> Dict[str, Tuple[int, ...]]:
     shapes: Dict[str, Tuple[int, ...]] = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
     if spec.value_head:
         shapes["score.weight"] = (1, H)
+        if spec.value_head_bias:
+            shapes["score.bias"] = (1,)
     elif not spec.tie_word_embeddings:
         shapes["lm_head.weight"] = (V, H)
     for i in range(spec.num_layers):

@@ -1,0 +1,482 @@
+"""The experience record: immutable facts, derived tensors, and log-probs that know who made them.
+
+Layout (the convention every layer follows):
+- ``prompt_ids`` ``(bs, prompt_len)`` int64, left-padded; ``response_ids`` ``(bs, response_len)``
+  int64, right-padded; the model input is ``cat([prompt_ids, response_ids], 1)``.
+- ``attention_mask`` ``(bs, prompt_len + response_len)``: 1 on every real token (prompt or
+  response, including non-action tokens such as tool output), 0 on padding.
+- ``response_mask`` ``(bs, response_len)``: 1 iff response token t of sample b is a sampled
+  action of the policy.  The first sampled action is response token 0.
+- every per-token tensor of the response (log-probs, values, advantages, ...) is
+  ``(bs, response_len)`` aligned with ``response_ids``.
+
+Facts (never change once sealed): ids, tokens, masks, finish reasons, versions, sampling
+config, seeds / request ids, rollout / old / reference log-probs, values, reward records.
+Derived (recomputable under hyperparameters): shaped rewards, advantages, returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from types import MappingProxyType
+from typing import Any, Mapping, Sequence
+
+import torch
+
+
+class FinishReason(str, Enum):
+    """Why generation of one response stopped."""
+
+    EOS = "eos"  # the model emitted its end-of-sequence token: terminal
+    STOP = "stop"  # a configured stop string / token: terminal
+    LENGTH = "length"  # max_new_tokens or context limit: truncated, the state could continue
+    TOOL = "tool"  # the policy handed over to a tool: the episode continues, not terminal
+    ABORT = "abort"  # the request was aborted (worker failure, preemption): not trainable
+
+    @property
+    def terminated(self) -> bool:
+        """True when the episode really ended after the last action (GAE d_T = 1)."""
+        if self is FinishReason.ABORT:
+            raise ValueError("finish_reason 'abort' has no termination semantics: aborted samples must be retried, not trained")
+        return self in (FinishReason.EOS, FinishReason.STOP)
+
+
+class RewardStatus(str, Enum):
+    OK = "ok"
+    ERROR = "error"  # the scorer crashed / raised
+    TIMEOUT = "timeout"  # the scorer did not answer in time
+    INVALID = "invalid"  # the scorer could not evaluate this input (unparseable, out of domain)
+
+
+@dataclass(frozen=True)
+class RewardRecord:
+    """What ``RewardFunction(sample)`` returns.
+
+    ``total`` is a finite float iff ``status == ok``; any failure is a status with ``total=None``
+    and an ``error`` text -- never a silent 0.  ``step_rewards`` / ``step_token_ends`` carry process
+    rewards: score k belongs to the reasoning step that ends at response token
+    ``step_token_ends[k]`` (the step-to-token map), strictly increasing.
+    """
+
+    total: float | None
+    components: Mapping[str, float] = field(default_factory=dict)
+    scorer_version: str = ""
+    status: RewardStatus = RewardStatus.OK
+    error: str | None = None
+    step_rewards: tuple[float, ...] | None = None
+    step_token_ends: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", RewardStatus(self.status))
+        object.__setattr__(self, "components", MappingProxyType(dict(self.components)))
+        if not self.scorer_version:
+            raise ValueError("RewardRecord.scorer_version must name the scorer version that produced it")
+        if self.status is RewardStatus.OK:
+            if self.total is None or not math.isfinite(self.total):
+                raise ValueError(f"RewardRecord.total must be a finite float when status is 'ok', got {self.total!r}")
+            if self.error is not None:
+                raise ValueError("RewardRecord.error must be None when status is 'ok'")
+        else:
+            if self.total is not None:
+                raise ValueError(
+                    f"RewardRecord.total must be None when status is {self.status.value!r} (a failure is not a score)"
+                )
+            if not self.error:
+                raise ValueError(f"RewardRecord.error must explain status {self.status.value!r}")
+        for k, v in self.components.items():
+            if not isinstance(k, str) or not math.isfinite(v):
+                raise ValueError(f"RewardRecord.components[{k!r}] must be a finite float, got {v!r}")
+        if (self.step_rewards is None) != (self.step_token_ends is None):
+            raise ValueError("RewardRecord.step_rewards and step_token_ends must be given together")
+        if self.step_rewards is not None:
+            if len(self.step_rewards) != len(self.step_token_ends):
+                raise ValueError(
+                    f"RewardRecord.step_rewards has {len(self.step_rewards)} entries, "
+                    f"step_token_ends {len(self.step_token_ends)}"
+                )
+            ends = list(self.step_token_ends)
+            if any(b <= a for a, b in zip(ends, ends[1:])) or (ends and ends[0] < 0):
+                raise ValueError(f"RewardRecord.step_token_ends must be non-negative and strictly increasing, got {ends}")
+
+    def to_json(self) -> dict:
+        return {
+            "total": self.total,
+            "components": dict(self.components),
+            "scorer_version": self.scorer_version,
+            "status": self.status.value,
+            "error": self.error,
+            "step_rewards": None if self.step_rewards is None else list(self.step_rewards),
+            "step_token_ends": None if self.step_token_ends is None else list(self.step_token_ends),
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "RewardRecord":
+        return cls(
+            total=d["total"],
+            components=d["components"],
+            scorer_version=d["scorer_version"],
+            status=RewardStatus(d["status"]),
+            error=d["error"],
+            step_rewards=None if d["step_rewards"] is None else tuple(d["step_rewards"]),
+            step_token_ends=None if d["step_token_ends"] is None else tuple(d["step_token_ends"]),
+        )
+
+
+LOG_PROB_ROLES = ("actor", "rollout", "reference")
+LOG_PROB_SPACES = ("raw", "processed")
+
+
+@dataclass(frozen=True)
+class LogProbProducer:
+    """Who computed a log-prob tensor.
+
+    role: ``actor`` -- the trainable actor, teacher-forced on the frozen experience before any
+    update (the old policy); ``rollout`` -- recorded by the rollout engine while sampling;
+    ``reference`` -- the reference (KL anchor) model.
+    version: the producing model's version id (policy version for actor / rollout).
+    space: ``raw`` -- log softmax of the unmodified logits; ``processed`` -- after temperature /
+    top-k / top-p / logits processors (the sampling distribution).
+    """
+
+    role: str
+    version: str
+    space: str = "raw"
+
+    def __post_init__(self) -> None:
+        if self.role not in LOG_PROB_ROLES:
+            raise ValueError(f"LogProbProducer.role {self.role!r} is not one of {LOG_PROB_ROLES}")
+        if not self.version:
+            raise ValueError("LogProbProducer.version must be a non-empty version id")
+        if self.space not in LOG_PROB_SPACES:
+            raise ValueError(f"LogProbProducer.space {self.space!r} is not one of {LOG_PROB_SPACES}")
+
+
+@dataclass(frozen=True)
+class LogProbs:
+    """Per-response-token log-probs ``values`` ``(bs, response_len)`` with their producer."""
+
+    values: torch.Tensor
+    producer: LogProbProducer
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.producer, LogProbProducer):
+            raise TypeError(f"LogProbs.producer must be a LogProbProducer, got {type(self.producer).__name__}")
+        if not isinstance(self.values, torch.Tensor) or not self.values.is_floating_point() or self.values.dim() != 2:
+            raise ValueError("LogProbs.values must be a floating (bs, response_len) tensor")
+
+
+def expect_producer(
+    lp: Any,
+    *,
+    field: str,
+    roles: Sequence[str],
+    version: str | None = None,
+    space: str | None = None,
+) -> LogProbs:
+    """Refuse a log-prob record from the wrong producer.  Pure Python: no tensor op runs.
+
+    Args:
+        lp: the record passed in as ``field``.
+        field: the name of the argument / field (used in the error).
+        roles: the acceptable producer roles.
+        version: if given, the producer version that must match.
+        space: if given, the probability space (``raw`` / ``processed``) that must match.
+    Returns:
+        ``lp`` unchanged.
+    """
+    if not isinstance(lp, LogProbs):
+        raise TypeError(
+            f"{field} must be a LogProbs record (values + producer), got {type(lp).__name__}; "
+            "a bare tensor carries no proof of which model produced it"
+        )
+    p = lp.producer
+    if p.role not in roles:
+        raise ValueError(f"{field} must be produced by role {tuple(roles)}, got role {p.role!r} (version {p.version!r})")
+    if version is not None and p.version != version:
+        raise ValueError(f"{field} must come from version {version!r}, got {p.version!r} (role {p.role!r})")
+    if space is not None and p.space != space:
+        raise ValueError(f"{field} must be in probability space {space!r}, got {p.space!r} (role {p.role!r})")
+    return lp
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """The sampling contract of a rollout (identical for every sample of a batch)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 256
+    n: int = 1  # samples per prompt (the group size G for GRPO)
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"SamplingConfig.temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"SamplingConfig.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingConfig.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.n < 1:
+            raise ValueError(f"SamplingConfig.n must be >= 1, got {self.n}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self) | {"stop_token_ids": list(self.stop_token_ids)}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "SamplingConfig":
+        return cls(**{**d, "stop_token_ids": tuple(d["stop_token_ids"])})
+
+
+def _check_tensor(name: str, t: Any, shape: tuple[int, ...], *, floating: bool | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"ExperienceFacts.{name} must be a tensor, got {type(t).__name__}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"ExperienceFacts.{name} must have shape {shape}, got {tuple(t.shape)}")
+    if floating is True and not t.is_floating_point():
+        raise ValueError(f"ExperienceFacts.{name} must be floating point, got {t.dtype}")
+    if floating is False and t.is_floating_point():
+        raise ValueError(f"ExperienceFacts.{name} must be an integer/bool tensor, got {t.dtype}")
+
+
+def check_mask_layout(attention_mask: torch.Tensor, response_mask: torch.Tensor, prompt_len: int) -> None:
+    """Validate the mask convention; raise naming the row and the rule broken.
+
+    - prompt part ``attention_mask[:, :prompt_len]`` is left-padded (zeros, then ones) and has
+      at least one real token;
+    - response part ``attention_mask[:, prompt_len:]`` is right-padded (ones, then zeros);
+    - ``response_mask`` is 0/1, never 1 where the response attention is 0;
+    - a non-empty response starts and ends on a sampled action (response token 0 and its last
+      real token): a mask shifted by one token either way fails here.
+    """
+    am = attention_mask != 0
+    rm = response_mask != 0
+    if not torch.all((attention_mask == 0) | (attention_mask == 1)) or not torch.all(
+        (response_mask == 0) | (response_mask == 1)
+    ):
+        raise ValueError("attention_mask and response_mask must be 0/1")
+    p, r = am[:, :prompt_len], am[:, prompt_len:]
+    # left-padded prompt: once a 1 is seen every later position is 1 -> cummax equals itself
+    bad = (p.int().cummax(dim=1).values != p.int()).any(dim=1) | ~p.any(dim=1)
+    if bad.any():
+        raise ValueError(f"attention_mask prompt part must be left-padded and non-empty; bad rows {bad.nonzero().flatten().tolist()}")
+    bad = (r.int().flip(1).cummax(dim=1).values.flip(1) != r.int()).any(dim=1)
+    if bad.any():
+        raise ValueError(f"attention_mask response part must be right-padded; bad rows {bad.nonzero().flatten().tolist()}")
+    bad = (rm & ~r).any(dim=1)
+    if bad.any():
+        raise ValueError(
+            f"response_mask is 1 on padding (attention_mask 0) in rows {bad.nonzero().flatten().tolist()}: "
+            "off-by-one or misaligned response mask"
+        )
+    if r.shape[1] == 0:
+        return
+    bad = r[:, 0] & ~rm[:, 0]
+    if bad.any():
+        raise ValueError(
+            f"response_mask[:, 0] must be 1 (the first response token is the first sampled action); "
+            f"rows {bad.nonzero().flatten().tolist()} start late: off-by-one response mask"
+        )
+    last = (r.sum(dim=1) - 1).clamp(min=0)
+    bad = r.any(dim=1) & ~rm.gather(1, last[:, None]).squeeze(1)
+    if bad.any():
+        raise ValueError(
+            f"response_mask must be 1 on the last real response token (eos / last sampled token); "
+            f"rows {bad.nonzero().flatten().tolist()} end early: off-by-one response mask"
+        )
+
+
+@dataclass(frozen=True)
+class ExperienceFacts:
+    """The immutable facts of one rollout batch (field layout in the module docstring).
+
+    Per-sample metadata are tuples of length bs; tensors are batched.  ``old_log_probs`` must be
+    produced by the actor (or the rollout engine when configured to reuse rollout log-probs) at
+    the samples' ``policy_version``; ``ref_log_probs`` by the reference; ``rollout_log_probs``
+    by the rollout engine at ``policy_version``.
+    """
+
+    run_id: str
+    iteration: int
+    prompt_id: tuple[str, ...]
+    group_id: tuple[str, ...]
+    sample_id: tuple[str, ...]
+    prompt_ids: torch.Tensor
+    response_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    finish_reason: tuple[FinishReason, ...]
+    policy_version: tuple[str, ...]
+    sampling: SamplingConfig
+    request_id: tuple[str, ...]
+    seed: tuple[int | None, ...]
+    rewards: tuple[RewardRecord, ...]
+    rollout_log_probs: LogProbs | None = None
+    old_log_probs: LogProbs | None = None
+    ref_log_probs: LogProbs | None = None
+    values: torch.Tensor | None = None
+    critic_version: str | None = None
+
+    def __post_init__(self) -> None:
+        bs = len(self.sample_id)
+        for name in ("prompt_id", "group_id", "sample_id", "finish_reason", "policy_version", "request_id", "seed", "rewards"):
+            v = getattr(self, name)
+            if not isinstance(v, tuple):
+                object.__setattr__(self, name, v := tuple(v))
+            if len(v) != bs:
+                raise ValueError(f"ExperienceFacts.{name} has {len(v)} entries, expected bs={bs} (len(sample_id))")
+        object.__setattr__(self, "finish_reason", tuple(FinishReason(f) for f in self.finish_reason))
+        if len(set(self.sample_id)) != bs:
+            raise ValueError("ExperienceFacts.sample_id contains duplicates; joins are by id")
+        for i, r in enumerate(self.rewards):
+            if not isinstance(r, RewardRecord):
+                raise TypeError(f"ExperienceFacts.rewards[{i}] must be a RewardRecord, got {type(r).__name__}")
+        if FinishReason.ABORT in self.finish_reason:
+            i = self.finish_reason.index(FinishReason.ABORT)
+            raise ValueError(f"ExperienceFacts: sample {self.sample_id[i]!r} has finish_reason 'abort'; retry it instead")
+        if self.prompt_ids.dim() != 2 or self.response_ids.dim() != 2:
+            raise ValueError("ExperienceFacts.prompt_ids / response_ids must be (bs, prompt_len) / (bs, response_len)")
+        P, R = self.prompt_ids.shape[1], self.response_ids.shape[1]
+        _check_tensor("prompt_ids", self.prompt_ids, (bs, P), floating=False)
+        _check_tensor("response_ids", self.response_ids, (bs, R), floating=False)
+        _check_tensor("attention_mask", self.attention_mask, (bs, P + R), floating=False)
+        _check_tensor("response_mask", self.response_mask, (bs, R), floating=False)
+        check_mask_layout(self.attention_mask, self.response_mask, P)
+        versions = set(self.policy_version)
+        if self.rollout_log_probs is not None:
+            expect_producer(self.rollout_log_probs, field="rollout_log_probs", roles=("rollout",))
+            _check_tensor("rollout_log_probs.values", self.rollout_log_probs.values, (bs, R), floating=True)
+            if versions != {self.rollout_log_probs.producer.version}:
+                raise ValueError(
+                    f"rollout_log_probs version {self.rollout_log_probs.producer.version!r} != sample policy_version {sorted(versions)}"
+                )
+        if self.old_log_probs is not None:
+            expect_producer(self.old_log_probs, field="old_log_probs", roles=("actor", "rollout"))
+            _check_tensor("old_log_probs.values", self.old_log_probs.values, (bs, R), floating=True)
+            if versions != {self.old_log_probs.producer.version}:
+                raise ValueError(
+                    f"old_log_probs version {self.old_log_probs.producer.version!r} must be the behaviour "
+                    f"policy_version of every sample, got {sorted(versions)}"
+                )
+        if self.ref_log_probs is not None:
+            expect_producer(self.ref_log_probs, field="ref_log_probs", roles=("reference",))
+            _check_tensor("ref_log_probs.values", self.ref_log_probs.values, (bs, R), floating=True)
+        if self.values is not None:
+            _check_tensor("values", self.values, (bs, R), floating=True)
+            if not self.critic_version:
+                raise ValueError("ExperienceFacts.critic_version must name the critic that produced values")
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.sample_id)
+
+    @property
+    def prompt_len(self) -> int:
+        return self.prompt_ids.shape[1]
+
+    @property
+    def response_len(self) -> int:
+        return self.response_ids.shape[1]
+
+    def input_ids(self) -> torch.Tensor:
+        """``(bs, prompt_len + response_len)`` the tokens the model is teacher-forced on."""
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    def terminated(self) -> torch.Tensor:
+        """``(bs,)`` bool: the episode ended after the last action (eos / stop)."""
+        return torch.tensor([f.terminated for f in self.finish_reason], dtype=torch.bool)
+
+    def response_lengths(self) -> torch.Tensor:
+        """``(bs,)`` int64 number of sampled action tokens."""
+        return (self.response_mask != 0).sum(dim=1)
+
+    def scores(self) -> torch.Tensor:
+        """``(bs,)`` float64 reward totals; raises naming the sample if any reward is not ok."""
+        out = []
+        for sid, r in zip(self.sample_id, self.rewards):
+            if r.status is not RewardStatus.OK:
+                raise ValueError(f"sample {sid!r} has reward status {r.status.value!r} ({r.error}); it cannot be trained on")
+            out.append(r.total)
+        return torch.tensor(out, dtype=torch.float64)
+
+
+@dataclass(frozen=True)
+class DerivedTensors:
+    """Tensors recomputable from facts under ``hyperparameters`` (all ``(bs, response_len)``).
+
+    ``loss_mask`` is the response mask after algorithm-level exclusions (skipped zero-variance
+    groups, mismatch-masked sequences); it is what the loss and its normaliser use.
+    """
+
+    advantages: torch.Tensor
+    loss_mask: torch.Tensor
+    returns: torch.Tensor | None = None
+    shaped_rewards: torch.Tensor | None = None
+    is_weights: torch.Tensor | None = None
+    estimator: str = ""
+    hyperparameters: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hyperparameters", MappingProxyType(dict(self.hyperparameters)))
+        if not self.estimator:
+            raise ValueError("DerivedTensors.estimator must name the estimator that produced them")
+        shape = tuple(self.advantages.shape)
+        for name in ("loss_mask", "returns", "shaped_rewards", "is_weights"):
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape) != shape:
+                raise ValueError(f"DerivedTensors.{name} has shape {tuple(t.shape)}, expected advantages' {shape}")
+
+
+@dataclass(frozen=True)
+class ExperienceBatch:
+    """Facts plus (optionally) the derived tensors of one hyperparameter setting.
+
+    ``content_hash`` is set by :func:`megarl.experience.seal.seal`; a batch with a hash is sealed.
+    """
+
+    facts: ExperienceFacts
+    derived: DerivedTensors | None = None
+    content_hash: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.derived is not None:
+            want = (self.facts.batch_size, self.facts.response_len)
+            if tuple(self.derived.advantages.shape) != want:
+                raise ValueError(f"ExperienceBatch.derived.advantages must be {want}, got {tuple(self.derived.advantages.shape)}")
+
+    @property
+    def sealed(self) -> bool:
+        return self.content_hash is not None
+
+
+def seal(batch: ExperienceBatch) -> ExperienceBatch:
+    """Make ``batch`` read-only (see :mod:`megarl.experience.seal`)."""
+    from megarl.experience.seal import seal as _seal
+
+    return _seal(batch)
+
+
+def batch_tensors(batch: ExperienceBatch) -> dict[str, torch.Tensor]:
+    """Every tensor of the batch under a stable dotted name (``facts.old_log_probs``, ...)."""
+    out: dict[str, torch.Tensor] = {}
+    f = batch.facts
+    for name in ("prompt_ids", "response_ids", "attention_mask", "response_mask", "values"):
+        t = getattr(f, name)
+        if t is not None:
+            out[f"facts.{name}"] = t
+    for name in ("rollout_log_probs", "old_log_probs", "ref_log_probs"):
+        lp = getattr(f, name)
+        if lp is not None:
+            out[f"facts.{name}"] = lp.values
+    if batch.derived is not None:
+        for name in ("advantages", "loss_mask", "returns", "shaped_rewards", "is_weights"):
+            t = getattr(batch.derived, name)
+            if t is not None:
+                out[f"derived.{name}"] = t
+    return out
