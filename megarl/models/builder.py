@@ -31,6 +31,9 @@ class BuildOptions:
     vocab_multiple: int = 128
     use_transformer_engine: Optional[bool] = None  # None: TE on CUDA, local spec on CPU
     seq_length: int = 0  # 0: the spec's max_sequence_length
+    #: False when the weights are loaded from a checkpoint right after: skips drawing random
+    #: full-size master weights (with CPU init megatron builds the whole tensor, then slices).
+    init_weights: bool = True
 
     def resolved_te(self) -> bool:
         if self.use_transformer_engine is None:
@@ -93,7 +96,7 @@ def transformer_config(spec: ModelSpec, opts: BuildOptions):
         bf16=bf16,
         fp16=fp16,
         use_cpu_initialization=on_cpu,
-        perform_initialization=True,
+        perform_initialization=opts.init_weights,
         variable_seq_lengths=False,
         batch_p2p_comm=False,
         batch_p2p_sync=not on_cpu,
@@ -127,6 +130,30 @@ class ScalarValueHead(torch.nn.Module):
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
         return F.linear(hidden_states, self.weight, self.bias), None
+
+
+def _ensure_tp_attributes(model) -> None:
+    """Mark TP-sharded weights as such when megatron skipped it.
+
+    megatron-core sets ``tensor_model_parallel`` / ``partition_dim`` on linear and embedding
+    weights only inside its weight initialisers, so with ``perform_initialization=False`` the
+    sharded weights look replicated and the optimizer's grad norm counts them on TP rank 0
+    only (tests/test_optim_step.py catches exactly that).
+    """
+    from megatron.core.tensor_parallel import layers as tpl
+
+    for module in model.modules():
+        if isinstance(module, (tpl.ColumnParallelLinear, tpl.VocabParallelEmbedding)):
+            dim = 0
+        elif isinstance(module, tpl.RowParallelLinear):
+            dim = 1
+        elif getattr(module, "parallel_mode", None) in ("column", "row"):  # transformer-engine
+            dim = 0 if module.parallel_mode == "column" else 1
+        else:
+            continue
+        w = getattr(module, "weight", None)
+        if w is not None and not getattr(w, "tensor_model_parallel", False):
+            tpl.set_tensor_model_parallel_attributes(w, True, dim, 1)
 
 
 def build_model(spec: ModelSpec, opts: BuildOptions, seed: int = 1234):
@@ -179,6 +206,8 @@ def build_model(spec: ModelSpec, opts: BuildOptions, seed: int = 1234):
         model.output_layer = ScalarValueHead(spec.hidden_size, opts.params_dtype, bias=spec.value_head_bias).to(
             next(model.parameters()).device
         )
+    if not opts.init_weights:
+        _ensure_tp_attributes(model)
     if not cpu_compat.on_cpu():
         model = model.cuda()
     # Attach what the mapping and I/O layers need to find their way around this stage.

@@ -106,12 +106,13 @@ def load_model(path: str, tp: int = 1, pp: int = 1, dtype: Optional[torch.dtype]
     if is_megatron_checkpoint(path):
         meta = read_meta(path)
         opts = BuildOptions(tp=tp, pp=pp, params_dtype=dtype or _DTYPES[meta["dtype"]],
-                            vocab_multiple=vocab_multiple or meta["vocab_multiple"])
+                            vocab_multiple=vocab_multiple or meta["vocab_multiple"],
+                            init_weights=False)
         model = build_model(spec, opts)
         load_megatron_checkpoint(model, path)
     else:
         opts = BuildOptions(tp=tp, pp=pp, params_dtype=dtype or torch.float32,
-                            vocab_multiple=vocab_multiple or 128)
+                            vocab_multiple=vocab_multiple or 128, init_weights=False)
         model = build_model(spec, opts)
         load_hf_weights(model, path, spec, show_progress=show_progress)
     return model
