@@ -1,0 +1,423 @@
+"""hf rollout backend: a transformers model built from the exported HF config, fed by the stream.
+
+The CPU default and the embedded default.  Two model instances are held (double buffering):
+the *active* one serves generate(), the *standby* one receives the next version's tensors.
+load_weights() writes into the standby and verifies the manifest; activate() swaps the two
+pointers under a lock (seed: "写入参数，完成设备同步，校验 manifest，再原子更新 active version
+pointer").  A bad stream therefore never touches what is being served: the engine stays on v.
+
+Generation reuses transformers ``generate`` (KV cache, EOS bookkeeping, padding) and its own
+logits warpers (Temperature/TopK/TopP); megarl only adds two logits processors around them: one
+records the raw logits' normaliser, the last one draws the token with a per-candidate
+``torch.Generator`` (inverse-CDF sampling, exact for the processed distribution) and
+records its processed log-prob, then hands transformers a one-hot score so its greedy argmax
+takes that token.  Per-candidate generators make a candidate's tokens independent of what else
+is in the batch; recording inside the processors avoids keeping (steps x batch x vocab) scores.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megarl.control.versions import PolicyVersion
+from megarl.rollout.protocol import (
+    ActivationReport,
+    EngineAsleepError,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    InvalidRequestError,
+    LoadReport,
+    NoActiveVersionError,
+    RolloutBusyError,
+    SamplingParams,
+    VersionNotStagedError,
+    candidate_seed,
+)
+from megarl.rollout.weight_stream import ManifestMismatchError, TensorManifest
+
+__all__ = ["HFRolloutEngine"]
+
+
+@dataclass
+class _Slot:
+    """A model instance and the verified version it holds (None = contents undefined)."""
+
+    model: torch.nn.Module
+    version: PolicyVersion | None = None
+    manifest: TensorManifest | None = None
+
+
+class _RawLogProbRecorder:
+    """First processor: sees the raw float32 logits; keeps them and their logsumexp.
+
+    Only (batch,) reductions per step: log p(token) = logit[token] - logsumexp(logits) is
+    gathered for the chosen token, a full (batch, vocab) log_softmax is never materialised.
+    """
+
+    def __init__(self):
+        self.raw: torch.Tensor | None = None
+        self.raw_lse: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.raw, self.raw_lse = scores, torch.logsumexp(scores, dim=-1)
+        return scores  # the warpers below return new tensors; ``raw`` stays unmodified
+
+
+class _SeededTokenChooser:
+    """Last processor: chooses each row's token and records its raw/processed log-probs.
+
+    Sampling: inverse CDF with one uniform per row from that row's generator, an exact draw
+    from p at the cost of one cumsum (a per-entry noise tensor, Gumbel-style, cost ~10% of
+    a small model's step in RNG alone); filtered entries have p = 0 and are never chosen.
+    Greedy: argmax of the raw logits.
+    """
+
+    def __init__(self, recorder: _RawLogProbRecorder, generators: list[torch.Generator] | None):
+        self.recorder = recorder
+        self.generators = generators  # None = greedy
+        self.raw_steps: list[torch.Tensor] = []
+        self.processed_steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.generators is None:
+            tokens = scores.argmax(dim=-1, keepdim=True)
+        else:
+            lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+            cdf = (scores - lse).exp_().cumsum_(dim=-1)
+            u = torch.cat([torch.rand(1, generator=g) for g in self.generators]).to(scores.device)
+            # first index whose cdf exceeds u: never a zero-probability (filtered) entry
+            u = (u * cdf[:, -1])[:, None]
+            tokens = torch.searchsorted(cdf, u, right=True).clamp_max_(scores.shape[-1] - 1)
+            self.processed_steps.append((scores.gather(1, tokens) - lse).squeeze(1))
+        raw = self.recorder.raw
+        self.raw_steps.append(raw.gather(1, tokens).squeeze(1) - self.recorder.raw_lse)
+        out = torch.full_like(scores, float("-inf"))
+        out.scatter_(1, tokens, 0.0)
+        return out
+
+
+class HFRolloutEngine:
+    """Rollout engine on a transformers causal LM.  See the module docstring for the design.
+
+    Args:
+        config_dir: an exported HF model directory with ``config.json`` (weights there, if any,
+            are ignored: weights only arrive through load_weights).
+        eos_token_ids: ids that end a response with FinishReason.EOS (default: the config's).
+        pad_token_id: left-padding id for batching (any id; attention masks hide it).
+        device, dtype: where and in which dtype the engine's models live; incoming tensors must
+            already be in ``dtype`` (a dtype change would change the manifest hash).
+    """
+
+    log_prob_spaces = frozenset({"raw", "processed"})
+
+    def __init__(
+        self,
+        config_dir: str | os.PathLike,
+        *,
+        eos_token_ids: Sequence[int] | None = None,
+        pad_token_id: int | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+    ):
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.initialization import no_init_weights
+
+        config_path = os.path.join(os.fspath(config_dir), "config.json")
+        if not os.path.isfile(config_path):
+            raise FileNotFoundError(f"hf rollout engine: {config_path} not found (need an exported HF config)")
+        self.config = AutoConfig.from_pretrained(os.fspath(config_dir))
+        self.device = torch.device(device)
+        self.dtype = dtype or getattr(self.config, "dtype", None) or torch.float32
+        if isinstance(self.dtype, str):
+            self.dtype = getattr(torch, self.dtype)
+        with no_init_weights():  # weights are garbage until a verified load; never served
+            model = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype)
+        model.tie_weights()  # no_init_weights also skips the tying that init_weights does
+        model.to(self.device).eval()
+
+        if eos_token_ids is None:
+            eos = self.config.eos_token_id
+            eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        if pad_token_id is None:
+            pad_token_id = self.config.pad_token_id
+            if pad_token_id is None:
+                pad_token_id = self.eos_token_ids[0] if self.eos_token_ids else 0
+        self.pad_token_id = int(pad_token_id)
+
+        self._lock = threading.Lock()
+        self._active: _Slot | None = None
+        self._standby: _Slot | None = _Slot(model)
+        self._staged: PolicyVersion | None = None
+        self._loading: PolicyVersion | None = None
+        self._generating = 0
+        self._asleep = False
+        self.cache_flushes = 0  # observable for tests/metrics
+
+    # ---- versions ----------------------------------------------------------------------------
+
+    @property
+    def active_version(self) -> PolicyVersion | None:
+        slot = self._active
+        return None if slot is None else slot.version
+
+    def _required_names(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        from megarl.rollout.weight_stream import hf_logical_tensors
+
+        return dict(hf_logical_tensors(model))
+
+    def load_weights(
+        self,
+        version: PolicyVersion,
+        named_tensor_buckets: Iterable[Sequence[tuple[str, torch.Tensor]]],
+        expected_manifest: TensorManifest,
+    ) -> LoadReport:
+        """Stage ``version`` into the standby model and verify it against ``expected_manifest``.
+
+        Raises ManifestMismatchError (naming the tensors) when a tensor is missing, unexpected,
+        or differs in shape, dtype or bytes; the active version is untouched either way.
+        """
+        if expected_manifest.global_hash != version.weight_manifest_hash:
+            raise ManifestMismatchError(
+                f"expected manifest hash {expected_manifest.global_hash} is not the manifest of "
+                f"{version.short_id} ({version.weight_manifest_hash})"
+            )
+        with self._lock:
+            if self._asleep:
+                raise EngineAsleepError(f"load_weights({version.short_id}): engine is asleep; wake() first")
+            if self._loading is not None:
+                raise RolloutBusyError(f"load_weights({version.short_id}): already loading {self._loading.short_id}")
+            if self._generating:
+                raise RolloutBusyError(
+                    f"load_weights({version.short_id}): {self._generating} generate call(s) in flight"
+                )
+            if self._standby is None:
+                # after the first flip: the standby buffer is a copy of the active model (ties kept)
+                self._standby = _Slot(copy.deepcopy(self._active.model))
+            slot = self._standby
+            slot.version, slot.manifest = None, None  # contents undefined from here on
+            self._staged = None
+            self._loading = version
+        t0 = time.perf_counter()
+        try:
+            targets = self._required_names(slot.model)
+            received = TensorManifest()
+            n_bytes = n_buckets = 0
+            with torch.no_grad():
+                for bucket in named_tensor_buckets:
+                    n_buckets += 1
+                    for name, tensor in bucket:
+                        if name in received:
+                            raise ManifestMismatchError(f"{version.short_id}: tensor {name!r} received twice")
+                        target = targets.get(name)
+                        if target is None:
+                            raise ManifestMismatchError(
+                                f"{version.short_id}: received tensor {name!r} which the engine model "
+                                f"({type(slot.model).__name__}) does not have"
+                            )
+                        if tuple(target.shape) != tuple(tensor.shape) or target.dtype != tensor.dtype:
+                            raise ManifestMismatchError(
+                                f"{version.short_id}: tensor {name!r} expected shape {tuple(target.shape)} "
+                                f"dtype {target.dtype}, received shape {tuple(tensor.shape)} dtype {tensor.dtype}"
+                            )
+                        target.copy_(tensor)
+                        # hash what landed in the staging model, i.e. what will be served
+                        received.add(name, target)
+                        n_bytes += tensor.numel() * tensor.element_size()
+            diff = expected_manifest.compare(received)
+            missing_in_model = sorted(set(targets) - set(received.entries))
+            if not diff.ok or missing_in_model:
+                detail = diff.describe()
+                if missing_in_model:
+                    detail += f"; engine tensors never received: {missing_in_model[:8]}"
+                raise ManifestMismatchError(
+                    f"{version.short_id}: staged weights do not match the expected manifest: {detail}; "
+                    f"engine stays on {self.active_version.short_id if self.active_version else 'no version'}",
+                    diff,
+                )
+            if received.global_hash != version.weight_manifest_hash:  # implied by diff.ok; belt and braces
+                raise ManifestMismatchError(
+                    f"{version.short_id}: received hash {received.global_hash} != {version.weight_manifest_hash}"
+                )
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            with self._lock:
+                slot.version, slot.manifest = version, received
+                self._staged = version
+        finally:
+            with self._lock:
+                self._loading = None
+        return LoadReport(
+            version_id=version.short_id,
+            manifest_hash=received.global_hash,
+            num_tensors=len(received),
+            num_bytes=n_bytes,
+            num_buckets=n_buckets,
+            seconds=time.perf_counter() - t0,
+        )
+
+    def activate(self, version: PolicyVersion) -> ActivationReport:
+        """Atomically make the staged ``version`` the active one and flush caches."""
+        with self._lock:
+            if self._staged != version or self._standby is None or self._standby.version != version:
+                staged = self._staged.short_id if self._staged else None
+                raise VersionNotStagedError(
+                    f"activate({version.short_id}): staged version is {staged}; load_weights it first"
+                )
+            self._active, self._standby = self._standby, self._active
+            self._staged = None
+            manifest = self._active.manifest
+        self.flush_cache()
+        return ActivationReport(
+            version_id=version.short_id,
+            manifest_hash=manifest.global_hash,
+            manifest_verified=True,
+            cache_flushed=True,
+        )
+
+    def flush_cache(self) -> None:
+        """Drop every KV/prefix state.  This backend keeps KV only inside one generate() call
+        (a fresh DynamicCache each time), so nothing can outlive a version change; the counter
+        makes the flush observable."""
+        self.cache_flushes += 1
+
+    # ---- memory ------------------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        """Release memory for the actor's turn: drop the standby buffer and, on an accelerator,
+        move the active model to host.  The active version stays valid."""
+        with self._lock:
+            if self._loading is not None or self._generating:
+                raise RolloutBusyError("sleep(): engine is loading or generating")
+            self._standby = None if self._active is not None else self._standby
+            self._staged = None
+            if self._active is not None and self.device.type != "cpu":
+                self._active.model.to("cpu")
+                torch.cuda.empty_cache()
+            self._asleep = True
+
+    def wake(self) -> None:
+        with self._lock:
+            if self._active is not None and self.device.type != "cpu":
+                self._active.model.to(self.device)
+            self._asleep = False
+
+    # ---- generation --------------------------------------------------------------------------
+
+    def generate(
+        self, requests: Sequence[GenerationRequest], sampling: SamplingParams
+    ) -> list[GenerationResult]:
+        with self._lock:
+            if self._loading is not None:
+                raise RolloutBusyError(
+                    f"generate refused: loading {self._loading.short_id}; a half-loaded model is never served"
+                )
+            if self._asleep:
+                raise EngineAsleepError("generate refused: engine is asleep; wake() first")
+            if self._active is None:
+                raise NoActiveVersionError("generate refused: no version has been activated")
+            slot = self._active
+            self._generating += 1
+        try:
+            return self._generate(slot, requests, sampling)
+        finally:
+            with self._lock:
+                self._generating -= 1
+
+    def _generate(
+        self, slot: _Slot, requests: Sequence[GenerationRequest], sampling: SamplingParams
+    ) -> list[GenerationResult]:
+        from transformers import GenerationConfig, LogitsProcessorList
+        from transformers.generation import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+        if not requests:
+            return []
+        ids = [r.request_id for r in requests]
+        if len(set(ids)) != len(ids):
+            raise InvalidRequestError(f"duplicate request_id in one generate call: {sorted(ids)}")
+        vocab = self.config.vocab_size
+        for r in requests:
+            bad = [t for t in r.prompt_ids if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"request {r.request_id}: token ids {bad[:5]} outside [0, {vocab})")
+
+        rows = [(r, c) for r in requests for c in range(sampling.n)]
+        seeds = [candidate_seed(sampling.seed, r.request_id, c) for r, c in rows]
+        width = max(len(r.prompt_ids) for r, _ in rows)
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, (r, _) in enumerate(rows):  # left padding: every row's next token is at the end
+            input_ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+            attention[i, width - len(r.prompt_ids):] = 1
+
+        recorder = _RawLogProbRecorder()
+        processors = [recorder]
+        generators = None
+        if not sampling.greedy:
+            if sampling.temperature != 1.0:
+                processors.append(TemperatureLogitsWarper(sampling.temperature))
+            if sampling.top_k >= 1:
+                processors.append(TopKLogitsWarper(top_k=sampling.top_k))
+            if sampling.top_p < 1.0:
+                processors.append(TopPLogitsWarper(top_p=sampling.top_p))
+            generators = [torch.Generator("cpu").manual_seed(s) for s in seeds]
+        chooser = _SeededTokenChooser(recorder, generators)
+        processors.append(chooser)
+
+        terminal = tuple(dict.fromkeys(self.eos_token_ids + sampling.stop_token_ids))
+        gen_config = GenerationConfig(
+            do_sample=False,
+            num_beams=1,
+            max_new_tokens=sampling.max_new_tokens,
+            eos_token_id=list(terminal) if terminal else None,
+            pad_token_id=self.pad_token_id,
+        )
+        with torch.no_grad():
+            out = slot.model.generate(
+                input_ids=input_ids.to(self.device),
+                attention_mask=attention.to(self.device),
+                generation_config=gen_config,
+                logits_processor=LogitsProcessorList(processors),
+            )
+        generated = out[:, width:].cpu()
+        raw = torch.stack(chooser.raw_steps, dim=1).float().cpu()
+        processed = (
+            torch.stack(chooser.processed_steps, dim=1).float().cpu()
+            if sampling.transforms_distribution
+            else None
+        )
+
+        eos_set, stop_set = set(self.eos_token_ids), set(sampling.stop_token_ids)
+        results = []
+        for i, (r, c) in enumerate(rows):
+            toks = generated[i].tolist()
+            length, reason = min(len(toks), sampling.max_new_tokens), FinishReason.LENGTH
+            for j, t in enumerate(toks[: sampling.max_new_tokens]):
+                if t in eos_set:
+                    length, reason = j + 1, FinishReason.EOS
+                    break
+                if t in stop_set:
+                    length, reason = j + 1, FinishReason.STOP
+                    break
+            results.append(
+                GenerationResult(
+                    request_id=r.request_id,
+                    candidate_index=c,
+                    prompt_ids=r.prompt_ids,
+                    response_ids=tuple(toks[:length]),
+                    finish_reason=reason,
+                    raw_log_probs=raw[i, :length].clone(),
+                    processed_log_probs=None if processed is None else processed[i, :length].clone(),
+                    policy_version=slot.version.short_id,
+                    seed=None if sampling.greedy else seeds[i],
+                )
+            )
+        return results

@@ -1,0 +1,247 @@
+"""The one rollout protocol every backend (hf, sglang) implements.
+
+Requests carry token ids, never strings: prompts are templated and tokenized once by the
+tokenizer contract (megarl.data.tokenizer) and the ids travel from then on, so the rollout
+and the actor cannot disagree on action positions.  Results carry the version that produced
+them and the log-prob of every sampled token in two named spaces:
+
+* ``raw_log_probs``       log softmax(logits)[token]: the policy pi_theta itself; what PPO
+                          ratios and actor teacher-forced log-probs are compared against;
+* ``processed_log_probs`` log of the distribution actually sampled from, after temperature,
+                          top-k and top-p; None when it equals the raw one (T=1, no filtering)
+                          or the backend cannot observe it (say so in its ``log_prob_spaces``).
+
+A generic ``log_probs`` field is deliberately absent (seed: "必须先定义 old_log_probs 的概率空间").
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from megarl.control.versions import PolicyVersion
+from megarl.rollout.weight_stream import TensorManifest
+
+__all__ = [
+    "FinishReason",
+    "SamplingConfig",
+    "SamplingParams",
+    "GenerationRequest",
+    "GenerationResult",
+    "LoadReport",
+    "ActivationReport",
+    "RolloutEngine",
+    "RolloutError",
+    "RolloutBusyError",
+    "NoActiveVersionError",
+    "VersionNotStagedError",
+    "EngineAsleepError",
+    "InvalidRequestError",
+]
+
+# FinishReason is the experience schema's (one enum for rollout and experience; the backends
+# here never emit TOOL).  SamplingParams is the engine-side view of the schema's SamplingConfig
+# plus what an engine needs and a sealed batch does not: the seed and greedy decoding (T=0, for
+# evaluation and tests); convert with from_config()/to_config().
+from megarl.experience.schema import FinishReason, SamplingConfig  # noqa: E402
+
+
+class RolloutError(RuntimeError):
+    """Base of rollout engine errors."""
+
+
+class RolloutBusyError(RolloutError):
+    """generate() while weights are being loaded: never served by a half-loaded model."""
+
+
+class NoActiveVersionError(RolloutError):
+    """generate() before any version was activated (the engine's initial weights are random)."""
+
+
+class VersionNotStagedError(RolloutError):
+    """activate(v) for a version that was not loaded and verified."""
+
+
+class EngineAsleepError(RolloutError):
+    """The engine released its memory; wake() it first."""
+
+
+class InvalidRequestError(RolloutError, ValueError):
+    """A request or sampling contract that cannot be served as asked."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The sampling contract of one rollout.
+
+    temperature 0 means greedy.  top_k -1 / top_p 1.0 disable the filters (the schema's
+    SamplingConfig conventions).  ``n`` candidates are
+    generated per request, candidate i seeded from (seed, request_id, i) so a result does not
+    depend on what else was in the batch.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    n: int = 1
+    seed: int = 0
+
+    def __post_init__(self):
+        if not (self.temperature >= 0.0):
+            raise InvalidRequestError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequestError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise InvalidRequestError(f"SamplingParams.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise InvalidRequestError(
+                f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}"
+            )
+        if self.n < 1:
+            raise InvalidRequestError(f"SamplingParams.n must be >= 1, got {self.n}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @classmethod
+    def from_config(cls, config: SamplingConfig, seed: int) -> "SamplingParams":
+        return cls(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+                   max_new_tokens=config.max_new_tokens, stop_token_ids=config.stop_token_ids,
+                   n=config.n, seed=seed)
+
+    def to_config(self) -> SamplingConfig:
+        """The schema record of this contract (greedy has none: SamplingConfig needs T > 0)."""
+        if self.greedy:
+            raise InvalidRequestError("greedy decoding (temperature 0) has no SamplingConfig record")
+        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              max_new_tokens=self.max_new_tokens, n=self.n, stop_token_ids=self.stop_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def transforms_distribution(self) -> bool:
+        """True when the sampled distribution differs from softmax(logits)."""
+        return not self.greedy and (self.temperature != 1.0 or self.top_k >= 1 or self.top_p < 1.0)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+
+    def __post_init__(self):
+        if not self.request_id:
+            raise InvalidRequestError("GenerationRequest.request_id must be non-empty")
+        if isinstance(self.prompt_ids, str):
+            raise InvalidRequestError(
+                f"request {self.request_id}: prompt_ids must be token ids, got a string; "
+                "encode prompts once with megarl.data.tokenizer.TokenizerContract.encode_prompt"
+            )
+        ids = tuple(int(t) for t in self.prompt_ids)
+        if not ids:
+            raise InvalidRequestError(f"request {self.request_id}: prompt_ids is empty")
+        object.__setattr__(self, "prompt_ids", ids)
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """One candidate of one request.  Joined downstream by (request_id, candidate_index)."""
+
+    request_id: str
+    candidate_index: int
+    prompt_ids: tuple[int, ...]  # as actually fed to the model
+    response_ids: tuple[int, ...]  # includes the eos/stop token when finish_reason is eos/stop
+    finish_reason: FinishReason
+    raw_log_probs: torch.Tensor  # (len(response_ids),) float32
+    processed_log_probs: torch.Tensor | None  # (len(response_ids),) float32 or None
+    policy_version: str  # PolicyVersion.short_id of the weights that generated it
+    seed: int | None = None  # the per-candidate seed actually used
+
+    def __post_init__(self):
+        n = len(self.response_ids)
+        if self.raw_log_probs.shape != (n,):
+            raise ValueError(
+                f"{self.request_id}/{self.candidate_index}: raw_log_probs shape "
+                f"{tuple(self.raw_log_probs.shape)} != ({n},)"
+            )
+        if self.processed_log_probs is not None and self.processed_log_probs.shape != (n,):
+            raise ValueError(
+                f"{self.request_id}/{self.candidate_index}: processed_log_probs shape "
+                f"{tuple(self.processed_log_probs.shape)} != ({n},)"
+            )
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What load_weights staged and verified."""
+
+    version_id: str
+    manifest_hash: str
+    num_tensors: int
+    num_bytes: int
+    num_buckets: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ActivationReport:
+    """What activate() did; feeds megarl.control.state_machine.RolloutActivation."""
+
+    version_id: str
+    manifest_hash: str
+    manifest_verified: bool
+    cache_flushed: bool
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """A committed actor version in inference layout, generating.
+
+    Lifecycle per version: load_weights(v, ...) stages and verifies; activate(v) flips the active
+    pointer atomically and flushes caches; generate() serves only the active version; a
+    generate() during load_weights is refused.  sleep()/wake() release and re-acquire device
+    memory around the actor's turn.
+    """
+
+    #: which log-prob spaces this backend fills: subset of {"raw", "processed"}
+    log_prob_spaces: frozenset[str]
+
+    @property
+    def active_version(self) -> PolicyVersion | None: ...
+
+    def load_weights(
+        self,
+        version: PolicyVersion,
+        named_tensor_buckets: Iterable[Sequence[tuple[str, torch.Tensor]]],
+        expected_manifest: TensorManifest,
+    ) -> LoadReport: ...
+
+    def activate(self, version: PolicyVersion) -> ActivationReport: ...
+
+    def generate(
+        self, requests: Sequence[GenerationRequest], sampling: SamplingParams
+    ) -> list[GenerationResult]: ...
+
+    def flush_cache(self) -> None: ...
+
+    def sleep(self) -> None: ...
+
+    def wake(self) -> None: ...
+
+
+def candidate_seed(seed: int, request_id: str, candidate_index: int) -> int:
+    """Deterministic 63-bit seed of one candidate from the rollout seed and its identity.
+
+    Uses sha256 rather than hash(): Python's str hash is salted per process, and SPMD ranks or a
+    resumed run must derive the same seed.
+    """
+    import hashlib
+
+    h = hashlib.sha256(f"{seed}|{request_id}|{candidate_index}".encode()).digest()
+    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)

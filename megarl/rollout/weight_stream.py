@@ -1,0 +1,362 @@
+"""The weight stream between the actor and a rollout engine: manifests and buckets.
+
+The actor side produces logical tensors in HuggingFace naming and layout (full tensors, e.g.
+``model.layers.0.self_attn.q_proj.weight``) as an iterable of ``(hf_name, tensor)`` pairs; the
+rollout engine consumes them in buckets of a configured byte size.  Both sides describe what
+they hold with a :class:`TensorManifest` (name, shape, dtype, sha256 of the bytes per tensor,
+plus one hash over all), so the engine can prove, before it activates a version, that every
+tensor of that version arrived intact (seed: "写入参数，完成设备同步，校验 manifest，再原子更新
+active version pointer").
+
+Nothing here knows about megatron or about a particular engine; the megatron source of the
+stream (gather over TP, broadcast over PP, mapping to HF names) plugs in as the iterable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = [
+    "ManifestMismatchError",
+    "TensorEntry",
+    "TensorManifest",
+    "ManifestDiff",
+    "tensor_sha256",
+    "iter_buckets",
+    "hf_logical_tensors",
+    "FlattenedTensorBucket",
+    "flatten_bucket_by_dtype",
+    "get_flattened_tensor_bucket_class",
+]
+
+HASH_PREFIX = "sha256:"
+
+
+class ManifestMismatchError(RuntimeError):
+    """The received tensors do not match the expected manifest (missing, extra or different)."""
+
+    def __init__(self, message: str, diff: "ManifestDiff | None" = None):
+        super().__init__(message)
+        self.diff = diff
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def tensor_sha256(tensor: torch.Tensor) -> str:
+    """sha256 of the tensor's bytes in its own dtype, C-contiguous, on CPU.
+
+    Hashing the raw bytes (not the values) is what makes "bitwise equal" checkable: a single
+    flipped bit anywhere changes the hash.  Works for every dtype (bf16 has no numpy type, so
+    the bytes are taken through a uint8 view).
+    """
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    if t.numel() == 0:
+        return HASH_PREFIX + hashlib.sha256(b"").hexdigest()
+    return HASH_PREFIX + hashlib.sha256(t.view(torch.uint8).numpy()).hexdigest()
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """What one logical tensor is: enough to detect a wrong shape, dtype or value."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    sha256: str
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for s in self.shape:
+            numel *= s
+        return numel * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+    def line(self) -> str:
+        return f"{self.name}|{self.dtype}|{list(self.shape)}|{self.sha256}"
+
+
+@dataclass(frozen=True)
+class ManifestDiff:
+    """Differences between an expected and a received manifest, named tensor by tensor."""
+
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+    mismatched: tuple[tuple[str, str, str, str], ...]  # (name, field, expected, received)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.missing or self.unexpected or self.mismatched)
+
+    def describe(self, limit: int = 8) -> str:
+        parts = []
+        if self.missing:
+            parts.append(f"missing {len(self.missing)} tensor(s): {list(self.missing[:limit])}")
+        if self.unexpected:
+            parts.append(
+                f"unexpected {len(self.unexpected)} tensor(s): {list(self.unexpected[:limit])}"
+            )
+        for name, fld, exp, got in self.mismatched[:limit]:
+            parts.append(f"{name}: {fld} expected {exp}, received {got}")
+        if len(self.mismatched) > limit:
+            parts.append(f"... and {len(self.mismatched) - limit} more mismatched tensor(s)")
+        return "; ".join(parts) if parts else "manifests match"
+
+
+@dataclass
+class TensorManifest:
+    """Per-tensor (name, shape, dtype, sha256) plus one order-independent hash over all.
+
+    Built incrementally with :meth:`add` on either side of the stream, in whatever order the
+    tensors come (buckets, PP stages); :attr:`global_hash` sorts by name so the sender and the
+    receiver agree regardless of order.
+    """
+
+    entries: dict[str, TensorEntry] = field(default_factory=dict)
+
+    def add(self, name: str, tensor: torch.Tensor) -> TensorEntry:
+        if name in self.entries:
+            raise ManifestMismatchError(f"tensor {name!r} added twice to the manifest (duplicate in the stream)")
+        entry = TensorEntry(
+            name=name,
+            shape=tuple(int(s) for s in tensor.shape),
+            dtype=_dtype_name(tensor.dtype),
+            sha256=tensor_sha256(tensor),
+        )
+        self.entries[name] = entry
+        return entry
+
+    @classmethod
+    def from_named_tensors(cls, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> "TensorManifest":
+        m = cls()
+        for name, tensor in named_tensors:
+            m.add(name, tensor)
+        return m
+
+    @property
+    def global_hash(self) -> str:
+        h = hashlib.sha256()
+        for name in sorted(self.entries):
+            h.update(self.entries[name].line().encode())
+            h.update(b"\n")
+        return HASH_PREFIX + h.hexdigest()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries.values())
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def compare(self, received: "TensorManifest") -> ManifestDiff:
+        """Diff ``received`` against ``self`` (the expectation)."""
+        missing = tuple(sorted(set(self.entries) - set(received.entries)))
+        unexpected = tuple(sorted(set(received.entries) - set(self.entries)))
+        mismatched = []
+        for name in sorted(set(self.entries) & set(received.entries)):
+            exp, got = self.entries[name], received.entries[name]
+            for fld in ("shape", "dtype", "sha256"):
+                if getattr(exp, fld) != getattr(got, fld):
+                    mismatched.append((name, fld, str(getattr(exp, fld)), str(getattr(got, fld))))
+        return ManifestDiff(missing, unexpected, tuple(mismatched))
+
+    def check_entry(self, name: str, tensor: torch.Tensor) -> TensorEntry:
+        """Hash one received tensor and check it against this (expected) manifest right away.
+
+        Used by engines that cannot stage a full copy (sglang loads in place): a bad tensor
+        is caught before it is handed to the engine.
+        """
+        if name not in self.entries:
+            raise ManifestMismatchError(
+                f"received tensor {name!r} is not in the expected manifest "
+                f"({len(self.entries)} tensors, hash {self.global_hash})"
+            )
+        exp = self.entries[name]
+        got = TensorEntry(name, tuple(int(s) for s in tensor.shape), _dtype_name(tensor.dtype), tensor_sha256(tensor))
+        for fld in ("shape", "dtype", "sha256"):
+            if getattr(exp, fld) != getattr(got, fld):
+                raise ManifestMismatchError(
+                    f"tensor {name!r}: {fld} expected {getattr(exp, fld)}, received {getattr(got, fld)}"
+                )
+        return got
+
+    def to_dict(self) -> dict:
+        return {
+            "global_hash": self.global_hash,
+            "tensors": [
+                {"name": e.name, "shape": list(e.shape), "dtype": e.dtype, "sha256": e.sha256}
+                for e in (self.entries[n] for n in sorted(self.entries))
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "TensorManifest":
+        m = cls()
+        for t in data["tensors"]:
+            m.entries[t["name"]] = TensorEntry(t["name"], tuple(t["shape"]), t["dtype"], t["sha256"])
+        if "global_hash" in data and data["global_hash"] != m.global_hash:
+            raise ManifestMismatchError(
+                f"manifest dict global_hash {data['global_hash']} does not match its tensors "
+                f"(recomputed {m.global_hash})"
+            )
+        return m
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+
+def iter_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group a stream of named tensors into lists of at most ``bucket_bytes`` bytes.
+
+    A tensor larger than the bucket travels alone.  Tensors are not copied: the producer owns
+    them until the consumer has taken the bucket (same contract as verl's
+    ``get_named_tensor_buckets``, minus its defensive clone, which doubles peak memory).
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def hf_logical_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The logical tensors of a transformers model in HF naming, each exactly once.
+
+    ``named_parameters()`` already drops tied duplicates (``lm_head.weight`` when
+    ``tie_word_embeddings``), which is what the engine must receive: the tie is re-made by
+    the engine's own model, sending both would be a second, possibly diverging, copy.
+    Persistent buffers that are in the state_dict are included; non-persistent ones (rotary
+    ``inv_freq``) are computed from the config and are not part of the weights.
+    """
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        seen.add(id(p))
+        yield name, p.detach()
+    persistent = set(model.state_dict().keys())
+    for name, b in model.named_buffers():
+        if name in persistent and id(b) not in seen:
+            yield name, b.detach()
+
+
+# ---------------------------------------------------------------------------------------------
+# Flattened buckets for engines in other processes (sglang): one contiguous tensor per dtype.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FlattenedTensorMetadata:
+    """Where a tensor lives inside a flattened bucket.
+
+    Field names follow SGLang's ``sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata``
+    so SGLang's loader (``load_format="flattened_bucket"``) can rebuild our buckets too.
+    """
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int
+
+
+class FlattenedTensorBucket:
+    """Tensors of one dtype concatenated into one 1-D tensor plus their metadata.
+
+    Why: crossing to SGLang's scheduler processes costs one CUDA IPC handle per tensor; one
+    flattened tensor per dtype costs one handle per bucket (slime
+    ``update_weight_from_tensor.py::_send_to_colocated_engine``; verl follows slime).  Same
+    interface as SGLang's class of the same name; :func:`get_flattened_tensor_bucket_class`
+    prefers SGLang's own when it is installed.
+    """
+
+    def __init__(
+        self,
+        named_tensors: list[tuple[str, torch.Tensor]] | None = None,
+        flattened_tensor: torch.Tensor | None = None,
+        metadata: list[FlattenedTensorMetadata] | None = None,
+    ):
+        if named_tensors is not None:
+            if not named_tensors:
+                raise ValueError("cannot create an empty FlattenedTensorBucket")
+            dtypes = {t.dtype for _, t in named_tensors}
+            if len(dtypes) != 1:
+                raise ValueError(
+                    f"a FlattenedTensorBucket holds one dtype, got {sorted(map(str, dtypes))}; "
+                    "use flatten_bucket_by_dtype"
+                )
+            self.metadata = []
+            flat = []
+            idx = 0
+            for name, t in named_tensors:
+                f = t.detach().reshape(-1)
+                self.metadata.append(
+                    FlattenedTensorMetadata(name, t.shape, t.dtype, idx, idx + f.numel(), f.numel())
+                )
+                flat.append(f)
+                idx += f.numel()
+            self.flattened_tensor = torch.cat(flat, dim=0)
+        else:
+            if flattened_tensor is None or metadata is None:
+                raise ValueError("give either named_tensors or both flattened_tensor and metadata")
+            self.flattened_tensor = flattened_tensor
+            self.metadata = metadata
+
+    def get_flattened_tensor(self) -> torch.Tensor:
+        return self.flattened_tensor
+
+    def get_metadata(self) -> list[FlattenedTensorMetadata]:
+        return self.metadata
+
+    def reconstruct_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return [
+            (m.name, self.flattened_tensor[m.start_idx : m.end_idx].reshape(m.shape))
+            for m in self.metadata
+        ]
+
+
+def get_flattened_tensor_bucket_class():
+    """SGLang's FlattenedTensorBucket if importable (its location moved between releases, as
+    slime's ``backends/megatron_utils/sglang.py`` records), else ours."""
+    try:
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket as cls  # type: ignore
+        return cls
+    except ImportError:
+        pass
+    try:
+        from sglang.srt.model_executor.model_runner import FlattenedTensorBucket as cls  # type: ignore
+        return cls
+    except ImportError:
+        return FlattenedTensorBucket
+
+
+def flatten_bucket_by_dtype(
+    named_tensors: list[tuple[str, torch.Tensor]], bucket_cls=None
+) -> dict[torch.dtype, "FlattenedTensorBucket"]:
+    """One flattened bucket per dtype, in first-seen dtype order."""
+    bucket_cls = bucket_cls or get_flattened_tensor_bucket_class()
+    by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in named_tensors:
+        by_dtype.setdefault(t.dtype, []).append((name, t))
+    return {dt: bucket_cls(named_tensors=nts) for dt, nts in by_dtype.items()}
