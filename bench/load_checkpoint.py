@@ -29,11 +29,7 @@ def _rss_gb() -> float:
 
 
 def make_checkpoint(out: str, size_gb: float) -> float:
-    import torch
-
-    from megarl.models import mapping
-    from megarl.models.hf_config import spec_from_hf_config
-    from megarl.models.safetensors_io import write_hf_checkpoint
+    from megarl.models.tiny import write_random_hf_checkpoint
 
     hidden, ffn, vocab = 1024, 4096, 32000
     per_layer = 4 * hidden * hidden + 3 * hidden * ffn  # MHA + SwiGLU, fp32 below
@@ -42,13 +38,7 @@ def make_checkpoint(out: str, size_gb: float) -> float:
            "hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": layers,
            "num_attention_heads": 16, "num_key_value_heads": 16, "rms_norm_eps": 1e-5,
            "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": False}
-    spec = spec_from_hf_config(cfg)
-    g = torch.Generator().manual_seed(0)
-    shapes = mapping.hf_shapes(spec)
-    total = sum(int(torch.Size(s).numel()) * 4 for s in shapes.values())
-    tensors = ((n, torch.randn(s, generator=g) * 0.02) for n, s in shapes.items())
-    write_hf_checkpoint(out, tensors, cfg, max_shard_bytes=total // 2 + 1)
-    return total / 1024**3
+    return write_random_hf_checkpoint(out, cfg, max_shard_bytes=int(size_gb * 1024**3) // 2 + 1)
 
 
 def worker(args) -> None:

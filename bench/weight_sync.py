@@ -1,11 +1,12 @@
 """Weight-sync bandwidth and hf-backend protocol overhead, on CPU.
 
     python bench/weight_sync.py                # tiny + ~1B sync, tokens/s comparison
-    python bench/weight_sync.py --skip-1b      # without the ~1B model (needs ~7 GB RAM)
+    python bench/weight_sync.py --skip-1b      # without the ~1B model (needs ~16 GB RAM)
 
-1. Full sync GB/s = logical bytes / (sender manifest + bucketed transfer + engine staging copy
-   + receiver manifest check + activation).  The source is an HF model's logical tensors for
-   now; the lead swaps in the megatron actor's gathered stream (``source_named_tensors``).
+1. Full sync GB/s = logical bytes / (actor manifest at commit + gathered bucketed stream out of
+   the megatron actor + engine staging copy + receiver manifest check + activation).  The actor
+   is megatron-core at TP=1 in fp32 (the CPU path); ~1B fp32 needs ~16 GB RAM (actor + the
+   engine's two buffers).
 2. Tokens/s of HFRolloutEngine.generate vs plain ``model.generate(do_sample=True)`` on the
    same model, batch and sampling (EOS disabled so both produce exactly the same number of
    tokens).  The issue's target: the protocol costs < 5%.
@@ -23,48 +24,35 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megarl.control.versions import PolicyVersion, config_hash  # noqa: E402
+
 from megarl.rollout.hf_backend import HFRolloutEngine  # noqa: E402
 from megarl.rollout.protocol import GenerationRequest, SamplingParams  # noqa: E402
 from megarl.rollout.testing import HFActorStandIn, tiny_llama_config  # noqa: E402
-from megarl.rollout.weight_stream import TensorManifest, iter_buckets  # noqa: E402
+from megarl.rollout.weight_stream import iter_buckets  # noqa: E402
 
 
 NO_TOKENIZER = "sha256:" + "0" * 64  # the bench has no tokenizer
 
 
-def source_named_tensors(actor: HFActorStandIn):
-    """The stream's source.  TODO(lead): the megatron actor's gathered HF-named tensors."""
-    return actor.named_tensors()
+def bench_sync(name, hf_config: dict, bucket_bytes, repeats):
+    """A full hybrid-engine sync from a megatron actor (TP=1 world of 1, fp32 on CPU): actor
+    manifest at commit + gathered stream in buckets + engine staging copy + receiver manifest
+    check + activation."""
+    from megarl.models.megatron_ckpt import load_model
+    from megarl.models.tiny import write_random_hf_checkpoint
+    from megarl.rollout.weight_sync import actor_manifest, make_version, sync_actor_to_engine
 
-
-def build_actor(config, dtype, random_init: bool) -> HFActorStandIn:
-    from transformers import AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
-
-    if random_init:
-        return HFActorStandIn.create(config, dtype=dtype)
-    with no_init_weights():  # fast path for the large model, then cheap random fill
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).to(dtype) * 0.02)
-    return HFActorStandIn(model, "bench", NO_TOKENIZER)
-
-
-def bench_sync(name, config, dtype, bucket_bytes, repeats, random_init=True):
-    actor = build_actor(config, dtype, random_init)
     with tempfile.TemporaryDirectory() as d:
-        engine = HFRolloutEngine(actor.export_config(d), dtype=dtype)
+        write_random_hf_checkpoint(d, hf_config)
+        actor = load_model(d)
+        engine = HFRolloutEngine(d, dtype=torch.float32)
         best = None
         for i in range(repeats):
             t0 = time.perf_counter()
-            named = source_named_tensors(actor)
-            manifest = TensorManifest.from_named_tensors(named)  # sender side (export)
+            manifest = actor_manifest(actor)  # at commit: the version's weight hash
             t1 = time.perf_counter()
-            version = PolicyVersion("bench", i, 0, manifest.global_hash, NO_TOKENIZER, config_hash(config.to_dict()))
-            report = engine.load_weights(version, iter_buckets(named, bucket_bytes), manifest)
+            version = make_version(actor, manifest, "bench", i, NO_TOKENIZER)
+            report = sync_actor_to_engine(actor, engine, version, manifest, bucket_bytes)
             engine.activate(version)
             t2 = time.perf_counter()
             row = (t2 - t0, t1 - t0, t2 - t1, report)
@@ -72,12 +60,19 @@ def bench_sync(name, config, dtype, bucket_bytes, repeats, random_init=True):
         total, t_send, t_recv, report = best
         gb = report.num_bytes / 1e9
         print(
-            f"[sync] {name}: {report.num_tensors} tensors, {gb:.3f} GB ({dtype}), bucket {bucket_bytes >> 20} MiB, "
+            f"[sync] {name}: {report.num_tensors} tensors, {gb:.3f} GB (fp32), bucket {bucket_bytes >> 20} MiB, "
             f"{report.num_buckets} buckets: full sync {total:.3f} s = {gb / total:.2f} GB/s "
-            f"(sender manifest {t_send:.3f} s, transfer+stage+verify+activate {t_recv:.3f} s = {gb / t_recv:.2f} GB/s)"
+            f"(actor manifest {t_send:.3f} s, gather+transfer+stage+verify+activate {t_recv:.3f} s "
+            f"= {gb / t_recv:.2f} GB/s)", flush=True
         )
-        del engine
-    del actor
+        del engine, actor
+
+
+def _llama(vocab, hidden, layers, ffn, heads, kv_heads):
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+            "hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0, "max_position_embeddings": 2048, "tie_word_embeddings": False}
 
 
 def bench_tokens(repeats, batch, prompt_len, new_tokens):
@@ -142,11 +137,12 @@ def main():
     torch.manual_seed(0)
     if args.only_tokens:
         return bench_tokens(args.repeats, batch=8, prompt_len=16, new_tokens=64)
-    bench_sync("tiny (hidden 64, 2 layers, vocab 320)", tiny_llama_config(), torch.float32, 1 << 20, args.repeats)
+    from megarl.runtime import distributed as rt
+
+    rt.initialize(tp=1, pp=1)
+    bench_sync("tiny (hidden 64, 2 layers, vocab 320)", _llama(320, 64, 2, 128, 4, 2), 1 << 20, args.repeats)
     if not args.skip_1b:
-        cfg_1b = tiny_llama_config(vocab_size=32000, hidden=2048, layers=16, intermediate_size=5504,
-                                   num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=2048)
-        bench_sync("~1B random Llama", cfg_1b, torch.bfloat16, args.bucket_mib << 20, 2, random_init=False)
+        bench_sync("~1B random Llama", _llama(32000, 2048, 16, 5504, 16, 16), args.bucket_mib << 20, 2)
     bench_tokens(args.repeats, batch=8, prompt_len=16, new_tokens=64)
 
 

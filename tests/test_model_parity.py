@@ -5,8 +5,6 @@ megarl loads them at TP=1, TP=2, PP=2 and TP=2 x PP=2 (torchrun, gloo) and the f
 logits must match transformers' forward within 1e-4 (fp32).
 """
 
-import os
-
 import pytest
 import torch
 

@@ -16,7 +16,6 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from megarl.models.builder import padded_vocab_size
 
 
 def mask_padded_vocab(logits_shard: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -175,3 +174,60 @@ def scalar_values(model, tokens: torch.Tensor, micro_batch_size: int = 0) -> tor
     mbs = micro_batch_size or tokens.shape[0]
     chunks = list(tokens.split(mbs, 0))
     return torch.cat(forward_only(model, chunks, lambda out, _t: out[..., 0].float()), 0)
+
+
+def right_align(prompt_ids: torch.Tensor, response_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """Experience layout -> actor input layout.
+
+    The experience record keeps prompts left-padded ``(b, P)`` and responses right-padded
+    ``(b, R)`` with ``attention_mask (b, P + R)``.  The actor runs right-padded sequences with
+    positions ``0..len-1`` and a causal mask, so each row is re-packed as
+    ``[real prompt tokens, real response tokens, padding]``.
+
+    Returns ``(tokens (b, L), prompt_lens (b,), response_lens (b,))``.
+    """
+    B, P = prompt_ids.shape
+    R = response_ids.shape[1]
+    if attention_mask.shape != (B, P + R):
+        raise ValueError(f"attention_mask shape {list(attention_mask.shape)} != [{B}, {P + R}]")
+    plen = attention_mask[:, :P].sum(1).long()
+    rlen = attention_mask[:, P:].sum(1).long()
+    L = int((plen + rlen).max())
+    pos = torch.arange(L, device=prompt_ids.device)[None, :]
+    # position j < plen takes prompt column P - plen + j; then response column j - plen
+    p_idx = (P - plen[:, None] + pos).clamp(0, P - 1)
+    r_idx = (pos - plen[:, None]).clamp(0, max(R - 1, 0))
+    from_prompt = prompt_ids.gather(1, p_idx)
+    from_resp = response_ids.gather(1, r_idx) if R else torch.zeros_like(from_prompt)
+    tokens = torch.where(pos < plen[:, None], from_prompt,
+                         torch.where(pos < (plen + rlen)[:, None], from_resp, torch.zeros_like(from_prompt)))
+    return tokens, plen, rlen
+
+
+def gather_response(per_position: torch.Tensor, prompt_lens: torch.Tensor, response_lens: torch.Tensor,
+                    response_len: int) -> torch.Tensor:
+    """Pick the values that predict response tokens from a ``(b, L-1, ...)`` teacher-forced
+    output: response token t of row b is predicted at position ``prompt_len_b - 1 + t``.
+
+    Returns ``(b, response_len, ...)`` with zeros past each row's response.
+    """
+    B = per_position.shape[0]
+    t = torch.arange(response_len, device=per_position.device)[None, :]
+    idx = (prompt_lens[:, None] - 1 + t).clamp(0, per_position.shape[1] - 1)
+    valid = t < response_lens[:, None]
+    extra = per_position.shape[2:]
+    idx_e = idx.reshape(B, response_len, *([1] * len(extra))).expand(B, response_len, *extra)
+    out = per_position.gather(1, idx_e)
+    mask = valid.reshape(B, response_len, *([1] * len(extra)))
+    return torch.where(mask, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def response_log_probs(model, prompt_ids: torch.Tensor, response_ids: torch.Tensor,
+                       attention_mask: torch.Tensor, micro_batch_size: int = 0,
+                       temperature: float = 1.0) -> torch.Tensor:
+    """Teacher-forced log-prob of every response token, ``(b, R)`` aligned with
+    ``response_ids`` (0 at padding), from experience-layout tensors.  Collective over the
+    model-parallel group; same result on every rank."""
+    tokens, plen, rlen = right_align(prompt_ids, response_ids, attention_mask)
+    lp = teacher_forced_log_probs(model, tokens, micro_batch_size, temperature)
+    return gather_response(lp, plen, rlen, response_ids.shape[1])

@@ -73,3 +73,27 @@ def make_tiny_hf_checkpoint(out_dir: str, family: str = "llama", seed: int = 0,
 
         copy_tokenizer_files(tokenizer_dir, out_dir)
     return out_dir
+
+
+def write_random_hf_checkpoint(out_dir: str, config: dict, seed: int = 0, std: float = 0.02,
+                               dtype: torch.dtype = torch.float32, max_shard_bytes: int = 2 * 1024**3) -> float:
+    """Write a random HF checkpoint for ``config`` (an HF config dict) straight to safetensors,
+    tensor by tensor (no transformers model is built, so multi-GB checkpoints are cheap).
+    Norm weights are 1.  Returns the size in GB."""
+    from megarl.models import mapping
+    from megarl.models.hf_config import spec_from_hf_config
+    from megarl.models.safetensors_io import write_hf_checkpoint
+
+    spec = spec_from_hf_config(config)
+    shapes = mapping.hf_shapes(spec)
+    g = torch.Generator().manual_seed(seed)
+
+    def tensors():
+        for name, shape in shapes.items():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                yield name, torch.ones(shape, dtype=dtype)
+            else:
+                yield name, (torch.randn(shape, generator=g) * std).to(dtype)
+
+    write_hf_checkpoint(out_dir, tensors(), config, max_shard_bytes=max_shard_bytes)
+    return sum(int(torch.Size(s).numel()) for s in shapes.values()) * torch.tensor([], dtype=dtype).element_size() / 1024**3

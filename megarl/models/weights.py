@@ -13,7 +13,7 @@ All layout knowledge comes from :mod:`megarl.models.mapping`.
 from __future__ import annotations
 
 import os
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -120,9 +120,7 @@ def iter_hf_tensors(model, spec: Optional[ModelSpec] = None, dtype: Optional[tor
 
     model = unwrap(model)
     spec = spec or model.megarl_spec
-    opts = model.megarl_opts
     pp_rank, pp, tp_rank, tp = _pp_tp()
-    padded = padded_vocab_size(spec, opts)
     shapes = mapping.hf_shapes(spec)
     mine = _stage_params(model)
     tp_group = ps.get_tensor_model_parallel_group()

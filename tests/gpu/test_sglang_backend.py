@@ -42,7 +42,7 @@ PROMPTS = [GenerationRequest(f"p{i}", tuple([2] + list(range(10 + 7 * i, 10 + 7 
 RAW_ATOL = 0.08
 
 
-# ---- ACTOR PARITY: the lead wires the megatron actor here -----------------------------------------
+# ---- ACTOR PARITY: rollout raw log-probs vs the megatron actor --------------------------------------
 
 TeacherForced = Callable[[list[int], int], torch.Tensor]
 """(prompt_ids + response_ids, prompt_len) -> (len(response_ids),) log-probs of the response tokens
@@ -50,8 +50,7 @@ under the raw policy of the actor holding the same version."""
 
 
 def hf_teacher_forced(model) -> TeacherForced:
-    """Default: a transformers forward of the stand-in actor.  TODO(lead): replace by a function
-    that runs the megatron actor (megarl.models) on the same version, same signature."""
+    """A transformers forward of the stand-in actor (a cross-check, not the contract)."""
 
     def fn(token_ids: list[int], prompt_len: int) -> torch.Tensor:
         ids = torch.tensor([token_ids], device="cuda")
@@ -59,6 +58,25 @@ def hf_teacher_forced(model) -> TeacherForced:
             logits = model(ids).logits[0].float()
         lp = torch.log_softmax(logits[prompt_len - 1 : -1], -1)
         return lp.gather(1, ids[0, prompt_len:, None]).squeeze(1).cpu()
+
+    return fn
+
+
+def megatron_teacher_forced(model) -> TeacherForced:
+    """The contract: the megatron actor (transformer-engine layer spec on GPU, TP=1) built from
+    the same weights as the engine's version teacher-forces the rollout ids."""
+    from megarl.models.forward import teacher_forced_log_probs
+    from megarl.models.megatron_ckpt import load_model
+    from megarl.runtime import distributed as rt
+
+    rt.initialize(tp=1, pp=1)
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        actor = load_model(d, tp=1, pp=1, dtype=torch.bfloat16)
+
+    def fn(token_ids: list[int], prompt_len: int) -> torch.Tensor:
+        lp = teacher_forced_log_probs(actor, torch.tensor([token_ids], device="cuda"))
+        return lp[0, prompt_len - 1:].cpu()
 
     return fn
 
@@ -77,7 +95,7 @@ def check_actor_parity(results: list[GenerationResult], teacher_forced_log_probs
 # ---- the run -------------------------------------------------------------------------------------
 
 
-def run_end_to_end(teacher_forced_factory=hf_teacher_forced) -> dict:
+def run_end_to_end(teacher_forced_factory=megatron_teacher_forced) -> dict:
     from megarl.rollout.sglang_backend import SGLangRolloutEngine
 
     figures = {}
@@ -108,6 +126,8 @@ def run_end_to_end(teacher_forced_factory=hf_teacher_forced) -> dict:
             hot = engine.generate(PROMPTS, SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=24, n=2, seed=4))
             tf = teacher_forced_factory(actor.model)
             figures["raw_parity_max_abs"] = check_actor_parity(hot, tf, RAW_ATOL)
+            figures["raw_parity_vs_transformers_max_abs"] = check_actor_parity(
+                hot, hf_teacher_forced(actor.model), RAW_ATOL)
             scaled_err = 0.0
             for r in hot:
                 ids = torch.tensor([list(r.prompt_ids) + list(r.response_ids)], device="cuda")

@@ -1,0 +1,79 @@
+"""The hybrid engine: megatron actor shards -> rollout engine, verified by manifest.
+
+Two collective passes over the actor's logical tensors (``megarl.models.weights.iter_hf_tensors``:
+gather over TP, broadcast over PP, one parameter alive at a time, names and layouts from the
+mapping module):
+
+1. at commit, :func:`actor_manifest` hashes every logical tensor; its global hash becomes the
+   ``weight_manifest_hash`` of the new :class:`PolicyVersion`;
+2. at export, :func:`sync_actor_to_engine` streams the same tensors in buckets into the engine,
+   which hashes what landed and activates only if it equals that manifest.
+
+Every rank of the model-parallel group runs both passes; only ranks holding an engine (one per
+inference group) consume the stream, the others drain it.  If the engine rejects a bucket, the
+stream is still drained so no rank is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Iterator, List, Optional, Tuple
+
+import torch
+
+from megarl.control.versions import PolicyVersion, config_hash
+from megarl.models.weights import iter_hf_tensors, unwrap
+from megarl.rollout.protocol import LoadReport
+from megarl.rollout.weight_stream import TensorManifest, iter_buckets
+
+Bucket = List[Tuple[str, torch.Tensor]]
+
+
+def actor_manifest(actor_model, dtype: Optional[torch.dtype] = None) -> TensorManifest:
+    """Collective: the manifest (name, shape, dtype, sha256) of the actor's logical tensors."""
+    return TensorManifest.from_named_tensors(iter_hf_tensors(actor_model, dtype=dtype))
+
+
+def model_config_hash(actor_model) -> str:
+    """Hash of the model architecture the weights are laid out for (part of the version)."""
+    return config_hash(unwrap(actor_model).megarl_spec.to_dict())
+
+
+def make_version(actor_model, manifest: TensorManifest, run_id: str, optimizer_step: int,
+                 tokenizer_hash: str, update_attempt: int = 0) -> PolicyVersion:
+    return PolicyVersion(run_id=run_id, optimizer_step=optimizer_step, update_attempt=update_attempt,
+                         weight_manifest_hash=manifest.global_hash, tokenizer_hash=tokenizer_hash,
+                         model_config_hash=model_config_hash(actor_model))
+
+
+def _drained(stream: Iterator) -> None:
+    for _ in stream:
+        pass
+
+
+def sync_actor_to_engine(
+    actor_model,
+    engine,
+    version: PolicyVersion,
+    expected_manifest: TensorManifest,
+    bucket_bytes: int = 512 * 1024**2,
+    dtype: Optional[torch.dtype] = None,
+    transport: Optional[Callable[[Bucket], Bucket]] = None,
+) -> Optional[LoadReport]:
+    """Collective: stream the actor's tensors into ``engine`` (``None`` on ranks without one).
+
+    ``transport`` maps each bucket on its way (identity by default).  It is where a real
+    transport serialises/ships a bucket, and where fault-injection tests corrupt one.
+    Returns the engine's :class:`LoadReport`; raises what the engine raised (e.g.
+    ``ManifestMismatchError``) after the stream has been drained on this rank.
+    """
+    stream = iter_hf_tensors(actor_model, dtype=dtype)
+    if engine is None:
+        _drained(stream)
+        return None
+    buckets: Iterable[Bucket] = iter_buckets(stream, bucket_bytes)
+    if transport is not None:
+        buckets = (transport(b) for b in buckets)
+    try:
+        return engine.load_weights(version, buckets, expected_manifest)
+    finally:
+        _drained(stream)
