@@ -94,6 +94,7 @@ def bench_tokens(repeats, batch, prompt_len, new_tokens):
                 out = actor.model.generate(
                     input_ids=prompts, attention_mask=torch.ones_like(prompts), do_sample=True,
                     temperature=0.7, top_p=0.9, max_new_tokens=new_tokens, pad_token_id=0,
+                    top_k=0,  # transformers defaults to top_k=50; the protocol run has no top-k
                 )
             return out.shape[1] - prompt_len
 

@@ -16,6 +16,8 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
+from megarl.models.weights import unwrap
+
 
 
 def mask_padded_vocab(logits_shard: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -84,9 +86,7 @@ def forward_only(model, micro_batches: List[torch.Tensor],
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    inner = model
-    while hasattr(inner, "module"):
-        inner = inner.module
+    inner = unwrap(model)
     pp = ps.get_pipeline_model_parallel_world_size()
     dev = next(inner.parameters()).device
     results: List[Optional[torch.Tensor]] = []
@@ -141,39 +141,33 @@ def forward_only(model, micro_batches: List[torch.Tensor],
     return out
 
 
+def _micro_batches(tokens: torch.Tensor, micro_batch_size: int) -> List[torch.Tensor]:
+    return list(tokens.split(micro_batch_size or tokens.shape[0], 0))
+
+
 def full_logits(model, tokens: torch.Tensor, micro_batch_size: int = 0) -> torch.Tensor:
     """Full-vocabulary logits ``(b, s, vocab)`` for ``tokens`` on every rank."""
-    inner = model
-    while hasattr(inner, "module"):
-        inner = inner.module
-    V = inner.megarl_spec.vocab_size
-    mbs = micro_batch_size or tokens.shape[0]
-    chunks = list(tokens.split(mbs, 0))
-    outs = forward_only(model, chunks, lambda out, _t: gather_vocab(out, V).float())
+    V = unwrap(model).megarl_spec.vocab_size
+    outs = forward_only(model, _micro_batches(tokens, micro_batch_size),
+                        lambda out, _t: gather_vocab(out, V).float())
     return torch.cat(outs, 0)
 
 
 def teacher_forced_log_probs(model, tokens: torch.Tensor, micro_batch_size: int = 0,
                              temperature: float = 1.0) -> torch.Tensor:
     """``(b, s-1)``: log-prob of ``tokens[:, t+1]`` given ``tokens[:, :t+1]`` on every rank."""
-    inner = model
-    while hasattr(inner, "module"):
-        inner = inner.module
-    V = inner.megarl_spec.vocab_size
-    mbs = micro_batch_size or tokens.shape[0]
-    chunks = list(tokens.split(mbs, 0))
+    V = unwrap(model).megarl_spec.vocab_size
 
     def on_output(out, toks):
         return token_log_probs_from_logits(out[:, :-1], toks[:, 1:], V, temperature).float()
 
-    return torch.cat(forward_only(model, chunks, on_output), 0)
+    return torch.cat(forward_only(model, _micro_batches(tokens, micro_batch_size), on_output), 0)
 
 
 def scalar_values(model, tokens: torch.Tensor, micro_batch_size: int = 0) -> torch.Tensor:
     """``(b, s)`` scalar head outputs of a value-head model (critic / reward model)."""
-    mbs = micro_batch_size or tokens.shape[0]
-    chunks = list(tokens.split(mbs, 0))
-    return torch.cat(forward_only(model, chunks, lambda out, _t: out[..., 0].float()), 0)
+    return torch.cat(forward_only(model, _micro_batches(tokens, micro_batch_size),
+                                  lambda out, _t: out[..., 0].float()), 0)
 
 
 def right_align(prompt_ids: torch.Tensor, response_ids: torch.Tensor, attention_mask: torch.Tensor):
