@@ -42,8 +42,9 @@ def test_score_hf_at_tp2_and_megatron_checkpoint(tmp_path):
 
     meg = str(tmp_path / "meg")
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    subprocess.run([sys.executable, CONVERT, "hf-to-megatron", "--hf", hf, "--out", meg],
-                   check=True, capture_output=True, env=env)
+    conv = subprocess.run([sys.executable, CONVERT, "hf-to-megatron", "--hf", hf, "--out", meg],
+                          capture_output=True, text=True, env=env)
+    assert conv.returncode == 0, conv.stdout[-3000:] + conv.stderr[-3000:]
     out_meg = tmp_path / "meg.jsonl"
     proc = subprocess.run([sys.executable, SCORE, "--model", meg, "--input", str(inp), "--out",
                            str(out_meg)], capture_output=True, text=True, env=env)

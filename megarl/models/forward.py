@@ -129,10 +129,10 @@ def forward_only(model, micro_batches: List[torch.Tensor],
     src = dist.get_global_rank(group, pp - 1)
     out: List[torch.Tensor] = []
     for res in results:
-        header = torch.zeros(8, dtype=torch.long)
+        header = torch.zeros(8, dtype=torch.long, device=dev)  # NCCL needs device tensors
         if res is not None:
             header[0] = res.dim()
-            header[1:1 + res.dim()] = torch.tensor(res.shape)
+            header[1:1 + res.dim()] = torch.tensor(res.shape, device=dev)
         dist.broadcast(header, src=src, group=group)
         shape = tuple(header[1:1 + int(header[0])].tolist())
         buf = res.contiguous().to(dev) if res is not None else torch.empty(shape, device=dev)

@@ -107,14 +107,15 @@ def _stage_params(model) -> Dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def iter_hf_tensors(model, spec: Optional[ModelSpec] = None, dtype: Optional[torch.dtype] = None
-                    ) -> Iterator[Tuple[str, torch.Tensor]]:
+def iter_hf_tensors(model, spec: Optional[ModelSpec] = None, dtype: Optional[torch.dtype] = None,
+                    device: Optional[str] = "cpu") -> Iterator[Tuple[str, torch.Tensor]]:
     """Collective: yield ``(hf_name, full logical tensor)`` on every rank, in canonical order.
 
     All ranks of the model-parallel group must iterate this generator to the end together.
     The owner PP stage gathers the TP shards and merges them with the mapping; the merged
     HF tensors are then broadcast over the PP group.  Only one parameter's tensors are alive
-    at a time.  Tensors are on CPU, cast to ``dtype`` when given.
+    at a time.  Tensors are moved to ``device`` (``None``: left where they were gathered,
+    e.g. on the GPU for a CUDA-IPC consumer) and cast to ``dtype`` when given.
     """
     from megatron.core import parallel_state as ps
 
@@ -151,7 +152,7 @@ def iter_hf_tensors(model, spec: Optional[ModelSpec] = None, dtype: Optional[tor
                 dist.broadcast(t, src=dist.get_global_rank(pp_group, owner), group=pp_group)
             else:
                 t = merged[name]
-            t = t.to(device="cpu", dtype=dtype or t.dtype)
+            t = t.to(device=device or t.device, dtype=dtype or t.dtype)
             yield name, t
         del merged
 

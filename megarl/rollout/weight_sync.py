@@ -66,7 +66,9 @@ def sync_actor_to_engine(
     Returns the engine's :class:`LoadReport`; raises what the engine raised (e.g.
     ``ManifestMismatchError``) after the stream has been drained on this rank.
     """
-    stream = iter_hf_tensors(actor_model, dtype=dtype)
+    # Tensors go where the engine computes: CPU for the hf backend, the GPU for sglang
+    # (its CUDA-IPC hand-over then needs no host round trip).
+    stream = iter_hf_tensors(actor_model, dtype=dtype, device=str(getattr(engine, "device", "cpu")))
     if engine is None:
         _drained(stream)
         return None

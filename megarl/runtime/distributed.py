@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -55,28 +54,24 @@ class ParallelLayout:
         return world_size // mp
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_process_group(timeout_minutes: int = 30) -> None:
     """Initialise ``torch.distributed`` from the torchrun environment (or as world size 1)."""
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ["RANK"] = "0"
-        os.environ["WORLD_SIZE"] = "1"
-        os.environ["LOCAL_RANK"] = "0"
     backend = "gloo" if cpu_compat.on_cpu() else "nccl"
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if "RANK" not in os.environ:
+        # A plain process: a world of one with an in-memory store (no port to race for).
+        # Nothing is written to os.environ: child processes (tools, torchrun) must not
+        # inherit a RANK/WORLD_SIZE that describes this process's world.
+        if backend == "nccl":
+            torch.cuda.set_device(0)
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+        return
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(
-        backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes)
-    )
+    dist.init_process_group(backend=backend, timeout=timeout)
 
 
 def initialize(
