@@ -68,3 +68,20 @@ def test_roundtrip_bitwise(tmp_path, case):
         c1 = json.load(f)
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "tie_word_embeddings", "architectures"):
         assert c0[key] == c1[key], key
+
+
+def test_bf16_checkpoint_roundtrip_on_cpu(tmp_path, megatron_world):
+    """On CPU the actor computes in fp32, but a bf16 HF checkpoint comes back as bf16, bitwise
+    (bf16 -> fp32 is exact), through a megatron dist checkpoint in between."""
+    from megarl.models.megatron_ckpt import load_model, save_megatron_checkpoint
+    from megarl.models.weights import export_hf
+
+    hf = make_tiny_hf_checkpoint(str(tmp_path / "hf"), "qwen3", seed=4, dtype=torch.bfloat16)
+    src = load_file(os.path.join(hf, "model.safetensors"))
+    assert all(t.dtype == torch.bfloat16 for t in src.values())
+    model = load_model(hf)
+    assert next(model.parameters()).dtype == torch.float32
+    save_megatron_checkpoint(model, str(tmp_path / "meg"), tokenizer_dir=hf)
+    again = load_model(str(tmp_path / "meg"))
+    export_hf(again, str(tmp_path / "back"), tokenizer_dir=str(tmp_path / "meg"))
+    _assert_bitwise(src, _load_all(str(tmp_path / "back")), "bf16 round trip")

@@ -37,7 +37,10 @@ class BuildOptions:
 
     def resolved_te(self) -> bool:
         if self.use_transformer_engine is None:
-            return not cpu_compat.on_cpu()
+            import importlib.util
+
+            # TE kernels on CUDA when installed; megatron's local spec otherwise (same function)
+            return not cpu_compat.on_cpu() and importlib.util.find_spec("transformer_engine") is not None
         return self.use_transformer_engine
 
 

@@ -94,6 +94,15 @@ class ModelSpec:
     raw_config: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
+    def checkpoint_dtype(self):
+        """The dtype the HF checkpoint declares (``dtype`` / ``torch_dtype``), or None."""
+        import torch
+
+        name = self.raw_config.get("dtype") or self.raw_config.get("torch_dtype")
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                "float16": torch.float16}.get(str(name).replace("torch.", ""))
+
+    @property
     def max_sequence_length(self) -> int:
         """Longest sequence this model computes exactly (a sliding window caps it)."""
         if self.sliding_window is not None:

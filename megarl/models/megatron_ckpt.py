@@ -24,6 +24,7 @@ from megarl.models.builder import BuildOptions, build_model
 from megarl.models.hf_config import load_spec
 from megarl.models.safetensors_io import CheckpointError, copy_tokenizer_files
 from megarl.models.weights import load_hf_weights, unwrap
+from megarl.runtime import cpu_compat
 
 FORMAT = "megarl-megatron-v1"
 META_NAME = "megarl_model.json"
@@ -103,15 +104,19 @@ def load_model(path: str, tp: int = 1, pp: int = 1, dtype: Optional[torch.dtype]
     megatron parallel state must already be initialised at ``tp``/``pp``.
     """
     spec = load_spec(path)
-    if is_megatron_checkpoint(path):
-        meta = read_meta(path)
-        opts = BuildOptions(tp=tp, pp=pp, params_dtype=dtype or _DTYPES[meta["dtype"]],
+    meta = read_meta(path) if is_megatron_checkpoint(path) else None
+    if dtype is None:
+        # CPU: fp32 only (megatron's half-precision paths need CUDA); GPU: what the checkpoint says
+        saved = _DTYPES.get(meta["dtype"]) if meta else spec.checkpoint_dtype
+        dtype = torch.float32 if cpu_compat.on_cpu() else (saved or torch.bfloat16)
+    if meta is not None:
+        opts = BuildOptions(tp=tp, pp=pp, params_dtype=dtype,
                             vocab_multiple=vocab_multiple or meta["vocab_multiple"],
                             init_weights=False)
         model = build_model(spec, opts)
         load_megatron_checkpoint(model, path)
     else:
-        opts = BuildOptions(tp=tp, pp=pp, params_dtype=dtype or torch.float32,
+        opts = BuildOptions(tp=tp, pp=pp, params_dtype=dtype,
                             vocab_multiple=vocab_multiple or 128, init_weights=False)
         model = build_model(spec, opts)
         load_hf_weights(model, path, spec, show_progress=show_progress)

@@ -45,8 +45,8 @@ def tiny_hf_config(family: str, vocab_size: int = 300, hidden_size: int = 64, nu
 
 def make_tiny_hf_checkpoint(out_dir: str, family: str = "llama", seed: int = 0,
                             value_head: bool = False, tokenizer_dir: Optional[str] = None,
-                            **config_kwargs) -> str:
-    """Create a random HF checkpoint (``save_pretrained``, fp32 safetensors) in ``out_dir``.
+                            dtype: torch.dtype = torch.float32, **config_kwargs) -> str:
+    """Create a random HF checkpoint (``save_pretrained``, safetensors in ``dtype``) in ``out_dir``.
 
     Non-zero random norms and biases so that every mapped tensor matters in parity tests.
     """
@@ -65,7 +65,7 @@ def make_tiny_hf_checkpoint(out_dir: str, family: str = "llama", seed: int = 0,
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.05 * torch.randn_like(p))
-    model = model.float()
+    model = model.to(dtype)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     if tokenizer_dir:

@@ -175,7 +175,9 @@ def export_hf(model, out_dir: str, tokenizer_dir: Optional[str] = None,
     """Collective: gather the shards and write an HF checkpoint on global rank 0."""
     model_ = unwrap(model)
     spec = model_.megarl_spec
-    dtype = dtype or next(model_.parameters()).dtype
+    # default: the dtype the source checkpoint declared (a bf16 checkpoint trained in fp32 on
+    # CPU goes back to bf16 exactly), else the parameters' own
+    dtype = dtype or spec.checkpoint_dtype or next(model_.parameters()).dtype
     stream = iter_hf_tensors(model_, spec, dtype=dtype)
     rank0 = (not dist.is_initialized()) or dist.get_rank() == 0
     if show_progress and rank0:
