@@ -68,6 +68,9 @@ def sync_actor_to_engine(
     """
     # Tensors go where the engine computes: CPU for the hf backend, the GPU for sglang
     # (its CUDA-IPC hand-over then needs no host round trip).
+    # The engine's dtype by default; the expected manifest must have been computed in the same
+    # dtype (``actor_manifest(actor, dtype=...)``), else the engine rejects the load by name.
+    dtype = dtype or getattr(engine, "dtype", None)
     stream = iter_hf_tensors(actor_model, dtype=dtype, device=str(getattr(engine, "device", "cpu")))
     if engine is None:
         _drained(stream)
