@@ -92,7 +92,7 @@ def main(argv=None) -> None:
 
     print(f"2/4 HF -> megatron dist checkpoint at TP={tp} PP={pp} (torchrun x{tp * pp})", flush=True)
     _run([os.path.join(tools, "convert_checkpoint.py"), "hf-to-megatron", "--hf", hf, "--out", meg,
-          "--tp", str(tp), "--pp", str(pp)], "convert", nproc=tp * pp)
+          "--tp", str(tp), "--pp", str(pp), "--overwrite"], "convert", nproc=tp * pp)
 
     print(f"3/4 score chat-templated prompts at TP={tp} PP={pp}", flush=True)
     seqs = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
@@ -122,7 +122,7 @@ def main(argv=None) -> None:
 
     print("4/4 megatron -> HF export at TP=1 (reshard on load)", flush=True)
     _run([os.path.join(tools, "convert_checkpoint.py"), "megatron-to-hf", "--megatron", meg,
-          "--out", back], "export")
+          "--out", back, "--overwrite"], "export")
     a, b = load_file(os.path.join(hf, "model.safetensors")), load_file(os.path.join(back, "model.safetensors"))
     same = set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     if not same:

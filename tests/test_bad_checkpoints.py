@@ -111,3 +111,17 @@ def test_unknown_config_key_is_rejected_by_name():
     cfg["hidden_act"] = "gelu"
     with pytest.raises(ModelConfigError, match="hidden_act"):
         spec_from_hf_config(cfg)
+
+
+def test_existing_output_is_not_overwritten_without_flag(hf, tmp_path):
+    out = tmp_path / "meg"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    rc, lines = _convert(hf, str(out))
+    _expect_error(rc, lines, str(out), "--overwrite")
+    assert (out / "config.json").read_text() == "{}"
+    rc, lines = _convert(hf, hf)
+    _expect_error(rc, lines, "source checkpoint")
+    rc, lines = _convert(hf, str(out), "--overwrite")
+    assert rc == 0, lines
+    assert (out / "megarl_model.json").exists()

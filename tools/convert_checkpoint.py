@@ -29,6 +29,24 @@ def _check_world(tp: int, pp: int) -> None:
         )
 
 
+def _check_out(out: str, overwrite: bool, *sources: str) -> None:
+    """Refuse to write over a checkpoint (or into the source) unless --overwrite is given."""
+    from megarl.models.safetensors_io import CheckpointError
+
+    real = os.path.realpath(out)
+    for src in sources:
+        if real == os.path.realpath(src):
+            raise CheckpointError(f"--out {out} is the source checkpoint directory; choose another --out")
+    if not os.path.isdir(out) or overwrite:
+        return
+    present = sorted(f for f in os.listdir(out)
+                     if f in ("config.json", "megarl_model.json", "dist") or f.endswith(".safetensors")
+                     or f.endswith(".safetensors.index.json"))
+    if present:
+        raise CheckpointError(f"--out {out} already holds a checkpoint ({', '.join(present[:4])}); "
+                              "pass --overwrite to replace it or choose another directory")
+
+
 def hf_to_megatron(args) -> None:
     from megarl.models.hf_config import check_parallel_fit, load_spec
     from megarl.models.megatron_ckpt import load_model, save_megatron_checkpoint
@@ -38,6 +56,7 @@ def hf_to_megatron(args) -> None:
     spec = load_spec(args.hf)  # validate before any process group exists
     check_parallel_fit(spec, args.tp, args.pp, where=os.path.join(args.hf, "config.json"))
     HFCheckpointReader(args.hf)
+    _check_out(args.out, args.overwrite, args.hf)
     _check_world(args.tp, args.pp)
     rt.initialize(tp=args.tp, pp=args.pp)
     model = load_model(args.hf, tp=args.tp, pp=args.pp, vocab_multiple=args.vocab_multiple,
@@ -57,6 +76,7 @@ def megatron_to_hf(args) -> None:
     read_meta(args.megatron)
     spec = load_spec(args.megatron)
     check_parallel_fit(spec, args.tp, args.pp, where=os.path.join(args.megatron, "config.json"))
+    _check_out(args.out, args.overwrite, args.megatron)
     _check_world(args.tp, args.pp)
     rt.initialize(tp=args.tp, pp=args.pp)
     model = load_model(args.megatron, tp=args.tp, pp=args.pp)
@@ -83,6 +103,7 @@ def main(argv=None) -> None:
     for s in (a, b):
         s.add_argument("--tp", type=int, default=1, help="tensor parallel size")
         s.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+        s.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --out")
     args = p.parse_args(argv)
     {"hf-to-megatron": hf_to_megatron, "megatron-to-hf": megatron_to_hf}[args.cmd](args)
 

@@ -57,6 +57,13 @@ def save_megatron_checkpoint(model, out_dir: str, tokenizer_dir: Optional[str] =
     dist_dir = os.path.join(out_dir, DIST_DIR)
     rank0 = (not dist.is_initialized()) or dist.get_rank() == 0
     if rank0:
+        if os.path.isdir(dist_dir):  # the caller agreed to replace it (tools: --overwrite)
+            import shutil
+
+            shutil.rmtree(dist_dir)
+        stale_meta = os.path.join(out_dir, META_NAME)
+        if os.path.exists(stale_meta):
+            os.remove(stale_meta)
         os.makedirs(dist_dir, exist_ok=True)
         with open(os.path.join(out_dir, "config.json"), "w") as f:
             cfg = dict(spec.raw_config, architectures=[spec.architecture])

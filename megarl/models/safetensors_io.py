@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from typing import Dict, Iterable, Iterator, Optional, Tuple
 
@@ -144,9 +145,10 @@ def write_hf_checkpoint(
         size += nbytes
     if current or not shards:
         shards.append(current)
-    for stale in (INDEX_NAME, SINGLE_NAME):
-        if os.path.exists(os.path.join(out_dir, stale)):
-            os.remove(os.path.join(out_dir, stale))
+    # replacing an earlier export: drop its weight files so no stale shard outlives the index
+    for fname in os.listdir(out_dir):
+        if fname in (INDEX_NAME, SINGLE_NAME) or re.fullmatch(r"model-\d+-of-\d+\.safetensors", fname):
+            os.remove(os.path.join(out_dir, fname))
     if len(shards) == 1:
         save_file(shards[0], os.path.join(out_dir, SINGLE_NAME), metadata={"format": "pt"})
     else:
