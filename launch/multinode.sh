@@ -30,7 +30,8 @@ GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 MASTER_PORT=${MASTER_PORT:-29500}
 MEGARL_ENTRY=${MEGARL_ENTRY:-megarl.train}
 NNODES=${SLURM_NNODES:?run under sbatch/salloc (SLURM_NNODES is unset)}
-HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# awk reads to the end: `head` would close the pipe early and pipefail would turn SIGPIPE into a failure
+HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk 'NR == 1')
 HEAD_ADDR=$(srun --nodes=1 --ntasks=1 -w "$HEAD_NODE" hostname --ip-address | awk '{print $1}')
 mkdir -p logs
 
