@@ -16,7 +16,7 @@ from megarl.control.state_machine import (
     SealEvidence,
     UpdateEvidence,
 )
-from megarl.control.versions import PolicyVersion, config_hash
+from megarl.versions import PolicyVersion, config_hash
 
 H = lambda s: config_hash({"x": s})  # noqa: E731
 

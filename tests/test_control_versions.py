@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from megarl.control.versions import PolicyVersion, VersionError, config_hash
+from megarl.versions import PolicyVersion, VersionError, config_hash
 
 H = lambda s: config_hash({"x": s})  # noqa: E731
 

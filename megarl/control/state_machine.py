@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from megarl.control.versions import PolicyVersion
+from megarl.versions import PolicyVersion
 
 __all__ = [
     "Phase",

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.control.versions import PolicyVersion
 from megarl.rollout.protocol import (
     ActivationReport,
     EngineAsleepError,
@@ -42,6 +41,7 @@ from megarl.rollout.protocol import (
     candidate_seed,
 )
 from megarl.rollout.weight_stream import ManifestMismatchError, TensorManifest
+from megarl.versions import PolicyVersion
 
 __all__ = ["HFRolloutEngine"]
 

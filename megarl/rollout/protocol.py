@@ -23,8 +23,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from megarl.control.versions import PolicyVersion
 from megarl.rollout.weight_stream import TensorManifest
+from megarl.versions import PolicyVersion
 
 __all__ = [
     "FinishReason",

@@ -41,7 +41,6 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from megarl.control.versions import PolicyVersion
 from megarl.rollout.protocol import (
     ActivationReport,
     EngineAsleepError,
@@ -58,6 +57,7 @@ from megarl.rollout.protocol import (
     candidate_seed,
 )
 from megarl.rollout.weight_stream import ManifestMismatchError, TensorManifest, flatten_bucket_by_dtype
+from megarl.versions import PolicyVersion
 
 __all__ = [
     "SGLangRolloutEngine",

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.control.versions import PolicyVersion, config_hash
 from megarl.rollout.weight_stream import TensorManifest, hf_logical_tensors
+from megarl.versions import PolicyVersion, config_hash
 
 __all__ = ["tiny_llama_config", "HFActorStandIn"]
 

@@ -20,10 +20,10 @@ from typing import Callable, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-from megarl.control.versions import PolicyVersion, config_hash
 from megarl.models.weights import iter_hf_tensors, unwrap
 from megarl.rollout.protocol import LoadReport
 from megarl.rollout.weight_stream import TensorManifest, iter_buckets
+from megarl.versions import PolicyVersion, config_hash
 
 Bucket = List[Tuple[str, torch.Tensor]]
 

@@ -4,6 +4,10 @@
 second publish all reuse it), so a version is the tuple the seed prescribes: run id, optimizer
 step, update attempt and the hashes of the weights, the tokenizer contract and the model config.
 Samples carry only the short id (``v42.1-1a2b3c4d``); the full record lives in the manifest.
+
+A leaf module (it imports nothing from megarl): rollout backends, experience records and the
+control loop all share these types without depending on one another
+(tests/test_layering.py enforces it).
 """
 
 from __future__ import annotations

@@ -1,0 +1,150 @@
+"""Import layering: the data-plane packages never reach up into orchestration code.
+
+``megarl/rollout``, ``megarl/experience`` and ``megarl/algo`` are used by the control loop and the
+roles; they must not import ``megarl.control``, ``megarl.roles`` or ``megarl.train`` (that would
+make a backend depend on the loop that drives it).  Types they share with the control plane live
+in leaf modules such as ``megarl/versions.py``, which imports nothing from megarl at all.
+
+The check reads the source (AST), so it sees imports inside functions and ``TYPE_CHECKING``
+blocks as well, and needs none of the heavy dependencies installed.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "megarl"
+
+LOWER_LAYERS = ("rollout", "experience", "algo")
+FORBIDDEN = ("megarl.control", "megarl.roles", "megarl.train")
+LEAF_MODULES = ("versions.py",)
+
+
+def _module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imported_modules(path: Path, root: Path = ROOT):
+    """Yield (lineno, absolute module name) for every import in ``path``.
+
+    ``from a import b`` yields both ``a`` and ``a.b`` (``b`` may be a submodule, e.g.
+    ``from megarl import control``); relative imports are resolved against the file's package;
+    ``importlib.import_module("...")`` / ``__import__("...")`` with a literal name count too.
+    """
+    tree = ast.parse(path.read_text(), filename=str(path))
+    name = _module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base_parts = package.split(".")
+                if node.level > 1:
+                    base_parts = base_parts[: len(base_parts) - (node.level - 1)]
+                base = ".".join(base_parts)
+                mod = f"{base}.{node.module}" if node.module else base
+            else:
+                mod = node.module or ""
+            yield node.lineno, mod
+            for alias in node.names:
+                if alias.name != "*":
+                    yield node.lineno, f"{mod}.{alias.name}"
+        elif isinstance(node, ast.Call) and node.args:
+            fn = node.func
+            fn_name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", None)
+            arg = node.args[0]
+            if fn_name in ("import_module", "__import__") and isinstance(arg, ast.Constant) \
+                    and isinstance(arg.value, str):
+                yield node.lineno, arg.value
+
+
+def _matches(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def _violations(path: Path, prefixes, root: Path = ROOT) -> list[str]:
+    """``file:line: imports X`` for each import matching a prefix, one entry per imported name
+    (``from a import b`` yields ``a`` and ``a.b``: ``a.b`` is dropped when ``a`` matched)."""
+    hits: dict[int, set] = {}
+    for lineno, mod in _imported_modules(path, root):
+        if any(_matches(mod, p) for p in prefixes):
+            hits.setdefault(lineno, set()).add(mod)
+    out = []
+    for lineno in sorted(hits):
+        mods = hits[lineno]
+        for mod in sorted(m for m in mods if not any(m != o and _matches(m, o) for o in mods)):
+            out.append(f"{path.relative_to(root)}:{lineno}: imports {mod}")
+    return out
+
+
+def _lower_layer_files():
+    files = []
+    for sub in LOWER_LAYERS:
+        files.extend(sorted((PKG / sub).rglob("*.py")))
+    return files
+
+
+def test_lower_layers_exist():
+    # Guard against the walk silently checking nothing after a rename.
+    for sub in LOWER_LAYERS:
+        assert (PKG / sub / "__init__.py").is_file(), f"megarl/{sub} is not a package any more"
+    assert len(_lower_layer_files()) >= 10
+
+
+@pytest.mark.parametrize("path", _lower_layer_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_lower_layers_do_not_import_orchestration(path):
+    bad = _violations(path, FORBIDDEN)
+    assert not bad, (
+        f"layering violation (megarl/{'|'.join(LOWER_LAYERS)} must not import "
+        f"{', '.join(FORBIDDEN)}):\n" + "\n".join(bad)
+    )
+
+
+@pytest.mark.parametrize("leaf", LEAF_MODULES)
+def test_leaf_modules_import_nothing_from_megarl(leaf):
+    path = PKG / leaf
+    assert path.is_file(), f"megarl/{leaf} is missing"
+    bad = _violations(path, ("megarl",))
+    assert not bad, f"megarl/{leaf} must be a leaf module (no megarl imports):\n" + "\n".join(bad)
+
+
+def test_old_version_module_is_gone():
+    assert not (PKG / "control" / "versions.py").exists(), (
+        "megarl/control/versions.py was moved to megarl/versions.py; do not reintroduce it"
+    )
+
+
+def test_checker_sees_relative_and_nested_imports(tmp_path):
+    # The checker itself: relative imports are resolved, imports inside functions are seen.
+    pkg = tmp_path / "megarl" / "rollout"
+    pkg.mkdir(parents=True)
+    mod = pkg / "x.py"
+    mod.write_text(
+        "from ..control import state_machine\n"
+        "def f():\n"
+        "    import megarl.roles.offload\n"
+        "    from megarl import train\n"
+        "    import importlib; importlib.import_module('megarl.control.loop')\n"
+        "from .protocol import LoadReport\n"
+    )
+    found = {(ln, m) for ln, m in _imported_modules(mod, tmp_path) if any(_matches(m, f) for f in FORBIDDEN)}
+    assert (1, "megarl.control") in found
+    assert (3, "megarl.roles.offload") in found
+    assert (4, "megarl.train") in found
+    assert (5, "megarl.control.loop") in found
+    assert not any(ln == 6 for ln, _ in found)
+    assert _violations(mod, FORBIDDEN, tmp_path) == [
+        "megarl/rollout/x.py:1: imports megarl.control",
+        "megarl/rollout/x.py:3: imports megarl.roles.offload",
+        "megarl/rollout/x.py:4: imports megarl.train",
+        "megarl/rollout/x.py:5: imports megarl.control.loop",
+    ]
