@@ -20,6 +20,8 @@ setup(
         "psutil",  # required by megatron-core's torch_dist checkpoint writer
         "tqdm",
         "tensorboard",
+        "matplotlib",  # tools/plot_metrics.py
+        "math-verify",  # megarl.rewards.MathVerify (reward.fn: math_verify)
     ],
     extras_require={
         "dev": ["pytest>=8", "hypothesis>=6"],

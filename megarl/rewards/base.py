@@ -1,0 +1,58 @@
+"""The reward-function contract: what a scorer sees and what it must return.
+
+A reward function maps one :class:`RewardSample` to one
+:class:`~megarl.experience.schema.RewardRecord`.  A failure is a *status* (``error``,
+``timeout``, ``invalid``) with ``total=None``, never a silent 0: a crashed scorer must not look
+like a wrong answer to the advantage estimator.  Only
+:func:`megarl.rewards.runner.apply_penalties` may turn a failure into a number, and only when
+the user configured a penalty for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Protocol, runtime_checkable
+
+from megarl.errors import MegarlError
+from megarl.experience.schema import RewardRecord
+
+__all__ = ["RewardSample", "RewardFunction", "RewardConfigError"]
+
+
+class RewardConfigError(MegarlError, ValueError):
+    """A reward configuration the user can fix (unknown reward, bad kwarg, bad regex, bad plug-in
+    path); the message names the config key or value."""
+
+
+@dataclass(frozen=True)
+class RewardSample:
+    """Everything a scorer may look at for one response.
+
+    ``ground_truth`` is the dataset row minus its prompt (e.g. ``{"answer": "42"}``);
+    ``messages`` are the chat messages when the prompt was a chat, so a reward model with its
+    own chat template can re-render the conversation instead of re-parsing ``prompt_text``.
+    """
+
+    sample_id: str
+    prompt_id: str
+    group_id: str
+    prompt_text: str
+    response_text: str
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+    finish_reason: str
+    ground_truth: Mapping[str, Any]
+    messages: tuple[Mapping[str, str], ...] | None = None
+
+
+@runtime_checkable
+class RewardFunction(Protocol):
+    """A scorer: ``name`` identifies it in components / logs, ``version`` goes into every
+    record's ``scorer_version`` so that scores from different scorer configurations are never
+    silently mixed.  Calls may run concurrently on worker threads, so ``__call__`` must be
+    thread-safe; it may raise (the runner turns that into status ``error``)."""
+
+    name: str
+    version: str
+
+    def __call__(self, sample: RewardSample) -> RewardRecord: ...
