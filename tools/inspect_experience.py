@@ -1,0 +1,272 @@
+#!/usr/bin/env python
+"""Show one sample of a sealed experience batch in readable form.
+
+    tools/inspect_experience.py DIR [--sample ID | --index N | --list] [--tokenizer TOKDIR]
+
+DIR is a batch written by ``megarl.experience.seal.save_sealed`` (``manifest.json`` +
+``experience.safetensors``); it is loaded with ``load_sealed``, which verifies the file and
+content hashes, so a corrupted batch is refused (error naming the file, exit status 2).
+
+For one sample (``--sample ID``, else ``--index N``, default 0) it prints the ids, policy
+version, finish reason and sampling config, the prompt and response (text when ``--tokenizer``
+names the run's tokenizer directory; token ids always), a table with one row per real
+response token (position, token id, token text, response_mask, loss_mask, rollout / old /
+reference log-probs, value, advantage, return, and is_weight / shaped_reward when present;
+columns the batch does not hold are left out), then the reward record and the batch's
+content hash.  ``--list`` prints one line per sample instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megarl.errors import MegarlError, cli_main  # noqa: E402
+
+
+class InspectError(MegarlError, ValueError):
+    pass
+
+
+# ---- loading -----------------------------------------------------------------------------------
+
+
+def load_batch(directory: str):
+    from megarl.experience.seal import MANIFEST_NAME, CorruptExperienceError, load_sealed
+
+    if not os.path.isdir(directory):
+        raise InspectError(f"{directory}: experience directory not found")
+    manifest = os.path.join(directory, MANIFEST_NAME)
+    if not os.path.isfile(manifest):
+        raise InspectError(f"{manifest}: not found (DIR must be a batch written by save_sealed)")
+    try:
+        return load_sealed(directory)
+    except CorruptExperienceError as e:
+        # Hash mismatches of the tensor file already name it; a content-hash mismatch names no
+        # file (the tensors and the metadata are covered together): point at the manifest.
+        msg = str(e)
+        where = "" if directory in msg or os.path.abspath(directory) in msg else f"{manifest}: "
+        raise InspectError(f"{where}corrupt experience batch: {msg}") from None
+    except (OSError, KeyError, TypeError, ValueError) as e:
+        detail = f"missing key {e}" if isinstance(e, KeyError) else str(e) or type(e).__name__
+        raise InspectError(f"{manifest}: cannot load experience batch: {detail}") from None
+    except Exception as e:  # safetensors' own error type for an unreadable header
+        if type(e).__name__ == "SafetensorError":
+            raise InspectError(f"{directory}: cannot read the tensor file: {e}") from None
+        raise
+
+
+def load_tokenizer(path: str):
+    if not os.path.isdir(path):
+        raise InspectError(f"{path}: tokenizer directory not found")
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 -- any failure here is a bad --tokenizer argument
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InspectError(f"{path}: cannot load a tokenizer: {first}") from None
+
+
+def select(batch, sample: str | None, index: int | None) -> int:
+    ids = batch.facts.sample_id
+    bs = len(ids)
+    if sample is not None:
+        if sample not in ids:
+            near = [s for s in ids if sample in s][:5]
+            hint = f"; ids containing it: {near}" if near else f"; first ids: {list(ids[:3])}"
+            raise InspectError(f"sample {sample!r} is not in this batch ({bs} samples){hint}")
+        return ids.index(sample)
+    i = 0 if index is None else index
+    if not -bs <= i < bs:
+        raise InspectError(f"--index {i} out of range: the batch has {bs} samples (0..{bs - 1})")
+    return i % bs
+
+
+# ---- formatting --------------------------------------------------------------------------------
+
+
+def _q(text: str) -> str:
+    """A token's text, quoted with escapes so whitespace and newlines are visible."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _num(x: float) -> str:
+    return f"{x + 0.0:.4f}"  # + 0.0: no "-0.0000"
+
+
+def _decode(tok, ids: list[int]) -> str:
+    try:
+        return tok.decode(ids, skip_special_tokens=False)
+    except Exception as e:  # noqa: BLE001 -- ids outside the vocabulary, a foreign tokenizer
+        return f"<cannot decode: {e}>"
+
+
+def _token_text(tok, t: int) -> str:
+    if t < 0 or t >= len(tok):
+        return "<out of vocab>"
+    return _q(_decode(tok, [t]))
+
+
+def _block(text: str, indent: str = "    | ") -> list[str]:
+    return [indent + line for line in (text.split("\n") if text else [""])]
+
+
+def _table(header: list[str], rows: list[list[str]], left: tuple[str, ...] = ()) -> list[str]:
+    """Right-aligned columns, except those named in ``left``."""
+    widths = [max(len(h), *(len(r[c]) for r in rows)) if rows else len(h) for c, h in enumerate(header)]
+    just = [str.ljust if h in left else str.rjust for h in header]
+    fmt = lambda cells: "  " + "  ".join(j(c, w) for c, w, j in zip(cells, widths, just)).rstrip()  # noqa: E731
+    return [fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+
+
+def _reward_total(r) -> str:
+    return "-" if r.total is None else f"{r.total:g}"
+
+
+def describe(batch, i: int, directory: str, tok=None) -> list[str]:
+    f, d = batch.facts, batch.derived
+    P = f.prompt_len
+    am = f.attention_mask[i].tolist()
+    prompt_real = [p for p in range(P) if am[p]]
+    resp_real = [t for t in range(f.response_len) if am[P + t]]
+    prompt_ids = [int(f.prompt_ids[i, p]) for p in prompt_real]
+    response_ids = f.response_ids[i].tolist()
+    rmask = f.response_mask[i].tolist()
+    seed = f.seed[i]
+
+    out = [
+        f"batch           {directory}",
+        f"run_id          {f.run_id}",
+        f"iteration       {f.iteration}",
+        f"sample          {i} of {f.batch_size}",
+        f"sample_id       {f.sample_id[i]}",
+        f"prompt_id       {f.prompt_id[i]}",
+        f"group_id        {f.group_id[i]}",
+        f"request_id      {f.request_id[i]}",
+        f"seed            {'-' if seed is None else seed}",
+        f"policy_version  {f.policy_version[i]}",
+        f"finish_reason   {f.finish_reason[i].value}",
+        "sampling        " + " ".join(f"{k}={v}" for k, v in f.sampling.to_json().items()),
+    ]
+    if d is not None:
+        hp = json.dumps(dict(d.hyperparameters), sort_keys=True)
+        out.append(f"derived         estimator={d.estimator} hyperparameters={hp}")
+    else:
+        out.append("derived         (none: no advantages / returns in this batch)")
+
+    out += ["", f"prompt: {len(prompt_ids)} tokens ({P - len(prompt_ids)} left padding)"]
+    if tok is not None:
+        out += ["  text:"] + _block(_decode(tok, prompt_ids))
+    out.append(f"  ids: {prompt_ids}")
+    n_actions = sum(1 for t in resp_real if rmask[t])
+    out += ["", f"response: {len(resp_real)} tokens, {n_actions} sampled actions "
+                f"({f.response_len - len(resp_real)} right padding)"]
+    if tok is not None:
+        out += ["  text:"] + _block(_decode(tok, [response_ids[t] for t in resp_real]))
+    out.append(f"  ids: {[response_ids[t] for t in resp_real]}")
+
+    # Columns: name, header, per-token values (None when the batch does not hold it).
+    lps = [("rollout_lp", "rollout", f.rollout_log_probs), ("old_lp", "old", f.old_log_probs),
+           ("ref_lp", "ref", f.ref_log_probs)]
+    out += ["", "log-prob producers:"]
+    for col, label, lp in lps:
+        if lp is None:
+            out.append(f"  {label:<8}(not recorded)")
+        else:
+            p = lp.producer
+            out.append(f"  {label:<8}role={p.role} version={p.version} space={p.space}  -> column {col}")
+    out.append(f"  {'value':<8}" + (f"critic_version={f.critic_version}" if f.values is not None else "(not recorded)"))
+
+    header = ["pos", "token"] + (["text"] if tok is not None else []) + ["response_mask"]
+    numeric: list[tuple[str, object, bool]] = []  # (header, tensor, is_mask)
+    if d is not None:
+        numeric.append(("loss_mask", d.loss_mask, True))
+    numeric += [(col, lp.values, False) for col, _, lp in lps if lp is not None]
+    if f.values is not None:
+        numeric.append(("value", f.values, False))
+    if d is not None:
+        numeric += [(name, t, False) for name, t in (("advantage", d.advantages), ("return", d.returns),
+                                                    ("is_weight", d.is_weights), ("shaped_reward", d.shaped_rewards))
+                    if t is not None]
+    header += [h for h, _, _ in numeric]
+    columns = [(t[i].tolist(), is_mask) for _, t, is_mask in numeric]
+    rows = []
+    for t in resp_real:
+        row = [str(t), str(response_ids[t])]
+        if tok is not None:
+            row.append(_token_text(tok, response_ids[t]))
+        row.append(str(rmask[t]))
+        for values, is_mask in columns:
+            v = values[t]
+            row.append(f"{v:g}" if is_mask else _num(v))
+        rows.append(row)
+    out += ["", "per-token (real response tokens):"] + _table(header, rows, left=("text",))
+
+    r = f.rewards[i]
+    comps = ", ".join(f"{k}={v:g}" for k, v in sorted(r.components.items())) or "(none)"
+    out += [
+        "",
+        "reward:",
+        f"  total           {_reward_total(r)}",
+        f"  status          {r.status.value}",
+        f"  error           {r.error if r.error else '-'}",
+        f"  components      {comps}",
+        f"  scorer_version  {r.scorer_version}",
+    ]
+    if r.step_rewards is not None:
+        steps = ", ".join(f"{s:g}@{e}" for s, e in zip(r.step_rewards, r.step_token_ends))
+        out.append(f"  step_rewards    {steps}  (score@last response token of the step)")
+    out += ["", f"content_hash    {batch.content_hash}"]
+    return out
+
+
+def listing(batch, directory: str) -> list[str]:
+    f = batch.facts
+    P = f.prompt_len
+    resp_len = f.attention_mask[:, P:].sum(dim=1).tolist()
+    actions = f.response_lengths().tolist()
+    rows = []
+    for i, sid in enumerate(f.sample_id):
+        r = f.rewards[i]
+        rows.append([str(i), sid, f.policy_version[i], f.finish_reason[i].value, _reward_total(r),
+                     r.status.value, str(int(resp_len[i])), str(int(actions[i]))])
+    header = ["index", "sample_id", "version", "finish", "reward", "status", "resp_len", "actions"]
+    widths = [max(len(h), *(len(r[c]) for r in rows)) for c, h in enumerate(header)]
+    fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return [
+        f"batch {directory}: run_id={f.run_id} iteration={f.iteration} samples={f.batch_size} "
+        f"content_hash={batch.content_hash}",
+        fmt(header),
+    ] + [fmt(r) for r in rows]
+
+
+@cli_main
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("dir", help="sealed experience directory (manifest.json + experience.safetensors)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--sample", help="sample_id to show")
+    which.add_argument("--index", type=int, help="index of the sample to show (default 0)")
+    which.add_argument("--list", action="store_true", help="one line per sample")
+    p.add_argument("--tokenizer", help="tokenizer directory: decode prompt, response and tokens")
+    args = p.parse_args(argv)
+
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="backslashreplace")
+    batch = load_batch(args.dir)
+    if args.list:
+        lines = listing(batch, args.dir)
+    else:
+        i = select(batch, args.sample, args.index)
+        tok = load_tokenizer(args.tokenizer) if args.tokenizer else None
+        lines = describe(batch, i, args.dir, tok)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
