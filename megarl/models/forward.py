@@ -225,3 +225,29 @@ def response_log_probs(model, prompt_ids: torch.Tensor, response_ids: torch.Tens
     tokens, plen, rlen = right_align(prompt_ids, response_ids, attention_mask)
     lp = teacher_forced_log_probs(model, tokens, micro_batch_size, temperature)
     return gather_response(lp, plen, rlen, response_ids.shape[1])
+
+
+def vocab_parallel_entropy(logits_shard: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Entropy ``-sum_v p_v log p_v`` of softmax(logits) from vocab-parallel logits, ``(b, s)``.
+
+    H = log Z - sum_v p_v z_v with Z = sum_v exp(z_v): the two sums are all-reduced over the TP
+    group with autograd-aware collectives, so an entropy bonus back-propagates into every shard.
+    Padded vocabulary rows are excluded.
+    """
+    from megatron.core import parallel_state as ps
+    from torch.distributed.nn.functional import all_reduce
+
+    z = mask_padded_vocab(logits_shard, vocab_size).float()
+    group = ps.get_tensor_model_parallel_group()
+    tp = ps.get_tensor_model_parallel_world_size()
+    m = z.detach().max(dim=-1, keepdim=True).values
+    if tp > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    finite = torch.isfinite(z)
+    e = torch.where(finite, torch.exp(z - m), torch.zeros((), dtype=z.dtype, device=z.device))
+    s = e.sum(-1)
+    ez = (e * torch.where(finite, z - m, torch.zeros((), dtype=z.dtype, device=z.device))).sum(-1)
+    if tp > 1:
+        s = all_reduce(s, group=group)
+        ez = all_reduce(ez, group=group)
+    return torch.log(s) - ez / s

@@ -1,0 +1,84 @@
+"""From generation results to the experience layout, and from a sealed batch to update steps.
+
+* :func:`collate` -- accepted samples (in group order) to left-padded prompts, right-padded
+  responses and their masks (the experience layout of ``megarl.experience.schema``).
+* :func:`plan_mini_batches` -- a seeded shuffle of whole groups into mini-batches (a GRPO
+  group is never split across mini-batches), each padded to equal micro-batches on every DP
+  rank with rows whose loss mask is 0 (they contribute exactly nothing to loss or gradient).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class Collated:
+    prompt_ids: torch.Tensor  # (bs, P) left-padded
+    response_ids: torch.Tensor  # (bs, R) right-padded
+    attention_mask: torch.Tensor  # (bs, P + R)
+    response_mask: torch.Tensor  # (bs, R)
+    rollout_log_probs: torch.Tensor  # (bs, R) raw space, 0 on padding
+
+
+def collate(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+            raw_log_probs: Sequence[torch.Tensor], pad_id: int) -> Collated:
+    """Every response token is a sampled action (no tool output in these rollouts)."""
+    B = len(prompts)
+    P = max(len(p) for p in prompts)
+    R = max(max(len(r) for r in responses), 1)
+    prompt = torch.full((B, P), pad_id, dtype=torch.long)
+    resp = torch.full((B, R), pad_id, dtype=torch.long)
+    am = torch.zeros(B, P + R, dtype=torch.long)
+    rm = torch.zeros(B, R, dtype=torch.long)
+    lp = torch.zeros(B, R, dtype=torch.float32)
+    for b, (p, r, l) in enumerate(zip(prompts, responses, raw_log_probs)):
+        prompt[b, P - len(p):] = torch.tensor(list(p), dtype=torch.long)
+        resp[b, :len(r)] = torch.tensor(list(r), dtype=torch.long)
+        am[b, P - len(p):P + len(r)] = 1
+        rm[b, :len(r)] = 1
+        lp[b, :len(r)] = l.float()
+    return Collated(prompt, resp, am, rm, lp)
+
+
+@dataclass(frozen=True)
+class MiniBatchPlan:
+    """Row indices of one mini-batch: ``rows`` the real samples, ``padded`` the same rows
+    extended to a multiple of ``dp x micro_batch_size`` (extra entries repeat a real row and
+    are marked in ``is_pad``)."""
+
+    rows: torch.Tensor
+    padded: torch.Tensor
+    is_pad: torch.Tensor
+
+    def rank_rows(self, dp_rank: int, dp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        per = self.padded.numel() // dp_size
+        sl = slice(dp_rank * per, (dp_rank + 1) * per)
+        return self.padded[sl], self.is_pad[sl]
+
+
+def plan_mini_batches(group_ids: Sequence[str], num_mini_batches: int, dp_size: int, micro_batch_size: int,
+                      generator: torch.Generator) -> list[MiniBatchPlan]:
+    """Shuffle whole groups, deal them into ``num_mini_batches`` mini-batches as evenly as the
+    group count allows, shuffle rows within each (groups stay whole: only their position moves),
+    and pad each to a multiple of ``dp_size x micro_batch_size``."""
+    order: dict[str, list[int]] = {}
+    for i, g in enumerate(group_ids):
+        order.setdefault(g, []).append(i)
+    groups = list(order.values())
+    perm = torch.randperm(len(groups), generator=generator).tolist()
+    k = min(num_mini_batches, len(groups))
+    plans = []
+    for chunk in torch.tensor(perm).tensor_split(k) if k else []:
+        rows = torch.tensor([i for gi in chunk.tolist() for i in groups[gi]], dtype=torch.long)
+        rows = rows[torch.randperm(rows.numel(), generator=generator)]
+        unit = dp_size * micro_batch_size
+        total = -(-rows.numel() // unit) * unit
+        pad = total - rows.numel()
+        padded = torch.cat([rows, rows[:1].repeat(pad)]) if pad else rows
+        is_pad = torch.cat([torch.zeros(rows.numel(), dtype=torch.bool), torch.ones(pad, dtype=torch.bool)])
+        plans.append(MiniBatchPlan(rows, padded, is_pad))
+    return plans

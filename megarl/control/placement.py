@@ -1,0 +1,96 @@
+"""Where rollout engines live and which requests each one serves.
+
+* ``hf`` (CPU default): one engine per training data-parallel replica, held by the replica's
+  model-parallel leader (tp rank 0, first PP stage); the other ranks of the replica drain the
+  weight stream.
+* ``sglang`` (GPU): inference groups of ``rollout.tp`` consecutive ranks; every rank of a group
+  holds the group's engine handle (SGLang runs its TP schedulers itself; rank 0 of the group
+  talks to them).
+
+Requests are dealt to inference groups in contiguous, near-equal shares; results are gathered
+to every rank in request order, so the whole batch exists everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch.distributed as dist
+
+from megarl.rollout.protocol import GenerationRequest, GenerationResult, SamplingParams
+from megarl.runtime.data_parallel import dp_rank, dp_size, gather_objects, is_mp_leader
+
+
+@dataclass
+class Placement:
+    num_groups: int  # inference groups
+    group_index: int  # this rank's group, or -1 when it holds no engine
+    is_group_leader: bool  # answers for its group when results are gathered
+    process_group: Optional[object] = None  # sglang inference group
+
+    @property
+    def holds_engine(self) -> bool:
+        return self.group_index >= 0
+
+
+def make_placement(backend: str, rollout_tp: int) -> Placement:
+    if backend == "hf":
+        lead = is_mp_leader()
+        return Placement(num_groups=dp_size(), group_index=dp_rank() if lead else -1, is_group_leader=lead)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % rollout_tp:
+        from megarl.config import ConfigError
+
+        raise ConfigError(f"rollout.tp={rollout_tp} does not divide the world size {world}")
+    mine = None
+    for start in range(0, world, rollout_tp):  # every rank creates every group (collective)
+        g = dist.new_group(list(range(start, start + rollout_tp)))
+        if start <= rank < start + rollout_tp:
+            mine = g
+    return Placement(num_groups=world // rollout_tp, group_index=rank // rollout_tp,
+                     is_group_leader=rank % rollout_tp == 0, process_group=mine)
+
+
+def create_engine(cfg, placement: Placement, config_dir: str, eos_token_ids: Sequence[int], pad_token_id: int):
+    """The rollout engine of this rank's inference group (None when it holds none)."""
+    if not placement.holds_engine:
+        return None
+    from megarl.rollout import create_rollout_engine
+
+    r = cfg.rollout
+    if r.backend == "hf":
+        from megarl.runtime.distributed import device
+
+        return create_rollout_engine("hf", config_dir, eos_token_ids=list(eos_token_ids),
+                                     pad_token_id=pad_token_id, device=str(device()))
+    return create_rollout_engine(
+        "sglang", config_dir, tp_size=r.tp, group=placement.process_group, eos_token_ids=list(eos_token_ids),
+        mem_fraction_static=r.mem_fraction_static, seed=cfg.trainer.seed,
+        engine_kwargs={"enable_memory_saver": r.enable_memory_saver})
+
+
+def shares(n: int, parts: int) -> List[slice]:
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        k = base + (1 if i < extra else 0)
+        out.append(slice(start, start + k))
+        start += k
+    return out
+
+
+def generate_everywhere(engine, placement: Placement, requests: Sequence[GenerationRequest],
+                        sampling: SamplingParams) -> List[GenerationResult]:
+    """Collective: each inference group serves its share; every rank gets all results, in
+    request order (candidates of a request consecutive)."""
+    mine: list = []
+    if placement.holds_engine:
+        share = list(requests[shares(len(requests), placement.num_groups)[placement.group_index]])
+        mine = engine.generate(share, sampling) if share else []
+    gathered = gather_objects((placement.group_index, mine) if placement.is_group_leader else None)
+    by_group = {g: res for item in gathered if item is not None for g, res in [item]}
+    results = [r for g in range(placement.num_groups) for r in by_group.get(g, [])]
+    order = {r.request_id: i for i, r in enumerate(requests)}
+    results.sort(key=lambda r: (order[r.request_id], r.candidate_index))
+    return results

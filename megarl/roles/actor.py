@@ -1,0 +1,75 @@
+"""The actor: the trainable policy (megatron GPTModel + megatron DDP + optimizer + LR schedule).
+
+It owns its weights, optimizer state and schedule, and answers three questions for the loop:
+the log-probs of given experience under the current weights (old log-probs, before any update),
+one optimizer step over micro-batches through megatron's schedule (so PP works), and the
+manifest / HF export of the weights it holds.  It knows nothing of versions or ordering: the
+control loop owns those.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Sequence
+
+import torch
+
+from megarl.models.forward import response_log_probs
+from megarl.models.megatron_ckpt import load_model
+from megarl.models.optim import StepResult, train_step, wrap_for_training
+from megarl.models.weights import export_hf, unwrap
+from megarl.roles.common import lr_scheduler, optim_config
+
+
+class Actor:
+    """Args: ``path`` HF or megarl checkpoint; ``optim`` an OptimSettings section;
+    ``total_steps`` optimizer steps of the run (for LR decay)."""
+
+    def __init__(self, path: str, tp: int, pp: int, optim, total_steps: int, vocab_multiple: int = 128,
+                 offload: bool = False):
+        self.path = path
+        self.model = load_model(path, tp=tp, pp=pp, vocab_multiple=vocab_multiple)
+        self.ddp, self.optimizer = wrap_for_training(self.model, optim_config(optim))
+        self.scheduler = lr_scheduler(self.optimizer, optim, total_steps)
+        self.spec = unwrap(self.model).megarl_spec
+        self.steps = 0
+        self.offloader = None
+        if offload:
+            from megarl.roles.offload import ActorOffloader
+
+            # grads need not survive: train_step zeroes the grad buffer before accumulating
+            self.offloader = ActorOffloader(self.ddp, self.optimizer, preserve_grads=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.spec.vocab_size
+
+    def log_probs(self, prompt_ids: torch.Tensor, response_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  micro_batch_size: int) -> torch.Tensor:
+        """``(b, R)`` raw-space log-probs of the response tokens under the current weights
+        (collective over the model-parallel group, eval mode, no grad)."""
+        return response_log_probs(self.ddp, prompt_ids, response_ids, attention_mask, micro_batch_size)
+
+    def train_step(self, micro_batches: Sequence[Dict[str, torch.Tensor]],
+                   loss_fn: Callable) -> StepResult:
+        """One optimizer step; the LR schedule advances only when the step was applied."""
+        result = train_step(self.ddp, self.optimizer, micro_batches, loss_fn)
+        if result.update_successful:
+            self.scheduler.step(increment=1)
+            self.steps += 1
+        return result
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def export(self, out_dir: str, tokenizer_dir: Optional[str] = None) -> None:
+        """Collective: the current weights as an HF checkpoint (rank 0 writes)."""
+        export_hf(self.ddp, out_dir, tokenizer_dir=tokenizer_dir)
+
+    def onload(self) -> None:
+        if self.offloader is not None and self.offloader.is_offloaded:
+            self.offloader.onload()
+
+    def offload(self) -> None:
+        if self.offloader is not None and not self.offloader.is_offloaded:
+            self.offloader.offload()

@@ -1,0 +1,51 @@
+"""What the roles share: the LR schedule, and teacher-forced forwards in the experience layout."""
+
+from __future__ import annotations
+
+import torch
+
+from megarl.models.optim import OptimConfig
+
+
+def optim_config(o) -> OptimConfig:
+    """megarl's OptimConfig from a config ``OptimSettings`` section."""
+    return OptimConfig(optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+                       adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+                       clip_grad=o.clip_grad)
+
+
+def lr_scheduler(optimizer, o, total_steps: int):
+    """megatron's ``OptimizerParamScheduler``: warmup then constant / linear / cosine decay.
+
+    Steps are optimizer steps (one per mini-batch per PPO epoch).
+    """
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    warm = max(int(o.lr_warmup_steps), 0)
+    decay = max(total_steps, warm + 1)
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if warm else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+        lr_warmup_steps=warm, lr_decay_steps=decay, lr_decay_style=o.lr_decay_style,
+        start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=decay, wd_incr_style="constant",
+    )
+
+
+def step_tensors(prompt_ids: torch.Tensor, response_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 length: int | None = None) -> dict[str, torch.Tensor]:
+    """Experience layout -> the actor's right-aligned rows, padded to ``length`` columns.
+
+    Returns ``tokens (b, L)``, ``prompt_lens (b,)``, ``response_lens (b,)``.
+    """
+    from megarl.models.forward import right_align
+
+    tokens, plen, rlen = right_align(prompt_ids, response_ids, attention_mask)
+    if length is not None:
+        if tokens.shape[1] > length:
+            raise ValueError(f"rows of {tokens.shape[1]} tokens do not fit the step length {length}")
+        tokens = torch.nn.functional.pad(tokens, (0, length - tokens.shape[1]))
+    return {"tokens": tokens, "prompt_lens": plen, "response_lens": rlen}
+
+
+def sequence_length(attention_mask: torch.Tensor) -> int:
+    """Longest real row of a batch (prompt + response tokens)."""
+    return int(attention_mask.sum(1).max())

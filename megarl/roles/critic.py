@@ -1,0 +1,85 @@
+"""The PPO critic: a value-head megatron model V(s_t) with its own optimizer and schedule.
+
+Initialised either from a value-head checkpoint (``critic.path``) or from the actor's starting
+weights with a zero value head (the usual choice when no reward model is at hand: the trunk
+already represents the task, and V starts at 0 for every state).  A reward model is a different
+role even when it initialises the critic (InstructGPT): the critic trains, the RM never does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, Optional, Sequence
+
+import torch
+
+from megarl.models.builder import BuildOptions, build_model
+from megarl.models.forward import gather_response, scalar_values
+from megarl.models.megatron_ckpt import load_model
+from megarl.models.optim import StepResult, train_step, wrap_for_training
+from megarl.models.weights import unwrap
+from megarl.roles.common import lr_scheduler, optim_config, step_tensors
+
+
+def value_head_spec(actor_spec):
+    """The actor's architecture with a scalar head (HF ``*ForTokenClassification``, num_labels=1)."""
+    arch = actor_spec.architecture.replace("ForCausalLM", "ForTokenClassification")
+    return dataclasses.replace(actor_spec, architecture=arch, value_head=True, value_head_bias=False,
+                               tie_word_embeddings=False)
+
+
+class Critic:
+    def __init__(self, cfg, actor_model, tp: int, pp: int, total_steps: int, vocab_multiple: int = 128):
+        if cfg.path is not None:
+            self.model = load_model(cfg.path, tp=tp, pp=pp, vocab_multiple=vocab_multiple)
+            if not unwrap(self.model).megarl_spec.value_head:
+                from megarl.config import ConfigError
+
+                raise ConfigError(f"critic.path: {cfg.path} is not a value-head checkpoint "
+                                  "(expected an HF *ForTokenClassification with num_labels=1)")
+            self.init = cfg.path
+        else:
+            actor = unwrap(actor_model)
+            opts = dataclasses.replace(actor.megarl_opts, init_weights=False)
+            self.model = build_model(value_head_spec(actor.megarl_spec), opts)
+            self._copy_trunk(actor)
+            self.init = "actor"
+        self.ddp, self.optimizer = wrap_for_training(self.model, optim_config(cfg.optim))
+        self.scheduler = lr_scheduler(self.optimizer, cfg.optim, total_steps)
+        self.value_clip = cfg.value_clip
+        self.steps = 0
+        self.version = f"critic-{self.steps}"
+
+    @torch.no_grad()
+    def _copy_trunk(self, actor) -> None:
+        src = dict(actor.named_parameters())
+        for name, p in unwrap(self.model).named_parameters():
+            if name.startswith("output_layer."):
+                p.zero_()  # V = 0 everywhere at the start
+            elif name in src and src[name].shape == p.shape:
+                p.copy_(src[name])
+            else:
+                raise ValueError(f"critic parameter {name} {tuple(p.shape)} has no counterpart in the actor")
+
+    def values(self, prompt_ids: torch.Tensor, response_ids: torch.Tensor, attention_mask: torch.Tensor,
+               micro_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """V(s_t) before each response token ``(b, R)`` and V(s_T) after the last one ``(b,)``.
+
+        s_t is the prefix (prompt, response[:t]); its value is read at the position of its last
+        token, ``prompt_len - 1 + t``, the same position that predicts response token t.
+        """
+        st = step_tensors(prompt_ids, response_ids, attention_mask)
+        v = scalar_values(self.ddp, st["tokens"], micro_batch_size)
+        R = response_ids.shape[1]
+        per_token = gather_response(v, st["prompt_lens"], st["response_lens"], R)
+        last = (st["prompt_lens"] + st["response_lens"] - 1).clamp(max=v.shape[1] - 1)
+        bootstrap = v.gather(1, last[:, None].to(v.device))[:, 0]
+        return per_token, bootstrap
+
+    def train_step(self, micro_batches: Sequence[Dict[str, torch.Tensor]], loss_fn: Callable) -> StepResult:
+        result = train_step(self.ddp, self.optimizer, micro_batches, loss_fn)
+        if result.update_successful:
+            self.scheduler.step(increment=1)
+            self.steps += 1
+            self.version = f"critic-{self.steps}"
+        return result

@@ -1,0 +1,54 @@
+"""The reference policy: a frozen copy of the starting actor, the KL anchor.
+
+Eval mode, no optimizer, an explicit version.  It changes only when the config says so
+(``reference.refresh_every``: never by default, or every K iterations, as in DeepSeekMath's
+iterative GRPO), never as a side effect of a reload.  Offloaded to the host between its
+forwards when configured (GPU time-slicing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+
+from megarl.models.forward import response_log_probs
+from megarl.models.megatron_ckpt import load_model
+from megarl.models.weights import unwrap
+
+
+class Reference:
+    def __init__(self, path: str, tp: int, pp: int, version: str, vocab_multiple: int = 128,
+                 offload: bool = False):
+        self.model = load_model(path, tp=tp, pp=pp, vocab_multiple=vocab_multiple)
+        self.model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.version = version
+        self.refreshes = 0
+        self.offloader = None
+        if offload:
+            from megarl.roles.offload import ReferenceOffloader
+
+            self.offloader = ReferenceOffloader(self.model)
+            self.offloader.offload()
+
+    def _on_device(self):
+        return self.offloader.on_device() if self.offloader is not None else contextlib.nullcontext()
+
+    def log_probs(self, prompt_ids: torch.Tensor, response_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  micro_batch_size: int) -> torch.Tensor:
+        """``(b, R)`` reference log-probs of the response tokens (collective over the MP group)."""
+        with self._on_device():
+            return response_log_probs(self.model, prompt_ids, response_ids, attention_mask, micro_batch_size)
+
+    @torch.no_grad()
+    def refresh_from(self, actor_model, version: str) -> None:
+        """Copy the actor's current weights (same layout) into the reference; new ``version``."""
+        src = dict(unwrap(actor_model).named_parameters())
+        with self._on_device():
+            for name, p in unwrap(self.model).named_parameters():
+                p.copy_(src[name].detach())
+        self.version = version
+        self.refreshes += 1

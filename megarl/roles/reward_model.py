@@ -1,0 +1,74 @@
+"""The neural reward model: a value-head megatron model, eval only, with its own tokenizer.
+
+A reward model may have been trained with another tokenizer and chat template than the actor
+(seed: "应把同一语义 response 交给各 scorer 自己的已版本化 preprocessing"), so it never reads the
+actor's token ids: the semantic sample (the chat messages, or the prompt text, plus the
+response text) is rendered with the RM's own template and tokenizer, and the score is the
+head's output at the last token.  The mapping from sample to scorer input is kept (``inputs``)
+so a score can be traced back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional, Sequence
+
+import torch
+
+from megarl.data.tokenizer import TokenizerContract
+from megarl.models.forward import scalar_values
+from megarl.models.megatron_ckpt import load_model
+from megarl.models.weights import unwrap
+from megarl.runtime.data_parallel import map_rows
+
+
+class RewardModel:
+    def __init__(self, path: str, tp: int, pp: int, tokenizer: Optional[str] = None,
+                 chat_template: Optional[str] = None, vocab_multiple: int = 128, offload: bool = False,
+                 micro_batch_size: int = 8):
+        from megarl.config import ConfigError
+
+        self.model = load_model(path, tp=tp, pp=pp, vocab_multiple=vocab_multiple)
+        if not unwrap(self.model).megarl_spec.value_head:
+            raise ConfigError(f"reward.model.path: {path} is not a value-head checkpoint "
+                              "(expected an HF *ForTokenClassification with num_labels=1)")
+        self.model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        template = open(chat_template).read() if chat_template else None
+        self.contract = TokenizerContract.from_pretrained(tokenizer or path, chat_template=template)
+        self.version = f"rm-{self.contract.hash[7:15]}-{path}"
+        self.micro_batch_size = micro_batch_size
+        self.offloader = None
+        if offload:
+            from megarl.roles.offload import ReferenceOffloader
+
+            self.offloader = ReferenceOffloader(self.model)
+            self.offloader.offload()
+
+    def encode(self, messages: Optional[Sequence[dict]], prompt_text: str, response_text: str) -> list[int]:
+        """The RM's own rendering of (prompt, response)."""
+        if self.contract.chat_template is not None:
+            chat = list(messages) if messages else [{"role": "user", "content": prompt_text}]
+            return self.contract.encode_prompt(chat + [{"role": "assistant", "content": response_text}],
+                                               add_generation_prompt=False)
+        return self.contract.tokenizer.encode(prompt_text + response_text, add_special_tokens=True)
+
+    @torch.no_grad()
+    def score(self, inputs: Sequence[Sequence[int]]) -> torch.Tensor:
+        """``(n,)`` float scores, the head at each sequence's last token (collective: every rank
+        passes the same ``inputs``; rows are split over DP)."""
+        n = len(inputs)
+        L = max(len(x) for x in inputs)
+        pad = self.contract.pad_token_id or 0
+        tokens = torch.full((n, L), pad, dtype=torch.long)
+        for i, x in enumerate(inputs):
+            tokens[i, :len(x)] = torch.tensor(list(x), dtype=torch.long)
+        lengths = torch.tensor([len(x) for x in inputs], dtype=torch.long)
+        ctx = self.offloader.on_device() if self.offloader is not None else contextlib.nullcontext()
+        with ctx:
+            def run(tok, ln):
+                v = scalar_values(self.model, tok, self.micro_batch_size)
+                return v.gather(1, (ln - 1)[:, None].to(v.device))[:, 0].float()
+
+            return map_rows(run, tokens, lengths).cpu()

@@ -1,0 +1,27 @@
+"""User reward functions that fail by design, loaded by dotted path in end-to-end tests.
+
+The failure depends on the prompt's position in the batch (``.../p000`` raises, ``.../p001``
+hangs past any sane timeout), so a test knows exactly which groups must be dropped.
+"""
+
+import time
+
+from megarl.data.tasks.arithmetic import score
+
+
+def raise_or_hang(sample):
+    if sample.group_id.endswith("/p000"):
+        raise RuntimeError("verifier crashed (injected by the test)")
+    if sample.group_id.endswith("/p001"):
+        time.sleep(1.5)
+    return score(sample.response_text, sample.ground_truth["answer"])
+
+
+def digit_count_text(text: str) -> float:
+    return float(sum(ch.isdigit() for ch in text))
+
+
+def digit_count(sample):
+    """A dense, model-independent reward (digits in the response) so that every group of an
+    untrained model has a reward spread and the first update is not a zero step."""
+    return digit_count_text(sample.response_text)

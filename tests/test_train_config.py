@@ -1,0 +1,110 @@
+"""Bad configs fail at start-up, before any model loads, with the key named (exit 2)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megarl.config import ConfigError, config_hash, load_config, validate, validate_model_fit
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GRPO = os.path.join(ROOT, "configs", "grpo_arith_tiny.yaml")
+PPO = os.path.join(ROOT, "configs", "ppo_arith_tiny.yaml")
+
+
+def _fail(path, overrides, key, world=1):
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(path, overrides), world)
+    assert key in str(e.value), str(e.value)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("path", [GRPO, PPO])
+def test_recipes_validate(path):
+    cfg = load_config(path, [])
+    assert validate(cfg, 1) == 1
+    assert validate(cfg, 2) == 2  # DP=2
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["algo.nonsense=1"], "algo.nonsense"),                      # unknown key
+    (["trainer.iterations=many"], "trainer.iterations"),         # wrong type
+    (["rollout.temperature=hot"], "rollout.temperature"),
+    (["rollout.n=1"], "rollout.n"),                              # G < 2 for a group estimator
+    (["trainer.prompts_per_iteration=3", "algo.num_mini_batches=1", "algo.micro_batch_size=16"],
+     "algo.micro_batch_size"),                                   # B x G not divisible by dp x mbs
+    (["algo.num_mini_batches=3"], "algo.num_mini_batches"),     # mini-batches of whole groups
+    (["parallel.tp=2"], "parallel.tp"),                          # tp x pp x dp != world
+    (["algo.advantage=gae"], "algo.advantage"),                  # GRPO has no critic
+    (["critic.value_clip=0.1"], "critic"),                       # a critic GRPO would ignore
+    (["reference.enabled=false"], "reference.enabled"),          # KL > 0 without a reference
+    (["algo.kl.placement=none"], "algo.kl.beta"),                # a beta that would be ignored
+    (["reward.model.tokenizer=/x"], "reward.model.tokenizer"),   # RM settings without an RM
+    (["reward.on_failure=zero"], "reward.on_failure"),
+    (["reward.penalty.crash=-1"], "reward.penalty"),
+    (["algo.dynamic_sampling.max_rounds=0"], "algo.dynamic_sampling.max_rounds"),
+])
+def test_bad_grpo_config_names_key(overrides, key):
+    _fail(GRPO, overrides, key)
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["algo.advantage=grpo"], "algo.advantage"),
+    (["critic.micro_batch_size=7"], "critic.micro_batch_size"),
+    (["algo.kl.estimator=k3"], "algo.kl.estimator"),             # shaped reward needs signed k1
+])
+def test_bad_ppo_config_names_key(overrides, key):
+    _fail(PPO, overrides, key)
+
+
+def test_ppo_without_critic_refused(tmp_path):
+    text = open(PPO).read().split("\ncritic:")[0] + "\nreward: {fn: arithmetic}\n"
+    p = tmp_path / "ppo_no_critic.yaml"
+    p.write_text(text)
+    _fail(str(p), [], "critic")
+
+
+def test_world_size_and_heads_against_tp():
+    _fail(GRPO, ["parallel.tp=2"], "parallel.tp", world=3)
+    from megarl.models.hf_config import spec_from_hf_config
+
+    spec = spec_from_hf_config({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 112,
+                                "hidden_size": 96, "intermediate_size": 192, "num_hidden_layers": 2,
+                                "num_attention_heads": 3, "num_key_value_heads": 3,
+                                "max_position_embeddings": 64, "rms_norm_eps": 1e-6})
+    cfg = load_config(GRPO, ["parallel.tp=2"])
+    with pytest.raises(ConfigError, match="num_attention_heads"):
+        validate_model_fit(cfg, spec, "config.json")
+    cfg = load_config(GRPO, ["parallel.tp=3", "model.vocab_multiple=16"])
+    with pytest.raises(ConfigError, match="model.vocab_multiple"):
+        validate_model_fit(cfg, spec, "config.json")
+
+
+def test_config_hash_ignores_run_dir_only():
+    a = load_config(GRPO, ["trainer.run_dir=/tmp/a"])
+    b = load_config(GRPO, ["trainer.run_dir=/tmp/b"])
+    c = load_config(GRPO, ["actor.optim.lr=2e-4"])
+    assert config_hash(a) == config_hash(b) != config_hash(c)
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["algo.nonsense=1"], "algo.nonsense"),
+    (["rollout.n=1"], "rollout.n"),
+    (["reward.fn=no_such_reward"], "reward.fn"),
+    (["reward.fn=no.such.module:score"], "reward.fn"),
+])
+def test_train_cli_exits_2_before_loading(tmp_path, overrides, key):
+    """The real entry point: one error line naming the key, exit 2, and no model was built
+    (model.path points at a directory that must stay absent)."""
+    missing_model = tmp_path / "never_built"
+    cmd = [sys.executable, "-m", "megarl.train", "--config", GRPO, f"model.path={missing_model}",
+           f"data.train_path={tmp_path / 'train.jsonl'}", f"data.heldout_path={tmp_path / 'heldout.jsonl'}",
+           *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=str(tmp_path), timeout=120,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    err_lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert len(err_lines) == 1 and key in err_lines[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not missing_model.exists() and not (tmp_path / "train.jsonl").exists()
