@@ -2,7 +2,7 @@
 # Multi-node megarl job on Slurm: one torchrun per node, c10d rendezvous on the first node.
 #
 #   sbatch launch/multinode.sh CONFIG.yaml [key=value ...]
-#   sbatch --nodes=4 launch/multinode.sh configs/grpo_qwen2_7b.yaml actor.tp=4
+#   sbatch --nodes=4 launch/multinode.sh configs/grpo_qwen2_7b.yaml parallel.tp=4
 #
 # Environment knobs: GPUS_PER_NODE (default 8), MASTER_PORT (29500), MEGARL_ENTRY (the python
 # module to run, default megarl.train), MEGARL_EXTRA_TORCHRUN_ARGS.

@@ -108,3 +108,16 @@ def test_train_cli_exits_2_before_loading(tmp_path, overrides, key):
     assert len(err_lines) == 1 and key in err_lines[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert not missing_model.exists() and not (tmp_path / "train.jsonl").exists()
+
+
+@pytest.mark.parametrize("name,overrides,worlds", [
+    ("grpo_qwen2_7b.yaml", ["model.path=/m", "data.train_path=/d.jsonl"], (8, 16)),
+    ("ppo_llama3_8b.yaml", ["model.path=/m", "data.train_path=/d.jsonl", "reward.model.path=/rm"], (8, 16)),
+])
+def test_real_model_recipes_validate(name, overrides, worlds):
+    path = os.path.join(ROOT, "configs", name)
+    with pytest.raises(ConfigError, match="model.path"):
+        load_config(path, [])  # the model and data are the user's to name
+    cfg = load_config(path, overrides)
+    for w in worlds:
+        assert validate(cfg, w) == w // (cfg.parallel.tp * cfg.parallel.pp)

@@ -291,3 +291,48 @@ def test_reward_penalty_only_when_configured(assets, tmp_path):
             assert r.total == -1.0 and dict(r.components) == {"penalty/timeout": -1.0}
         else:
             assert "penalty/timeout" not in r.components
+
+
+RM_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+               "{{ eos_token }}")
+
+
+def test_neural_reward_model_uses_its_own_template(assets, tmp_path):
+    """reward.fn=null + a value-head reward model with a chat template of its own: every
+    sample's reward is the RM head at the last token of *its* rendering of (prompt, response),
+    as transformers computes it."""
+    import transformers
+
+    from megarl.models.tiny import make_tiny_hf_checkpoint
+
+    rm_dir = str(tmp_path / "rm")
+    make_tiny_hf_checkpoint(rm_dir, "llama", seed=3, value_head=True, vocab_size=112, hidden_size=32,
+                            num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
+                            tokenizer_dir=assets["model"])
+    tpl = tmp_path / "rm_template.jinja"
+    tpl.write_text(RM_TEMPLATE)
+    run_dir = str(tmp_path / "rm_run")
+    run_train(assets, run_dir, GRPO, extra=["reward.fn=null", f"reward.model.path={rm_dir}",
+                                             f"reward.model.chat_template={tpl}", "trainer.iterations=1",
+                                             "eval.every=0", "eval.success_threshold=1.0e9"])
+    (b,) = batches(run_dir)
+    tok = transformers.AutoTokenizer.from_pretrained(rm_dir)
+    rm = transformers.AutoModelForTokenClassification.from_pretrained(rm_dir).eval()
+    with open(assets["train"]) as fh:
+        prompts = {r["id"]: r["prompt"] for r in map(json.loads, fh)}
+    f = b.facts
+    lens = f.response_mask.sum(1)
+    worst = 0.0
+    for i in range(f.batch_size):
+        resp = tok.decode(f.response_ids[i][: int(lens[i])].tolist(), skip_special_tokens=True)
+        text = tok.apply_chat_template([{"role": "user", "content": prompts[f.prompt_id[i]]},
+                                        {"role": "assistant", "content": resp}], chat_template=RM_TEMPLATE,
+                                       tokenize=False)
+        ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
+        with torch.no_grad():
+            want = float(rm(ids).logits[0, -1, 0])
+        r = f.rewards[i]
+        assert set(r.components) == {"reward_model"} and r.total == r.components["reward_model"]
+        worst = max(worst, abs(r.total - want))
+    assert worst < 1e-4, worst
+    assert len({r.total for r in f.rewards}) > 1

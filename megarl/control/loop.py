@@ -190,6 +190,9 @@ class Trainer:
         self.metrics = MetricsWriter(run_dir, enabled=self.rank0, tensorboard=cfg.trainer.tensorboard)
         self.last_eval: Optional[float] = None
         self.quarantine_path = os.path.join(run_dir, "quarantine.jsonl")
+        # GPU time-slicing: the engine releases KV cache and weights while the trainer computes
+        self.time_slice = cfg.rollout.backend == "sglang" and cfg.rollout.enable_memory_saver
+        self.engine_asleep = False
 
     # ---- construction helpers -------------------------------------------------------------
 
@@ -288,6 +291,9 @@ class Trainer:
         self.sm.begin_export()
         self.sm.begin_rollout_loading(ExportEvidence(manifest_hash=self.manifest.global_hash))
         t0 = time.perf_counter()
+        if self.engine is not None and self.engine_asleep:
+            self.engine.wake()
+            self.engine_asleep = False
         report = sync_actor_to_engine(self.actor.ddp, self.engine, v, self.manifest,
                                       bucket_bytes=self.cfg.rollout.bucket_mb * 1024**2, dtype=self.sync_dtype)
         act = self.engine.activate(v) if self.engine is not None else None
@@ -395,7 +401,8 @@ class Trainer:
         from megarl.rewards.runner import apply_penalties
 
         rs = [RewardSample(sample_id=s.sample_id, prompt_id=s.prompt_id, group_id=s.group_id,
-                           prompt_text=self.tok.decode(s.prompt_ids, skip_special_tokens=True),
+                           prompt_text=(s.prompt.text if s.prompt.text is not None
+                                        else self.tok.decode(s.prompt_ids, skip_special_tokens=True)),
                            response_text=self.tok.decode(s.response_ids, skip_special_tokens=True),
                            prompt_ids=tuple(s.prompt_ids), response_ids=tuple(s.response_ids),
                            finish_reason=s.finish_reason.value, ground_truth=dict(s.prompt.ground_truth),
@@ -473,6 +480,9 @@ class Trainer:
                     [s.raw_log_probs for s in samples], self.pad_id)
         mbs = a.forward_micro_batch_size
         m: Dict[str, float] = {}
+        if self.time_slice and self.engine is not None:
+            self.engine.sleep()
+            self.engine_asleep = True
         self.actor.onload()
         ntok = float(c.attention_mask.sum())
         rollout_lp = LogProbs(c.rollout_log_probs, LogProbProducer("rollout", v, "raw"))
