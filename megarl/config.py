@@ -43,8 +43,8 @@ class TinyModelConfig:
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 256
-    warmstart_steps: int = 300
-    warmstart_lr: float = 1.0e-3
+    warmstart_steps: int = 470
+    warmstart_lr: float = 2.0e-3
     warmstart_batch: int = 64
     seed: int = 0
 

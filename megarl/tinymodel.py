@@ -1,6 +1,6 @@
 """The built-in tiny model of the embedded default: tokenizer, Llama-family model, warm start.
 
-    python -m megarl.tinymodel --out DIR [--steps 300 --lr 1e-3 --batch 64 ...]
+    python -m megarl.tinymodel --out DIR [--steps 470 --lr 2e-3 --batch 64 --max-digits 2 ...]
     (or tools/make_tiny_model.py, the same program)
 
 1. writes the built-in word-level tokenizer (digits are single tokens) with its chat template;
@@ -40,7 +40,7 @@ def _sequences(tok, problems):
     return prompts, answers
 
 
-def heldout_accuracy(model_dir: str, n: int = 200, seed: int = 1, digits=(1, 3), ops=("plus",),
+def heldout_accuracy(model_dir: str, n: int = 200, seed: int = 1, digits=(1, 2), ops=("plus",),
                      max_new_tokens: int = 8) -> float:
     """Greedy held-out accuracy of an HF checkpoint with transformers ``generate``."""
     import torch
@@ -70,8 +70,8 @@ def heldout_accuracy(model_dir: str, n: int = 200, seed: int = 1, digits=(1, 3),
 
 
 def build(out_dir: str, *, hidden_size: int = 128, num_layers: int = 4, num_heads: int = 4, num_kv_heads: int = 2,
-          intermediate_size: int = 256, steps: int = 300, lr: float = 1e-3, batch: int = 64, seed: int = 0,
-          digits=(1, 3), ops=("plus",), log_every: int = 50) -> dict:
+          intermediate_size: int = 256, steps: int = 470, lr: float = 2e-3, batch: int = 64, seed: int = 0,
+          digits=(1, 2), ops=("plus",), log_every: int = 50) -> dict:
     """Build the tiny model into ``out_dir`` (must not hold a finished build); return its info."""
     import torch
 
@@ -160,12 +160,12 @@ def main(argv=None) -> None:
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--num-kv-heads", type=int, default=2)
     p.add_argument("--intermediate-size", type=int, default=256)
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--steps", type=int, default=470)
+    p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-digits", type=int, default=1)
-    p.add_argument("--max-digits", type=int, default=3)
+    p.add_argument("--max-digits", type=int, default=2)
     p.add_argument("--ops", default="plus")
     p.add_argument("--overwrite", action="store_true")
     a = p.parse_args(argv)

@@ -223,6 +223,19 @@ def test_grpo_single_process(assets, tmp_path):
     run_train(assets, run_dir, GRPO, extra=DENSE)
     check_structure(run_dir, "grpo", groups_per_publish=1)
     check_rung3(run_dir, assets)
+    # the audit trail and the curves, from the real run
+    tools = os.path.join(ROOT, "tools")
+    exp0 = os.path.join(run_dir, "experience", "iter_000000")
+    sid = batches(run_dir)[0].facts.sample_id[1]
+    out = subprocess.run([sys.executable, os.path.join(tools, "inspect_experience.py"), exp0, "--index", "1",
+                          "--tokenizer", os.path.join(run_dir, "export", "iter_0")],
+                         capture_output=True, text=True, env=_env(), timeout=120)
+    assert out.returncode == 0 and sid in out.stdout and "advantage" in out.stdout, out.stderr[-2000:]
+    out = subprocess.run([sys.executable, os.path.join(tools, "plot_metrics.py"), run_dir],
+                         capture_output=True, text=True, env=_env(), timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for stage in ("rollout", "prep", "update", "e2e", "eval", "summary"):
+        assert os.path.getsize(os.path.join(run_dir, "plots", f"{stage}.png")) > 5000
 
 
 def test_grpo_torchrun_tp2(assets, tmp_path):
@@ -336,3 +349,48 @@ def test_neural_reward_model_uses_its_own_template(assets, tmp_path):
         worst = max(worst, abs(r.total - want))
     assert worst < 1e-4, worst
     assert len({r.total for r in f.rewards}) > 1
+
+
+def test_dapo_dynamic_sampling_and_reference_refresh(assets, tmp_path):
+    """DAPO: zero-spread groups (the even prompts) are filtered and more prompts are drawn on the
+    same version until B groups are accepted; all counted.  reference.refresh_every=1: the
+    reference of iteration 1 is the actor v1, so its log-probs equal the old log-probs."""
+    run_dir = str(tmp_path / "dapo")
+    run_train(assets, run_dir, GRPO, extra=["reward.fn=tests.plugins.faulty_rewards:flat_even_prompts",
+                                             "algo.dynamic_sampling.enabled=true", "algo.dynamic_sampling.max_rounds=3",
+                                             "reference.refresh_every=1", "eval.every=0"])
+    m = metrics(run_dir)
+    for k, b in enumerate(batches(run_dir)):
+        f = b.facts
+        groups = sorted(set(f.group_id))
+        assert len(groups) == B and len(set(f.policy_version)) == 1
+        assert all(int(g.rsplit("/p", 1)[1]) % 2 == 1 for g in groups)
+        assert {g.split("/")[-2] for g in groups} == {"r0", "r1"}  # two rounds of B prompts
+        assert m[k]["rollout/dapo_rounds"] == 2
+        assert m[k]["rollout/groups_filtered_zero_spread"] == B  # 2 per round
+        assert m[k]["rollout/groups_accepted"] == B and m[k]["rollout/prompts"] == 2 * B
+    b1 = batches(run_dir)[1].facts
+    v1 = b1.policy_version[0]
+    assert b1.ref_log_probs.producer.version == f"ref-{v1}"
+    keep = b1.response_mask != 0
+    assert (b1.ref_log_probs.values - b1.old_log_probs.values)[keep].abs().max() < 1e-6
+    assert batches(run_dir)[0].facts.ref_log_probs.producer.version == "ref-0"
+
+
+def test_reuse_rollout_log_probs_after_parity_check(assets, tmp_path):
+    run_dir = str(tmp_path / "reuse")
+    run_train(assets, run_dir, GRPO, extra=[*DENSE, "rollout.reuse_rollout_log_probs=true", "eval.every=0"])
+    b0, b1 = batches(run_dir)
+    assert b0.facts.old_log_probs.producer.role == "actor"  # the parity check iteration
+    assert b1.facts.old_log_probs.producer.role == "rollout"
+    assert b1.facts.old_log_probs.producer.version == b1.facts.policy_version[0]
+    assert metrics(run_dir)[0]["prep/rollout_actor_logprob_max_abs_err"] < 1e-4
+    # a tolerance the measurement cannot meet stops the run, naming the key
+    bad = subprocess.run([sys.executable, "-m", "megarl.train", "--config", GRPO, f"model.path={assets['model']}",
+                          "model.build_tiny=false", f"data.train_path={assets['train']}", "data.heldout_path=null",
+                          "data.build_arithmetic=false", f"trainer.run_dir={tmp_path / 'reuse_bad'}",
+                          "trainer.iterations=1", f"trainer.prompts_per_iteration={B}", f"rollout.n={G}",
+                          "algo.num_mini_batches=1", "algo.micro_batch_size=4", *DENSE,
+                          "rollout.reuse_rollout_log_probs=true", "rollout.log_prob_parity_tol=1e-12"],
+                         capture_output=True, text=True, env=_env(), timeout=600)
+    assert bad.returncode == 2 and "rollout.log_prob_parity_tol" in bad.stderr, bad.stderr[-3000:]

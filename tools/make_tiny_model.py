@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Build the built-in tiny model: tokenizer, a small Llama, a warm start through the megatron actor.
 
-    python tools/make_tiny_model.py --out DIR [--steps 400 --lr 2e-3 --max-digits 2 ...]
+    python tools/make_tiny_model.py --out DIR [--steps 470 --lr 2e-3 --max-digits 2 ...]
 
 The same program as ``python -m megarl.tinymodel`` (the recipes call that one when the model
 they name is missing); see its docstring for what it does.

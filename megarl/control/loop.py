@@ -56,6 +56,7 @@ from megarl.control.state_machine import (
     UpdateEvidence,
 )
 from megarl.data.tokenizer import TokenizerContract
+from megarl.errors import MegarlError
 from megarl.experience.groups import CandidateStatus, GroupBuffer, GroupPolicy, group_index
 from megarl.experience.schema import (
     DerivedTensors,
@@ -84,8 +85,9 @@ from megarl.runtime.data_parallel import (
 )
 
 
-class RolloutParityError(RuntimeError):
-    """Rollout log-probs disagree with the actor's beyond the configured tolerance."""
+class RolloutParityError(MegarlError, RuntimeError):
+    """Rollout log-probs disagree with the actor's beyond ``rollout.log_prob_parity_tol``: reusing
+    them as old log-probs would change the PPO ratio, so the run stops (exit 2)."""
 
 
 @dataclass

@@ -25,3 +25,12 @@ def digit_count(sample):
     """A dense, model-independent reward (digits in the response) so that every group of an
     untrained model has a reward spread and the first update is not a zero step."""
     return digit_count_text(sample.response_text)
+
+
+def flat_even_prompts(sample):
+    """Zero reward spread for the even prompts of a round (p000, p002, ...), the candidate index
+    (a spread by construction) otherwise: DAPO dynamic sampling must filter exactly the even
+    groups."""
+    if int(sample.group_id.rsplit("/p", 1)[1]) % 2 == 0:
+        return 1.0
+    return float(sample.sample_id.rsplit("/c", 1)[1])
