@@ -191,6 +191,7 @@ class RewardModelConfig:
     tokenizer: Optional[str] = None  # default: reward_model.path
     chat_template: Optional[str] = None
     weight: float = 1.0  # weight of the RM score in a composite with reward.fn
+    offload: bool = False  # on the host between its forwards (GPU time-slicing)
 
 
 @dataclass

@@ -124,3 +124,20 @@ def test_hf_logical_tensors_skip_tied_lm_head():
     assert set(untied_names) - set(tied_names) == {"lm_head.weight"}
     assert "model.layers.0.self_attn.q_proj.weight" in tied_names
     assert not any("inv_freq" in n for n in tied_names)  # derived from the config, not weights
+
+
+def test_hashing_a_parameter_leaves_its_storage_resizable():
+    """The actor manifest hashes live parameters (at TP=1 the logical tensor is the parameter);
+    the offloader later frees them by resizing their storage, which numpy would forbid."""
+    import torch
+
+    from megarl.rollout.weight_stream import tensor_sha256
+
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    before = tensor_sha256(p)
+    assert p.untyped_storage().resizable()
+    assert before == tensor_sha256(p.detach().clone())
+    bf = torch.randn(5).to(torch.bfloat16)
+    import hashlib
+
+    assert tensor_sha256(bf) == "sha256:" + hashlib.sha256(bf.view(torch.uint8).numpy().tobytes()).hexdigest()

@@ -253,8 +253,11 @@ def test_grpo_torchrun_dp2(assets, tmp_path):
 
 
 def test_ppo_single_process(assets, tmp_path):
+    """Also with every role's time-slicing on: on CPU an offloaded storage is really freed, so a
+    forward or step on a role that the loop forgot to bring back would fail here."""
     run_dir = str(tmp_path / "ppo1")
-    run_train(assets, run_dir, PPO, extra=["critic.warmup_iters=0", "critic.micro_batch_size=4"])
+    run_train(assets, run_dir, PPO, extra=["critic.warmup_iters=0", "critic.micro_batch_size=4", "actor.offload=true",
+                                            "critic.offload=true", "reference.offload=true"])
     check_structure(run_dir, "ppo", groups_per_publish=1)
     m = metrics(run_dir)
     assert all("update/critic_value_loss" in x and "update/policy_loss" in x for x in m)

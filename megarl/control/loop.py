@@ -213,7 +213,7 @@ class Trainer:
             p = self.cfg.parallel
             self.reward_model = RewardModel(r.model.path, p.tp, p.pp, tokenizer=r.model.tokenizer,
                                             chat_template=r.model.chat_template,
-                                            vocab_multiple=self.cfg.model.vocab_multiple,
+                                            vocab_multiple=self.cfg.model.vocab_multiple, offload=r.model.offload,
                                             micro_batch_size=self.cfg.algo.forward_micro_batch_size)
 
     # ---- the run ------------------------------------------------------------------------------
@@ -305,6 +305,8 @@ class Trainer:
         self.sm.mark_rollout_ready(acts, self.placement.num_groups)
         self.counters["kv_flushes"] += sum(1 for a in acts if a.cache_flushed)
         self.actor.offload()  # GPU time-slicing: the engine generates while the actor sits on the host
+        if self.critic is not None:
+            self.critic.offload()
         out = {"rollout/weight_sync_s": time.perf_counter() - t0}
         if report is not None:
             out["rollout/weight_sync_bytes"] = float(report.num_bytes)
@@ -526,6 +528,7 @@ class Trainer:
             m["update/kl_ref_k1"] = float(masked_mean(kl_k1(old.values, ref.values), keep))
         values = bootstrap = None
         if self.critic is not None:
+            self.critic.onload()
             with timer.stage("critic_values"):
                 t0 = time.perf_counter()
                 R = c.response_ids.shape[1]

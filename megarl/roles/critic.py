@@ -49,6 +49,19 @@ class Critic:
         self.value_clip = cfg.value_clip
         self.steps = 0
         self.version = f"critic-{self.steps}"
+        self.offloader = None
+        if cfg.offload:
+            from megarl.roles.offload import ActorOffloader
+
+            self.offloader = ActorOffloader(self.ddp, self.optimizer, preserve_grads=False)
+
+    def onload(self) -> None:
+        if self.offloader is not None and self.offloader.is_offloaded:
+            self.offloader.onload()
+
+    def offload(self) -> None:
+        if self.offloader is not None and not self.offloader.is_offloaded:
+            self.offloader.offload()
 
     @torch.no_grad()
     def _copy_trunk(self, actor) -> None:

@@ -62,7 +62,21 @@ def tensor_sha256(tensor: torch.Tensor) -> str:
     t = t.contiguous().reshape(-1)
     if t.numel() == 0:
         return HASH_PREFIX + hashlib.sha256(b"").hexdigest()
-    return HASH_PREFIX + hashlib.sha256(t.view(torch.uint8).numpy()).hexdigest()
+    return HASH_PREFIX + hashlib.sha256(_byte_view(t)).hexdigest()
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """A read-only view of a contiguous CPU tensor's bytes for hashlib, without numpy.
+
+    ``Tensor.numpy()`` would mark the storage non-resizable for good (numpy may hold on to the
+    buffer), and the offloader frees a parameter's storage by resizing it to 0: hashing a live
+    parameter (the actor manifest at TP=1, where the manifest tensor *is* the parameter) must
+    not take that away.  The caller keeps ``t`` alive while the view is used.
+    """
+    import ctypes
+
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B").toreadonly()
 
 
 @dataclass(frozen=True)
