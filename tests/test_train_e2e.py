@@ -245,6 +245,15 @@ def test_grpo_torchrun_tp2(assets, tmp_path):
     check_rung3(run_dir, assets)
 
 
+def test_grpo_torchrun_pp2(assets, tmp_path):
+    """PP=2: the actor's update runs through megatron's pipeline schedule (1F1B), the loss and
+    its metrics live on the last stage, and the result is still the single-process step."""
+    run_dir = str(tmp_path / "grpo_pp2")
+    run_train(assets, run_dir, GRPO, nproc=2, extra=["parallel.pp=2", *DENSE])
+    check_structure(run_dir, "grpo", groups_per_publish=1)
+    check_rung3(run_dir, assets)
+
+
 def test_grpo_torchrun_dp2(assets, tmp_path):
     run_dir = str(tmp_path / "grpo_dp2")
     run_train(assets, run_dir, GRPO, nproc=2, extra=["algo.micro_batch_size=2", *DENSE])
@@ -298,8 +307,11 @@ def test_reward_penalty_only_when_configured(assets, tmp_path):
     run_dir = str(tmp_path / "penalty")
     run_train(assets, run_dir, GRPO, extra=["reward.fn=tests.plugins.faulty_rewards:raise_or_hang",
                                              "reward.timeout_s=0.3", "reward.max_retries=0",
-                                             "reward.penalty.timeout=-1.0", "eval.every=0", "trainer.iterations=1"])
+                                             "reward.penalty.timeout=-1.0", "eval.every=0", "trainer.iterations=1",
+                                             "algo.micro_batch_size=8"])
     (b,) = batches(run_dir)
+    # 12 samples in micro-batches of 8: 4 padding rows, which must not count (loss mask 0)
+    assert metrics(run_dir)[0]["update/tokens"] == float(b.facts.response_mask.sum())
     groups = {g.rsplit("/", 1)[1] for g in b.facts.group_id}
     assert groups == {"p001", "p002", "p003"}
     for gid, r in zip(b.facts.group_id, b.facts.rewards):
