@@ -228,6 +228,17 @@ class TrainerConfig:
     tensorboard: bool = True
     deterministic: bool = True
     max_wall_minutes: Optional[float] = None  # stop (with an export) after this much wall time
+    checkpoint_every: int = 0  # iterations between training-position checkpoints (0: only on SIGTERM/SIGUSR1)
+    checkpoint_keep: int = 3  # how many published checkpoints to keep
+    resume: str = "auto"  # auto: continue from <run_dir>/checkpoints/latest if there is one | never
+    resume_force: bool = False  # resume although tokenizer / template / reward / model config changed (new run id)
+
+
+@dataclass
+class FaultsConfig:
+    """Fault injection for tests and drills; every key is inert unless set."""
+
+    crash_during_checkpoint_at: Optional[int] = None  # die after writing checkpoint k, before publishing it
 
 
 @dataclass
@@ -244,6 +255,7 @@ class TrainConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
 
 
 # ---- loading ---------------------------------------------------------------------------------
@@ -354,6 +366,9 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
     _choice(a.partial_groups, "algo.partial_groups", ("drop", "allow_partial"))
     _choice(r.backend, "rollout.backend", ("hf", "sglang"))
     _choice(cfg.reward.on_failure, "reward.on_failure", ("drop", "quarantine"))
+    _choice(cfg.trainer.resume, "trainer.resume", ("auto", "never"))
+    _need(cfg.trainer.checkpoint_every >= 0, "trainer.checkpoint_every", "must be >= 0")
+    _need(cfg.trainer.checkpoint_keep >= 1, "trainer.checkpoint_keep", "must be >= 1")
     for k in ("error", "timeout", "invalid"):
         _need(k in cfg.reward.penalty, f"reward.penalty.{k}", "must be given (null for no penalty)")
     extra = sorted(set(cfg.reward.penalty) - {"error", "timeout", "invalid"})

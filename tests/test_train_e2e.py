@@ -37,21 +37,6 @@ def _env():
                 PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    """A tiny warm-started model and task files (built by the real tools, small and quick)."""
-    d = tmp_path_factory.mktemp("assets")
-    model = d / "tiny"
-    subprocess.run([sys.executable, "-m", "megarl.tinymodel", "--out", str(model), "--steps", "40",
-                    "--hidden-size", "64", "--num-layers", "2", "--intermediate-size", "128", "--max-digits", "2"],
-                   check=True, env=_env(), capture_output=True, timeout=600)
-    for split, seed, n in (("train", 0, 400), ("heldout", 1, 16)):
-        subprocess.run([sys.executable, "-m", "megarl.data.tasks.arithmetic", "--split", split, "--seed", str(seed),
-                        "--n", str(n), "--max-digits", "2", "--out", str(d / f"{split}.jsonl")],
-                       check=True, env=_env(), capture_output=True, timeout=120)
-    return {"model": str(model), "train": str(d / "train.jsonl"), "heldout": str(d / "heldout.jsonl")}
-
-
 def run_train(assets, run_dir, recipe, nproc=1, extra=()):
     overrides = [f"model.path={assets['model']}", "model.build_tiny=false", f"data.train_path={assets['train']}",
                  f"data.heldout_path={assets['heldout']}", "data.build_arithmetic=false",

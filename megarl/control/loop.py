@@ -85,6 +85,12 @@ from megarl.runtime.data_parallel import (
 )
 
 
+def _null():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
 class RolloutParityError(MegarlError, RuntimeError):
     """Rollout log-probs disagree with the actor's beyond ``rollout.log_prob_parity_tol``: reusing
     them as old log-probs would change the PPO ratio, so the run stops (exit 2)."""
@@ -171,9 +177,19 @@ class Trainer:
                        else FixedKLController(a.kl.beta))
         self.norm_constant = float(cfg.rollout.max_new_tokens) if a.agg_mode == "seq-mean-token-sum-norm" else None
 
+        self.counters: Counter = Counter()
+        self.parity_checked = False
+        self.last_eval: Optional[float] = None
+        self.ckpt_root = os.path.join(run_dir, "checkpoints")
+        resume = self._resume() if cfg.trainer.resume == "auto" else None
+        self.start_iteration = 0 if resume is None else resume["iteration"]
+        self.run_id = run_id = self.run_id if resume is None else resume["run_id"]
+
         # engines: created on an HF config of the actor (weights only ever arrive by stream)
         self.export_root = os.path.join(run_dir, "export")
-        iter0 = self.export(0)
+        iter0 = os.path.join(self.export_root, "iter_0")
+        if resume is None or not os.path.isfile(os.path.join(iter0, "config.json")):
+            iter0 = self.export(0)
         self.placement = make_placement(cfg.rollout.backend, cfg.rollout.tp)
         eos = [self.tok.eos_token_id] if self.tok.eos_token_id is not None else []
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else (eos[0] if eos else 0)
@@ -184,13 +200,19 @@ class Trainer:
             self.sync_dtype = getattr(torch, self.sync_dtype)
 
         self.manifest = actor_manifest(self.actor.ddp, dtype=self.sync_dtype)
-        self.version = make_version(self.actor.ddp, self.manifest, run_id=run_id, optimizer_step=0,
+        self.version = make_version(self.actor.ddp, self.manifest, run_id=run_id,
+                                    optimizer_step=0 if resume is None else resume["policy_version"]["optimizer_step"],
                                     tokenizer_hash=self.tok.hash)
+        if resume is not None:
+            saved = resume["policy_version"]["weight_manifest_hash"]
+            if self.manifest.global_hash != saved:
+                raise RuntimeError(f"resume: the loaded actor's manifest {self.manifest.global_hash} is not the "
+                                   f"checkpointed version's {saved}")
+            if self.rank0:
+                self._truncate_metrics(self.start_iteration)
         self.sm = IterationStateMachine(committed=self.version, deadlines=PhaseDeadlines())
-        self.counters: Counter = Counter()
-        self.parity_checked = False
         self.metrics = MetricsWriter(run_dir, enabled=self.rank0, tensorboard=cfg.trainer.tensorboard)
-        self.last_eval: Optional[float] = None
+        self.stop_signal = False
         self.quarantine_path = os.path.join(run_dir, "quarantine.jsonl")
         # GPU time-slicing: the engine releases KV cache and weights while the trainer computes
         self.time_slice = cfg.rollout.backend == "sglang" and cfg.rollout.enable_memory_saver
@@ -216,13 +238,146 @@ class Trainer:
                                             vocab_multiple=self.cfg.model.vocab_multiple, offload=r.model.offload,
                                             micro_batch_size=self.cfg.algo.forward_micro_batch_size)
 
+    # ---- training-position checkpoints -------------------------------------------------------
+
+    def contract_hashes(self) -> Dict[str, str]:
+        """What a resumed run must share with the checkpoint (a change refuses, naming the field)."""
+        from megarl.config import section_hash
+
+        r = self.cfg.rollout
+        sampling = {k: getattr(r, k) for k in ("temperature", "top_p", "top_k", "max_new_tokens", "n")}
+        return {"tokenizer": self.tok.hash,
+                "chat_template": section_hash({"template": self.tok.chat_template}),
+                "sampling": section_hash(sampling), "reward": section_hash(self.cfg.reward),
+                "model_config": self._model_config_hash(), "train_data": self.train_data.stats["sha256"]}
+
+    def _model_config_hash(self) -> str:
+        from megarl.rollout.weight_sync import model_config_hash
+
+        return model_config_hash(self.actor.ddp)
+
+    def _ckpt_roles(self) -> dict:
+        roles = {"actor": (self.actor.ddp, self.actor.optimizer)}
+        if self.critic is not None:
+            roles["critic"] = (self.critic.ddp, self.critic.optimizer)
+        if self.reference is not None and self.reference.refreshes:
+            roles["reference"] = (self.reference.model, None)
+        return roles
+
+    def save_checkpoint(self, iteration: int) -> str:
+        """Collective: the training position after ``iteration`` iterations (at ACTOR_COMMITTED)."""
+        from megarl import checkpoint
+
+        t0 = time.perf_counter()
+        self.actor.onload()
+        if self.critic is not None:
+            self.critic.onload()
+        ref_ctx = (self.reference._on_device() if self.reference is not None and self.reference.refreshes
+                   else _null())
+        state = {
+            "run_id": self.run_id, "iteration": iteration, "policy_version": self.version.to_dict(),
+            "sampler": self.sampler.state_dict(), "kl_controller": self.kl_ctl.state_dict(),
+            "actor": {"scheduler": self.actor.scheduler.state_dict(), "steps": self.actor.steps},
+            "critic": None if self.critic is None else {"scheduler": self.critic.scheduler.state_dict(),
+                                                        "steps": self.critic.steps, "version": self.critic.version},
+            "reference": None if self.reference is None else {"version": self.reference.version,
+                                                              "refreshes": self.reference.refreshes},
+            "scorer_version": getattr(self.reward_fn, "version", None),
+            "reward_model_version": getattr(self.reward_model, "version", None),
+            "counters": dict(self.counters), "parity_checked": self.parity_checked, "last_eval": self.last_eval,
+            "hashes": self.contract_hashes(),
+            "layout": {"tp": self.cfg.parallel.tp, "pp": self.cfg.parallel.pp, "dp": self.dp, "world": self.world},
+            "weight_manifests": {"actor": self.manifest.global_hash},
+            "unconsumed_experience": None,
+            "unconsumed_experience_note": "saved at ACTOR_COMMITTED: every sealed batch was consumed by the update",
+        }
+        with ref_ctx:
+            path = checkpoint.save(self.ckpt_root, iteration, state, self._ckpt_roles(),
+                                   keep=self.cfg.trainer.checkpoint_keep,
+                                   crash_before_publish=self.cfg.faults.crash_during_checkpoint_at)
+        self.counters["checkpoints"] += 1
+        self.last_checkpoint_s = time.perf_counter() - t0
+        return path
+
+    def _resume(self) -> Optional[dict]:
+        """Continue from ``<run_dir>/checkpoints/latest`` (verified) if there is one."""
+        from megarl import checkpoint
+
+        path = checkpoint.find_latest(self.ckpt_root) if os.path.isdir(self.ckpt_root) else None
+        if path is None:
+            return None
+        state = checkpoint.read_state(path)
+        now = self.contract_hashes()
+        changed = [k for k in sorted(now) if state["hashes"].get(k) != now[k]]
+        if changed and not self.cfg.trainer.resume_force:
+            raise checkpoint.CheckpointError(
+                f"resume from {path}: {', '.join(changed)} changed since the checkpoint was written "
+                f"(e.g. {changed[0]}: {state['hashes'].get(changed[0])} -> {now[changed[0]]}); "
+                "start a new run_dir, or set trainer.resume_force=true to continue as a new run id")
+        if changed:
+            state["run_id"] = f"{state['run_id']}-forced{state['iteration']}"
+            self.counters["forced_resumes"] += 1
+        layout = state["layout"]
+        same = (layout["tp"], layout["pp"], layout["world"]) == (self.cfg.parallel.tp, self.cfg.parallel.pp, self.world)
+        roles = {"actor": (self.actor.ddp, self.actor.optimizer)}
+        if self.critic is not None:
+            roles["critic"] = (self.critic.ddp, self.critic.optimizer)
+        if self.reference is not None and state["reference"] and state["reference"]["refreshes"]:
+            roles["reference"] = (self.reference.model, None)
+        checkpoint.load_roles(path, roles)
+        self.actor.scheduler.load_state_dict(state["actor"]["scheduler"])
+        self.actor.steps = state["actor"]["steps"]
+        if self.critic is not None:
+            self.critic.scheduler.load_state_dict(state["critic"]["scheduler"])
+            self.critic.steps, self.critic.version = state["critic"]["steps"], state["critic"]["version"]
+        if self.reference is not None and state["reference"]:
+            self.reference.version = state["reference"]["version"]
+            self.reference.refreshes = state["reference"]["refreshes"]
+        self.sampler.load_state_dict(state["sampler"])
+        self.kl_ctl.load_state_dict(state["kl_controller"])
+        self.counters.update(state["counters"])
+        self.parity_checked = state["parity_checked"]
+        self.last_eval = state["last_eval"]
+        checkpoint.restore_rng(path, same_layout=same)
+        self.counters["resumes"] += 1
+        if self.rank0:
+            print(f"resumed from {path}: iteration {state['iteration']}, version step "
+                  f"{state['policy_version']['optimizer_step']}"
+                  f"{'' if same else ' (at a different layout: saved ' + str(layout) + ')'}", flush=True)
+        return state
+
+    def _truncate_metrics(self, start: int) -> None:
+        """Rows of iterations that will run again (written after the checkpoint) are dropped."""
+        path = os.path.join(self.run_dir, "metrics.jsonl")
+        if not os.path.isfile(path):
+            return
+        with open(path) as f:
+            rows = [line for line in f if line.strip() and json.loads(line)["iteration"] < start]
+        with open(path + ".tmp", "w") as f:
+            f.writelines(rows)
+        os.replace(path + ".tmp", path)
+
+    def _install_signal_handlers(self) -> None:
+        """SIGTERM / SIGUSR1 (Slurm, before the time limit): checkpoint at the next commit, exit."""
+        import signal
+
+        def handler(signum, _frame):
+            self.stop_signal = True
+
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            try:
+                signal.signal(sig, handler)
+            except ValueError:  # not the main thread
+                pass
+
     # ---- the run ------------------------------------------------------------------------------
 
-    def run(self, start_iteration: int = 0) -> Dict[str, float]:
+    def run(self, start_iteration: Optional[int] = None) -> Dict[str, float]:
         cfg = self.cfg
         total = cfg.trainer.iterations
         t_start = time.time()
-        it = start_iteration
+        it = self.start_iteration if start_iteration is None else start_iteration
+        self._install_signal_handlers()
         bar = None
         if self.rank0 and sys.stderr.isatty():
             from tqdm import tqdm
@@ -247,6 +402,17 @@ class Trainer:
                 bar.write(progress_line(it, total, m, self.last_eval))
             elif self.rank0:  # a log file, not a terminal: plain lines, no carriage returns
                 print(progress_line(it, total, m, self.last_eval), flush=True)
+            signalled = any(gather_objects(self.stop_signal))
+            every = cfg.trainer.checkpoint_every
+            if (every and it % every == 0) or signalled:
+                path = self.save_checkpoint(it)
+                if self.rank0:
+                    print(f"checkpoint {path} ({self.last_checkpoint_s:.2f}s)", flush=True)
+            if signalled:
+                if self.rank0:
+                    print(f"stopping after {it} iterations on a signal; resume with the same command", flush=True)
+                self.metrics.close()
+                return {"iterations": it, "heldout_accuracy": self.last_eval, "stopped": "signal"}
             if stop:
                 if self.rank0:
                     print(f"stopping after {it} iterations: trainer.max_wall_minutes reached", flush=True)

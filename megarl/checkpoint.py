@@ -1,0 +1,324 @@
+"""Training-position checkpoints: everything needed to continue the same run, published atomically.
+
+A checkpoint is taken at ACTOR_COMMITTED(v), the boundary where no sealed experience is waiting
+to be consumed (so ``unconsumed_experience`` records that explicitly).  Layout of
+``<run_dir>/checkpoints/iter_<k>/``:
+
+    actor/            megarl megatron checkpoint of the actor (dist_checkpointing; loadable at any
+                      TP/PP, also usable as ``model.path``)
+    actor_optim/      the actor's optimizer state (dist_checkpointing, sharded like the model)
+    critic/, critic_optim/     PPO
+    reference/        only when the reference was refreshed away from its starting weights
+    rng/rank_<r>.safetensors + rng/rank_<r>.json   torch / numpy / python (and CUDA) RNG states
+    state.json        committed iteration and policy version, sampler cursor, KL controller,
+                      schedulers, counters, versions of reference / critic / scorer, config hashes,
+                      the parallel layout, and the unconsumed-experience record
+    digests.json      sha256 of every logical tensor (weights and optimizer state) per role
+    MANIFEST.json     sha256 of every file above; written last
+
+Publishing: everything is written into ``.tmp-iter_<k>-<nonce>/``, fsynced, renamed to
+``iter_<k>``, and only then does ``latest`` (a one-line file, replaced atomically) point at it.
+A directory without a verifying MANIFEST is never chosen; a crash mid-write leaves the previous
+checkpoint selected.  The last ``keep`` checkpoints are kept.
+
+Nothing untrusted is executed on load: JSON and safetensors are plain data; the torch
+distributed checkpoint files (``*.distcp``, ``.metadata``) unpickle their metadata, so they are
+read only after every file's sha256 matched the MANIFEST written at publish.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import time
+import uuid
+from typing import Dict, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megarl.errors import MegarlError
+
+LATEST = "latest"
+MANIFEST = "MANIFEST.json"
+STATE = "state.json"
+FORMAT = "megarl-training-position-v1"
+
+
+class CheckpointError(MegarlError, RuntimeError):
+    """A training-position checkpoint that cannot be used; the message names the file or field."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _fsync_tree(root: str) -> None:
+    for d, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+def _write_json(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ---- logical digests (bitwise comparison across runs and layouts) ------------------------------
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    from megarl.rollout.weight_stream import tensor_sha256
+
+    return tensor_sha256(t)
+
+
+def optimizer_digests(optimizer) -> Dict[str, str]:
+    """sha256 per (parameter index, state key) of this rank's optimizer state, in a stable order."""
+    out: Dict[str, str] = {}
+    sd = optimizer.state_dict()
+    state = sd.get("state", sd.get("optimizer", {}).get("state", {}))
+    for pid in sorted(state, key=lambda x: (str(type(x)), x)):
+        for key, v in sorted(state[pid].items()):
+            if torch.is_tensor(v):
+                out[f"{pid}.{key}"] = tensor_digest(v)
+    return out
+
+
+# ---- RNG ---------------------------------------------------------------------------------------
+
+
+def _rng_capture() -> tuple[Dict[str, torch.Tensor], dict]:
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors["cuda"] = torch.cuda.get_rng_state()
+    np_state = np.random.get_state()
+    tensors["numpy_keys"] = torch.from_numpy(np_state[1].astype(np.int64))
+    py = random.getstate()
+    meta = {"numpy": [np_state[0], int(np_state[2]), int(np_state[3]), float(np_state[4])],
+            "python": [py[0], list(py[1]), py[2]]}
+    return tensors, meta
+
+
+def _rng_restore(tensors: Dict[str, torch.Tensor], meta: dict) -> None:
+    torch.set_rng_state(tensors["torch"])
+    if "cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["cuda"])
+    n = meta["numpy"]
+    np.random.set_state((n[0], tensors["numpy_keys"].numpy().astype(np.uint32), n[1], n[2], n[3]))
+    p = meta["python"]
+    random.setstate((p[0], tuple(p[1]), p[2]))
+
+
+# ---- save --------------------------------------------------------------------------------------
+
+
+def _save_optimizer(model, optimizer, out_dir: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    from megarl.models.weights import unwrap
+
+    model_sd = unwrap(model).sharded_state_dict()
+    os.makedirs(out_dir, exist_ok=True) if _rank() == 0 else None
+    _barrier()
+    dist_checkpointing.save(optimizer.sharded_state_dict(model_sd), out_dir)
+
+
+def _load_optimizer(model, optimizer, in_dir: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    from megarl.models.weights import unwrap
+
+    model_sd = unwrap(model).sharded_state_dict()
+    loaded = dist_checkpointing.load(optimizer.sharded_state_dict(model_sd, is_loading=True), in_dir)
+    optimizer.load_state_dict(loaded)
+
+
+def save(root: str, iteration: int, state: dict, roles: dict, keep: int = 3,
+         crash_before_publish: Optional[int] = None) -> str:
+    """Collective: publish the training position of ``iteration`` under ``root``.
+
+    ``roles``: name -> (model, optimizer or None) for ``actor``, ``critic``, ``reference``.
+    ``state``: the JSON-able trainer state (see the module docstring).  Returns the final path.
+    """
+    from megarl.models.megatron_ckpt import save_megatron_checkpoint
+
+    rank0 = _rank() == 0
+    name = f"iter_{iteration:06d}"
+    final = os.path.join(root, name)
+    tmp = None
+    if rank0:
+        os.makedirs(root, exist_ok=True)
+        tmp = os.path.join(root, f".tmp-{name}-{uuid.uuid4().hex[:8]}")
+        os.makedirs(tmp)
+    if dist.is_initialized():
+        box = [tmp]
+        dist.broadcast_object_list(box, src=0)
+        tmp = box[0]
+    digests: Dict[str, Dict[str, str]] = {}
+    for role, (model, optimizer) in roles.items():
+        save_megatron_checkpoint(model, os.path.join(tmp, role))
+        if optimizer is not None:
+            _save_optimizer(model, optimizer, os.path.join(tmp, f"{role}_optim"))
+    # RNG and optimizer digests are per rank
+    from safetensors.torch import save_file
+
+    os.makedirs(os.path.join(tmp, "rng"), exist_ok=True) if rank0 else None
+    _barrier()
+    tensors, meta = _rng_capture()
+    save_file(tensors, os.path.join(tmp, "rng", f"rank_{_rank()}.safetensors"))
+    _write_json(os.path.join(tmp, "rng", f"rank_{_rank()}.json"), meta)
+    local_digests = {role: optimizer_digests(opt) for role, (_, opt) in roles.items() if opt is not None}
+    gathered = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
+    if dist.is_initialized():
+        dist.all_gather_object(gathered, local_digests)
+    else:
+        gathered = [local_digests]
+    _barrier()
+    if rank0:
+        digests = {"optimizer_per_rank": gathered, "weights": state.get("weight_manifests", {})}
+        _write_json(os.path.join(tmp, "digests.json"), digests)
+        _write_json(os.path.join(tmp, STATE), dict(state, format=FORMAT, iteration=iteration,
+                                                   saved_at=time.strftime("%Y-%m-%dT%H:%M:%S")))
+        files = {}
+        for d, _, names in os.walk(tmp):
+            for n in names:
+                p = os.path.join(d, n)
+                files[os.path.relpath(p, tmp)] = _file_sha256(p)
+        _write_json(os.path.join(tmp, MANIFEST), {"format": FORMAT, "iteration": iteration, "files": files})
+        _fsync_tree(tmp)
+        if crash_before_publish == iteration:
+            print(f"faults.crash_during_checkpoint_at={iteration}: dying before publishing {tmp}", flush=True)
+            os._exit(86)  # fault injection (faults.crash_during_checkpoint_at): written, never published
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_latest(root, name)
+        _prune(root, keep)
+    _barrier()
+    return final
+
+
+def _write_latest(root: str, name: str) -> None:
+    tmp = os.path.join(root, LATEST + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, LATEST))
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _prune(root: str, keep: int) -> None:
+    done = sorted(d for d in os.listdir(root) if d.startswith("iter_"))
+    for d in done[:-keep] if keep > 0 else []:
+        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+    for d in os.listdir(root):  # half-written leftovers of crashed saves
+        if d.startswith(".tmp-"):
+            shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+
+
+# ---- load --------------------------------------------------------------------------------------
+
+
+def verify(path: str) -> dict:
+    """Check every file against MANIFEST.json (sha256); return the manifest.  Raises naming the
+    first file that is missing, extra or different."""
+    mpath = os.path.join(path, MANIFEST)
+    try:
+        with open(mpath) as f:
+            manifest = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{mpath}: no readable manifest ({e}); the checkpoint is incomplete") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{mpath}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    present = set()
+    for d, _, names in os.walk(path):
+        for n in names:
+            rel = os.path.relpath(os.path.join(d, n), path)
+            if rel != MANIFEST:
+                present.add(rel)
+    want = manifest["files"]
+    for rel in sorted(set(want) | present):
+        if rel not in want:
+            raise CheckpointError(f"{os.path.join(path, rel)}: not in the checkpoint manifest (tampered?)")
+        if rel not in present:
+            raise CheckpointError(f"{os.path.join(path, rel)}: listed in the manifest but missing")
+        got = _file_sha256(os.path.join(path, rel))
+        if got != want[rel]:
+            raise CheckpointError(f"{os.path.join(path, rel)}: sha256 {got} != manifest {want[rel]} (corrupted or tampered)")
+    return manifest
+
+
+def find_latest(root: str) -> Optional[str]:
+    """The checkpoint ``latest`` points at, or None when there is none yet."""
+    p = os.path.join(root, LATEST)
+    if not os.path.isfile(p):
+        return None
+    with open(p) as f:
+        name = f.read().strip()
+    path = os.path.join(root, name)
+    if not name.startswith("iter_") or not os.path.isdir(path):
+        raise CheckpointError(f"{p}: points at {name!r}, which is not a checkpoint directory")
+    return path
+
+
+def read_state(path: str) -> dict:
+    verify(path)
+    with open(os.path.join(path, STATE)) as f:
+        return json.load(f)
+
+
+def load_roles(path: str, roles: dict) -> None:
+    """Collective: fill each role's model (and optimizer) from the checkpoint (any TP/PP)."""
+    from megarl.models.megatron_ckpt import load_megatron_checkpoint
+
+    for role, (model, optimizer) in roles.items():
+        load_megatron_checkpoint(model, os.path.join(path, role))
+        if optimizer is not None:
+            _load_optimizer(model, optimizer, os.path.join(path, f"{role}_optim"))
+
+
+def restore_rng(path: str, same_layout: bool) -> None:
+    """Per-rank RNG states; at a different layout each rank takes rank 0's (documented)."""
+    from safetensors.torch import load_file
+
+    r = _rank() if same_layout else 0
+    tensors = load_file(os.path.join(path, "rng", f"rank_{r}.safetensors"))
+    with open(os.path.join(path, "rng", f"rank_{r}.json")) as f:
+        meta = json.load(f)
+    _rng_restore(tensors, meta)

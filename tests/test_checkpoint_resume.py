@@ -1,0 +1,198 @@
+"""Training-position checkpoints: exact resume after a real kill, a crash mid-checkpoint, a
+tampered file, and a resume that would change the contract (refused, naming the field)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.test_train_e2e import GRPO, PPO, _env, _free_port, batches, metrics
+
+ITERS = 5
+TIMING = ("time", "_s", "stage_s", "stage_share", "per_s", "seconds", "e2e/count/resumes",
+          "e2e/count/checkpoints")
+
+
+def _cmd(assets, run_dir, recipe, nproc, extra):
+    overrides = [f"model.path={assets['model']}", "model.build_tiny=false", f"data.train_path={assets['train']}",
+                 f"data.heldout_path={assets['heldout']}", "data.build_arithmetic=false",
+                 f"trainer.run_dir={run_dir}", "trainer.run_id=resume-test", f"trainer.iterations={ITERS}",
+                 "trainer.prompts_per_iteration=4", "rollout.n=4", "algo.num_mini_batches=2",
+                 "algo.micro_batch_size=2", "algo.forward_micro_batch_size=8", "eval.n=8", "eval.every=2",
+                 "trainer.checkpoint_every=1", "trainer.checkpoint_keep=2",
+                 "reward.fn=tests.plugins.faulty_rewards:digit_count", *extra]
+    head = [sys.executable, "-m", "megarl.train"] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+        "--master-port", str(_free_port()), "-m", "megarl.train"]
+    return head + ["--config", recipe] + overrides
+
+
+class _Done:
+    def __init__(self, returncode, stdout, stderr):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def _run(cmd, expect=0):
+    """Run to completion in its own session, output to files (not pipes): a process that dies
+    hard (fault injection) can leave dist_checkpointing's writer workers behind, which would
+    hold pipes open; they are killed with the session."""
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=_env(), start_new_session=True)
+        try:
+            rc = proc.wait(timeout=900)
+        finally:
+            _kill_tree(proc.pid)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        out.seek(0)
+        err.seek(0)
+        done = _Done(rc, out.read(), err.read())
+    assert done.returncode == expect, f"rc={done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return done
+
+
+def _kill_tree(pid):
+    """SIGKILL a process and every descendant at once (torchrun starts its workers in sessions of
+    their own, so a process-group kill would leave them running)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = root.children(recursive=True) + [root]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=30)
+
+
+def _latest(run_dir):
+    p = os.path.join(run_dir, "checkpoints", "latest")
+    if not os.path.isfile(p):
+        return -1
+    return int(open(p).read().strip().split("_")[1])
+
+
+def _kill_after_checkpoint(cmd, run_dir, at_least):
+    """Start the run, SIGKILL its whole process group as soon as checkpoint ``at_least`` is published."""
+    import tempfile
+
+    err = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=_env(), start_new_session=True)
+    t0 = time.time()
+    while _latest(run_dir) < at_least:
+        if proc.poll() is not None:
+            err.seek(0)
+            raise AssertionError(f"the run ended (rc={proc.returncode}) before checkpoint {at_least}: "
+                                 f"{err.read()[-4000:]}")
+        if time.time() - t0 > 600:
+            _kill_tree(proc.pid)
+            raise AssertionError("no checkpoint within 600 s")
+        time.sleep(0.02)
+    _kill_tree(proc.pid)
+    proc.wait()
+    return _latest(run_dir)
+
+
+def _comparable(row):
+    return {k: v for k, v in row.items() if not any(t in k for t in TIMING)}
+
+
+def _check_same_run(a_dir, b_dir, killed_at):
+    from safetensors.torch import load_file
+
+    wa = load_file(os.path.join(a_dir, "export", f"iter_{ITERS}", "model.safetensors"))
+    wb = load_file(os.path.join(b_dir, "export", f"iter_{ITERS}", "model.safetensors"))
+    assert set(wa) == set(wb) and all(torch.equal(wa[k], wb[k]) for k in wa), "actor weights differ"
+    last = f"iter_{ITERS:06d}"
+    da = json.load(open(os.path.join(a_dir, "checkpoints", last, "digests.json")))
+    db = json.load(open(os.path.join(b_dir, "checkpoints", last, "digests.json")))
+    assert da == db, "optimizer state or weight manifests differ"
+    ma, mb = metrics(a_dir), metrics(b_dir)
+    assert [m["iteration"] for m in mb] == list(range(ITERS))  # rows after the checkpoint were rewritten once
+    for x, y in zip(ma[killed_at:], mb[killed_at:]):
+        assert _comparable(x) == _comparable(y), (x["iteration"], {k: (x.get(k), y.get(k)) for k in
+                                                                  _comparable(x) if x.get(k) != y.get(k)})
+    sa = json.load(open(os.path.join(b_dir, "checkpoints", last, "state.json")))
+    assert sa["counters"].get("resumes") == 1 and sa["unconsumed_experience"] is None
+
+
+@pytest.mark.parametrize("recipe,nproc,extra", [
+    (GRPO, 1, []),
+    (PPO, 1, ["critic.micro_batch_size=2", "critic.warmup_iters=1"]),
+    (GRPO, 2, []),  # DP=2
+])
+def test_exact_resume_after_kill(assets, tmp_path, recipe, nproc, extra):
+    a_dir, b_dir = str(tmp_path / "a"), str(tmp_path / "b")
+    _run(_cmd(assets, a_dir, recipe, nproc, extra))
+    killed_at = _kill_after_checkpoint(_cmd(assets, b_dir, recipe, nproc, extra), b_dir, at_least=2)
+    assert 2 <= killed_at < ITERS, killed_at
+    out = _run(_cmd(assets, b_dir, recipe, nproc, extra))
+    assert f"resumed from {os.path.join(b_dir, 'checkpoints', f'iter_{killed_at:06d}')}" in out.stdout
+    _check_same_run(a_dir, b_dir, killed_at)
+
+
+def test_crash_mid_checkpoint_keeps_previous(assets, tmp_path):
+    d = str(tmp_path / "crash")
+    out = _run(_cmd(assets, d, GRPO, 1, ["faults.crash_during_checkpoint_at=3"]), expect=86)
+    assert _latest(d) == 2
+    leftovers = [x for x in os.listdir(os.path.join(d, "checkpoints")) if x.startswith(".tmp-")]
+    assert leftovers, "the half-written checkpoint should still be there (never published)"
+    out = _run(_cmd(assets, d, GRPO, 1, []))
+    assert "resumed from" in out.stdout and "iter_000002" in out.stdout
+    assert not [x for x in os.listdir(os.path.join(d, "checkpoints")) if x.startswith(".tmp-")]
+    assert _latest(d) == ITERS
+
+
+def test_resume_refuses_changed_contract_and_tampered_files(assets, tmp_path):
+    d = str(tmp_path / "run")
+    base = _cmd(assets, d, GRPO, 1, ["trainer.iterations=2", "trainer.save_experience=true"])
+    _run(base)
+    # a changed reward config: refused with the field named, exit 2, nothing trained
+    bad = _run(base + ["reward.fn=tests.plugins.faulty_rewards:flat_even_prompts", "trainer.iterations=3"], expect=2)
+    assert "reward changed" in bad.stderr and "resume_force" in bad.stderr, bad.stderr[-2000:]
+    # a changed chat template (the tokenizer contract): both fields named
+    tpl = tmp_path / "template.jinja"
+    tpl.write_text("{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}<|assistant|> ")
+    bad = _run(base + [f"model.chat_template={tpl}", "trainer.iterations=3"], expect=2)
+    assert "chat_template" in bad.stderr and "tokenizer" in bad.stderr, bad.stderr[-2000:]
+    # forced: continues as a new run id
+    ok = _run(base + ["reward.fn=tests.plugins.faulty_rewards:flat_even_prompts", "trainer.iterations=3",
+                      "trainer.resume_force=true"])
+    assert "resumed from" in ok.stdout
+    assert batches(d)[-1].facts.run_id == "resume-test-forced2"
+    # one flipped byte in a checkpoint file: refused, naming the file
+    latest = os.path.join(d, "checkpoints", f"iter_{_latest(d):06d}")
+    victim = next(os.path.join(r, f) for r, _, fs in os.walk(os.path.join(latest, "actor_optim")) for f in fs
+                  if f.endswith(".distcp"))
+    data = bytearray(open(victim, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    open(victim, "wb").write(bytes(data))
+    bad = _run(base + ["trainer.iterations=4"], expect=2)
+    assert os.path.basename(victim) in bad.stderr and "sha256" in bad.stderr, bad.stderr[-2000:]
+
+
+@pytest.mark.parametrize("saved", [["parallel.tp=2"], []], ids=["tp2_to_tp1", "dp2_to_dp1"])
+def test_resume_at_another_layout(assets, tmp_path, saved):
+    """Saved by 2 processes (TP=2, or DP=2), resumed by one: the loaded actor's logical weights
+    hash to the checkpointed version's manifest (a bitwise check the trainer makes before it
+    continues), the optimizer state reshards, and the run goes on."""
+    d = str(tmp_path / "run")
+    _run(_cmd(assets, d, GRPO, 2, ["trainer.iterations=2", *saved]))
+    out = _run(_cmd(assets, d, GRPO, 1, ["trainer.iterations=3"]))
+    assert "at a different layout" in out.stdout and "iter_000002" in out.stdout, out.stdout[-2000:]
+    assert _latest(d) == 3
+    state = json.load(open(os.path.join(d, "checkpoints", "iter_000003", "state.json")))
+    assert state["layout"]["world"] == 1 and state["policy_version"]["optimizer_step"] == 3
