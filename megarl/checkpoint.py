@@ -28,7 +28,6 @@ read only after every file's sha256 matched the MANIFEST written at publish.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -42,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.errors import MegarlError
+from megarl.experience.seal import _file_sha256
 
 LATEST = "latest"
 MANIFEST = "MANIFEST.json"
@@ -75,14 +75,6 @@ def _fsync_tree(root: str) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-def _file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return "sha256:" + h.hexdigest()
 
 
 def _write_json(path: str, obj) -> None:
