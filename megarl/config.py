@@ -263,7 +263,7 @@ class TrainConfig:
 
 def _omegaconf_error(e: Exception, where: str) -> ConfigError:
     key = getattr(e, "full_key", None) or getattr(e, "key", None)
-    msg = getattr(e, "msg", None) or str(e).splitlines()[0]
+    msg = (getattr(e, "msg", None) or str(e)).strip().splitlines()[0]
     return ConfigError(f"{where}: {key}: {msg}" if key else f"{where}: {msg}")
 
 
