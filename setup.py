@@ -22,6 +22,7 @@ setup(
         "tensorboard",
         "matplotlib",  # tools/plot_metrics.py
         "math-verify",  # megarl.rewards.MathVerify (reward.fn: math_verify)
+        "pyarrow",  # Parquet prompt datasets (megarl.data.prompts)
     ],
     extras_require={
         "dev": ["pytest>=8", "hypothesis>=6"],
