@@ -68,8 +68,8 @@ def test_messages_rows_and_custom_fields(contract, tmp_path):
 
 
 def test_parquet_round_trip(contract, tmp_path):
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa  # a declared dependency: a missing one must fail, not skip
+    import pyarrow.parquet as pq
     rows = [{"id": "p0", "prompt": "what is 5 minus 2 ?", "messages": None, "answer": "3"},
             {"id": "p1", "prompt": None, "messages": [{"role": "user", "content": "hello world"}], "answer": "0"}]
     path = tmp_path / "d.parquet"
