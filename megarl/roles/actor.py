@@ -17,10 +17,10 @@ from megarl.models.forward import response_log_probs
 from megarl.models.megatron_ckpt import load_model
 from megarl.models.optim import StepResult, train_step, wrap_for_training
 from megarl.models.weights import export_hf, unwrap
-from megarl.roles.common import lr_scheduler, optim_config
+from megarl.roles.common import HostOffload, lr_scheduler, optim_config
 
 
-class Actor:
+class Actor(HostOffload):
     """Args: ``path`` HF or megarl checkpoint; ``optim`` an OptimSettings section;
     ``total_steps`` optimizer steps of the run (for LR decay)."""
 
@@ -65,11 +65,3 @@ class Actor:
     def export(self, out_dir: str, tokenizer_dir: Optional[str] = None) -> None:
         """Collective: the current weights as an HF checkpoint (rank 0 writes)."""
         export_hf(self.ddp, out_dir, tokenizer_dir=tokenizer_dir)
-
-    def onload(self) -> None:
-        if self.offloader is not None and self.offloader.is_offloaded:
-            self.offloader.onload()
-
-    def offload(self) -> None:
-        if self.offloader is not None and not self.offloader.is_offloaded:
-            self.offloader.offload()

@@ -49,3 +49,18 @@ def step_tensors(prompt_ids: torch.Tensor, response_ids: torch.Tensor, attention
 def sequence_length(attention_mask: torch.Tensor) -> int:
     """Longest real row of a batch (prompt + response tokens)."""
     return int(attention_mask.sum(1).max())
+
+
+class HostOffload:
+    """``onload()`` / ``offload()`` for a trainable role whose ``offloader`` (an ActorOffloader, or
+    None when the role stays resident) moves params, grads and optimizer state; both idempotent."""
+
+    offloader = None
+
+    def onload(self) -> None:
+        if self.offloader is not None and self.offloader.is_offloaded:
+            self.offloader.onload()
+
+    def offload(self) -> None:
+        if self.offloader is not None and not self.offloader.is_offloaded:
+            self.offloader.offload()

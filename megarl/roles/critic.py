@@ -18,7 +18,7 @@ from megarl.models.forward import gather_response, scalar_values
 from megarl.models.megatron_ckpt import load_model
 from megarl.models.optim import StepResult, train_step, wrap_for_training
 from megarl.models.weights import unwrap
-from megarl.roles.common import lr_scheduler, optim_config, step_tensors
+from megarl.roles.common import HostOffload, lr_scheduler, optim_config, step_tensors
 
 
 def value_head_spec(actor_spec):
@@ -28,7 +28,7 @@ def value_head_spec(actor_spec):
                                tie_word_embeddings=False)
 
 
-class Critic:
+class Critic(HostOffload):
     def __init__(self, cfg, actor_model, tp: int, pp: int, total_steps: int, vocab_multiple: int = 128):
         if cfg.path is not None:
             self.model = load_model(cfg.path, tp=tp, pp=pp, vocab_multiple=vocab_multiple)
@@ -54,14 +54,6 @@ class Critic:
             from megarl.roles.offload import ActorOffloader
 
             self.offloader = ActorOffloader(self.ddp, self.optimizer, preserve_grads=False)
-
-    def onload(self) -> None:
-        if self.offloader is not None and self.offloader.is_offloaded:
-            self.offloader.onload()
-
-    def offload(self) -> None:
-        if self.offloader is not None and not self.offloader.is_offloaded:
-            self.offloader.offload()
 
     @torch.no_grad()
     def _copy_trunk(self, actor) -> None:
