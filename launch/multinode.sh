@@ -5,8 +5,18 @@
 #   sbatch --nodes=4 launch/multinode.sh configs/grpo_qwen2_7b.yaml parallel.tp=4
 #
 # Environment knobs: GPUS_PER_NODE (default 8), MASTER_PORT (29500), MEGARL_ENTRY (the python
-# module to run, default megarl.train), MEGARL_EXTRA_TORCHRUN_ARGS.
+# module to run, default megarl.train), MEGARL_EXTRA_TORCHRUN_ARGS, MEGARL_RUN_DIR (default
+# runs/<job name>-<job id>), MEGARL_MAX_REQUEUES (after a crash; default 3).
+#
+# Time limits and requeues: the run directory is fixed by the job id, which a requeued job keeps,
+# and the trainer runs with trainer.resume=auto, so a requeued job continues from the last
+# checkpoint.  Slurm signals this script (USR1) 10 minutes before the time limit; the script
+# writes <run dir>/STOP, the trainer checkpoints at its next commit and exits, and the script
+# requeues the job.  A run that finished writes <run dir>/DONE and is never requeued; a crash is
+# requeued at most MEGARL_MAX_REQUEUES times (SLURM_RESTART_COUNT counts them).
 #SBATCH --job-name=megarl
+#SBATCH --requeue
+#SBATCH --signal=B:USR1@600
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=8
@@ -27,6 +37,8 @@ if [ ! -f "$CONFIG" ]; then
 fi
 
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+RUN_DIR=${MEGARL_RUN_DIR:-runs/${SLURM_JOB_NAME:-megarl}-${SLURM_JOB_ID:?run under sbatch/salloc (SLURM_JOB_ID is unset)}}
+MAX_REQUEUES=${MEGARL_MAX_REQUEUES:-3}
 MASTER_PORT=${MASTER_PORT:-29500}
 MEGARL_ENTRY=${MEGARL_ENTRY:-megarl.train}
 NNODES=${SLURM_NNODES:?run under sbatch/salloc (SLURM_NNODES is unset)}
@@ -35,11 +47,20 @@ HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk 'NR == 1')
 HEAD_ADDR=$(srun --nodes=1 --ntasks=1 -w "$HEAD_NODE" hostname --ip-address | awk '{print $1}')
 mkdir -p logs
 
-echo "megarl: $NNODES nodes x $GPUS_PER_NODE GPUs, rendezvous $HEAD_ADDR:$MASTER_PORT, entry $MEGARL_ENTRY"
+echo "megarl: $NNODES nodes x $GPUS_PER_NODE GPUs, rendezvous $HEAD_ADDR:$MASTER_PORT, entry $MEGARL_ENTRY, run dir $RUN_DIR (restart ${SLURM_RESTART_COUNT:-0})"
 # NCCL over the node's fabric; CUDA_DEVICE_MAX_CONNECTIONS=1 is what megatron's TP overlap expects.
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 
+STOP_REQUESTED=0
+on_time_limit() {
+  STOP_REQUESTED=1
+  mkdir -p "$RUN_DIR" && touch "$RUN_DIR/STOP"
+  echo "megarl: time limit near; asked the trainer to checkpoint and stop ($RUN_DIR/STOP)"
+}
+trap on_time_limit USR1
+
+# srun in the background: bash runs a trap only between commands, and `wait` returns on a signal
 # shellcheck disable=SC2086
 srun --kill-on-bad-exit=1 --ntasks-per-node=1 \
   torchrun \
@@ -49,4 +70,20 @@ srun --kill-on-bad-exit=1 --ntasks-per-node=1 \
     --rdzv-backend c10d \
     --rdzv-endpoint "$HEAD_ADDR:$MASTER_PORT" \
     ${MEGARL_EXTRA_TORCHRUN_ARGS:-} \
-    -m "$MEGARL_ENTRY" --config "$CONFIG" "$@"
+    -m "$MEGARL_ENTRY" --config "$CONFIG" "trainer.run_dir=$RUN_DIR" trainer.resume=auto "$@" &
+SRUN_PID=$!
+RC=0
+while true; do
+  wait "$SRUN_PID" && RC=0 || RC=$?
+  kill -0 "$SRUN_PID" 2>/dev/null || break  # still running: wait was interrupted by the signal
+done
+
+if [ -f "$RUN_DIR/DONE" ]; then
+  echo "megarl: run finished ($RUN_DIR/DONE)"
+  exit "$RC"
+fi
+if [ "$STOP_REQUESTED" = 1 ] || { [ "$RC" != 0 ] && [ "${SLURM_RESTART_COUNT:-0}" -lt "$MAX_REQUEUES" ]; }; then
+  echo "megarl: requeueing job $SLURM_JOB_ID (exit status $RC); it resumes from $RUN_DIR/checkpoints/latest"
+  scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$RC"

@@ -18,7 +18,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from megarl.errors import MegarlError
 
@@ -97,6 +97,9 @@ class RolloutConfig:
     reuse_rollout_log_probs: bool = False
     log_prob_parity_tol: float = 1.0e-3
     bucket_mb: int = 512
+    #: regenerations of a lost or aborted candidate (same sample id, seed and policy version)
+    #: before its group is handled as incomplete (algo.partial_groups)
+    max_retries: int = 2
     # sglang (GPU) settings
     tp: int = 1  # inference TP size
     mem_fraction_static: float = 0.6
@@ -232,6 +235,20 @@ class TrainerConfig:
     checkpoint_keep: int = 3  # how many published checkpoints to keep
     resume: str = "auto"  # auto: continue from <run_dir>/checkpoints/latest if there is one | never
     resume_force: bool = False  # resume although tokenizer / template / reward / model config changed (new run id)
+    #: the iteration a crash interrupted after its experience was sealed: "rerun" its rollout, or
+    #: "reuse" the sealed batch (written to <run_dir>/experience/pending at every seal; reused only
+    #: if its policy version, config hashes and content hash match the checkpoint's)
+    resume_experience: str = "rerun"
+    #: a failed actor/critic update (exception on any rank, non-finite loss or grad norm): the
+    #: weights, optimizer and LR schedule return to the committed version v on every rank, then
+    #: "retry" the update on the same sealed batch (at most max_update_retries times, then stop),
+    #: "skip" the batch and keep v, or "stop" the run (the last checkpoint stays the restart point)
+    on_update_failure: str = "retry"
+    max_update_retries: int = 2
+    #: "memory": a host copy of actor (and critic) params and optimizer state at the start of every
+    #: update, for the rollback (costs one device->host copy of that state per iteration); "none":
+    #: no copy, a failed update stops the run and resume=auto restarts from the last checkpoint
+    update_rollback: str = "memory"
 
 
 @dataclass
@@ -239,6 +256,14 @@ class FaultsConfig:
     """Fault injection for tests and drills; every key is inert unless set."""
 
     crash_during_checkpoint_at: Optional[int] = None  # die after writing checkpoint k, before publishing it
+    crash_during_update_at: Optional[int] = None  # die (os._exit) in iteration k's update, after its seal
+    rollout_error_rate: float = 0.0  # a candidate's result is lost (and delivered late, in the next call)
+    duplicate_result_rate: float = 0.0  # a candidate's result is delivered twice
+    reward_timeout_rate: float = 0.0  # a reward call hangs past reward.timeout_s
+    fail_optimizer_step_at: List[int] = field(default_factory=list)  # iterations whose update fails once
+    fail_optimizer_step_rank: int = -1  # the rank that fails (-1: the last)
+    fail_optimizer_step_kind: str = "exception"  # exception | nan (a non-finite loss on that rank)
+    seed: int = 0  # of the fault draws (see megarl/faults.py)
 
 
 @dataclass
@@ -369,6 +394,22 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
     _choice(cfg.trainer.resume, "trainer.resume", ("auto", "never"))
     _need(cfg.trainer.checkpoint_every >= 0, "trainer.checkpoint_every", "must be >= 0")
     _need(cfg.trainer.checkpoint_keep >= 1, "trainer.checkpoint_keep", "must be >= 1")
+    _choice(t.resume_experience, "trainer.resume_experience", ("rerun", "reuse"))
+    _choice(t.on_update_failure, "trainer.on_update_failure", ("retry", "skip", "stop"))
+    _choice(t.update_rollback, "trainer.update_rollback", ("memory", "none"))
+    _need(t.max_update_retries >= 0, "trainer.max_update_retries", "must be >= 0")
+    _need(t.update_rollback == "memory" or t.on_update_failure == "stop", "trainer.on_update_failure",
+          f"{t.on_update_failure!r} needs trainer.update_rollback=memory (without a copy of version v "
+          "the only recovery is a restart from the last checkpoint: use 'stop')")
+    _need(r.max_retries >= 0, "rollout.max_retries", "must be >= 0")
+    f = cfg.faults
+    for key in ("rollout_error_rate", "duplicate_result_rate", "reward_timeout_rate"):
+        _need(0.0 <= getattr(f, key) < 1.0, f"faults.{key}", f"must be in [0, 1), got {getattr(f, key)}")
+    _choice(f.fail_optimizer_step_kind, "faults.fail_optimizer_step_kind", ("exception", "nan"))
+    _need(-1 <= f.fail_optimizer_step_rank < world_size, "faults.fail_optimizer_step_rank",
+          f"must be -1 (the last rank) or a rank in [0, {world_size}), got {f.fail_optimizer_step_rank}")
+    _need(not f.reward_timeout_rate or cfg.reward.timeout_s is not None, "faults.reward_timeout_rate",
+          "injects calls that hang past reward.timeout_s, which is null (no timeout)")
     for k in ("error", "timeout", "invalid"):
         _need(k in cfg.reward.penalty, f"reward.penalty.{k}", "must be given (null for no penalty)")
     extra = sorted(set(cfg.reward.penalty) - {"error", "timeout", "invalid"})

@@ -106,11 +106,11 @@ def _kill_after_checkpoint(cmd, run_dir, at_least):
     return _latest(run_dir)
 
 
-def _comparable(row):
-    return {k: v for k, v in row.items() if not any(t in k for t in TIMING)}
+def _comparable(row, ignore=()):
+    return {k: v for k, v in row.items() if not any(t in k for t in TIMING + tuple(ignore))}
 
 
-def _check_same_run(a_dir, b_dir, killed_at):
+def _check_same_run(a_dir, b_dir, killed_at, ignore=(), resumes=1):
     from safetensors.torch import load_file
 
     wa = load_file(os.path.join(a_dir, "export", f"iter_{ITERS}", "model.safetensors"))
@@ -123,20 +123,37 @@ def _check_same_run(a_dir, b_dir, killed_at):
     ma, mb = metrics(a_dir), metrics(b_dir)
     assert [m["iteration"] for m in mb] == list(range(ITERS))  # rows after the checkpoint were rewritten once
     for x, y in zip(ma[killed_at:], mb[killed_at:]):
-        assert _comparable(x) == _comparable(y), (x["iteration"], {k: (x.get(k), y.get(k)) for k in
-                                                                  _comparable(x) if x.get(k) != y.get(k)})
+        assert _comparable(x, ignore) == _comparable(y, ignore), (
+            x["iteration"], {k: (x.get(k), y.get(k)) for k in _comparable(x, ignore) if x.get(k) != y.get(k)})
     sa = json.load(open(os.path.join(b_dir, "checkpoints", last, "state.json")))
-    assert sa["counters"].get("resumes") == 1 and sa["unconsumed_experience"] is None
+    assert sa["counters"].get("resumes") == (resumes or None) and sa["unconsumed_experience"] is None
+
+
+_UNINTERRUPTED = {}
+
+
+def uninterrupted(assets, tmp_path_factory, recipe, nproc, extra):
+    """The run dir of an uninterrupted run of this configuration (made once per session, shared
+    by the resume and fault tests that compare against it)."""
+    key = (recipe, nproc, tuple(extra))
+    if key not in _UNINTERRUPTED:
+        d = str(tmp_path_factory.mktemp("uninterrupted") / "a")
+        _run(_cmd(assets, d, recipe, nproc, list(extra)))
+        _UNINTERRUPTED[key] = d
+    return _UNINTERRUPTED[key]
+
+
+PPO_EXTRA = ["critic.micro_batch_size=2", "critic.warmup_iters=1"]
 
 
 @pytest.mark.parametrize("recipe,nproc,extra", [
     (GRPO, 1, []),
-    (PPO, 1, ["critic.micro_batch_size=2", "critic.warmup_iters=1"]),
+    (PPO, 1, PPO_EXTRA),
     (GRPO, 2, []),  # DP=2
-])
-def test_exact_resume_after_kill(assets, tmp_path, recipe, nproc, extra):
-    a_dir, b_dir = str(tmp_path / "a"), str(tmp_path / "b")
-    _run(_cmd(assets, a_dir, recipe, nproc, extra))
+    (PPO, 2, PPO_EXTRA),  # DP=2
+], ids=["grpo-1proc", "ppo-1proc", "grpo-dp2", "ppo-dp2"])
+def test_exact_resume_after_kill(assets, tmp_path, tmp_path_factory, recipe, nproc, extra):
+    a_dir, b_dir = uninterrupted(assets, tmp_path_factory, recipe, nproc, extra), str(tmp_path / "b")
     killed_at = _kill_after_checkpoint(_cmd(assets, b_dir, recipe, nproc, extra), b_dir, at_least=2)
     assert 2 <= killed_at < ITERS, killed_at
     out = _run(_cmd(assets, b_dir, recipe, nproc, extra))
@@ -196,3 +213,35 @@ def test_resume_at_another_layout(assets, tmp_path, saved):
     assert _latest(d) == 3
     state = json.load(open(os.path.join(d, "checkpoints", "iter_000003", "state.json")))
     assert state["layout"]["world"] == 1 and state["policy_version"]["optimizer_step"] == 3
+
+
+def test_sigterm_and_stop_file_checkpoint_then_resume_the_same_run(assets, tmp_path, tmp_path_factory):
+    """The two ways a scheduler ends a job on time: SIGTERM to the trainer, or <run_dir>/STOP
+    (written by launch/multinode.sh on Slurm's warning).  Each stops at the next commit with a
+    checkpoint and exit 0; the third start finishes (DONE), bitwise the uninterrupted run."""
+    ref = uninterrupted(assets, tmp_path_factory, GRPO, 1, [])
+    d = str(tmp_path / "run")
+    cmd = _cmd(assets, d, GRPO, 1, [])
+    for how in ("stop_file", "sigterm"):
+        start = _latest(d)
+        log = tmp_path / f"{how}.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.DEVNULL, env=_env(), start_new_session=True)
+        t0 = time.time()
+        # fresh: once a checkpoint exists; resumed: as soon as it says so (before its first iteration)
+        while _latest(d) < 1 if start < 0 else "resumed from" not in log.read_text():
+            assert proc.poll() is None and time.time() - t0 < 600, "the run ended before it could be stopped"
+            time.sleep(0.02)
+        if how == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            open(os.path.join(d, "STOP"), "w").close()
+        rc = proc.wait(timeout=600)
+        text = log.read_text()
+        assert rc == 0 and "stopping after" in text and "on a signal" in text, text[-2000:]
+        assert start < _latest(d) < ITERS and not os.path.exists(os.path.join(d, "DONE"))
+    stopped_at = _latest(d)
+    _run(cmd)
+    assert os.path.isfile(os.path.join(d, "DONE"))
+    _check_same_run(ref, d, killed_at=stopped_at, resumes=2)
+

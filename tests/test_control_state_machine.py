@@ -214,3 +214,38 @@ def test_checkpoint_state_is_separate_from_the_committed_version():
     fresh = CheckpointTracker()
     fresh.begin_write(1)
     assert fresh.abort_write().state is CheckpointState.NONE
+
+
+@pytest.mark.parametrize("phase", ORDER + [Phase.FAILED])
+def test_retry_update_only_after_a_failure_inside_the_update(phase):
+    """FAILED -> EXPERIENCE_SEALED(v) is the retry of v's update on its sealed batch: legal only
+    when the failure came from UPDATING_FROM(v) and the actor holds v again."""
+    v0, v1 = version(0), version(1, "w1")
+    sm = IterationStateMachine(v0)
+    if phase is not Phase.FAILED:
+        drive_to(sm, phase, v0, v1)
+    sm.fail("injected")
+    if phase is not Phase.UPDATING_FROM:
+        with pytest.raises(IllegalTransitionError, match="not from UPDATING_FROM"):
+            sm.retry_update(v0)
+        return
+    with pytest.raises(CompletionConditionError, match="restore it first"):
+        sm.retry_update(v1)
+    assert sm.retry_update(v0).phase is Phase.EXPERIENCE_SEALED and sm.state.version == v0
+    sm.begin_update()
+    sm.commit(v1, UpdateEvidence(4, 4, v1.weight_manifest_hash))
+    assert sm.committed == v1
+
+
+def test_adopt_sealed_checks_the_batch_like_seal_and_only_from_committed():
+    v0, v1 = version(0), version(1, "w1")
+    sm = IterationStateMachine(v0)
+    with pytest.raises(CompletionConditionError, match="expected only"):
+        sm.adopt_sealed(seal(v1))  # a batch of another version
+    sm.recover(v0)
+    with pytest.raises(CompletionConditionError, match="1 of 2 groups complete"):
+        sm.adopt_sealed(seal(v0, groups_complete=1))
+    sm.recover(v0)
+    assert sm.adopt_sealed(seal(v0)).phase is Phase.EXPERIENCE_SEALED
+    with pytest.raises(IllegalTransitionError, match="requires ACTOR_COMMITTED"):
+        sm.adopt_sealed(seal(v0))

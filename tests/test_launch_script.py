@@ -31,8 +31,58 @@ def test_multinode_passes_config_and_overrides(tmp_path):
     line = log.read_text().strip()
     for part in ("torchrun", "--nnodes 2", "--nproc-per-node 4", "--rdzv-id 77", "--rdzv-backend c10d",
                  "--rdzv-endpoint 10.9.8.7:29500", "-m megarl.train", f"--config {cfg}",
-                 "actor.tp=4 algo.name=grpo"):
+                 # a requeued job (same id) finds its run dir and resumes; the user's overrides come last
+                 "trainer.run_dir=runs/megarl-77 trainer.resume=auto actor.tp=4 algo.name=grpo"):
         assert part in line, (part, line)
+
+
+def _slurm(tmp_path, srun_body):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _fake(bin_dir, "scontrol", f'if [ "$1" = requeue ]; then echo "$@" >> {tmp_path / "scontrol.log"}; '
+                               'else printf "node-a\\n"; fi\n')
+    _fake(bin_dir, "srun", f'if [[ "$*" == *hostname* ]]; then echo 10.9.8.7; exit 0; fi\n{srun_body}')
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("a: 1\n")
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_NNODES="1", SLURM_JOB_NODELIST="node-a",
+               SLURM_JOB_ID="77", SLURM_JOB_NAME="job", MEGARL_RUN_DIR=str(tmp_path / "run"))
+    return [os.environ.get("BASH", "bash"), SCRIPT, str(cfg)], env
+
+
+def test_time_limit_signal_asks_for_a_checkpoint_and_requeues(tmp_path):
+    """Slurm's USR1 before the limit: the script writes <run dir>/STOP (the trainer checkpoints at
+    its next commit and exits 0) and requeues the job, which resumes in the same run dir."""
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    started = tmp_path / "started"
+    # the stand-in trainer: runs until the STOP file appears, then exits 0 like the real one
+    cmd, env = _slurm(tmp_path, f'touch {started}; while [ ! -f {run}/STOP ]; do sleep 0.05; done; exit 0\n')
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.time()
+    while not started.exists():
+        assert proc.poll() is None and time.time() - t0 < 30, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert (run / "STOP").exists() and "requeueing job 77" in out
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "77"]
+
+
+def test_finished_run_is_not_requeued_and_crashes_only_up_to_the_limit(tmp_path):
+    run = tmp_path / "run"
+    cmd, env = _slurm(tmp_path, f'mkdir -p {run}; [ -n "$MAKE_DONE" ] && touch {run}/DONE; exit ${{RC:-0}}\n')
+    done = subprocess.run(cmd, env=dict(env, MAKE_DONE="1"), cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0 and "run finished" in done.stdout and not (tmp_path / "scontrol.log").exists()
+    (run / "DONE").unlink()
+    crash = subprocess.run(cmd, env=dict(env, RC="3", SLURM_RESTART_COUNT="1"), cwd=tmp_path, capture_output=True,
+                           text=True)
+    assert crash.returncode == 3 and (tmp_path / "scontrol.log").read_text().split() == ["requeue", "77"]
+    again = subprocess.run(cmd, env=dict(env, RC="3", SLURM_RESTART_COUNT="3"), cwd=tmp_path, capture_output=True,
+                           text=True)
+    assert again.returncode == 3 and "requeueing" not in again.stdout  # MEGARL_MAX_REQUEUES (3) reached
 
 
 def test_multinode_rejects_missing_config(tmp_path):

@@ -145,6 +145,25 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(actor_engi
     assert [r.candidate_index for r in a[:3]] == [0, 1, 2]
 
 
+def test_regenerating_chosen_candidates_keeps_their_seeds_and_echoes_the_attempt(actor_engine):
+    """A retry after a lost result: only the asked-for candidates, each from its own seed stream
+    (the same tokens as in the first attempt), tagged with the retry's attempt."""
+    _, engine, _ = actor_engine
+    sp = SamplingParams(temperature=0.9, top_k=50, max_new_tokens=8, n=4, seed=5)
+    first = {(r.request_id, r.candidate_index): r for r in engine.generate(PROMPTS, sp)}
+    retry = [GenerationRequest(PROMPTS[1].request_id, PROMPTS[1].prompt_ids, candidate_indices=(3, 1), attempt=2)]
+    again = engine.generate(retry, sp)
+    assert [(r.request_id, r.candidate_index, r.attempt) for r in again] == [("p1", 3, 2), ("p1", 1, 2)]
+    for r in again:
+        was = first[(r.request_id, r.candidate_index)]
+        assert r.response_ids == was.response_ids and r.seed == was.seed and was.attempt == 0
+        assert torch.allclose(r.raw_log_probs, was.raw_log_probs, atol=1e-5)
+    with pytest.raises(InvalidRequestError, match="outside"):
+        engine.generate([GenerationRequest("p9", (1, 2), candidate_indices=(4,))], sp)
+    with pytest.raises(InvalidRequestError, match="distinct"):
+        GenerationRequest("p9", (1, 2), candidate_indices=(1, 1))
+
+
 def test_finish_reasons_eos_stop_length(actor_engine, tmp_path):
     actor, engine, version = actor_engine
     free = engine.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=6))[0]

@@ -44,6 +44,14 @@ def test_recipes_validate(path):
     (["reward.on_failure=zero"], "reward.on_failure"),
     (["reward.penalty.crash=-1"], "reward.penalty"),
     (["algo.dynamic_sampling.max_rounds=0"], "algo.dynamic_sampling.max_rounds"),
+    (["trainer.resume_experience=maybe"], "trainer.resume_experience"),
+    (["trainer.on_update_failure=ignore"], "trainer.on_update_failure"),
+    (["trainer.update_rollback=none"], "trainer.on_update_failure"),  # retry needs the host copy of v
+    (["rollout.max_retries=-1"], "rollout.max_retries"),
+    (["faults.rollout_error_rate=1.0"], "faults.rollout_error_rate"),  # nothing could ever finish
+    (["faults.fail_optimizer_step_kind=segfault"], "faults.fail_optimizer_step_kind"),
+    (["faults.fail_optimizer_step_rank=4"], "faults.fail_optimizer_step_rank"),
+    (["faults.reward_timeout_rate=0.2", "reward.timeout_s=null"], "faults.reward_timeout_rate"),
 ])
 def test_bad_grpo_config_names_key(overrides, key):
     _fail(GRPO, overrides, key)

@@ -96,6 +96,11 @@ class RolloutParityError(MegarlError, RuntimeError):
     them as old log-probs would change the PPO ratio, so the run stops (exit 2)."""
 
 
+class UpdateFailure(MegarlError, RuntimeError):
+    """The update of v failed on some rank (an exception, a non-finite loss or grad norm); every
+    rank raises it together, after agreeing on it."""
+
+
 @dataclass
 class Sample:
     """One candidate on its way to the experience record."""
@@ -133,6 +138,14 @@ class Trainer:
 
         self.cfg, self.run_dir, self.run_id = cfg, run_dir, run_id
         self.rank0 = dist.get_rank() == 0
+        # SIGTERM / SIGUSR1 and <run_dir>/STOP (launch/multinode.sh writes it when Slurm warns of
+        # the time limit) ask for a checkpoint at the next commit and a clean exit; from here on,
+        # so that a signal during start-up is not lost.  A STOP file left by the last stop is stale.
+        self.stop_signal = False
+        self._install_signal_handlers()
+        self.stop_file = os.path.join(run_dir, "STOP")
+        if self.rank0 and os.path.exists(self.stop_file):
+            os.remove(self.stop_file)
         self.world = dist.get_world_size()
         self.dp = dp_size()
         p = cfg.parallel
@@ -164,6 +177,13 @@ class Trainer:
 
             self.critic = Critic(cfg.critic, self.actor.model, p.tp, p.pp, total_steps,
                                  vocab_multiple=cfg.model.vocab_multiple)
+        from megarl.faults import FaultInjector
+        from megarl.roles.rollback import UpdateSnapshot
+
+        injector = FaultInjector(cfg.faults, seed=cfg.faults.seed, rank=dist.get_rank(), world=self.world)
+        self.injector = injector if injector.active else None
+        self.snapshots = {"actor": UpdateSnapshot(), "critic": UpdateSnapshot()}
+        self.snapshot_s = self.snapshot_bytes = 0
         self._build_rewards()
 
         self.policy_cfg = PolicyLossConfig(
@@ -195,6 +215,10 @@ class Trainer:
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else (eos[0] if eos else 0)
         self.pad_id = pad
         self.engine = create_engine(cfg, self.placement, iter0, eos, pad)
+        if self.engine is not None and (cfg.faults.rollout_error_rate or cfg.faults.duplicate_result_rate):
+            from megarl.faults import FaultyRolloutEngine
+
+            self.engine = FaultyRolloutEngine(self.engine, injector)
         self.sync_dtype = broadcast_object(getattr(self.engine, "dtype", None) if self.rank0 else None)
         if isinstance(self.sync_dtype, str):
             self.sync_dtype = getattr(torch, self.sync_dtype)
@@ -211,8 +235,9 @@ class Trainer:
             if self.rank0:
                 self._truncate_metrics(self.start_iteration)
         self.sm = IterationStateMachine(committed=self.version, deadlines=PhaseDeadlines())
+        self.pending = (self._load_pending(resume) if resume is not None and cfg.trainer.resume_experience == "reuse"
+                        else None)
         self.metrics = MetricsWriter(run_dir, enabled=self.rank0, tensorboard=cfg.trainer.tensorboard)
-        self.stop_signal = False
         self.quarantine_path = os.path.join(run_dir, "quarantine.jsonl")
         # GPU time-slicing: the engine releases KV cache and weights while the trainer computes
         self.time_slice = cfg.rollout.backend == "sglang" and cfg.rollout.enable_memory_saver
@@ -226,6 +251,10 @@ class Trainer:
 
         r = self.cfg.reward
         self.reward_fn = build_reward_function(r.fn, r.kwargs, r.components) if r.fn else None
+        if self.reward_fn is not None and self.cfg.faults.reward_timeout_rate:
+            from megarl.faults import FaultyRewardFunction
+
+            self.reward_fn = FaultyRewardFunction(self.reward_fn, self.injector, hang_s=1.5 * r.timeout_s + 0.05)
         self.reward_runner = (RewardRunner(self.reward_fn, timeout_s=r.timeout_s, max_retries=r.max_retries,
                                            backoff_s=r.retry_backoff_s) if self.reward_fn and self.rank0 else None)
         self.reward_model = None
@@ -377,13 +406,13 @@ class Trainer:
         total = cfg.trainer.iterations
         t_start = time.time()
         it = self.start_iteration if start_iteration is None else start_iteration
-        self._install_signal_handlers()
         bar = None
         if self.rank0 and sys.stderr.isatty():
             from tqdm import tqdm
 
             bar = tqdm(total=total, initial=it, desc="train", unit="iter", dynamic_ncols=True)
         final_eval_done = False
+        stop_file = self.stop_file
         while it < total:
             m = self.iteration(it)
             it += 1
@@ -402,9 +431,9 @@ class Trainer:
                 bar.write(progress_line(it, total, m, self.last_eval))
             elif self.rank0:  # a log file, not a terminal: plain lines, no carriage returns
                 print(progress_line(it, total, m, self.last_eval), flush=True)
-            signalled = any(gather_objects(self.stop_signal))
+            signalled = any(gather_objects(self.stop_signal or (self.rank0 and os.path.exists(stop_file))))
             every = cfg.trainer.checkpoint_every
-            if (every and it % every == 0) or signalled:
+            if (every and it % every == 0) or signalled or (stop and it < total):
                 path = self.save_checkpoint(it)
                 if self.rank0:
                     print(f"checkpoint {path} ({self.last_checkpoint_s:.2f}s)", flush=True)
@@ -424,24 +453,37 @@ class Trainer:
             self.metrics.write(it, self.evaluate(it))
         self.export(it)
         self.metrics.close()
-        return {"iterations": it, "heldout_accuracy": self.last_eval}
+        result = {"iterations": it, "heldout_accuracy": self.last_eval}
+        if it == total and self.rank0:  # launch/multinode.sh requeues a job until this exists
+            with open(os.path.join(self.run_dir, "DONE"), "w") as f:
+                json.dump(result, f)
+        return result
 
     def iteration(self, k: int) -> Dict[str, float]:
         timer = StageTimer()
         m: Dict[str, float] = {"e2e/policy_version_step": self.version.optimizer_step}
-        with timer.stage("weight_sync"):
-            m.update(self.publish())
-        if self.heldout is not None and self.cfg.eval.every and k % self.cfg.eval.every == 0:
-            with timer.stage("eval"):
-                m.update(self.evaluate(k))
-        outcome = self.rollout(k, timer)
-        m.update(outcome.metrics)
-        batch, prep = self.prepare(k, outcome, timer)
-        m.update(prep)
-        with timer.stage("update"):
-            m.update(self.update(k, batch))
-        with timer.stage("commit"):
-            self.commit()
+        pending = self._take_pending(k)
+        if pending is not None:  # trainer.resume_experience=reuse: iteration k's batch, sealed before a crash
+            batch, before = pending
+            m.update(before)
+        else:
+            with timer.stage("weight_sync"):
+                m.update(self.publish())
+            if self.heldout is not None and self.cfg.eval.every and k % self.cfg.eval.every == 0:
+                with timer.stage("eval"):
+                    m.update(self.evaluate(k))
+            counters0 = Counter(self.counters)
+            outcome = self.rollout(k, timer)
+            m.update(outcome.metrics)
+            batch, prep = self.prepare(k, outcome, timer)
+            m.update(prep)
+            if self.cfg.trainer.resume_experience == "reuse":
+                with timer.stage("pending_write"):
+                    self._write_pending(k, batch, m, self.counters - counters0)
+        m.update(self._update_with_recovery(k, batch, timer))
+        if not m.get("update/skipped_batch"):
+            with timer.stage("commit"):
+                self.commit()
         if self.reference is not None and self.cfg.reference.refresh_every and (k + 1) % self.cfg.reference.refresh_every == 0:
             self.reference.refresh_from(self.actor.ddp, version=f"ref-{self.version.short_id}")
             self.counters["reference_refreshes"] += 1
@@ -449,8 +491,145 @@ class Trainer:
         tokens = float(batch.facts.response_mask.sum())
         m["e2e/updated_tokens"] = tokens * self.cfg.algo.ppo_epochs
         m["e2e/tokens_per_s"] = tokens / m["e2e/iteration_s"]
+        if self.injector is not None:
+            injected = Counter()
+            for c in gather_objects(dict(self.injector.counts)):
+                injected.update(c)
+            m.update({f"faults/injected/{k_}": float(v) for k_, v in sorted(injected.items())})
         m.update({f"e2e/count/{k_}": v for k_, v in sorted(self.counters.items())})
         return m
+
+    # ---- update failures: roll back to v on every rank, then retry, skip or stop -----------------
+
+    def _update_with_recovery(self, k: int, batch: ExperienceBatch, timer: StageTimer) -> Dict[str, float]:
+        t = self.cfg.trainer
+        failures = 0
+        while True:
+            try:
+                with timer.stage("update"):
+                    return self.update(k, batch)
+            except UpdateFailure as e:
+                failures += 1
+                self.counters["update_failures"] += 1
+                self.sm.fail(str(e))
+                if self.rank0:
+                    print(f"iteration {k}: {e}", file=sys.stderr, flush=True)
+                if t.on_update_failure == "stop" or (t.on_update_failure == "retry" and failures > t.max_update_retries):
+                    raise UpdateFailure(f"iteration {k}: the update failed {failures} time(s), "
+                                        f"trainer.on_update_failure={t.on_update_failure}, "
+                                        f"max_update_retries={t.max_update_retries}; restart from the last "
+                                        f"checkpoint in {self.ckpt_root} (resume=auto). Last failure: {e}") from e
+                with timer.stage("rollback"):
+                    self._rollback()
+                if t.on_update_failure == "skip":
+                    self.sm.recover(self.version)
+                    self.counters["updates_skipped"] += 1
+                    return {"update/skipped_batch": 1.0}
+                self.sm.retry_update(self.version)
+                self.counters["update_retries"] += 1
+
+    def _rollback(self) -> None:
+        """Actor (and critic) back to the committed v, proven by the weight manifest on every rank."""
+        from megarl.roles.rollback import RollbackError
+
+        self.actor.steps = self.snapshots["actor"].restore(self.actor.ddp, self.actor.optimizer, self.actor.scheduler)
+        if self.critic is not None:
+            self.critic.steps = self.snapshots["critic"].restore(self.critic.ddp, self.critic.optimizer,
+                                                                 self.critic.scheduler)
+            self.critic.version = self.critic_version_at_snapshot
+        restored = gather_objects(actor_manifest(self.actor.ddp, dtype=self.sync_dtype).global_hash)
+        bad = [i for i, h in enumerate(restored) if h != self.manifest.global_hash]
+        if bad:
+            raise RollbackError(f"rollback: ranks {bad} hold weights whose manifest is not the committed "
+                                f"{self.version.short_id}'s ({self.manifest.global_hash})")
+        self.counters["update_rollbacks"] += 1
+
+    # ---- trainer.resume_experience=reuse: the sealed batch of an interrupted iteration --------
+
+    def _pending_dir(self) -> str:
+        return os.path.join(self.run_dir, "experience", "pending")
+
+    def _pending_hashes(self) -> Dict[str, str]:
+        from megarl.config import section_hash
+
+        return {**self.contract_hashes(), "algo": section_hash(self.cfg.algo)}
+
+    def _write_pending(self, k: int, batch: ExperienceBatch, metrics: Dict[str, float], counters: Counter) -> None:
+        """Rank 0 writes iteration k's sealed batch and what its rollout changed (sampler cursor,
+        counters, metrics), replacing the previous one atomically."""
+        if self.rank0:
+            import shutil
+
+            final, tmp = self._pending_dir(), self._pending_dir() + ".tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            save_sealed(batch, tmp)
+            side = {"iteration": k, "policy_version": self.version.to_dict(), "hashes": self._pending_hashes(),
+                    "content_hash": batch.content_hash, "sampler": self.sampler.state_dict(),
+                    "counters": dict(counters), "parity_checked": self.parity_checked, "metrics": metrics}
+            with open(os.path.join(tmp, "position.json"), "w") as f:
+                json.dump(side, f, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _take_pending(self, k: int):
+        """The sealed batch of iteration k from before a restart, once, if it may be reused."""
+        if self.pending is None or self.pending[1]["iteration"] != k:
+            return None
+        batch, side = self.pending
+        self.pending = None
+        facts = batch.facts
+        groups = {g: facts.group_id.count(g) for g in set(facts.group_id)}
+        self.sm.adopt_sealed(SealEvidence(samples_expected=facts.batch_size, samples_written=facts.batch_size,
+                                          groups_expected=len(groups), groups_complete=len(groups),
+                                          sample_version_ids=frozenset(facts.policy_version)))
+        self.sampler.load_state_dict(side["sampler"])
+        self.counters.update(side["counters"])
+        self.parity_checked = side["parity_checked"]
+        if "eval/accuracy" in side["metrics"]:
+            self.last_eval = side["metrics"]["eval/accuracy"]
+        self.counters["sealed_batches_reused"] += 1
+        if self.rank0:
+            print(f"iteration {k}: reusing the batch sealed before the restart ({batch.content_hash[:16]}, "
+                  f"{facts.batch_size} samples of {self.version.short_id})", flush=True)
+        return batch, dict(side["metrics"])
+
+    def _load_pending(self, resume_state: dict):
+        """Check ``experience/pending`` against the checkpoint we resumed from: None when it is
+        not the resumed iteration's (the crash came before its seal: the rollout runs again); a
+        clear error naming the field when it is but a version or a config hash differs."""
+        from megarl import checkpoint
+        from megarl.experience.seal import load_sealed
+
+        d = self._pending_dir()
+        side_path = os.path.join(d, "position.json")
+        if not os.path.isfile(side_path):
+            return None
+        side = json.load(open(side_path))
+        if side["iteration"] != resume_state["iteration"]:
+            if self.rank0:
+                print(f"resume: the sealed batch in {d} is iteration {side['iteration']}'s, not "
+                      f"{resume_state['iteration']}'s; its rollout runs again", flush=True)
+            return None
+        saved, now = side["policy_version"], self.version.to_dict()
+        for key in ("run_id", "optimizer_step", "weight_manifest_hash", "tokenizer_hash"):
+            if saved.get(key) != now.get(key):
+                raise checkpoint.CheckpointError(
+                    f"trainer.resume_experience=reuse: {d} was sealed on policy version {key}={saved.get(key)}, "
+                    f"the checkpoint resumes {key}={now.get(key)}; set trainer.resume_experience=rerun")
+        hashes = self._pending_hashes()
+        changed = [key for key in sorted(hashes) if side["hashes"].get(key) != hashes[key]]
+        if changed:
+            raise checkpoint.CheckpointError(
+                f"trainer.resume_experience=reuse: {', '.join(changed)} changed since {d} was sealed; "
+                "set trainer.resume_experience=rerun to generate it again")
+        batch = load_sealed(d)  # verifies the file's sha256 and the content hash
+        if batch.content_hash != side["content_hash"] or set(batch.facts.policy_version) != {self.version.short_id}:
+            raise checkpoint.CheckpointError(f"{d}: the sealed batch is not the one position.json describes")
+        return batch, side
 
     # ---- 1. publish v into the rollout engines ----------------------------------------------
 
@@ -491,14 +670,16 @@ class Trainer:
         B, G = cfg.trainer.prompts_per_iteration, cfg.rollout.n
         v = self.version.short_id
         self.sm.begin_generating([v] * self.placement.num_groups)
-        group_cfg = (GroupPolicy(G, max_retries=0, partial_rule="allow_partial", min_partial_size=1)
+        retries = cfg.rollout.max_retries
+        group_cfg = (GroupPolicy(G, max_retries=retries, partial_rule="allow_partial", min_partial_size=1)
                      if a.advantage not in ("grpo", "dr_grpo", "rloo")
-                     else GroupPolicy(G, max_retries=0, partial_rule=a.partial_groups, min_partial_size=a.min_partial_size))
+                     else GroupPolicy(G, max_retries=retries, partial_rule=a.partial_groups,
+                                      min_partial_size=a.min_partial_size))
         buffer = GroupBuffer(group_cfg)
         accepted: List[Sample] = []
         real_sizes: Dict[str, int] = {}
         m: Counter = Counter()
-        gen_s = reward_s = 0.0
+        timing = {"generate": 0.0, "reward": 0.0}
         rounds = a.dynamic_sampling.max_rounds if a.dynamic_sampling.enabled else 1
         n_groups_accepted = 0
         for rnd in range(rounds):
@@ -513,29 +694,8 @@ class Trainer:
                 by_group[gid] = rec
                 requests.append(GenerationRequest(gid, tuple(rec.prompt_ids)))
                 buffer.open_group(gid, rec.prompt_id, v, [f"{gid}/c{c:02d}" for c in range(G)])
-            t0 = time.perf_counter()
-            with timer.stage("generate"):
-                results = generate_everywhere(self.engine, self.placement, requests, self._sampling(k, rnd))
-            gen_s += time.perf_counter() - t0
-            samples = [Sample(prompt_id=by_group[r.request_id].prompt_id, group_id=r.request_id,
-                              sample_id=f"{r.request_id}/c{r.candidate_index:02d}", request_id=r.request_id,
-                              prompt_ids=r.prompt_ids, response_ids=r.response_ids, raw_log_probs=r.raw_log_probs,
-                              finish_reason=r.finish_reason, policy_version=r.policy_version, seed=r.seed,
-                              prompt=by_group[r.request_id]) for r in results]
             m["rollout/prompts"] += len(records)
-            m["rollout/samples"] += len(samples)
-            t0 = time.perf_counter()
-            with timer.stage("reward"):
-                self.score(samples)
-            reward_s += time.perf_counter() - t0
-            for s in samples:
-                ok = s.record is not None and s.record.status is RewardStatus.OK and s.finish_reason is not FinishReason.ABORT
-                if not ok:
-                    m[f"prep/reward_{s.record.status.value}" if s.record else "rollout/aborted"] += 1
-                buffer.report(group_id=s.group_id, prompt_id=s.prompt_id, sample_id=s.sample_id,
-                              policy_version=s.policy_version, attempt=0,
-                              status=CandidateStatus.OK if ok else CandidateStatus.FATAL, payload=s,
-                              reason="" if ok else (s.record.error if s.record else "aborted"))
+            self._generate_groups(requests, by_group, buffer, self._sampling(k, rnd), timer, timing, m)
             for g in buffer.pop_released():
                 members = [payload for _, payload in g.samples]
                 spread = len({p.record.total for p in members}) > 1
@@ -552,16 +712,105 @@ class Trainer:
         if not accepted:
             self.sm.fail(f"iteration {k}: no complete group survived rollout and scoring")
             raise RuntimeError(f"iteration {k}: every group was dropped (see {self.quarantine_path} and the counters)")
-        self.counters["groups_dropped"] += buffer.counters["dropped"]
-        self.counters["samples_failed"] += buffer.counters["failed_candidates"]
-        self.counters["groups_partial"] += buffer.counters["released_partial"]
+        bc = buffer.counters
+        self.counters["groups_dropped"] += bc["dropped"]
+        self.counters["samples_failed"] += bc["failed_candidates"]
+        self.counters["groups_partial"] += bc["released_partial"]
+        # a result the join ignored: a late one (older attempt, closed group) or a duplicate
+        self.counters["results_ignored"] += bc["stale"] + bc["duplicates"] + bc["wrong_version"]
+        self.counters["candidates_regenerated"] += bc["retries"]
         m["rollout/groups_accepted"] = n_groups_accepted
-        m["rollout/groups_dropped"] = buffer.counters["dropped"]
-        m["rollout/groups_partial"] = buffer.counters["released_partial"]
+        m["rollout/groups_dropped"] = bc["dropped"]
+        m["rollout/groups_partial"] = bc["released_partial"]
+        m["rollout/candidates_regenerated"] = bc["retries"]
+        m["rollout/results_ignored"] = bc["stale"] + bc["duplicates"] + bc["wrong_version"]
         m["rollout/group_size_mean"] = sum(real_sizes.values()) / len(real_sizes)
-        m["rollout/generate_s"] = gen_s
-        m["prep/reward_s"] = reward_s
-        return RolloutOutcome(accepted, real_sizes, self._rollout_metrics(accepted, dict(m), gen_s))
+        m["rollout/generate_s"] = timing["generate"]
+        m["prep/reward_s"] = timing["reward"]
+        return RolloutOutcome(accepted, real_sizes, self._rollout_metrics(accepted, dict(m), timing["generate"]))
+
+    def _generate_groups(self, requests: List[GenerationRequest], by_group: dict, buffer: GroupBuffer,
+                         sampling: SamplingParams, timer: StageTimer, timing: dict, m: Counter) -> None:
+        """Generate and score the G candidates of ``requests`` until every one is in ``buffer``
+        (ok, or failed for good), regenerating lost and aborted ones by sample id.
+
+        The join is idempotent: a candidate counts once, for the attempt the buffer asked for;
+        a duplicate, a late result of an older attempt, a result of a closed group or of an
+        earlier call's request is counted and ignored.  A regeneration keeps the candidate's
+        seed and policy version; if the engine no longer serves that version, the candidate
+        fails (its group is then handled as incomplete), never filled from another version."""
+        G = self.cfg.rollout.n
+        v = self.version.short_id
+        while requests:
+            errors: list = []
+            t0 = time.perf_counter()
+            with timer.stage("generate"):
+                results = generate_everywhere(self.engine, self.placement, requests, sampling, errors)
+            timing["generate"] += time.perf_counter() - t0
+            m["rollout/engine_errors"] += len(errors)
+            self.counters["engine_errors"] += len(errors)
+            expected = {(f"{q.request_id}/c{c:02d}", q.attempt): q for q in requests for c in q.candidates(G)}
+            fresh, extra, seen = [], [], set()
+            for r in results:
+                key = (f"{r.request_id}/c{r.candidate_index:02d}", r.attempt)
+                if key in expected and key not in seen:
+                    seen.add(key)
+                    fresh.append(r)
+                else:
+                    extra.append(r)
+            samples = [Sample(prompt_id=by_group[r.request_id].prompt_id, group_id=r.request_id,
+                              sample_id=f"{r.request_id}/c{r.candidate_index:02d}", request_id=r.request_id,
+                              prompt_ids=r.prompt_ids, response_ids=r.response_ids, raw_log_probs=r.raw_log_probs,
+                              finish_reason=r.finish_reason, policy_version=r.policy_version, seed=r.seed,
+                              prompt=by_group[r.request_id]) for r in fresh]
+            m["rollout/samples"] += len(samples)
+            finished = [s for s in samples if s.finish_reason is not FinishReason.ABORT]
+            t0 = time.perf_counter()
+            with timer.stage("reward"):
+                self.score(finished)
+            timing["reward"] += time.perf_counter() - t0
+            retry_reqs = []
+            for s, r in zip(samples, fresh):
+                if s.finish_reason is FinishReason.ABORT:
+                    m["rollout/aborted"] += 1
+                    status, reason = CandidateStatus.RETRYABLE, "aborted by the engine"
+                elif s.record.status is not RewardStatus.OK:
+                    m[f"prep/reward_{s.record.status.value}"] += 1
+                    status, reason = CandidateStatus.FATAL, s.record.error
+                else:
+                    status, reason = CandidateStatus.OK, ""
+                retry_reqs.append(buffer.report(group_id=s.group_id, prompt_id=s.prompt_id, sample_id=s.sample_id,
+                                                policy_version=s.policy_version, attempt=r.attempt, status=status,
+                                                payload=s, reason=reason))
+            for (sid, attempt), q in expected.items():
+                if (sid, attempt) not in seen:  # lost: the engine never answered for it
+                    m["rollout/candidates_lost"] += 1
+                    self.counters["candidates_lost"] += 1
+                    retry_reqs.append(buffer.report(group_id=q.request_id, prompt_id=by_group[q.request_id].prompt_id,
+                                                    sample_id=sid, policy_version=v, attempt=attempt,
+                                                    status=CandidateStatus.RETRYABLE, reason="lost"))
+            for r in extra:
+                if not buffer.knows(r.request_id):  # a request of an earlier iteration or evaluation
+                    self.counters["results_ignored"] += 1
+                    continue
+                buffer.report(group_id=r.request_id, prompt_id=by_group[r.request_id].prompt_id,
+                              sample_id=f"{r.request_id}/c{r.candidate_index:02d}", policy_version=r.policy_version,
+                              attempt=r.attempt, status=CandidateStatus.OK, payload=None)
+            by_req: Dict[tuple, List[int]] = {}
+            for rr in (x for x in retry_reqs if x is not None):
+                active = self.engine_version()
+                if rr.policy_version != active:  # never fill a group from another version
+                    buffer.report(group_id=rr.group_id, prompt_id=rr.prompt_id, sample_id=rr.sample_id,
+                                  policy_version=rr.policy_version, attempt=rr.attempt,
+                                  status=CandidateStatus.FATAL, reason=f"version {rr.policy_version} is not loaded")
+                    continue
+                by_req.setdefault((rr.group_id, rr.attempt), []).append(int(rr.sample_id.rsplit("/c", 1)[1]))
+            requests = [GenerationRequest(gid, tuple(by_group[gid].prompt_ids), candidate_indices=tuple(sorted(cs)),
+                                          attempt=att) for (gid, att), cs in sorted(by_req.items())]
+
+    def engine_version(self) -> str:
+        """The policy version the rollout engines serve (the state machine's GENERATING(v))."""
+        return self.sm.state.version.short_id
 
     def score(self, samples: List[Sample]) -> None:
         """Rewards for ``samples`` (in place).  Rule functions run once, on rank 0, and are
@@ -579,8 +828,16 @@ class Trainer:
                            messages=s.prompt.messages) for s in samples]
         records = None
         if self.rank0 and self.reward_runner is not None:
+            rc = self.reward_runner.counters
+            before = (rc["timeout"], rc["error"], rc["retries"])
             records = [r.to_json() for r in self.reward_runner.score(rs)]  # JSON travels, mappingproxy does not
+            records = (records, [n - b for n, b in zip((rc["timeout"], rc["error"], rc["retries"]), before)])
         records = broadcast_object(records)
+        if records is not None:
+            records, (timeouts, errors, retries) = records
+            self.counters["reward_call_timeouts"] += timeouts
+            self.counters["reward_call_errors"] += errors
+            self.counters["reward_call_retries"] += retries
         records = None if records is None else [RewardRecord.from_json(r) for r in records]
         if self.reward_model is not None:
             rm = self.reward_model
@@ -782,6 +1039,17 @@ class Trainer:
         f, d = batch.facts, batch.derived
         self.sm.begin_update()
         self.actor.onload()
+        if self.critic is not None:
+            self.critic.onload()
+        if cfg.trainer.update_rollback == "memory":
+            self.critic_version_at_snapshot = self.critic.version if self.critic is not None else None
+            t0 = time.perf_counter()
+            nbytes = self.snapshots["actor"].take(self.actor.ddp, self.actor.optimizer, self.actor.scheduler,
+                                                  self.actor.steps)
+            if self.critic is not None:
+                nbytes += self.snapshots["critic"].take(self.critic.ddp, self.critic.optimizer,
+                                                        self.critic.scheduler, self.critic.steps)
+            self.snapshot_s, self.snapshot_bytes = time.perf_counter() - t0, nbytes
         L = sequence_length(f.attention_mask)
         st = step_tensors(f.prompt_ids, f.response_ids, f.attention_mask, L)
         V = self.actor.vocab_size
@@ -804,6 +1072,8 @@ class Trainer:
             full["old_values"] = f.values
             full["returns"] = d.returns
         kl_beta = self.kl_ctl.value
+        n_steps = a.ppo_epochs * a.num_mini_batches
+        step_idx = -1
         for epoch in range(a.ppo_epochs):
             plans = plan_mini_batches(f.group_id, a.num_mini_batches, self.dp, a.micro_batch_size, gen)
             for plan in plans:
@@ -815,8 +1085,11 @@ class Trainer:
                 mbs = [{name: t[i:i + a.micro_batch_size] for name, t in local.items()}
                        for i in range(0, rows.numel(), a.micro_batch_size)]
 
+                step_idx += 1
+                fault = (self.injector.optimizer_fault(k, step_idx, n_steps - 1)
+                         if self.injector is not None and train_actor else None)
                 if train_actor:
-                    def loss_fn(output, mb, norm=norm):
+                    def loss_fn(output, mb, norm=norm, poison=fault == "nan"):
                         lp_all = token_log_probs_from_logits(output[:, :-1], mb["tokens"][:, 1:], V)
                         lp = gather_response(lp_all, mb["prompt_lens"], mb["response_lens"], R)
                         if need_entropy_grad:
@@ -831,10 +1104,15 @@ class Trainer:
                             loss_mask=mb["loss_mask"], cfg=self.policy_cfg, normaliser=norm,
                             ref_log_probs=LogProbs(mb["ref_log_probs"], ref_prod) if kl_in_loss else None,
                             entropy=ent, old_version=v, kl_beta=kl_beta)
-                        return out.loss, out.metrics
+                        return (out.loss * float("nan") if poison else out.loss), out.metrics
 
-                    res = self.actor.train_step(mbs, loss_fn)
+                    res = self._guarded_step("actor", lambda: self.actor.train_step(
+                        mbs, loss_fn, after_optimizer_step=self._raise_injected(k) if fault == "exception" else None))
                     grad_norms.append(res.grad_norm)
+                    if cfg.faults.crash_during_update_at == k and step_idx == 0:
+                        from megarl.faults import crash_now
+
+                        crash_now("inside the update, after its first optimizer step,", k)
                     skipped += 0 if res.update_successful else 1
                     actor_metrics.append(self._reduce_step_metrics(res.metrics))
                     lag += 1
@@ -845,7 +1123,7 @@ class Trainer:
                                                  self.critic.value_clip, a.agg_mode, norm)
                         return out.loss, {**out.metrics, "value_loss": float(out.loss.detach())}
 
-                    cres = self.critic.train_step(mbs, vloss)
+                    cres = self._guarded_step("critic", lambda: self.critic.train_step(mbs, vloss))
                     critic_norms.append(cres.grad_norm)
                     critic_metrics.append(self._reduce_step_metrics(cres.metrics))
         m = self._combine_steps(actor_metrics, "update/")
@@ -869,6 +1147,35 @@ class Trainer:
             self.kl_ctl.update(cur, f.batch_size)
         self.update_ok = all_ranks_agree(True)
         return m
+
+    def _guarded_step(self, role: str, step):
+        """One optimizer step that every rank either completes or abandons together: an
+        exception here or a non-finite grad norm anywhere makes every rank raise
+        :class:`UpdateFailure` (after an all-reduce of the status), before the next collective.
+        An exception that leaves a peer blocked inside a collective cannot be recovered in
+        process; the job's collective timeout ends it and ``resume=auto`` restarts it."""
+        import math
+
+        res, error = None, None
+        try:
+            res = step()
+            if not math.isfinite(res.grad_norm):
+                error = f"non-finite {role} grad norm {res.grad_norm}"
+        except Exception as e:  # noqa: BLE001 -- any failure of the step is rolled back
+            error = f"{type(e).__name__}: {e}"
+        if all_ranks_agree(error is None):
+            return res
+        errors = [f"rank {i}: {e}" for i, e in enumerate(gather_objects(error)) if e is not None]
+        raise UpdateFailure(f"{role} update failed ({'; '.join(errors)})")
+
+    def _raise_injected(self, k: int):
+        from megarl.faults import InjectedFault
+
+        def hook():
+            raise InjectedFault(f"faults.fail_optimizer_step_at: injected failure in iteration {k}'s optimizer "
+                                f"step on rank {dist.get_rank()}")
+
+        return hook
 
     #: per-micro-batch values that are shares of the step's global loss: they add up
     _SHARES = ("pg_loss", "kl_loss", "entropy", "value_loss")
@@ -935,26 +1242,44 @@ class Trainer:
         requests = [GenerationRequest(f"{self.run_id}/eval{k}/{i:04d}", tuple(r.prompt_ids)) for i, r in enumerate(recs)]
         greedy = SamplingParams(temperature=0.0, max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens, n=1)
         t0 = time.perf_counter()
-        results = generate_everywhere(self.engine, self.placement, requests, greedy)
-        by_req = {r.request_id: r for r in results}
+        by_req = self._generate_each(requests, greedy)
         samples = [Sample(prompt_id=rec.prompt_id, group_id=req.request_id, sample_id=req.request_id,
                           request_id=req.request_id, prompt_ids=req.prompt_ids,
                           response_ids=by_req[req.request_id].response_ids,
                           raw_log_probs=by_req[req.request_id].raw_log_probs,
                           finish_reason=by_req[req.request_id].finish_reason,
                           policy_version=by_req[req.request_id].policy_version, seed=None, prompt=rec)
-                   for rec, req in zip(recs, requests)]
+                   for rec, req in zip(recs, requests) if req.request_id in by_req]
         self.score(samples)
         ok = [s for s in samples if s.record.status is RewardStatus.OK]
         succ = sum(1 for s in ok if s.record.total >= e.success_threshold)
-        acc = succ / len(samples)
+        acc = succ / len(recs)  # a prompt without an answer (lost after every retry) counts as wrong
         self.last_eval = acc
-        return {"eval/accuracy": acc, "eval/n": len(samples),
+        return {"eval/accuracy": acc, "eval/n": len(recs), "eval/generation_failures": len(recs) - len(samples),
                 "eval/reward_mean": sum(s.record.total for s in ok) / max(len(ok), 1),
                 "eval/scorer_failures": len(samples) - len(ok),
                 "eval/response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
                 "eval/policy_version_step": self.version.optimizer_step,
                 "eval/seconds": time.perf_counter() - t0}
+
+    def _generate_each(self, requests: List[GenerationRequest], sampling: SamplingParams) -> Dict[str, object]:
+        """One result per request (n=1), regenerating lost ones up to ``rollout.max_retries``
+        times; extra deliveries (duplicates, late results) are counted and ignored."""
+        out: Dict[str, object] = {}
+        todo = list(requests)
+        for attempt in range(self.cfg.rollout.max_retries + 1):
+            if not todo:
+                break
+            wanted = {q.request_id for q in todo}
+            for r in generate_everywhere(self.engine, self.placement, todo, sampling):
+                if r.request_id in wanted and r.attempt == attempt and r.request_id not in out:
+                    out[r.request_id] = r
+                else:
+                    self.counters["results_ignored"] += 1
+            lost = [q for q in todo if q.request_id not in out]
+            self.counters["candidates_lost"] += len(lost)
+            todo = [GenerationRequest(q.request_id, q.prompt_ids, attempt=attempt + 1) for q in lost]
+        return out
 
     def export(self, k: int) -> str:
         """Collective: the actor as an HF checkpoint with its tokenizer and chat template."""

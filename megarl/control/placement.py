@@ -81,16 +81,31 @@ def shares(n: int, parts: int) -> List[slice]:
 
 
 def generate_everywhere(engine, placement: Placement, requests: Sequence[GenerationRequest],
-                        sampling: SamplingParams) -> List[GenerationResult]:
+                        sampling: SamplingParams, errors: Optional[list] = None) -> List[GenerationResult]:
     """Collective: each inference group serves its share; every rank gets all results, in
-    request order (candidates of a request consecutive)."""
+    request order (candidates of a request consecutive; results of requests not in this call,
+    late ones, last).
+
+    An inference group whose engine raises a :class:`RolloutError` contributes no results (its
+    requests' candidates are then missing, and the caller regenerates them by sample id); the
+    error does not leave the other ranks waiting in the gather.  ``errors`` (a list), when
+    given, receives ``(group index, message)`` of each such failure.
+    """
+    from megarl.rollout.protocol import RolloutError
+
     mine: list = []
+    failure = None
     if placement.holds_engine:
         share = list(requests[shares(len(requests), placement.num_groups)[placement.group_index]])
-        mine = engine.generate(share, sampling) if share else []
-    gathered = gather_objects((placement.group_index, mine) if placement.is_group_leader else None)
-    by_group = {g: res for item in gathered if item is not None for g, res in [item]}
+        try:
+            mine = engine.generate(share, sampling) if share else []
+        except RolloutError as e:
+            mine, failure = [], f"{type(e).__name__}: {e}"
+    gathered = gather_objects((placement.group_index, mine, failure) if placement.is_group_leader else None)
+    by_group = {g: res for item in gathered if item is not None for g, res, _ in [item]}
+    if errors is not None:
+        errors.extend((g, f) for item in gathered if item is not None for g, _, f in [item] if f is not None)
     results = [r for g in range(placement.num_groups) for r in by_group.get(g, [])]
     order = {r.request_id: i for i, r in enumerate(requests)}
-    results.sort(key=lambda r: (order[r.request_id], r.candidate_index))
+    results.sort(key=lambda r: (order.get(r.request_id, len(order)), r.candidate_index))
     return results

@@ -194,6 +194,10 @@ class GroupBuffer:
         out, self._released = self._released, []
         return out
 
+    def knows(self, group_id: str) -> bool:
+        """Whether ``group_id`` was opened here (it may be closed by now)."""
+        return group_id in self._groups or group_id in self._closed
+
     @property
     def open_groups(self) -> list[str]:
         return list(self._groups)

@@ -65,7 +65,11 @@ def wrap_for_training(model, cfg: OptimConfig):
         overlap_grad_reduce=False,
         use_distributed_optimizer=use_dist_opt,
         average_in_collective=False,  # gloo has no ReduceOp.AVG; we sum by contract anyway
-        check_for_nan_in_grad=True,
+        # megatron's check raises on the rank whose *local* gradients are non-finite, before the
+        # DP all-reduce, and leaves the other ranks blocked in it; instead the NaN is summed into
+        # every rank's gradients, the grad norm is non-finite on all of them, and the trainer
+        # rolls the step back everywhere (megarl/control/loop.py, update failures)
+        check_for_nan_in_grad=False,
     )
     spec, opts = model.megarl_spec, model.megarl_opts
     ddp = DistributedDataParallel(config=tconf, ddp_config=ddp_config, module=model)

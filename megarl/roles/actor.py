@@ -50,9 +50,13 @@ class Actor(HostOffload):
         return response_log_probs(self.ddp, prompt_ids, response_ids, attention_mask, micro_batch_size)
 
     def train_step(self, micro_batches: Sequence[Dict[str, torch.Tensor]],
-                   loss_fn: Callable) -> StepResult:
-        """One optimizer step; the LR schedule advances only when the step was applied."""
+                   loss_fn: Callable, after_optimizer_step: Optional[Callable[[], None]] = None) -> StepResult:
+        """One optimizer step; the LR schedule advances only when the step was applied.
+        ``after_optimizer_step`` runs once the optimizer changed the weights, before the schedule
+        advances (the fault-injection point of ``faults.fail_optimizer_step_at``)."""
         result = train_step(self.ddp, self.optimizer, micro_batches, loss_fn)
+        if after_optimizer_step is not None:
+            after_optimizer_step()
         if result.update_successful:
             self.scheduler.step(increment=1)
             self.steps += 1

@@ -241,6 +241,35 @@ def _as_chunks(model) -> List[torch.nn.Module]:
     return chunks
 
 
+def training_state_claims(chunks: Sequence[torch.nn.Module], torch_opts: Sequence[torch.optim.Optimizer]) -> _Claims:
+    """The distinct device storages of a megatron-DDP model and its optimizer, by kind
+    (``params``, ``grads``, ``optimizer``; see "Who owns what" above)."""
+    claims = _Claims(_model_device(chunks))
+    # params: DDP's contiguous param buffers first (distributed optimizer), then every
+    # module parameter/buffer (separate tensors otherwise, and anything outside DDP).
+    for where, buf in _ddp_buffers(chunks):
+        claims.add("params", getattr(buf, "param_data", None), f"{where}.param_data")
+    _add_module_tensors(claims, "params", chunks)
+    # grads: DDP's contiguous grad buffers, then any stray .main_grad / .grad.
+    for where, buf in _ddp_buffers(chunks):
+        claims.add("grads", getattr(buf, "grad_data", None), f"{where}.grad_data")
+    opt_params = [p for o in torch_opts for g in o.param_groups for p in g["params"]]
+    for i, m in enumerate(chunks):
+        for name, p in m.named_parameters():
+            claims.add("grads", getattr(p, "main_grad", None), f"{name}.main_grad (chunk {i})")
+            claims.add("grads", p.grad, f"{name}.grad (chunk {i})")
+    for j, p in enumerate(opt_params):
+        claims.add("grads", p.grad, f"optimizer param {j}.grad")
+    # optimizer: main params the model does not own, and the state tensors.
+    for j, p in enumerate(opt_params):
+        claims.add("optimizer", p, f"optimizer param {j}")
+    for k, o in enumerate(torch_opts):
+        for j, st in enumerate(o.state.values()):
+            for key, v in st.items():
+                claims.add("optimizer", v, f"optimizer {k} state[{j}][{key!r}]")
+    return claims
+
+
 # --------------------------------------------------------------------------------------------
 # the actor
 
@@ -284,30 +313,7 @@ class ActorOffloader:
         return self._offloaded
 
     def _claims(self) -> _Claims:
-        claims = _Claims(_model_device(self.chunks))
-        # params: DDP's contiguous param buffers first (distributed optimizer), then every
-        # module parameter/buffer (separate tensors otherwise, and anything outside DDP).
-        for where, buf in _ddp_buffers(self.chunks):
-            claims.add("params", getattr(buf, "param_data", None), f"{where}.param_data")
-        _add_module_tensors(claims, "params", self.chunks)
-        # grads: DDP's contiguous grad buffers, then any stray .main_grad / .grad.
-        for where, buf in _ddp_buffers(self.chunks):
-            claims.add("grads", getattr(buf, "grad_data", None), f"{where}.grad_data")
-        opt_params = [p for o in self._torch_opts for g in o.param_groups for p in g["params"]]
-        for i, m in enumerate(self.chunks):
-            for name, p in m.named_parameters():
-                claims.add("grads", getattr(p, "main_grad", None), f"{name}.main_grad (chunk {i})")
-                claims.add("grads", p.grad, f"{name}.grad (chunk {i})")
-        for j, p in enumerate(opt_params):
-            claims.add("grads", p.grad, f"optimizer param {j}.grad")
-        # optimizer: main params the model does not own, and the state tensors.
-        for j, p in enumerate(opt_params):
-            claims.add("optimizer", p, f"optimizer param {j}")
-        for k, o in enumerate(self._torch_opts):
-            for j, st in enumerate(o.state.values()):
-                for key, v in st.items():
-                    claims.add("optimizer", v, f"optimizer {k} state[{j}][{key!r}]")
-        return claims
+        return training_state_claims(self.chunks, self._torch_opts)
 
     def offload(self) -> Dict[str, int]:
         """Move the enabled kinds to host memory; returns bytes released per kind."""

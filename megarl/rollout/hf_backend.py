@@ -349,7 +349,7 @@ class HFRolloutEngine:
             if bad:
                 raise InvalidRequestError(f"request {r.request_id}: token ids {bad[:5]} outside [0, {vocab})")
 
-        rows = [(r, c) for r in requests for c in range(sampling.n)]
+        rows = [(r, c) for r in requests for c in r.candidates(sampling.n)]
         seeds = [candidate_seed(sampling.seed, r.request_id, c) for r, c in rows]
         width = max(len(r.prompt_ids) for r, _ in rows)
         input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
@@ -418,6 +418,7 @@ class HFRolloutEngine:
                     processed_log_probs=None if processed is None else processed[i, :length].clone(),
                     policy_version=slot.version.short_id,
                     seed=None if sampling.greedy else seeds[i],
+                    attempt=r.attempt,
                 )
             )
         return results

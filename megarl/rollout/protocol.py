@@ -132,8 +132,18 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class GenerationRequest:
+    """One prompt to sample ``SamplingParams.n`` candidates for.
+
+    ``candidate_indices`` regenerates only some candidates of the request (a retry after a
+    rollout failure): candidate i keeps its seed ``candidate_seed(seed, request_id, i)``, so a
+    retry draws from the same per-candidate stream as the lost attempt.  ``attempt`` is echoed
+    in every result so that a late result of an older attempt can be told from the retry's.
+    """
+
     request_id: str
     prompt_ids: tuple[int, ...]
+    candidate_indices: tuple[int, ...] | None = None  # None: 0 .. n-1
+    attempt: int = 0
 
     def __post_init__(self):
         if not self.request_id:
@@ -147,6 +157,25 @@ class GenerationRequest:
         if not ids:
             raise InvalidRequestError(f"request {self.request_id}: prompt_ids is empty")
         object.__setattr__(self, "prompt_ids", ids)
+        if self.candidate_indices is not None:
+            idx = tuple(int(c) for c in self.candidate_indices)
+            if not idx or len(set(idx)) != len(idx) or min(idx) < 0:
+                raise InvalidRequestError(
+                    f"request {self.request_id}: candidate_indices must be distinct, non-negative and "
+                    f"non-empty, got {self.candidate_indices}")
+            object.__setattr__(self, "candidate_indices", idx)
+        if self.attempt < 0:
+            raise InvalidRequestError(f"request {self.request_id}: attempt must be >= 0, got {self.attempt}")
+
+    def candidates(self, n: int) -> tuple[int, ...]:
+        """The candidate indices to generate under a contract of ``n`` per request."""
+        if self.candidate_indices is None:
+            return tuple(range(n))
+        if max(self.candidate_indices) >= n:
+            raise InvalidRequestError(
+                f"request {self.request_id}: candidate_indices {self.candidate_indices} outside "
+                f"[0, {n}) of the sampling contract's n")
+        return self.candidate_indices
 
 
 @dataclass(frozen=True)
@@ -162,6 +191,7 @@ class GenerationResult:
     processed_log_probs: torch.Tensor | None  # (len(response_ids),) float32 or None
     policy_version: str  # PolicyVersion.short_id of the weights that generated it
     seed: int | None = None  # the per-candidate seed actually used
+    attempt: int = 0  # the request's attempt this result answers
 
     def __post_init__(self):
         n = len(self.response_ids)
