@@ -1,5 +1,6 @@
 """sglang backend pieces that run without sglang: the lazy-import error, the sampling and
-output mappings (the engine itself is exercised by tests/gpu/test_sglang_backend.py)."""
+output mappings (the engine: against the recorded SGLang API in
+tests/test_sglang_api_contract.py, on a GPU in tests/gpu/test_sglang_backend.py)."""
 
 import importlib.util
 
@@ -10,8 +11,10 @@ from megarl.rollout import create_rollout_engine
 from megarl.rollout.protocol import FinishReason, GenerationRequest, SamplingParams
 from megarl.rollout.sglang_backend import (
     BackendUnavailableError,
+    model_dir_eos_token_ids,
     result_from_sglang_output,
     sglang_sampling_params,
+    stop_token_ids_sent,
 )
 from megarl.rollout.protocol import RolloutError
 
@@ -34,6 +37,11 @@ def test_sampling_params_mapping():
     sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=-1, max_new_tokens=12, stop_token_ids=(7,), seed=1)
     d = sglang_sampling_params(sp, 123, with_seed=True)
     assert d["top_k"] == -1 and d["stop_token_ids"] == [7] and d["n"] == 1 and d["sampling_seed"] == 123
+    assert d["no_stop_trim"] is True and d["ignore_eos"] is False
+    # the eos ids travel as stop ids too (SGLang would otherwise stop only on the model config's)
+    assert sglang_sampling_params(sp, 1, with_seed=False, eos_token_ids=(3, 7))["stop_token_ids"] == [3, 7]
+    assert stop_token_ids_sent(sp, (5, 3)) == (5, 3, 7)
+    assert sglang_sampling_params(SamplingParams(), None, with_seed=False)["stop_token_ids"] is None
     assert "sampling_seed" not in sglang_sampling_params(sp, 123, with_seed=False)
     assert sglang_sampling_params(SamplingParams(top_k=5), 1, with_seed=True)["top_k"] == 5
     g = sglang_sampling_params(SamplingParams(temperature=0.0), None, with_seed=True)
@@ -65,8 +73,10 @@ def test_output_mapping_rejects_inconsistent_outputs():
     with pytest.raises(RolloutError, match="disagree"):
         result_from_sglang_output({"output_ids": [1, 2], "meta_info": {"finish_reason": {"type": "length"},
                                    "output_token_logprobs": [(-1.0, 1, None), (-1.0, 5, None)]}}, REQ, 0, sp, (3,), "v", None)
-    with pytest.raises(RolloutError, match="neither an eos"):
+    with pytest.raises(RolloutError, match="not one of the stop ids sent"):
         result_from_sglang_output(out([1, 8], [-1.0, -1.0], {"type": "stop", "matched": 8}), REQ, 0, sp, (3,), "v", None)
+    with pytest.raises(RolloutError, match="not one of the stop ids sent"):  # a stop string: never sent
+        result_from_sglang_output(out([1, 3], [-1.0, -1.0], {"type": "stop", "matched": "</s>"}), REQ, 0, sp, (3,), "v", None)
     with pytest.raises(RolloutError, match="does not end with it"):
         result_from_sglang_output(out([3, 8], [-1.0, -1.0], {"type": "stop", "matched": 3}), REQ, 0, sp, (3,), "v", None)
     with pytest.raises(RolloutError, match="output_token_logprobs"):
@@ -84,3 +94,14 @@ def test_sampling_params_round_trip_with_the_experience_schema():
         SamplingParams(top_k=0)
     with pytest.raises(ValueError, match="greedy"):
         SamplingParams(temperature=0.0).to_config()
+
+
+def test_model_dir_eos_ids_are_config_plus_generation_config(tmp_path):
+    """What SGLang stops on by itself (configs/model_config.py ``_get_hf_eos_token_id``)."""
+    import json
+
+    assert model_dir_eos_token_ids(tmp_path) == ()
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 151645}))
+    assert model_dir_eos_token_ids(tmp_path) == (151645,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
+    assert model_dir_eos_token_ids(tmp_path) == (151645, 151643)

@@ -1,29 +1,62 @@
 """sglang rollout backend: an in-process ``sglang.Engine`` per inference group, on GPU.
 
-Written against SGLang's offline Engine API as read in (sources cited where used):
-  * ``python/sglang/srt/entrypoints/engine.py``: ``Engine(**ServerArgs)`` runs its schedulers in
-    child processes (one per TP rank); ``update_weights_from_tensor(named_tensors, load_format,
-    flush_cache)`` takes, for ``load_format="flattened_bucket"``, a list of per-TP-rank
-    pre-serialized payloads (``_serialize_tensors_per_rank``); ``flush_cache()``;
-    ``release_memory_occupation(tags)`` / ``resume_memory_occupation(tags)``, effective only when
-    the engine was started with ``enable_memory_saver=True`` (TorchMemorySaverAdapter).
-  * ``python/sglang/srt/weight_sync/utils.py``: tensors cross to the schedulers as CUDA IPC
-    handles serialized with ``MultiprocessingSerializer``; every TP rank serializes its own copy
-    and the group's first rank gathers them with ``gather_object``; ``monkey_patch_torch_reductions``
-    first.
-  * slime ``slime/backends/megatron_utils/update_weight/update_weight_from_tensor.py``
-    (``_send_to_colocated_engine``): one ``FlattenedTensorBucket`` per dtype, payload
-    ``{"flattened_tensor", "metadata"}`` serialized with ``output_str=True``; keep the flattened
-    tensors alive until every engine call returned (SGLang enqueues the copy and may return
-    before it ran); ``torch.cuda.ipc_collect()`` after each bucket.
-  * verl ``verl/workers/rollout/sglang_rollout/sglang_rollout.py``: only infer-TP rank 0 talks to
-    the engine; ``flush_cache`` after the whole update; release ``["kv_cache", "weights"]``.
-  * Log-prob space: SGLang's Sampler returns log softmax(logits / T) by default and the raw
-    log softmax(logits) when ``SGLANG_RETURN_ORIGINAL_LOGPROB`` (``RETURN_ORIGINAL_LOGPROB``
-    in older releases) is true.  This backend sets both before the engine (and so its child
-    processes) starts and therefore returns **raw** log-probs; ``processed_log_probs`` is None
-    (SGLang does not return the top-k/top-p-renormalised probability).  tests/gpu checks the
-    space against a direct forward.
+Written against SGLang 0.5.3 .. 0.5.23 (``setup.py`` extra ``gpu``; the Docker image pins 0.5.23).
+What each call relies on is recorded, per release, in ``docker/sglang_api/sglang-<v>.json`` (read
+from the release's source by ``docker/sglang_api/record.py``), and
+``tests/test_sglang_api_contract.py`` drives this class against a fake engine built from those
+records.  Paths below are relative to ``python/sglang/srt`` of the release named.
+
+* ``entrypoints/engine.py``: ``Engine(**ServerArgs)`` runs its schedulers in child processes (one
+  per TP rank).  ``update_weights_from_tensor(named_tensors, load_format, flush_cache)`` takes, for
+  ``load_format="flattened_bucket"``, one pre-serialized payload per TP rank and returns
+  ``(success, message)`` (``managers/tokenizer_control_mixin.py`` in 0.5.20 and 0.5.23,
+  ``tokenizer_communicator_mixin.py`` in 0.5.3 and 0.5.5).  Every call's ``success`` is checked:
+  a refused update fails the load (:class:`WeightUpdateRejectedError`, ``last_load_error``).
+* Weight-update session (0.5.21+): the scheduler refuses ``update_weights_from_tensor`` with
+  ``(False, "update_weights_from_tensor must run between begin_weight_update() and
+  end_weight_update()")`` unless ``begin_weight_update()`` opened a session (0.5.23
+  ``managers/scheduler_components/weight_updater.py:232``).  Where the engine has those two
+  methods, a load opens the session before its first hand-over and closes it before its
+  manifest check, also when it fails (a session left open refuses the next ``begin``).
+* ``release_memory_occupation(tags)`` / ``resume_memory_occupation(tags)`` (effective with
+  ``enable_memory_saver=True``): ``tags=None`` means every type the release knows, which from
+  0.5.5 includes ``cuda_graph`` (``constants.py``).  Resuming a tag that was not released raises
+  ``KeyError`` in the scheduler (``offload_tags.remove``), and a scheduler exception signals the
+  parent process (``SIGQUIT``, 0.5.23 ``managers/scheduler.py:6373``): the trainer dies.  So
+  ``wake()`` resumes exactly the tags ``sleep()`` released, never ``None``.
+* ``weight_sync/tensor_bucket.py``: SGLang's own ``FlattenedTensorBucket`` builds the payload (its
+  layout changed: elements per dtype up to 0.5.5, uint8 with byte offsets by 0.5.20), and
+  ``utils/common.py`` ``MultiprocessingSerializer`` deserializes it with a safe unpickler that admits
+  only SGLang's own classes (0.5.5+): megarl's class could never be loaded, so none is sent.
+* ``weight_sync/utils.py``: tensors cross as CUDA IPC handles, every TP rank serializes its own
+  copy and the group's first rank gathers them; ``monkey_patch_torch_reductions`` first.
+* slime ``backends/megatron_utils/update_weight/update_weight_from_tensor.py``
+  (``_send_to_colocated_engine``): one bucket per dtype, payload ``{"flattened_tensor",
+  "metadata"}`` serialized with ``output_str=True``; keep the flattened tensors alive until every
+  engine call returned; ``torch.cuda.ipc_collect()`` after each bucket.  verl
+  ``workers/rollout/sglang_rollout/sglang_rollout.py``: only infer-TP rank 0 talks to the engine,
+  ``flush_cache`` after the whole update, release ``["kv_cache", "weights"]``.
+* Log-prob space: SGLang's sampler returns log softmax(logits / T) unless
+  ``SGLANG_RETURN_ORIGINAL_LOGPROB`` (0.5.4+; ``RETURN_ORIGINAL_LOGPROB`` in 0.5.2/0.5.3, absent in
+  0.5.1, hence the lower bound) is true (``layers/sampler.py``).  Both are set before the engine
+  (and so its children) starts: this backend returns **raw** log-probs; ``processed_log_probs`` is
+  None.  tests/gpu checks the space against the megatron actor.
+* EOS: the scheduler stops on the model config's ``eos_token_id`` plus ``generation_config.json``'s
+  (``configs/model_config.py`` ``_get_hf_eos_token_id``) plus ``sampling_params.stop_token_ids``
+  (``managers/schedule_batch.py``).  This backend sends the union of the tokenizer contract's eos
+  ids, the model dir's eos ids and the sampling contract's stop ids as ``stop_token_ids``, and the
+  parser accepts exactly those: an eos id as EOS, a stop id as STOP, anything else is an error.
+* Per-candidate seeds: ``sampling_params.sampling_seed`` is used only when the engine runs with
+  ``enable_deterministic_inference`` (``sampling/sampling_batch_info.py``), which switches to
+  batch-invariant kernels, forces the pytorch sampling backend and restricts the attention
+  backend (0.5.23 ``arg_groups/overrides.py``): decoding is slower.  ``deterministic_inference=True``
+  turns it on; without it no seed is sent and ``GenerationResult.seed`` is None, because none
+  was honoured.
+* ``Engine()`` sets ``CUDA_DEVICE_MAX_CONNECTIONS`` (4 or 8) and NCCL variables in the calling
+  process (``entrypoints/engine.py`` ``_set_envs_and_config``); megatron's TP/SP communication
+  overlap relies on ``CUDA_DEVICE_MAX_CONNECTIONS=1`` and NCCL reads its variables when a
+  communicator is created, so they are restored once the schedulers have started
+  (:data:`TRAINER_ENV_VARS`).
 
 Differences from the hf backend, stated rather than hidden: SGLang updates weights in place (no
 second copy of the model fits next to the KV cache), so once the first bucket of v+1 has been
@@ -35,6 +68,7 @@ must reload a version) unless nothing had been handed over yet, in which case it
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -56,22 +90,42 @@ from megarl.rollout.protocol import (
     VersionNotStagedError,
     candidate_seed,
 )
-from megarl.rollout.weight_stream import ManifestMismatchError, TensorManifest, flatten_bucket_by_dtype
+from megarl.rollout.weight_stream import (
+    ManifestMismatchError,
+    TensorManifest,
+    flatten_bucket_by_dtype,
+    get_flattened_tensor_bucket_class,
+)
 from megarl.versions import PolicyVersion
 
 __all__ = [
     "SGLangRolloutEngine",
     "BackendUnavailableError",
+    "WeightUpdateRejectedError",
     "import_sglang",
     "sglang_sampling_params",
+    "stop_token_ids_sent",
     "result_from_sglang_output",
+    "model_dir_eos_token_ids",
+    "TRAINER_ENV_VARS",
 ]
 
 LOG_PROB_ENV_VARS = ("SGLANG_RETURN_ORIGINAL_LOGPROB", "RETURN_ORIGINAL_LOGPROB")
+#: variables ``Engine()`` overwrites in the calling (trainer) process; restored after it started
+TRAINER_ENV_VARS = ("CUDA_DEVICE_MAX_CONNECTIONS", "NCCL_CUMEM_ENABLE", "NCCL_NVLS_ENABLE",
+                    "NCCL_GRAPH_MIXING_SUPPORT")
+#: memory-saver tags (``constants.py`` GPU_MEMORY_TYPE_KV_CACHE / GPU_MEMORY_TYPE_WEIGHTS)
+KV_CACHE, WEIGHTS = "kv_cache", "weights"
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
+           "float32": torch.float32, "float": torch.float32}
 
 
 class BackendUnavailableError(RolloutError, ImportError):
     """A rollout backend's package is not installed."""
+
+
+class WeightUpdateRejectedError(RolloutError):
+    """The engine answered a weight-update call with ``success=False``: the load failed."""
 
 
 def import_sglang():
@@ -115,22 +169,60 @@ def _supports_sampling_seed() -> bool:
     return "sampling_seed" in fields
 
 
+def _success(out, call: str) -> tuple[bool, str]:
+    """``(success, message)`` of a weight-update call; any other shape is an API change."""
+    if isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[0], bool):
+        return out[0], str(out[1])
+    if hasattr(out, "success"):  # a *ReqOutput struct
+        return bool(out.success), str(getattr(out, "message", ""))
+    raise RolloutError(f"SGLang {call} returned {out!r}; expected (success: bool, message: str) — "
+                       "has the API changed? (docker/sglang_api/record.py records it)")
+
+
 # ---- pure mapping functions (CPU-testable) -----------------------------------------------------
 
 
-def sglang_sampling_params(sampling: SamplingParams, seed: int | None, with_seed: bool) -> dict:
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(value)] if isinstance(value, int) else [int(v) for v in value]
+
+
+def model_dir_eos_token_ids(model_path: str | os.PathLike) -> tuple[int, ...]:
+    """The eos ids SGLang itself stops on for this model dir: ``config.json`` ``eos_token_id``
+    plus ``generation_config.json`` ``eos_token_id`` (``configs/model_config.py``
+    ``_get_hf_eos_token_id``, 0.5.3 and 0.5.23 alike), in that order."""
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        path = os.path.join(os.fspath(model_path), name)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                ids += _ids(json.load(f).get("eos_token_id"))
+    return tuple(dict.fromkeys(ids))
+
+
+def stop_token_ids_sent(sampling: SamplingParams, eos_token_ids: Sequence[int]) -> tuple[int, ...]:
+    """The ``stop_token_ids`` one request sends: the eos ids, then the contract's stop ids."""
+    return tuple(dict.fromkeys([*(int(t) for t in eos_token_ids), *sampling.stop_token_ids]))
+
+
+def sglang_sampling_params(sampling: SamplingParams, seed: int | None, with_seed: bool,
+                           eos_token_ids: Sequence[int] = ()) -> dict:
     """Our sampling contract as an SGLang ``sampling_params`` dict for one candidate (n=1: we
-    expand candidates ourselves so each gets its own seed, like the hf backend)."""
+    expand candidates ourselves so each gets its own seed, like the hf backend).
+
+    ``with_seed``: the engine honours ``sampling_seed`` (deterministic inference is on)."""
+    stop = stop_token_ids_sent(sampling, eos_token_ids)
     params = {
         "temperature": sampling.temperature,  # 0 -> greedy in SGLang (top_k=1)
         "top_p": sampling.top_p,
         "top_k": sampling.top_k,  # -1 = off, same convention as SGLang
         "max_new_tokens": sampling.max_new_tokens,
-        "stop_token_ids": list(sampling.stop_token_ids) or None,
+        "stop_token_ids": list(stop) or None,
         "n": 1,
         "ignore_eos": False,
         "skip_special_tokens": False,
-        "no_stop_trim": True,
+        "no_stop_trim": True,  # the stop token stays in output_ids: the response boundary
     }
     if with_seed and seed is not None and not sampling.greedy:
         params["sampling_seed"] = int(seed)
@@ -150,7 +242,10 @@ def result_from_sglang_output(
 
     ``meta_info["output_token_logprobs"]`` is a list of ``(logprob, token_id, text_or_None)``,
     one per generated token; ``meta_info["finish_reason"]`` is ``{"type": "stop"|"length"|
-    "abort", "matched": token id or str or None, ...}``.
+    "abort", "matched": token id or str or None, ...}`` (``managers/schedule_batch.py``
+    ``FINISH_*.to_json``).  A stop must be on an id that was sent
+    (:func:`stop_token_ids_sent` of ``sampling`` and ``eos_token_ids``): an eos id is EOS, a
+    stop id STOP.
     """
     meta = out["meta_info"]
     entries = meta.get("output_token_logprobs")
@@ -171,16 +266,14 @@ def result_from_sglang_output(
     elif kind == "abort":
         reason = FinishReason.ABORT
     elif kind == "stop":
-        last = matched if isinstance(matched, int) else (tokens[-1] if tokens else None)
-        if last in set(eos_token_ids):
-            reason = FinishReason.EOS
-        elif last in set(sampling.stop_token_ids):
-            reason = FinishReason.STOP
-        else:
+        sent = stop_token_ids_sent(sampling, eos_token_ids)
+        last = matched if isinstance(matched, int) else None
+        if last is None or last not in sent:
             raise RolloutError(
-                f"{request.request_id}: SGLang stopped on {matched!r}, which is neither an eos id "
-                f"{list(eos_token_ids)} nor a stop id {list(sampling.stop_token_ids)}"
+                f"{request.request_id}: SGLang stopped on {matched!r}, which is not one of the stop ids "
+                f"sent ({list(sent)}: eos {list(eos_token_ids)}, stop {list(sampling.stop_token_ids)})"
             )
+        reason = FinishReason.EOS if last in set(eos_token_ids) else FinishReason.STOP
         if not tokens or tokens[-1] != last:
             raise RolloutError(
                 f"{request.request_id}: SGLang finished on {last} but the response does not end with it "
@@ -199,7 +292,17 @@ def result_from_sglang_output(
         processed_log_probs=None,
         policy_version=version_id,
         seed=seed,
+        attempt=request.attempt,
     )
+
+
+def _torch_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"sglang backend: dtype must be one of {sorted(_DTYPES)} (or a torch.dtype), got {dtype!r}; "
+                         "the weight stream is cast to it, so it cannot be 'auto'")
+    return _DTYPES[dtype]
 
 
 # ---- the engine ---------------------------------------------------------------------------------
@@ -215,8 +318,15 @@ class SGLangRolloutEngine:
         tp_size: SGLang tensor parallel size == number of ranks in ``group``.
         group: torch.distributed process group of this inference group (None when tp_size == 1
             and no torch.distributed): its ranks are the GPUs base_gpu_id .. base_gpu_id+tp-1.
-        eos_token_ids: ids reported as FinishReason.EOS.
-        engine_kwargs: extra ``ServerArgs`` (e.g. ``attention_backend``, ``cuda_graph_max_bs``).
+        eos_token_ids: the tokenizer contract's eos ids.  Together with the model dir's own eos
+            ids (which SGLang stops on regardless) they are sent as stop ids and reported as
+            FinishReason.EOS (:attr:`eos_token_ids`).
+        dtype: the engine's dtype, and so the dtype the weight stream is cast to (:attr:`dtype`).
+        deterministic_inference: start SGLang with ``enable_deterministic_inference`` so that
+            per-candidate seeds are honoured (slower decoding; see the module docstring).
+        device: where incoming tensors are staged for the hand-over (default: the current CUDA
+            device; the CPU contract test uses ``"cpu"`` with a fake engine).
+        engine_kwargs: extra ``ServerArgs`` (e.g. ``attention_backend``, ``enable_memory_saver``).
     """
 
     log_prob_spaces = frozenset({"raw"})
@@ -228,9 +338,11 @@ class SGLangRolloutEngine:
         tp_size: int = 1,
         group=None,
         eos_token_ids: Sequence[int] = (),
-        dtype: str = "bfloat16",
+        dtype: str | torch.dtype = "bfloat16",
         mem_fraction_static: float = 0.5,
         seed: int = 0,
+        deterministic_inference: bool = False,
+        device: str | torch.device | None = None,
         engine_kwargs: dict | None = None,
     ):
         sglang = import_sglang()
@@ -243,32 +355,52 @@ class SGLangRolloutEngine:
         if group_size != tp_size:
             raise ValueError(f"sglang backend: inference group has {group_size} ranks but tp_size={tp_size}")
         self.src_global_rank = dist.get_global_rank(group, 0) if group is not None else 0
-        self.device = torch.device("cuda", torch.cuda.current_device())
-        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        self.dtype = _torch_dtype(dtype)
+        self.contract_eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.model_eos_token_ids = model_dir_eos_token_ids(model_path)
+        self.eos_token_ids = tuple(dict.fromkeys(self.contract_eos_token_ids + self.model_eos_token_ids))
         for var in LOG_PROB_ENV_VARS:  # raw log-probs; must precede the schedulers' spawn
             os.environ[var] = "1"
-        self._engine = None
+        kwargs = dict(
+            model_path=os.fspath(model_path),
+            tp_size=tp_size,
+            base_gpu_id=self.device.index or 0,
+            enable_memory_saver=True,
+            skip_tokenizer_init=True,
+            load_format="dummy",
+            dtype=str(self.dtype).removeprefix("torch."),
+            mem_fraction_static=mem_fraction_static,
+            random_seed=seed,
+            log_level="error",
+        )
+        if deterministic_inference:
+            kwargs["enable_deterministic_inference"] = True
+        kwargs.update(engine_kwargs or {})
+        self.deterministic = bool(kwargs.get("enable_deterministic_inference")) or kwargs.get("rl_on_policy_target") is not None
+        self._engine, error, status = None, None, (True, "", False)
         if self.rank_in_group == 0:
-            kwargs = dict(
-                model_path=os.fspath(model_path),
-                tp_size=tp_size,
-                base_gpu_id=self.device.index,
-                enable_memory_saver=True,
-                skip_tokenizer_init=True,
-                load_format="dummy",
-                dtype=dtype,
-                mem_fraction_static=mem_fraction_static,
-                random_seed=seed,
-                log_level="error",
-            )
-            kwargs.update(engine_kwargs or {})
-            self._engine = sglang.Engine(**kwargs)
-        self._with_seed = _supports_sampling_seed()
+            saved = {k: os.environ.get(k) for k in TRAINER_ENV_VARS}
+            try:
+                self._engine = sglang.Engine(**kwargs)
+                # the weight-update session API (0.5.21+): every rank must take the same branches
+                status = (True, "", all(hasattr(self._engine, m) for m in ("begin_weight_update", "end_weight_update")))
+            except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks know
+                error, status = e, (False, f"{type(e).__name__}: {e}", False)
+            finally:
+                _restore_env(saved)
+        ok, message, self._has_session = self._broadcast(status)
+        if error is not None:
+            raise error
+        if not ok:
+            raise RolloutError(f"SGLang Engine() failed on the inference group's first rank: {message}")
+        self._with_seed = self.deterministic and _supports_sampling_seed()
         self._active: PolicyVersion | None = None
         self._staged: PolicyVersion | None = None
         self._staged_manifest: TensorManifest | None = None
         self._loading: PolicyVersion | None = None
-        self._asleep = False
+        self._released: tuple[str, ...] = ()  # memory-saver tags released by sleep(), resumed by wake()
+        self.last_load_error: str | None = None  # why the last load failed (None: it did not)
         self._barrier()
 
     # ---- collectives within the inference group ----
@@ -297,11 +429,32 @@ class SGLangRolloutEngine:
         dist.broadcast_object_list(box, src=self.src_global_rank, group=self.group)
         return box[0]
 
+    def _synchronize(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     # ---- versions ----
 
     @property
     def active_version(self) -> PolicyVersion | None:
         return self._active
+
+    @property
+    def asleep(self) -> bool:
+        return bool(self._released)
+
+    def _leader_call(self, what: str, fn, error: type[RolloutError] = WeightUpdateRejectedError) -> None:
+        """Run ``fn() -> (ok, message)`` on the group's first rank; every rank raises ``error`` if
+        it failed (one broadcast: also the sync point, so no rank is left waiting)."""
+        status = (True, "")
+        if self.rank_in_group == 0:
+            try:
+                status = fn()
+            except Exception as e:  # noqa: BLE001 - an engine exception must not strand the other ranks
+                status = (False, f"{type(e).__name__}: {e}")
+        ok, message = self._broadcast(status)
+        if not ok:
+            raise error(f"SGLang {what} failed: {message}")
 
     def load_weights(
         self,
@@ -316,16 +469,18 @@ class SGLangRolloutEngine:
                 f"expected manifest hash {expected_manifest.global_hash} is not the manifest of "
                 f"{version.short_id} ({version.weight_manifest_hash})"
             )
-        if self._asleep:
+        if self.asleep:
             raise EngineAsleepError(f"load_weights({version.short_id}): engine is asleep; wake() first")
         if self._loading is not None:
             raise RolloutBusyError(f"load_weights({version.short_id}): already loading {self._loading.short_id}")
         _monkey_patch_torch_reductions()
         serializer = _serializer()
+        bucket_cls = get_flattened_tensor_bucket_class()  # SGLang's own, never megarl's (weight_stream)
         self._loading, self._staged, self._staged_manifest = version, None, None
         t0 = time.perf_counter()
         received = TensorManifest()
         n_bytes = n_buckets = 0
+        session = False  # a weight-update session is open on the engine (group rank 0)
         try:
             for bucket in named_tensor_buckets:
                 n_buckets += 1
@@ -343,7 +498,7 @@ class SGLangRolloutEngine:
                         f"{version.short_id}: another rank of the inference group rejected bucket {n_buckets}"
                     )
                 on_device = [(n, t.to(self.device, non_blocking=True)) for n, t in bucket]
-                flat = flatten_bucket_by_dtype(on_device)
+                flat = flatten_bucket_by_dtype(on_device, bucket_cls=bucket_cls)
                 payloads = [
                     serializer.serialize(
                         {"flattened_tensor": b.get_flattened_tensor(), "metadata": b.get_metadata()},
@@ -351,34 +506,60 @@ class SGLangRolloutEngine:
                     )
                     for b in flat.values()
                 ]
-                torch.cuda.synchronize(self.device)
+                self._synchronize()
                 gathered = [None] * self.tp_size if self.rank_in_group == 0 else None
                 if self.group is not None:
                     dist.gather_object(payloads, gathered, dst=self.src_global_rank, group=self.group)
                 else:
                     gathered = [payloads]
                 self._active = None  # in place from here: v is no longer what the engine holds
-                if self.rank_in_group == 0:
-                    counts = {len(p) for p in gathered}
-                    if len(counts) != 1:
-                        raise RolloutError(f"TP ranks sent different numbers of dtype buckets: {counts}")
-                    for i in range(counts.pop()):
-                        self._engine.update_weights_from_tensor(
-                            named_tensors=[per_rank[i] for per_rank in gathered],
-                            load_format="flattened_bucket",
-                            flush_cache=False,
-                        )
-                self._barrier()  # every rank keeps its flattened tensors alive until here (slime)
+                if not session and self._has_session:
+                    session = True  # end_weight_update is owed even if begin fails half-way
+                    self._leader_call("begin_weight_update()", lambda: _success(
+                        self._engine.begin_weight_update(), "begin_weight_update"))
+                # every rank keeps its flattened tensors alive until this returned (slime)
+                self._leader_call(f"update_weights_from_tensor (bucket {n_buckets})",
+                                  lambda g=gathered: self._hand_over(g))
                 del flat, payloads, on_device, gathered
-                torch.cuda.ipc_collect()
+                if self.device.type == "cuda":
+                    torch.cuda.ipc_collect()
+            if session:
+                session = False
+                self._leader_call("end_weight_update()", lambda: _success(
+                    self._engine.end_weight_update(), "end_weight_update"))
             diff = expected_manifest.compare(received)
             if not diff.ok:
                 raise ManifestMismatchError(f"{version.short_id}: stream incomplete: {diff.describe()}", diff)
             self.flush_cache()
             self._staged, self._staged_manifest = version, received
+            self.last_load_error = None
+        except BaseException as e:
+            self.last_load_error = f"{version.short_id}: {type(e).__name__}: {e}"
+            if session and self.rank_in_group == 0:  # close it, or the next begin is refused
+                try:
+                    self._engine.end_weight_update()
+                except Exception:  # noqa: BLE001 - the original error is the one to report
+                    pass
+            raise
         finally:  # on failure before any hand-over _active is still v; after it, None (reload)
             self._loading = None
         return LoadReport(version.short_id, received.global_hash, len(received), n_bytes, n_buckets, time.perf_counter() - t0)
+
+    def _hand_over(self, gathered) -> tuple[bool, str]:
+        """Group rank 0: every dtype bucket of one stream bucket into the engine, checking each
+        call's ``success``."""
+        counts = {len(p) for p in gathered}
+        if len(counts) != 1:
+            return False, f"TP ranks sent different numbers of dtype buckets: {counts}"
+        for i in range(counts.pop()):
+            ok, message = _success(self._engine.update_weights_from_tensor(
+                named_tensors=[per_rank[i] for per_rank in gathered],
+                load_format="flattened_bucket",
+                flush_cache=False,
+            ), "update_weights_from_tensor")
+            if not ok:
+                return False, message
+        return True, ""
 
     def activate(self, version: PolicyVersion) -> ActivationReport:
         if self._staged != version:
@@ -389,32 +570,40 @@ class SGLangRolloutEngine:
         return ActivationReport(version.short_id, self._staged_manifest.global_hash, True, True)
 
     def flush_cache(self) -> None:
+        status = (True, "")
         if self.rank_in_group == 0:
             out = self._engine.flush_cache()
-            success = getattr(out, "success", True)
-            if success is False:
-                raise RolloutError(f"SGLang flush_cache failed: {out}")
-        self._barrier()
+            if getattr(out, "success", True) is False:
+                status = (False, f"SGLang flush_cache failed: {out}")
+        ok, message = self._broadcast(status)
+        if not ok:
+            raise RolloutError(message)
 
     # ---- memory ----
 
     def sleep(self, release_weights: bool = True) -> None:
         """Release KV cache (and weights) for the actor's turn.  Released weights are gone: the
-        active version is cleared and the next version must be loaded after wake()."""
+        active version is cleared and the next version must be loaded after wake().  Calling it
+        again while asleep releases only what is not released yet."""
         if self._loading is not None:
             raise RolloutBusyError("sleep(): engine is loading")
-        if self.rank_in_group == 0:
-            self._engine.release_memory_occupation(tags=["kv_cache", "weights"] if release_weights else ["kv_cache"])
-        if release_weights:
+        wanted = (KV_CACHE, WEIGHTS) if release_weights else (KV_CACHE,)
+        tags = tuple(t for t in wanted if t not in self._released)
+        if tags:
+            self._leader_call(f"release_memory_occupation(tags={list(tags)})", lambda: (
+                self._engine.release_memory_occupation(tags=list(tags)), (True, ""))[1], RolloutError)
+        self._released += tags
+        if WEIGHTS in self._released:
             self._active, self._staged = None, None
-        self._asleep = True
-        self._barrier()
 
     def wake(self) -> None:
-        if self.rank_in_group == 0:
-            self._engine.resume_memory_occupation()
-        self._asleep = False
-        self._barrier()
+        """Resume exactly the tags sleep() released (resuming others kills SGLang's scheduler, and
+        with it this process); a no-op when awake."""
+        tags = list(self._released)
+        if tags:
+            self._leader_call(f"resume_memory_occupation(tags={tags})", lambda: (
+                self._engine.resume_memory_occupation(tags=tags), (True, ""))[1], RolloutError)
+        self._released = ()
 
     def shutdown(self) -> None:
         if self._engine is not None:
@@ -429,25 +618,44 @@ class SGLangRolloutEngine:
         """All ranks of the group call with the same requests; rank 0 runs, results are broadcast."""
         if self._loading is not None:
             raise RolloutBusyError(f"generate refused: loading {self._loading.short_id}")
-        if self._asleep:
+        if self.asleep:
             raise EngineAsleepError("generate refused: engine is asleep; wake() first")
         if self._active is None:
-            raise NoActiveVersionError("generate refused: no version is active (none loaded, or released)")
+            why = f" (last load failed: {self.last_load_error})" if self.last_load_error else ""
+            raise NoActiveVersionError(f"generate refused: no version is active (none loaded, or released){why}")
         ids = [r.request_id for r in requests]
         if len(set(ids)) != len(ids):
             raise InvalidRequestError(f"duplicate request_id in one generate call: {sorted(ids)}")
         version_id = self._active.short_id
-        rows = [(r, c) for r in requests for c in range(sampling.n)]
+        rows = [(r, c) for r in requests for c in r.candidates(sampling.n)]
         seeds = [candidate_seed(sampling.seed, r.request_id, c) for r, c in rows]
-        results = None
+        results, failure, error = None, None, None
         if self.rank_in_group == 0 and rows:
-            outs = self._engine.generate(
-                input_ids=[list(r.prompt_ids) for r, _ in rows],
-                sampling_params=[sglang_sampling_params(sampling, s, self._with_seed) for s in seeds],
-                return_logprob=True,
-            )
-            results = [
-                result_from_sglang_output(o, r, c, sampling, self.eos_token_ids, version_id, None if sampling.greedy else s)
-                for o, (r, c), s in zip(outs, rows, seeds, strict=True)
-            ]
-        return self._broadcast(results) or []
+            try:
+                outs = self._engine.generate(
+                    input_ids=[list(r.prompt_ids) for r, _ in rows],
+                    sampling_params=[sglang_sampling_params(sampling, s, self._with_seed, self.eos_token_ids)
+                                     for s in seeds],
+                    return_logprob=True,
+                )
+                honoured = self._with_seed and not sampling.greedy
+                results = [
+                    result_from_sglang_output(o, r, c, sampling, self.eos_token_ids, version_id, s if honoured else None)
+                    for o, (r, c), s in zip(outs, rows, seeds, strict=True)
+                ]
+            except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks know
+                error, failure = e, f"{type(e).__name__}: {e}"
+        results, failure = self._broadcast((results, failure))
+        if error is not None:
+            raise error
+        if failure is not None:
+            raise RolloutError(f"generate failed on the inference group's first rank: {failure}")
+        return results or []
+
+
+def _restore_env(saved: dict) -> None:
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

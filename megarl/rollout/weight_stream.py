@@ -281,11 +281,7 @@ def hf_logical_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tens
 
 @dataclass
 class FlattenedTensorMetadata:
-    """Where a tensor lives inside a flattened bucket.
-
-    Field names follow SGLang's ``sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata``
-    so SGLang's loader (``load_format="flattened_bucket"``) can rebuild our buckets too.
-    """
+    """Where a tensor lives inside a :class:`FlattenedTensorBucket` (element offsets)."""
 
     name: str
     shape: torch.Size
@@ -296,13 +292,19 @@ class FlattenedTensorMetadata:
 
 
 class FlattenedTensorBucket:
-    """Tensors of one dtype concatenated into one 1-D tensor plus their metadata.
+    """Tensors of one dtype concatenated into one 1-D tensor plus their metadata, for use inside
+    one process (tests, tools).
 
-    Why: crossing to SGLang's scheduler processes costs one CUDA IPC handle per tensor; one
-    flattened tensor per dtype costs one handle per bucket (slime
-    ``update_weight_from_tensor.py::_send_to_colocated_engine``; verl follows slime).  Same
-    interface as SGLang's class of the same name; :func:`get_flattened_tensor_bucket_class`
-    prefers SGLang's own when it is installed.
+    Why buckets: crossing to SGLang's scheduler processes costs one CUDA IPC handle per tensor;
+    one flattened tensor per dtype costs one handle per bucket (slime
+    ``update_weight_from_tensor.py::_send_to_colocated_engine``; verl follows slime).
+
+    This class is **not** SGLang's wire format and is never handed to an engine: SGLang's own
+    ``FlattenedTensorBucket`` (``sglang/srt/weight_sync/tensor_bucket.py``) changed layout between
+    releases (element offsets per dtype up to 0.5.5; uint8 with byte offsets and mixed dtypes by
+    0.5.20), and its ``MultiprocessingSerializer`` unpickles only SGLang's own classes (0.5.5+),
+    so a payload built from this class could never be loaded.  The sglang backend always uses
+    :func:`get_flattened_tensor_bucket_class`, which has no fallback to this one.
     """
 
     def __init__(
@@ -351,8 +353,9 @@ class FlattenedTensorBucket:
 
 
 def get_flattened_tensor_bucket_class():
-    """SGLang's FlattenedTensorBucket if importable (its location moved between releases, as
-    slime's ``backends/megatron_utils/sglang.py`` records), else ours."""
+    """SGLang's own FlattenedTensorBucket (its location moved between releases, as slime's
+    ``backends/megatron_utils/sglang.py`` records).  No fallback: only SGLang's class builds a
+    payload the installed SGLang can load (see :class:`FlattenedTensorBucket`)."""
     try:
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket as cls  # type: ignore
         return cls
@@ -361,14 +364,18 @@ def get_flattened_tensor_bucket_class():
     try:
         from sglang.srt.model_executor.model_runner import FlattenedTensorBucket as cls  # type: ignore
         return cls
-    except ImportError:
-        return FlattenedTensorBucket
+    except ImportError as e:
+        raise ImportError(
+            "SGLang's FlattenedTensorBucket is not importable (sglang.srt.weight_sync.tensor_bucket); "
+            "flattened buckets for an engine must be built by the installed SGLang: pip install megarl[gpu]"
+        ) from e
 
 
 def flatten_bucket_by_dtype(
     named_tensors: list[tuple[str, torch.Tensor]], bucket_cls=None
 ) -> dict[torch.dtype, "FlattenedTensorBucket"]:
-    """One flattened bucket per dtype, in first-seen dtype order."""
+    """One flattened bucket per dtype, in first-seen dtype order (``bucket_cls`` default:
+    SGLang's, :func:`get_flattened_tensor_bucket_class`)."""
     bucket_cls = bucket_cls or get_flattened_tensor_bucket_class()
     by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
     for name, t in named_tensors:

@@ -1,191 +1,432 @@
-"""sglang backend end to end on one GPU with a small random model (< 5 minutes).
+"""The GPU check: one program on one GPU (budget: 8 minutes), printing a table.
 
-    pytest -q tests/gpu/test_sglang_backend.py          # or: python tests/gpu/test_sglang_backend.py
+    bash tests/gpu/run.sh                  # on a GPU machine (the Docker image has everything)
+    pytest -q tests/gpu/                   # the same through pytest; skipped without CUDA / sglang
 
-Skipped, with the reason, where CUDA or sglang is absent (CI is CPU-only).  Steps: export a
-small random Llama, start SGLangRolloutEngine (tp=1, enable_memory_saver), sync v0 through the
-bucketed flattened-per-dtype CUDA-IPC path, generate with log-probs, check the log-prob space
-(raw, not temperature-scaled) against a direct HF forward of the same weights, check parity
-against the actor (``teacher_forced_log_probs`` hook, see ACTOR PARITY below), corrupt a
-bucket (refused before hand-over, engine stays on v), release/resume memory, sync v1 and check
-that generation follows v1 and caches were flushed.
+Rows (each a pass/fail with its figures; a row whose inputs failed is "not run"):
+
+1. setup: a random tiny Llama (head_dim 64: SGLang's default attention backend on Hopper, fa3,
+   and flashinfer/triton all take it), the megatron actor on transformer-engine in bf16 with its
+   optimizer, the actor's own greedy continuation, from which the eos id is chosen so that a
+   response really ends on EOS;
+2. sglang backend, greedy: the engine (synced from the megatron actor) reproduces the actor's
+   greedy tokens and stops on EOS exactly where the actor's continuation has it (a divergence is
+   accepted only at a near-tie of the actor's logits);
+3. sglang backend, raw log-probs: sampled at T=0.7, the engine's log-probs equal the megatron
+   actor's teacher-forced raw log-probs (TE kernels vs SGLang kernels, bf16), and clearly differ
+   from the temperature-scaled ones;
+4. sleep/wake twice (kv cache + weights released, exactly those resumed), reload and identical
+   greedy output each time, then a kv-only sleep keeping the version: the process survives;
+5. the actor's offload round trip after a real optimizer step: CUDA memory is released, the
+   params come back bitwise;
+6. weight sync of the updated actor (v1): the engine's greedy output changes and equals that of
+   a fresh SGLang engine started from an HF export of v1;
+7. bf16 end to end: actor params, manifest, stream, engine and export all bf16;
+8. TP=1 weight-sync bandwidth on a ~0.8 GB bf16 model (megatron actor -> engine, GB/s).
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import importlib.util
+import json
 import os
 import sys
 import tempfile
-from collections.abc import Callable
+import time
+import traceback
+from types import SimpleNamespace
 
-import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 
-from megarl.rollout.protocol import GenerationRequest, GenerationResult, SamplingParams  # noqa: E402
-from megarl.rollout.testing import HFActorStandIn, tiny_llama_config  # noqa: E402
-from megarl.rollout.weight_stream import ManifestMismatchError, iter_buckets  # noqa: E402
-
-_SKIP_REASON = None
+SKIP_REASON = None
 if not torch.cuda.is_available():
-    _SKIP_REASON = "needs a CUDA GPU (sglang backend runs SGLang schedulers on GPU)"
+    SKIP_REASON = "needs a CUDA GPU (the sglang backend runs SGLang schedulers on GPU)"
 elif importlib.util.find_spec("sglang") is None:
-    _SKIP_REASON = "needs the 'sglang' package: pip install megarl[gpu]"
-pytestmark = pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")
+    SKIP_REASON = "needs the 'sglang' package: pip install megarl[gpu] (or the Docker image)"
 
-EOS = 3
-BUCKET = 8 << 20
-PROMPTS = [GenerationRequest(f"p{i}", tuple([2] + list(range(10 + 7 * i, 10 + 7 * i + 5 + i)))) for i in range(4)]
-# bf16 engine vs an HF forward with the same bf16 weights, different kernels: per-token tolerance
-RAW_ATOL = 0.08
-
-
-# ---- ACTOR PARITY: rollout raw log-probs vs the megatron actor --------------------------------------
-
-TeacherForced = Callable[[list[int], int], torch.Tensor]
-"""(prompt_ids + response_ids, prompt_len) -> (len(response_ids),) log-probs of the response tokens
-under the raw policy of the actor holding the same version."""
+TOKENIZER_HASH = "sha256:" + "0" * 64  # the check has no tokenizer
+MAX_NEW = 16
+RAW_ATOL = 0.08  # bf16 TE forward vs bf16 SGLang kernels, per token
+NEAR_TIE = 0.15  # logit gap under which a greedy divergence between kernels is accepted
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1024, "hidden_size": 256,
+        "intermediate_size": 704, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 512, "tie_word_embeddings": False,
+        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}
+BIG = dict(TINY, vocab_size=32000, hidden_size=1536, intermediate_size=4096, num_hidden_layers=12,
+           num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048)
 
 
-def hf_teacher_forced(model) -> TeacherForced:
-    """A transformers forward of the stand-in actor (a cross-check, not the contract)."""
-
-    def fn(token_ids: list[int], prompt_len: int) -> torch.Tensor:
-        ids = torch.tensor([token_ids], device="cuda")
-        with torch.no_grad():
-            logits = model(ids).logits[0].float()
-        lp = torch.log_softmax(logits[prompt_len - 1 : -1], -1)
-        return lp.gather(1, ids[0, prompt_len:, None]).squeeze(1).cpu()
-
-    return fn
+# ---- the table -------------------------------------------------------------------------------------
 
 
-def megatron_teacher_forced(model) -> TeacherForced:
-    """The contract: the megatron actor (transformer-engine layer spec on GPU, TP=1) built from
-    the same weights as the engine's version teacher-forces the rollout ids."""
-    from megarl.models.forward import teacher_forced_log_probs
+class NotRun(Exception):
+    pass
+
+
+class Table:
+    def __init__(self):
+        self.rows: list[dict] = []
+
+    def run(self, name: str, fn, needs: tuple[str, ...] = ()):
+        missing = [n for n in needs if not any(r["name"] == n and r["status"] == "PASS" for r in self.rows)]
+        t0 = time.perf_counter()
+        if missing:
+            row = {"name": name, "status": "NOT RUN", "detail": f"needs: {'; '.join(missing)}"}
+        else:
+            try:
+                row = {"name": name, "status": "PASS", "detail": fn() or ""}
+            except Exception as e:  # noqa: BLE001 - every row reports, the table goes on
+                tb = traceback.format_exc(limit=-3)
+                row = {"name": name, "status": "FAIL", "detail": f"{type(e).__name__}: {e}".splitlines()[0][:300],
+                       "traceback": tb}
+                print(tb, file=sys.stderr, flush=True)
+        row["seconds"] = round(time.perf_counter() - t0, 1)
+        self.rows.append(row)
+        print(f"[gpu-check] {row['status']:7s} {row['seconds']:6.1f}s  {name}: {row['detail']}", flush=True)
+        return row["status"] == "PASS"
+
+    @property
+    def ok(self) -> bool:
+        return all(r["status"] == "PASS" for r in self.rows)
+
+    def print(self):
+        w = max(len(r["name"]) for r in self.rows)
+        line = f"+-{'-' * 7}-+-{'-' * w}-+-{'-' * 8}-+-{'-' * 60}"
+        print("\n" + line)
+        print(f"| {'result':7s} | {'check':{w}s} | {'seconds':>8s} | figures")
+        print(line)
+        for r in self.rows:
+            print(f"| {r['status']:7s} | {r['name']:{w}s} | {r['seconds']:8.1f} | {r['detail']}")
+        print(line)
+        print(f"GPU check: {'all passed' if self.ok else 'FAILED'} on {torch.cuda.get_device_name()}", flush=True)
+
+
+# ---- helpers ----------------------------------------------------------------------------------------
+
+
+def set_eos(model_dir: str, eos: int) -> None:
+    """The engine reads its eos ids from config.json (+ generation_config.json)."""
+    path = os.path.join(model_dir, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg["eos_token_id"] = eos
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    gen = os.path.join(model_dir, "generation_config.json")
+    if os.path.exists(gen):
+        os.remove(gen)
+
+
+def param_digest(model) -> str:
+    from megarl.rollout.weight_stream import tensor_sha256  # no numpy view: storages stay resizable
+
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        h.update(f"{name}={tensor_sha256(p)}".encode())
+    return h.hexdigest()[:16]
+
+
+def actor_logits(model, ids: list[int]) -> torch.Tensor:
+    from megarl.models.forward import full_logits
+
+    return full_logits(model, torch.tensor([ids], device="cuda"))[0].float()
+
+
+def actor_greedy(model, prompt: list[int], steps: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(steps):
+        seq.append(int(actor_logits(model, seq)[-1].argmax()))
+    return seq[len(prompt):]
+
+
+def new_engine(model_dir: str, eos: int, **kw):
+    from megarl.rollout.sglang_backend import SGLangRolloutEngine
+
+    return SGLangRolloutEngine(model_dir, tp_size=1, eos_token_ids=[eos], dtype="bfloat16",
+                               mem_fraction_static=kw.pop("mem_fraction_static", 0.25), **kw)
+
+
+def sync(ctx, engine, model, step: int):
+    from megarl.rollout.weight_sync import actor_manifest, make_version, sync_actor_to_engine
+
+    manifest = actor_manifest(model, dtype=engine.dtype)
+    version = make_version(model, manifest, run_id="gpu-check", optimizer_step=step, tokenizer_hash=TOKENIZER_HASH)
+    t0 = time.perf_counter()
+    report = sync_actor_to_engine(model, engine, version, manifest, bucket_bytes=ctx.bucket_bytes)
+    seconds = time.perf_counter() - t0
+    engine.activate(version)
+    return version, manifest, report, seconds
+
+
+def greedy(engine, ctx):
+    from megarl.rollout.protocol import SamplingParams
+
+    return engine.generate(ctx.requests, SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW))
+
+
+# ---- the checks -------------------------------------------------------------------------------------
+
+
+def check_setup(ctx):
     from megarl.models.megatron_ckpt import load_model
+    from megarl.models.optim import OptimConfig, wrap_for_training
+    from megarl.models.tiny import write_random_hf_checkpoint
+    from megarl.models.weights import export_hf
+    from megarl.rollout.protocol import GenerationRequest
+
+    hf0 = os.path.join(ctx.work, "hf0")
+    write_random_hf_checkpoint(hf0, TINY, seed=0, std=0.2, dtype=torch.bfloat16)
+    model = load_model(hf0, tp=1, pp=1, dtype=torch.bfloat16)
+    ctx.ddp, ctx.opt = wrap_for_training(model, OptimConfig(optimizer="adam", lr=3e-3, clip_grad=1.0))
+    te = type(_first_layer(model).self_attention.linear_qkv).__module__
+    assert "transformer_engine" in te, f"the actor's layers are not transformer-engine ({te})"
+    g = torch.Generator().manual_seed(0)
+    prompts = [[1] + torch.randint(10, 1000, (4 + 3 * i,), generator=g).tolist() for i in range(4)]
+    ctx.actor_greedy = [actor_greedy(ctx.ddp, p, MAX_NEW) for p in prompts]
+    first = ctx.actor_greedy[0]
+    k = next(i for i in range(3, MAX_NEW) if first[i] not in first[:i])
+    ctx.eos, ctx.eos_at = first[k], k
+    ctx.requests = [GenerationRequest(f"p{i}", tuple(p)) for i, p in enumerate(prompts)]
+    ctx.engine_dir = os.path.join(ctx.work, "engine")
+    export_hf(ctx.ddp, ctx.engine_dir, dtype=torch.bfloat16)
+    set_eos(ctx.engine_dir, ctx.eos)
+    ctx.bucket_bytes = 8 << 20
+    return f"qkv from {te}; eos id {ctx.eos} (prompt 0's greedy token {k})"
+
+
+def _first_layer(model):
+    from megarl.models.weights import unwrap
+
+    return unwrap(model).decoder.layers[0]
+
+
+def check_greedy(ctx):
+    from megarl.rollout.protocol import FinishReason
+
+    before = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    ctx.engine = new_engine(ctx.engine_dir, ctx.eos)
+    assert os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == before, "Engine() left CUDA_DEVICE_MAX_CONNECTIONS changed"
+    ctx.v0, _, report, _ = sync(ctx, ctx.engine, ctx.ddp, 0)
+    ctx.g0 = greedy(ctx.engine, ctx)
+    exact = ties = 0
+    for r, ref in zip(ctx.g0, ctx.actor_greedy):
+        expected = ref[:ref.index(ctx.eos) + 1] if ctx.eos in ref else ref
+        got = list(r.response_ids)
+        if got == expected:
+            exact += 1
+        else:
+            t = next(i for i in range(min(len(got), len(expected)) + 1)
+                     if i >= len(got) or i >= len(expected) or got[i] != expected[i])
+            assert t < len(got) and t < len(expected), f"{r.request_id}: lengths differ without a token divergence"
+            logits = actor_logits(ctx.ddp, list(r.prompt_ids) + got[:t])[-1]
+            gap = float(logits.max() - logits[got[t]])
+            assert gap < NEAR_TIE, (f"{r.request_id}: engine token {got[t]} at {t} where the actor's greedy is "
+                                    f"{expected[t]} (logit gap {gap:.3f} is no tie)")
+            ties += 1
+        ends_on_eos = got[-1] == ctx.eos
+        assert (r.finish_reason is FinishReason.EOS) == ends_on_eos, (r.request_id, r.finish_reason, got[-3:])
+    g = ctx.g0[0]
+    assert g.finish_reason is FinishReason.EOS and len(g.response_ids) == ctx.eos_at + 1, (
+        f"prompt 0 should stop on EOS {ctx.eos} at token {ctx.eos_at}: {g.finish_reason}, {g.response_ids}")
+    return (f"{exact}/{len(ctx.g0)} responses identical to the actor's greedy ({ties} near-tie divergences); "
+            f"prompt 0 ends on EOS at token {ctx.eos_at}; {report.num_tensors} tensors in {report.num_buckets} buckets")
+
+
+def check_parity(ctx):
+    from megarl.models.forward import teacher_forced_log_probs
+    from megarl.rollout.protocol import SamplingParams
+
+    hot = ctx.engine.generate(ctx.requests, SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=MAX_NEW, n=2, seed=4))
+    raw_err = scaled_err = 0.0
+    for r in hot:
+        ids = torch.tensor([list(r.prompt_ids) + list(r.response_ids)], device="cuda")
+        start = len(r.prompt_ids) - 1
+        raw = teacher_forced_log_probs(ctx.ddp, ids)[0, start:].cpu()
+        scaled = teacher_forced_log_probs(ctx.ddp, ids, temperature=0.7)[0, start:].cpu()
+        raw_err = max(raw_err, float((raw - r.raw_log_probs).abs().max()))
+        scaled_err = max(scaled_err, float((scaled - r.raw_log_probs).abs().max()))
+    assert raw_err < RAW_ATOL, f"raw log-prob parity {raw_err:.4f} >= {RAW_ATOL}"
+    assert scaled_err > 3 * raw_err, f"engine log-probs look temperature-scaled ({scaled_err:.4f} vs raw {raw_err:.4f})"
+    return f"max |engine - actor| {raw_err:.4f} (raw), {scaled_err:.4f} vs log softmax(logits/T); {len(hot)} samples"
+
+
+def check_sleep_wake(ctx):
+    freed = []
+    for _ in range(2):
+        free0 = torch.cuda.mem_get_info()[0]
+        ctx.engine.sleep()
+        freed.append((torch.cuda.mem_get_info()[0] - free0) / 2**30)
+        ctx.engine.wake()
+        assert ctx.engine.active_version is None  # weights were released: reload
+        sync(ctx, ctx.engine, ctx.ddp, 0)
+        again = greedy(ctx.engine, ctx)
+        assert [r.response_ids for r in again] == [r.response_ids for r in ctx.g0], "greedy output changed after wake"
+    assert min(freed) > 0.5, f"sleep() released only {freed} GiB (memory saver off?)"
+    ctx.engine.sleep(release_weights=False)
+    ctx.engine.wake()
+    assert ctx.engine.active_version == ctx.v0
+    assert [r.response_ids for r in greedy(ctx.engine, ctx)] == [r.response_ids for r in ctx.g0]
+    return f"released {freed[0]:.1f} / {freed[1]:.1f} GiB; identical greedy after each wake; kv-only sleep kept v0"
+
+
+def check_offload(ctx):
+    from megarl.models.forward import token_log_probs_from_logits
+    from megarl.models.optim import train_step
+    from megarl.models.weights import unwrap
+    from megarl.roles.offload import ActorOffloader
+
+    V = unwrap(ctx.ddp).megarl_spec.vocab_size
+    tokens = torch.tensor([list(r.prompt_ids) + list(r.response_ids) for r in ctx.g0[:1]], device="cuda")
+
+    def loss_fn(output, mb):  # raise the likelihood of a fixed continuation: a real update
+        lp = token_log_probs_from_logits(output[:, :-1], mb["tokens"][:, 1:], V)
+        loss = -lp.mean()
+        return loss, {"loss": loss.detach()}
+
+    for _ in range(3):
+        assert train_step(ctx.ddp, ctx.opt, [{"tokens": tokens}], loss_fn).update_successful
+    digest = param_digest(ctx.ddp)
+    off = ActorOffloader(ctx.ddp, ctx.opt, preserve_grads=False)
+    torch.cuda.synchronize()
+    alloc0, free0 = torch.cuda.memory_allocated(), torch.cuda.mem_get_info()[0]
+    moved = off.offload()
+    torch.cuda.synchronize()
+    alloc1, free1 = torch.cuda.memory_allocated(), torch.cuda.mem_get_info()[0]
+    total = sum(moved.values())
+    assert total > 0 and alloc0 - alloc1 >= 0.9 * total, (moved, alloc0, alloc1)
+    off.onload()
+    assert param_digest(ctx.ddp) == digest, "params changed across the offload round trip"
+    mib = 2**20
+    return (f"moved {total / mib:.1f} MiB ({', '.join(f'{k} {v / mib:.1f}' for k, v in moved.items())}); "
+            f"allocated -{(alloc0 - alloc1) / mib:.1f} MiB, device free +{(free1 - free0) / mib:.1f} MiB; bitwise back")
+
+
+def check_new_weights(ctx):
+    import sglang
+
+    from megarl.models.weights import export_hf
+    from megarl.rollout.protocol import SamplingParams
+    from megarl.rollout.sglang_backend import result_from_sglang_output, sglang_sampling_params
+
+    ctx.v1, ctx.m1, report, seconds = sync(ctx, ctx.engine, ctx.ddp, 1)
+    g1 = greedy(ctx.engine, ctx)
+    assert all(r.policy_version == ctx.v1.short_id for r in g1)
+    assert [r.response_ids for r in g1] != [r.response_ids for r in ctx.g0], "the engine still serves v0"
+    ctx.engine.shutdown()
+    ctx.engine = None
+    export = os.path.join(ctx.work, "export_v1")
+    export_hf(ctx.ddp, export, dtype=torch.bfloat16)
+    set_eos(export, ctx.eos)
+    ctx.export_dtype = json.load(open(os.path.join(export, "config.json"))).get("torch_dtype")
+    saved = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    fresh = sglang.Engine(model_path=export, skip_tokenizer_init=True, dtype="bfloat16", mem_fraction_static=0.25,
+                          random_seed=0, log_level="error")  # real weights from disk, no megarl in between
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = saved or "1"
+    try:
+        sp = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW)
+        outs = fresh.generate(input_ids=[list(r.prompt_ids) for r in ctx.requests],
+                              sampling_params=[sglang_sampling_params(sp, None, False, (ctx.eos,))] * len(ctx.requests),
+                              return_logprob=True)
+        ref = [result_from_sglang_output(o, r, 0, sp, (ctx.eos,), "export", None).response_ids
+               for o, r in zip(outs, ctx.requests)]
+    finally:
+        fresh.shutdown()
+    assert [r.response_ids for r in g1] == ref, "the synced engine and a fresh engine from the v1 export disagree"
+    return f"v1 greedy differs from v0 and equals a fresh engine from the HF export of v1 ({len(ref)} prompts)"
+
+
+def check_bf16(ctx):
+    dtypes = {p.dtype for p in ctx.ddp.parameters()}
+    assert dtypes == {torch.bfloat16}, dtypes
+    assert {e.dtype for e in ctx.m1.entries.values()} == {"bfloat16"}
+    assert ctx.export_dtype == "bfloat16", ctx.export_dtype
+    return "actor params, manifest/stream, engine (dtype=bfloat16) and HF export: bfloat16"
+
+
+def check_bandwidth(ctx):
+    from megarl.models.megatron_ckpt import load_model
+    from megarl.models.tiny import write_random_hf_checkpoint
+
+    hf = os.path.join(ctx.work, "big")
+    gb = write_random_hf_checkpoint(hf, BIG, seed=1, std=0.02, dtype=torch.bfloat16)
+    model = load_model(hf, tp=1, pp=1, dtype=torch.bfloat16)
+    # the engine reads only config.json (load_format=dummy): the weights arrive by the stream
+    engine = new_engine(hf, BIG["eos_token_id"], mem_fraction_static=0.3, engine_kwargs={"disable_cuda_graph": True})
+    ctx.bucket_bytes = 512 << 20  # rollout.bucket_mb default
+    try:
+        best = None
+        for step in range(3):
+            _, _, report, seconds = sync(ctx, engine, model, step)
+            best = seconds if best is None else min(best, seconds)
+        engine_side = report.num_bytes / 1e9 / report.seconds
+        full = report.num_bytes / 1e9 / best
+    finally:
+        engine.shutdown()
+    return (f"{report.num_bytes / 1e9:.2f} GB bf16 ({gb:.2f} GiB on disk), {report.num_buckets} buckets of 512 MiB: "
+            f"{full:.2f} GB/s gather+check+hand-over+load, {engine_side:.2f} GB/s engine side (best of 3)")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None, help="also write the rows here")
+    args = ap.parse_args(argv)
+    if SKIP_REASON:
+        print(f"GPU check not run: {SKIP_REASON}", flush=True)
+        return 1
     from megarl.runtime import distributed as rt
 
     rt.initialize(tp=1, pp=1)
-    with tempfile.TemporaryDirectory() as d:
-        model.save_pretrained(d)
-        actor = load_model(d, tp=1, pp=1, dtype=torch.bfloat16)
-
-    def fn(token_ids: list[int], prompt_len: int) -> torch.Tensor:
-        lp = teacher_forced_log_probs(actor, torch.tensor([token_ids], device="cuda"))
-        return lp[0, prompt_len - 1:].cpu()
-
-    return fn
-
-
-def check_actor_parity(results: list[GenerationResult], teacher_forced_log_probs: TeacherForced, atol: float) -> float:
-    """Max |rollout raw log-prob - actor teacher-forced log-prob| over all response tokens."""
-    worst = 0.0
-    for r in results:
-        actor = teacher_forced_log_probs(list(r.prompt_ids) + list(r.response_ids), len(r.prompt_ids))
-        err = (actor - r.raw_log_probs).abs().max().item()
-        assert err < atol, f"{r.request_id}/{r.candidate_index}: raw log-prob parity {err:.4f} >= {atol}"
-        worst = max(worst, err)
-    return worst
-
-
-# ---- the run -------------------------------------------------------------------------------------
-
-
-def run_end_to_end(teacher_forced_factory=megatron_teacher_forced) -> dict:
-    from megarl.rollout.sglang_backend import SGLangRolloutEngine
-
-    figures = {}
-    config = tiny_llama_config(vocab_size=1024, hidden=256, layers=4, intermediate_size=704,
-                               num_attention_heads=8, num_key_value_heads=4, eos_token_id=EOS,
-                               initializer_range=0.2, max_position_embeddings=512)
-    actor = HFActorStandIn.create(config, dtype=torch.bfloat16)
-    actor.model.to("cuda")
-    with tempfile.TemporaryDirectory() as d:
-        actor.model.save_pretrained(d)  # SGLang wants a model dir; load_format=dummy ignores its weights
-        engine = SGLangRolloutEngine(d, tp_size=1, eos_token_ids=[EOS], mem_fraction_static=0.3,
-                                     engine_kwargs={"disable_cuda_graph": True})
+    torch.manual_seed(0)
+    table = Table()
+    with tempfile.TemporaryDirectory(prefix="megarl-gpu-check-") as work:
+        ctx = SimpleNamespace(work=work, engine=None)
+        names = ["setup: random tiny Llama, megatron actor (TE, bf16)",
+                 "sglang backend: greedy tokens = actor's, EOS",
+                 "sglang backend: raw log-prob parity with the megatron actor",
+                 "sleep/wake x2 (kv cache + weights), process alive",
+                 "actor offload round trip, CUDA memory released",
+                 "weight sync v1 -> engine serves v1 (= fresh engine from HF export)",
+                 "bf16 end to end",
+                 "TP=1 weight sync bandwidth"]
         try:
-            assert engine.log_prob_spaces == frozenset({"raw"})
-            v0, m0 = actor.commit(0)
-            rep = engine.load_weights(v0, iter_buckets(actor.named_tensors(), BUCKET), m0)
-            act = engine.activate(v0)
-            assert act.cache_flushed and engine.active_version == v0
-            figures["v0_sync_s"] = rep.seconds
-
-            greedy = SamplingParams(temperature=0.0, max_new_tokens=24)
-            g0 = engine.generate(PROMPTS, greedy)
-            assert all(r.policy_version == v0.short_id for r in g0)
-            for r in g0:  # response boundary: eos is the last token when it finished on eos
-                assert (r.finish_reason.value == "eos") == (r.response_ids[-1] == EOS and len(r.response_ids) <= 24)
-
-            # log-prob space: at T=0.7 the returned values must be the raw ones, not log softmax(logits/T)
-            hot = engine.generate(PROMPTS, SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=24, n=2, seed=4))
-            tf = teacher_forced_factory(actor.model)
-            figures["raw_parity_max_abs"] = check_actor_parity(hot, tf, RAW_ATOL)
-            figures["raw_parity_vs_transformers_max_abs"] = check_actor_parity(
-                hot, hf_teacher_forced(actor.model), RAW_ATOL)
-            scaled_err = 0.0
-            for r in hot:
-                ids = torch.tensor([list(r.prompt_ids) + list(r.response_ids)], device="cuda")
-                with torch.no_grad():
-                    logits = actor.model(ids).logits[0].float()[len(r.prompt_ids) - 1 : -1]
-                scaled = torch.log_softmax(logits / 0.7, -1).gather(1, ids[0, len(r.prompt_ids):, None]).squeeze(1).cpu()
-                scaled_err = max(scaled_err, (scaled - r.raw_log_probs).abs().max().item())
-            assert scaled_err > 3 * figures["raw_parity_max_abs"], "returned log-probs look temperature-scaled"
-            figures["temperature_scaled_max_abs"] = scaled_err
-
-            # a corrupted first bucket is refused before hand-over: still v0
-            actor_params = dict(actor.named_tensors())
-            first = next(iter(actor_params))
-
-            def flipped(t):
-                t = t.clone()
-                t.view(-1)[0] += 1
-                return t
-
-            def corrupted():
-                for b in iter_buckets(actor.named_tensors(), BUCKET):
-                    yield [(n, flipped(t) if n == first else t) for n, t in b]
-
-            with pytest.raises(ManifestMismatchError, match=first):
-                engine.load_weights(v0, corrupted(), m0)
-            assert engine.active_version == v0
-            assert [r.response_ids for r in engine.generate(PROMPTS, greedy)] == [r.response_ids for r in g0]
-
-            # release / resume around the "actor's turn"
-            free_before = torch.cuda.mem_get_info()[0]
-            engine.sleep()
-            free_asleep = torch.cuda.mem_get_info()[0]
-            figures["released_GiB"] = (free_asleep - free_before) / 2**30
-            assert free_asleep > free_before, "release_memory_occupation freed nothing (memory saver off?)"
-            engine.wake()
-            assert engine.active_version is None  # weights were released: reload required
-
-            actor.perturb(scale=0.05, seed=7)
-            v1, m1 = actor.commit(1)
-            rep = engine.load_weights(v1, iter_buckets(actor.named_tensors(), BUCKET), m1)
-            engine.activate(v1)
-            figures["v1_sync_GBps"] = rep.num_bytes / 1e9 / rep.seconds
-            g1 = engine.generate(PROMPTS, greedy)
-            assert all(r.policy_version == v1.short_id for r in g1)
-            assert [r.response_ids for r in g1] != [r.response_ids for r in g0]
-            figures["v1_raw_parity_max_abs"] = check_actor_parity(g1, teacher_forced_factory(actor.model), RAW_ATOL)
+            table.run(names[0], lambda: check_setup(ctx))
+            table.run(names[1], lambda: check_greedy(ctx), needs=(names[0],))
+            table.run(names[2], lambda: check_parity(ctx), needs=(names[1],))
+            table.run(names[3], lambda: check_sleep_wake(ctx), needs=(names[1],))
+            table.run(names[4], lambda: check_offload(ctx), needs=(names[1],))
+            table.run(names[5], lambda: check_new_weights(ctx), needs=(names[4],))
+            table.run(names[6], lambda: check_bf16(ctx), needs=(names[5],))
+            if ctx.engine is not None:
+                ctx.engine.shutdown()
+                ctx.engine = None
+            table.run(names[7], lambda: check_bandwidth(ctx), needs=(names[0],))
         finally:
-            engine.shutdown()
-    return figures
+            if ctx.engine is not None:
+                ctx.engine.shutdown()
+            table.print()
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"device": torch.cuda.get_device_name(), "rows": table.rows}, f, indent=1)
+    return 0 if table.ok else 1
 
 
-def test_sglang_backend_end_to_end():
-    figures = run_end_to_end()
-    print(figures)
+def test_gpu_check():
+    """pytest entry: the whole check in a fresh process (SGLang's schedulers are processes)."""
+    import subprocess
+
+    import pytest
+
+    if SKIP_REASON:
+        pytest.skip(SKIP_REASON)
+    proc = subprocess.run(["bash", os.path.join(ROOT, "tests", "gpu", "run.sh")], capture_output=True, text=True)
+    print(proc.stdout[-8000:])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
 
 if __name__ == "__main__":
-    if _SKIP_REASON:
-        print(f"SKIPPED: {_SKIP_REASON}")
-        sys.exit(0)
-    print(run_end_to_end())
+    sys.exit(main())
