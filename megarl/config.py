@@ -104,6 +104,9 @@ class RolloutConfig:
     tp: int = 1  # inference TP size
     mem_fraction_static: float = 0.6
     enable_memory_saver: bool = True
+    #: SGLang's enable_deterministic_inference: per-candidate seeds are honoured (and recorded in
+    #: the experience) only with it; batch-invariant kernels make decoding slower
+    deterministic_inference: bool = False
 
 
 @dataclass
@@ -249,6 +252,8 @@ class TrainerConfig:
     #: update, for the rollback (costs one device->host copy of that state per iteration); "none":
     #: no copy, a failed update stops the run and resume=auto restarts from the last checkpoint
     update_rollback: str = "memory"
+    #: iterations recorded as a Chrome-trace timeline per rank (<run_dir>/profile/iter_<k>.rank<r>.json)
+    profile_iterations: List[int] = field(default_factory=list)
 
 
 @dataclass
@@ -257,6 +262,7 @@ class FaultsConfig:
 
     crash_during_checkpoint_at: Optional[int] = None  # die after writing checkpoint k, before publishing it
     crash_during_update_at: Optional[int] = None  # die (os._exit) in iteration k's update, after its seal
+    corrupt_weight_sync_at: List[int] = field(default_factory=list)  # iterations whose first weight load is corrupted
     rollout_error_rate: float = 0.0  # a candidate's result is lost (and delivered late, in the next call)
     duplicate_result_rate: float = 0.0  # a candidate's result is delivered twice
     reward_timeout_rate: float = 0.0  # a reward call hangs past reward.timeout_s

@@ -42,7 +42,7 @@ class FaultInjector:
         c = self.cfg
         return bool(c.rollout_error_rate or c.duplicate_result_rate or c.reward_timeout_rate
                     or c.fail_optimizer_step_at or c.crash_during_checkpoint_at is not None
-                    or c.crash_during_update_at is not None)
+                    or c.crash_during_update_at is not None or c.corrupt_weight_sync_at)
 
     def fires(self, kind: str, rate: float, *key: Any) -> bool:
         if rate <= 0.0:

@@ -17,17 +17,23 @@ from typing import Dict, Optional
 
 
 class StageTimer:
-    """Wall seconds per named stage of one iteration, in the order first entered."""
+    """Wall seconds per named stage of one iteration, in the order first entered.  Each stage is
+    also a timeline span (``megarl.profiling.span``) labelled with the iteration, the policy
+    version and the stage's counters."""
 
-    def __init__(self):
+    def __init__(self, iteration: Optional[int] = None, version: Optional[str] = None):
         self.seconds: Dict[str, float] = {}
+        self.iteration, self.version = iteration, version
         self._t0 = time.perf_counter()
 
     @contextmanager
-    def stage(self, name: str):
+    def stage(self, name: str, **counters):
+        from megarl.profiling import span
+
         t = time.perf_counter()
         try:
-            yield
+            with span(name, self.iteration, self.version, **counters):
+                yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
 

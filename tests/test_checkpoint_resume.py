@@ -202,17 +202,23 @@ def test_resume_refuses_changed_contract_and_tampered_files(assets, tmp_path):
 
 
 @pytest.mark.parametrize("saved", [["parallel.tp=2"], []], ids=["tp2_to_tp1", "dp2_to_dp1"])
-def test_resume_at_another_layout(assets, tmp_path, saved):
+def test_resume_at_another_layout(assets, tmp_path, tmp_path_factory, saved):
     """Saved by 2 processes (TP=2, or DP=2), resumed by one: the loaded actor's logical weights
     hash to the checkpointed version's manifest (a bitwise check the trainer makes before it
     continues), the optimizer state reshards, and the run goes on."""
+    import shutil
+
     d = str(tmp_path / "run")
-    _run(_cmd(assets, d, GRPO, 2, ["trainer.iterations=2", *saved]))
-    out = _run(_cmd(assets, d, GRPO, 1, ["trainer.iterations=3"]))
-    assert "at a different layout" in out.stdout and "iter_000002" in out.stdout, out.stdout[-2000:]
-    assert _latest(d) == 3
-    state = json.load(open(os.path.join(d, "checkpoints", "iter_000003", "state.json")))
-    assert state["layout"]["world"] == 1 and state["policy_version"]["optimizer_step"] == 3
+    if saved:
+        _run(_cmd(assets, d, GRPO, 2, ["trainer.iterations=2", *saved]))
+    else:  # a copy of the uninterrupted DP=2 run the exact-resume test made
+        shutil.copytree(uninterrupted(assets, tmp_path_factory, GRPO, 2, []), d)
+    k = _latest(d)
+    out = _run(_cmd(assets, d, GRPO, 1, [f"trainer.iterations={k + 1}"]))
+    assert "at a different layout" in out.stdout and f"iter_{k:06d}" in out.stdout, out.stdout[-2000:]
+    assert _latest(d) == k + 1
+    state = json.load(open(os.path.join(d, "checkpoints", f"iter_{k + 1:06d}", "state.json")))
+    assert state["layout"]["world"] == 1 and state["policy_version"]["optimizer_step"] == k + 1
 
 
 def test_sigterm_and_stop_file_checkpoint_then_resume_the_same_run(assets, tmp_path, tmp_path_factory):

@@ -16,7 +16,6 @@ import subprocess
 import sys
 from collections import Counter, defaultdict
 
-import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -240,10 +239,40 @@ def test_grpo_torchrun_pp2(assets, tmp_path):
 
 
 def test_grpo_torchrun_dp2(assets, tmp_path):
+    """Also records iteration 1's timeline on both ranks (trainer.profile_iterations)."""
     run_dir = str(tmp_path / "grpo_dp2")
-    run_train(assets, run_dir, GRPO, nproc=2, extra=["algo.micro_batch_size=2", *DENSE])
+    run_train(assets, run_dir, GRPO, nproc=2, extra=["algo.micro_batch_size=2", "trainer.profile_iterations=[1]",
+                                                     *DENSE])
     check_structure(run_dir, "grpo", groups_per_publish=2)
     check_rung3(run_dir, assets)
+    check_timeline(run_dir, ranks=2, iteration=1)
+
+
+def check_timeline(run_dir, ranks, iteration):
+    """Valid Chrome trace JSON per rank (what Perfetto loads), every phase a labelled span, and the
+    summary tool's critical path over the ranks."""
+    from megarl.profiling import parse_label
+
+    (v,) = set(batches(run_dir)[iteration].facts.policy_version)
+    paths = [os.path.join(run_dir, "profile", f"iter_{iteration}.rank{r}.json") for r in range(ranks)]
+    for path in paths:
+        events = json.load(open(path))["traceEvents"]
+        assert all({"name", "ph", "pid", "tid"} <= set(e) for e in events)
+        spans = [e for e in events if e["ph"] == "X" and parse_label(e["name"])]
+        assert all(isinstance(e["ts"], (int, float)) and e["dur"] >= 0 for e in spans)
+        labels = [parse_label(e["name"]) for e in spans]
+        phases = {lab["phase"]: lab for lab in labels}
+        assert {"iteration", "weight_sync", "generate", "reward", "old_log_prob", "ref_log_prob", "advantages",
+                "update", "commit"} <= set(phases), sorted(phases)
+        assert all(lab["it"] == str(iteration) for lab in labels)
+        # the iteration's phases are about v; export / final eval / checkpoint after it about v+1
+        assert all(lab["v"] == v for lab in labels if lab["phase"] not in ("eval", "export", "checkpoint"))
+        assert phases["generate"]["role"] == "rollout" and phases["ref_log_prob"]["role"] == "reference"
+        assert int(phases["generate"]["samples"]) == B * G and int(phases["update"]["groups"]) == B
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "timeline_summary.py"), *paths],
+                         capture_output=True, text=True, env=_env())
+    assert out.returncode == 0, out.stderr
+    assert f"{ranks} rank(s)" in out.stdout and "critical path: weight_sync" in out.stdout, out.stdout
 
 
 def test_ppo_single_process(assets, tmp_path):

@@ -70,6 +70,7 @@ from megarl.experience.schema import (
 )
 from megarl.experience.seal import save_sealed, seal, with_derived
 from megarl.metrics import MetricsWriter, StageTimer, progress_line
+from megarl.profiling import IterationProfiler, span
 from megarl.models.forward import gather_response, token_log_probs_from_logits, vocab_parallel_entropy
 from megarl.rollout.protocol import GenerationRequest, SamplingParams
 from megarl.rollout.weight_sync import actor_manifest, make_version, sync_actor_to_engine
@@ -211,7 +212,12 @@ class Trainer:
         if resume is None or not os.path.isfile(os.path.join(iter0, "config.json")):
             iter0 = self.export(0)
         self.placement = make_placement(cfg.rollout.backend, cfg.rollout.tp)
-        eos = [self.tok.eos_token_id] if self.tok.eos_token_id is not None else []
+        from megarl.rollout.sglang_backend import model_dir_eos_token_ids
+
+        # the contract's eos and the model dir's (config.json / generation_config.json), which
+        # SGLang stops on regardless: both backends end responses on the same tokens
+        eos = list(dict.fromkeys(([self.tok.eos_token_id] if self.tok.eos_token_id is not None else [])
+                                 + list(model_dir_eos_token_ids(iter0))))
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else (eos[0] if eos else 0)
         self.pad_id = pad
         self.engine = create_engine(cfg, self.placement, iter0, eos, pad)
@@ -412,37 +418,23 @@ class Trainer:
 
             bar = tqdm(total=total, initial=it, desc="train", unit="iter", dynamic_ncols=True)
         final_eval_done = False
-        stop_file = self.stop_file
+        profiler = IterationProfiler(cfg.trainer.profile_iterations, os.path.join(self.run_dir, "profile"),
+                                     dist.get_rank())
         while it < total:
-            m = self.iteration(it)
+            profiler.start(it)
+            with span("iteration", it, self.version.short_id):
+                outcome = self._run_one(it, total, t_start, bar)
+            trace = profiler.stop()
+            if trace and self.rank0:
+                print(f"timeline of iteration {it}: {trace} (tools/timeline_summary.py; ui.perfetto.dev)", flush=True)
             it += 1
-            if cfg.trainer.export_every and it % cfg.trainer.export_every == 0 and it < total:
-                self.export(it)
-            stop = (cfg.trainer.max_wall_minutes is not None
-                    and time.time() - t_start > cfg.trainer.max_wall_minutes * 60)
-            stop = broadcast_object(stop)
-            if it == total or stop:
-                self.publish()  # the final policy into the engine for the final evaluation
-                m.update(self.evaluate(it))
-                final_eval_done = True
-            self.metrics.write(it - 1, m)
-            if bar is not None:
-                bar.update(1)
-                bar.write(progress_line(it, total, m, self.last_eval))
-            elif self.rank0:  # a log file, not a terminal: plain lines, no carriage returns
-                print(progress_line(it, total, m, self.last_eval), flush=True)
-            signalled = any(gather_objects(self.stop_signal or (self.rank0 and os.path.exists(stop_file))))
-            every = cfg.trainer.checkpoint_every
-            if (every and it % every == 0) or signalled or (stop and it < total):
-                path = self.save_checkpoint(it)
-                if self.rank0:
-                    print(f"checkpoint {path} ({self.last_checkpoint_s:.2f}s)", flush=True)
-            if signalled:
+            final_eval_done = final_eval_done or outcome in ("final", "wall")
+            if outcome == "signal":
                 if self.rank0:
                     print(f"stopping after {it} iterations on a signal; resume with the same command", flush=True)
                 self.metrics.close()
                 return {"iterations": it, "heldout_accuracy": self.last_eval, "stopped": "signal"}
-            if stop:
+            if outcome == "wall":
                 if self.rank0:
                     print(f"stopping after {it} iterations: trainer.max_wall_minutes reached", flush=True)
                 break
@@ -459,8 +451,43 @@ class Trainer:
                 json.dump(result, f)
         return result
 
+    def _run_one(self, k: int, total: int, t_start: float, bar) -> str:
+        """Iteration k and what follows it: export, final evaluation, metrics, checkpoint.
+        Returns "final" (k was the last), "wall" (trainer.max_wall_minutes), "signal" (a stop
+        was asked for) or "" (go on)."""
+        cfg = self.cfg
+        m = self.iteration(k)
+        done = k + 1
+        if cfg.trainer.export_every and done % cfg.trainer.export_every == 0 and done < total:
+            with span("export", k, self.version.short_id):
+                self.export(done)
+        wall = broadcast_object(cfg.trainer.max_wall_minutes is not None
+                                and time.time() - t_start > cfg.trainer.max_wall_minutes * 60)
+        if done == total or wall:
+            with span("eval", k, self.version.short_id, final=1):
+                self.publish()  # the final policy into the engine for the final evaluation
+                m.update(self.evaluate(done))
+        self.metrics.write(k, m)
+        if bar is not None:
+            bar.update(1)
+            bar.write(progress_line(done, total, m, self.last_eval))
+        elif self.rank0:  # a log file, not a terminal: plain lines, no carriage returns
+            print(progress_line(done, total, m, self.last_eval), flush=True)
+        signalled = any(gather_objects(self.stop_signal or (self.rank0 and os.path.exists(self.stop_file))))
+        every = cfg.trainer.checkpoint_every
+        if (every and done % every == 0) or signalled or (wall and done < total):
+            with span("checkpoint", k, self.version.short_id):
+                path = self.save_checkpoint(done)
+            if self.rank0:
+                print(f"checkpoint {path} ({self.last_checkpoint_s:.2f}s)", flush=True)
+        if signalled:
+            return "signal"
+        if wall:
+            return "wall"
+        return "final" if done == total else ""
+
     def iteration(self, k: int) -> Dict[str, float]:
-        timer = StageTimer()
+        timer = StageTimer(k, self.version.short_id)
         m: Dict[str, float] = {"e2e/policy_version_step": self.version.optimizer_step}
         pending = self._take_pending(k)
         if pending is not None:  # trainer.resume_experience=reuse: iteration k's batch, sealed before a crash
@@ -468,7 +495,7 @@ class Trainer:
             m.update(before)
         else:
             with timer.stage("weight_sync"):
-                m.update(self.publish())
+                m.update(self.publish(k))
             if self.heldout is not None and self.cfg.eval.every and k % self.cfg.eval.every == 0:
                 with timer.stage("eval"):
                     m.update(self.evaluate(k))
@@ -506,7 +533,8 @@ class Trainer:
         failures = 0
         while True:
             try:
-                with timer.stage("update"):
+                with timer.stage("update", samples=batch.facts.batch_size,
+                             groups=len(set(batch.facts.group_id)), attempt=failures):
                     return self.update(k, batch)
             except UpdateFailure as e:
                 failures += 1
@@ -633,17 +661,41 @@ class Trainer:
 
     # ---- 1. publish v into the rollout engines ----------------------------------------------
 
-    def publish(self) -> Dict[str, float]:
+    def publish(self, k: Optional[int] = None) -> Dict[str, float]:
+        """Stream v into the engines.  A load an engine refuses (a manifest mismatch, an engine
+        that rejected an update) fails on every rank together -- the stream is drained, so no rank
+        waits in a collective -- and is loaded again, at most ``rollout.max_retries`` times: an
+        engine never serves a half-loaded or unverified version."""
+        from megarl.rollout.protocol import RolloutError
+        from megarl.rollout.weight_stream import ManifestMismatchError
+
         v = self.version
-        self.sm.begin_export()
-        self.sm.begin_rollout_loading(ExportEvidence(manifest_hash=self.manifest.global_hash))
         t0 = time.perf_counter()
-        if self.engine is not None and self.engine_asleep:
-            self.engine.wake()
-            self.engine_asleep = False
-        report = sync_actor_to_engine(self.actor.ddp, self.engine, v, self.manifest,
-                                      bucket_bytes=self.cfg.rollout.bucket_mb * 1024**2, dtype=self.sync_dtype)
-        act = self.engine.activate(v) if self.engine is not None else None
+        for attempt in range(self.cfg.rollout.max_retries + 1):
+            self.sm.begin_export()
+            self.sm.begin_rollout_loading(ExportEvidence(manifest_hash=self.manifest.global_hash))
+            error, report, act = None, None, None
+            try:
+                if self.engine is not None and self.engine_asleep:
+                    self.engine.wake()
+                    self.engine_asleep = False
+                report = sync_actor_to_engine(self.actor.ddp, self.engine, v, self.manifest,
+                                              bucket_bytes=self.cfg.rollout.bucket_mb * 1024**2, dtype=self.sync_dtype,
+                                              transport=self._sync_fault(k, attempt))
+                act = self.engine.activate(v) if self.engine is not None else None
+            except (RolloutError, ManifestMismatchError) as e:
+                error = f"{type(e).__name__}: {e}"
+            if all_ranks_agree(error is None):
+                break
+            errors = "; ".join(f"rank {i}: {e}" for i, e in enumerate(gather_objects(error)) if e is not None)
+            self.sm.fail(f"loading {v.short_id} into the rollout engines failed: {errors}")
+            self.counters["weight_load_failures"] += 1
+            if self.rank0:
+                print(f"loading {v.short_id} failed (attempt {attempt + 1}): {errors}", file=sys.stderr, flush=True)
+            if attempt == self.cfg.rollout.max_retries:
+                raise RolloutError(f"the rollout engines refused {v.short_id} {attempt + 1} times "
+                                   f"(rollout.max_retries={self.cfg.rollout.max_retries}); last: {errors}")
+            self.sm.recover(self.version)
         own = (RolloutActivation(act.version_id, act.manifest_hash, act.manifest_verified, act.cache_flushed)
                if act is not None and self.placement.is_group_leader else None)
         acts = [a for a in gather_objects(own) if a is not None]
@@ -656,6 +708,26 @@ class Trainer:
         if report is not None:
             out["rollout/weight_sync_bytes"] = float(report.num_bytes)
         return out
+
+    def _sync_fault(self, k: Optional[int], attempt: int):
+        """``faults.corrupt_weight_sync_at``: one value of the first bucket flipped in transit on
+        the first load attempt of those iterations (the engine's manifest check must refuse it)."""
+        if k is None or attempt > 0 or k not in (self.cfg.faults.corrupt_weight_sync_at or ()):
+            return None
+        state = {"done": False}
+
+        def corrupt(bucket):
+            if state["done"] or not bucket:
+                return bucket
+            state["done"] = True
+            if self.injector is not None:
+                self.injector.count("corrupted_weight_syncs")
+            name, t = bucket[0]
+            bad = t.clone()
+            bad.view(-1)[0] += 1
+            return [(name, bad)] + list(bucket[1:])
+
+        return corrupt
 
     # ---- 2. rollout: prompts -> B x G samples with rewards -------------------------------------
 
@@ -744,7 +816,7 @@ class Trainer:
         while requests:
             errors: list = []
             t0 = time.perf_counter()
-            with timer.stage("generate"):
+            with timer.stage("generate", requests=len(requests), samples=sum(len(q.candidates(G)) for q in requests)):
                 results = generate_everywhere(self.engine, self.placement, requests, sampling, errors)
             timing["generate"] += time.perf_counter() - t0
             m["rollout/engine_errors"] += len(errors)
@@ -766,7 +838,7 @@ class Trainer:
             m["rollout/samples"] += len(samples)
             finished = [s for s in samples if s.finish_reason is not FinishReason.ABORT]
             t0 = time.perf_counter()
-            with timer.stage("reward"):
+            with timer.stage("reward", samples=len(finished)):
                 self.score(finished)
             timing["reward"] += time.perf_counter() - t0
             retry_reqs = []
@@ -914,7 +986,7 @@ class Trainer:
         ntok = float(c.attention_mask.sum())
         rollout_lp = LogProbs(c.rollout_log_probs, LogProbProducer("rollout", v, "raw"))
         reuse = cfg.rollout.reuse_rollout_log_probs and self.parity_checked
-        with timer.stage("old_log_prob"):
+        with timer.stage("old_log_prob", samples=len(samples), tokens=int(ntok)):
             t0 = time.perf_counter()
             if reuse:
                 old = rollout_lp
@@ -938,7 +1010,7 @@ class Trainer:
                 self.parity_checked = True
         ref = None
         if self.reference is not None:
-            with timer.stage("ref_log_prob"):
+            with timer.stage("ref_log_prob", samples=len(samples), tokens=int(ntok)):
                 t0 = time.perf_counter()
                 vals = map_rows(lambda *t: self.reference.log_probs(*t, mbs), c.prompt_ids, c.response_ids,
                                 c.attention_mask).cpu()
@@ -952,7 +1024,7 @@ class Trainer:
         values = bootstrap = None
         if self.critic is not None:
             self.critic.onload()
-            with timer.stage("critic_values"):
+            with timer.stage("critic_values", samples=len(samples), tokens=int(ntok)):
                 t0 = time.perf_counter()
                 R = c.response_ids.shape[1]
 

@@ -9,11 +9,11 @@ role even when it initialises the critic (InstructGPT): the critic trains, the R
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, Sequence
 
 import torch
 
-from megarl.models.builder import BuildOptions, build_model
+from megarl.models.builder import build_model
 from megarl.models.forward import gather_response, scalar_values
 from megarl.models.megatron_ckpt import load_model
 from megarl.models.optim import StepResult, train_step, wrap_for_training

@@ -9,7 +9,6 @@ forwards when configured (GPU time-slicing).
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
 
 import torch
 

@@ -16,7 +16,6 @@ A generic ``log_probs`` field is deliberately absent (seed: "必须先定义 old
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
