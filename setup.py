@@ -1,6 +1,6 @@
 from setuptools import find_packages, setup
 
-# torch is deliberately not capped from above here: on a GPU image (NGC PyTorch) the
+# torch is deliberately not capped from above here: on the GPU image (SGLang's, see Dockerfile) the
 # preinstalled CUDA build must be kept.  CPU machines install the pinned CPU wheel first,
 # see README ("pip install torch==2.13.0 -e .[dev]").
 setup(
@@ -26,6 +26,8 @@ setup(
     ],
     extras_require={
         "dev": ["pytest>=8", "hypothesis>=6"],
+        # bench/vs_trl.py only: TRL is what megarl is measured against, never a runtime dependency
+        "bench": ["trl>=1.16,<2"],
         # sglang: 0.5.3 is the first release with everything the backend uses (the raw log-prob
         # switch, torch_memory_saver as a dependency, sampling_seed); 0.5.23 the newest it is
         # written and contract-tested against (docker/sglang_api/, tests/test_sglang_api_contract.py).

@@ -1208,6 +1208,8 @@ class Trainer:
         if critic_norms:
             m["update/critic_grad_norm"] = sum(critic_norms) / len(critic_norms)
         m["update/skipped_steps"] = skipped
+        if cfg.trainer.update_rollback == "memory":  # the host copy of v a failed update would return to
+            m["update/snapshot_s"], m["update/snapshot_bytes"] = self.snapshot_s, float(self.snapshot_bytes)
         m["update/optimizer_steps"] = len(grad_norms)
         m["update/policy_lag_max"] = max(lag - 1, 0)
         m["update/lr"] = self.actor.lr

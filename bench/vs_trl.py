@@ -1,0 +1,169 @@
+#!/usr/bin/env python
+"""megarl GRPO and TRL's GRPOTrainer side by side, in one run, on this machine.
+
+    pip install -e ".[bench]"          # TRL is a bench extra, never a runtime dependency
+    python bench/vs_trl.py [--iterations 30] [--json vs_trl.json]
+
+Both train the same start model (the built-in tiny Llama, built on first use) on the same task
+(the built-in arithmetic train split, the same chat template), with the same reward (the exact
+integer scorer), batch (B=16 prompts x G=8 samples per step), lengths (6 new tokens), learning
+rate (5e-5, constant, Adam, grad clip 1.0), clipping (0.2 / 0.28), KL (k3 in the loss,
+beta 0.001, frozen reference at the start model), token-mean loss aggregation, and number of
+iterations (one optimizer step each).  Reported: seconds per iteration (median, first one left
+out), sampled tokens per second, and the held-out accuracy of each one's final weights, both
+scored by the same greedy evaluation (``evaluate`` below, n=200 held-out prompts).
+
+Known differences, kept on purpose: TRL samples prompts with its own sampler (a different set
+of prompts per step) and its own generation seeds; megarl checks and records far more per
+iteration (manifests, versions, sealed experience).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+RECIPE = os.path.join(ROOT, "configs", "grpo_arith_tiny.yaml")
+B, G, NEW, LR, BETA, SEED = 16, 8, 6, 5e-5, 0.001, 1234
+
+
+def _env():
+    return dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def recipe_paths():
+    from megarl.config import load_config
+
+    cfg = load_config(RECIPE, [])
+    return cfg.model.path, cfg.data.train_path, cfg.data.heldout_path
+
+
+def run_megarl(work: str, iterations: int) -> dict:
+    run_dir = os.path.join(work, "megarl")
+    subprocess.run([sys.executable, "-m", "megarl.train", "--config", RECIPE, f"trainer.run_dir={run_dir}",
+                    f"trainer.iterations={iterations}", "trainer.tensorboard=false", "eval.every=0",
+                    f"trainer.prompts_per_iteration={B}", f"rollout.n={G}", f"rollout.max_new_tokens={NEW}",
+                    f"actor.optim.lr={LR}", f"algo.kl.beta={BETA}", f"trainer.seed={SEED}"],
+                   check=True, env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL)
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][1:iterations]
+    return {"seconds_per_iteration": statistics.median(r["e2e/iteration_s"] for r in rows),
+            "tokens_per_s": statistics.median(r["rollout/samples"] * r["rollout/response_len_mean"] / r["e2e/iteration_s"]
+                                              for r in rows),
+            "final_weights": os.path.join(run_dir, "export", f"iter_{iterations}")}
+
+
+def run_trl(work: str, iterations: int, model_dir: str, train_path: str) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from megarl.data.tasks.arithmetic import score
+
+    rows = [json.loads(line) for line in open(train_path)]
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
+                              for r in rows])
+
+    def reward(completions, answer, **_):
+        return [score(c[0]["content"] if isinstance(c, list) else c, a) for c, a in zip(completions, answer)]
+
+    reward.__name__ = "arithmetic"
+    out = os.path.join(work, "trl")
+    args = GRPOConfig(
+        output_dir=out, per_device_train_batch_size=B * G, num_generations=G, max_completion_length=NEW,
+        learning_rate=LR, lr_scheduler_type="constant", beta=BETA, epsilon=0.2, epsilon_high=0.28,
+        loss_type="dapo", temperature=1.0, max_steps=iterations, num_iterations=1, max_grad_norm=1.0,
+        use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1, seed=SEED,
+        disable_dropout=True, dataloader_num_workers=0)
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.starts, self.times = {}, []
+
+        def on_step_begin(self, a, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            self.times.append(time.perf_counter() - self.t0)
+
+    clock = Clock()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=data, processing_class=tok,
+                          callbacks=[clock])
+    t0 = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - t0
+    final = os.path.join(out, "final")
+    trainer.save_model(final)
+    tok.save_pretrained(final)
+    per_it = statistics.median(clock.times[1:]) if len(clock.times) > 1 else clock.times[0]
+    lengths = [float(h["completions/mean_length"]) for h in trainer.state.log_history if "completions/mean_length" in h]
+    rate = statistics.median(B * G * n / t for n, t in zip(lengths[1:], clock.times[1:]))
+    return {"seconds_per_iteration": per_it, "tokens_per_s": rate, "wall_s": wall, "final_weights": final}
+
+
+def evaluate(model_dir: str, heldout_path: str, n: int = 200) -> float:
+    """Greedy held-out accuracy of an HF checkpoint, the same way for both trainers."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megarl.data.tasks.arithmetic import score
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rows = [json.loads(line) for line in open(heldout_path)][:n]
+    correct = 0
+    for r in rows:
+        ids = tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW,
+                                 pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+        correct += score(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True), r["answer"])
+    return correct / len(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iterations", type=int, default=30)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    with tempfile.TemporaryDirectory() as work:
+        m = run_megarl(work, args.iterations)  # builds the tiny model and task on first use
+        model_dir, train_path, heldout_path = recipe_paths()
+        t = run_trl(work, args.iterations, model_dir, train_path)
+        start = evaluate(model_dir, heldout_path)
+        m["heldout_accuracy"] = evaluate(m["final_weights"], heldout_path)
+        t["heldout_accuracy"] = evaluate(t["final_weights"], heldout_path)
+    res = {"iterations": args.iterations, "batch": f"{B} prompts x {G} samples", "start_accuracy": start,
+           "megarl": m, "trl": t, "ratio_seconds_per_iteration": m["seconds_per_iteration"] / t["seconds_per_iteration"]}
+    import trl
+
+    res["trl_version"] = trl.__version__
+    print(f"{'trainer':<14}{'s/iter':>9}{'tokens/s':>10}{'held-out acc':>14}   (start {start:.3f}, {args.iterations} iterations, "
+          f"B={B} x G={G}, {NEW} new tokens)")
+    for name, r in (("megarl", m), (f"TRL {trl.__version__}", t)):
+        print(f"{name:<14}{r['seconds_per_iteration']:>9.3f}{r['tokens_per_s']:>10.0f}{r['heldout_accuracy']:>14.3f}")
+    print(f"megarl / TRL seconds per iteration: {res['ratio_seconds_per_iteration']:.2f}x (target <= 1.0)")
+    if args.json:
+        for r in (m, t):
+            r.pop("final_weights")
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
