@@ -36,18 +36,10 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-
-def _llama(vocab, hidden, layers, ffn, heads, kv_heads):
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
-            "hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": layers,
-            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-5,
-            "rope_theta": 10000.0, "max_position_embeddings": 2048, "tie_word_embeddings": False}
+from bench.shapes import ONE_B, TINY_RECIPE  # noqa: E402
 
 
-SIZES = {
-    "tiny": _llama(vocab=64, hidden=128, layers=4, ffn=384, heads=4, kv_heads=4),  # the built-in tiny model's shape
-    "1b": _llama(vocab=32000, hidden=2048, layers=16, ffn=5504, heads=16, kv_heads=16),  # 0.98 B parameters
-}
+SIZES = {"tiny": TINY_RECIPE, "1b": ONE_B}
 
 
 def _du(path: str) -> int:

@@ -37,17 +37,11 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-
-def _llama(vocab, hidden, layers, ffn, heads, kv_heads):
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
-            "hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": layers,
-            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-5,
-            "rope_theta": 10000.0, "max_position_embeddings": 2048, "tie_word_embeddings": False,
-            "eos_token_id": None, "bos_token_id": None, "pad_token_id": 0}
+from bench.shapes import POINT_3B, TINY_RECIPE  # noqa: E402
 
 
-TINY = _llama(vocab=64, hidden=128, layers=4, ffn=256, heads=4, kv_heads=2)  # configs/grpo_arith_tiny.yaml
-LARGE = _llama(vocab=32000, hidden=1024, layers=16, ffn=4096, heads=16, kv_heads=16)  # ~0.3 B
+TINY = dict(TINY_RECIPE, eos_token_id=None, bos_token_id=None, pad_token_id=0)  # random weights never stop
+LARGE = POINT_3B
 
 
 def _median(fn, repeats: int) -> float:
@@ -97,7 +91,6 @@ def bench_weight_sync(name, config, workdir, repeats) -> dict:
             b.copy_(p)
 
     t_copy = _median(copy, repeats)
-    del engine, ddp
     return {"stage": f"weight sync ({name})", "bytes": nbytes, "seconds": t_sync, "floor_seconds": t_copy,
             "floor": "copy_ of the same bytes", "ratio": t_sync / t_copy,
             "gb_per_s": nbytes / 1e9 / t_sync, "floor_gb_per_s": nbytes / 1e9 / t_copy}
@@ -114,7 +107,6 @@ def bench_stages(workdir, repeats, batch, prompt_len, new_tokens) -> list:
     from megarl.models.tiny import write_random_hf_checkpoint
     from megarl.rollout.hf_backend import HFRolloutEngine
     from megarl.rollout.protocol import GenerationRequest, SamplingParams
-    from megarl.rollout.weight_stream import iter_buckets
     from megarl.rollout.weight_sync import actor_manifest, make_version, sync_actor_to_engine
 
     d = os.path.join(workdir, "stages")
@@ -148,7 +140,6 @@ def bench_stages(workdir, repeats, batch, prompt_len, new_tokens) -> list:
     rows.append({"stage": "rollout", "seconds": t_ours, "floor_seconds": t_plain,
                  "floor": "transformers generate alone", "ratio": t_ours / t_plain})
     res = engine.generate(requests, sampling)
-    del engine
 
     # the experience of that rollout, in the trainer's layout
     response = torch.tensor([r.response_ids for r in res])

@@ -29,6 +29,7 @@ from megarl.rollout.hf_backend import HFRolloutEngine  # noqa: E402
 from megarl.rollout.protocol import GenerationRequest, SamplingParams  # noqa: E402
 from megarl.rollout.testing import HFActorStandIn, tiny_llama_config  # noqa: E402
 from megarl.rollout.weight_stream import iter_buckets  # noqa: E402
+from bench.shapes import ONE_B, llama  # noqa: E402
 
 
 NO_TOKENIZER = "sha256:" + "0" * 64  # the bench has no tokenizer
@@ -66,13 +67,6 @@ def bench_sync(name, hf_config: dict, bucket_bytes, repeats):
             f"= {gb / t_recv:.2f} GB/s)", flush=True
         )
         del engine, actor
-
-
-def _llama(vocab, hidden, layers, ffn, heads, kv_heads):
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
-            "hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": layers,
-            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-5,
-            "rope_theta": 10000.0, "max_position_embeddings": 2048, "tie_word_embeddings": False}
 
 
 def bench_tokens(repeats, batch, prompt_len, new_tokens):
@@ -141,9 +135,9 @@ def main():
     from megarl.runtime import distributed as rt
 
     rt.initialize(tp=1, pp=1)
-    bench_sync("tiny (hidden 64, 2 layers, vocab 320)", _llama(320, 64, 2, 128, 4, 2), 1 << 20, args.repeats)
+    bench_sync("tiny (hidden 64, 2 layers, vocab 320)", llama(320, 64, 2, 128, 4, 2), 1 << 20, args.repeats)
     if not args.skip_1b:
-        bench_sync("~1B random Llama", _llama(32000, 2048, 16, 5504, 16, 16), args.bucket_mib << 20, 2)
+        bench_sync("~1B random Llama", ONE_B, args.bucket_mib << 20, 2)
     bench_tokens(args.repeats, batch=8, prompt_len=16, new_tokens=64)
 
 
