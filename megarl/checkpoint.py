@@ -40,17 +40,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megarl.errors import MegarlError
+from megarl.models.safetensors_io import CheckpointError, read_format_json
 from megarl.experience.seal import _file_sha256
 
 LATEST = "latest"
 MANIFEST = "MANIFEST.json"
 STATE = "state.json"
 FORMAT = "megarl-training-position-v1"
-
-
-class CheckpointError(MegarlError, RuntimeError):
-    """A training-position checkpoint that cannot be used; the message names the file or field."""
 
 
 def _rank() -> int:
@@ -250,14 +246,8 @@ def _prune(root: str, keep: int) -> None:
 def verify(path: str) -> dict:
     """Check every file against MANIFEST.json (sha256); return the manifest.  Raises naming the
     first file that is missing, extra or different."""
-    mpath = os.path.join(path, MANIFEST)
-    try:
-        with open(mpath) as f:
-            manifest = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{mpath}: no readable manifest ({e}); the checkpoint is incomplete") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{mpath}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    manifest = read_format_json(os.path.join(path, MANIFEST), FORMAT,
+                                "the checkpoint manifest; the checkpoint is incomplete")
     present = set()
     for d, _, names in os.walk(path):
         for n in names:

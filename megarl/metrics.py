@@ -15,6 +15,8 @@ import time
 from contextlib import contextmanager
 from typing import Dict, Optional
 
+from megarl.profiling import span
+
 
 class StageTimer:
     """Wall seconds per named stage of one iteration, in the order first entered.  Each stage is
@@ -28,8 +30,6 @@ class StageTimer:
 
     @contextmanager
     def stage(self, name: str, **counters):
-        from megarl.profiling import span
-
         t = time.perf_counter()
         try:
             with span(name, self.iteration, self.version, **counters):

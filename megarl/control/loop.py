@@ -212,7 +212,7 @@ class Trainer:
         if resume is None or not os.path.isfile(os.path.join(iter0, "config.json")):
             iter0 = self.export(0)
         self.placement = make_placement(cfg.rollout.backend, cfg.rollout.tp)
-        from megarl.rollout.sglang_backend import model_dir_eos_token_ids
+        from megarl.models.safetensors_io import model_dir_eos_token_ids
 
         # the contract's eos and the model dir's (config.json / generation_config.json), which
         # SGLang stops on regardless: both backends end responses on the same tokens

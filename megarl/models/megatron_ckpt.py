@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from megarl.models.builder import BuildOptions, build_model
 from megarl.models.hf_config import load_spec
-from megarl.models.safetensors_io import CheckpointError, copy_tokenizer_files
+from megarl.models.safetensors_io import CheckpointError, copy_tokenizer_files, read_format_json
 from megarl.models.weights import load_hf_weights, unwrap
 from megarl.runtime import cpu_compat
 
@@ -37,15 +37,7 @@ def is_megatron_checkpoint(path: str) -> bool:
 
 
 def read_meta(path: str) -> dict:
-    meta_path = os.path.join(path, META_NAME)
-    try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{meta_path}: cannot read megarl checkpoint metadata ({e})") from None
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{meta_path}: format {meta.get('format')!r}, expected {FORMAT!r}")
-    return meta
+    return read_format_json(os.path.join(path, META_NAME), FORMAT, "megarl checkpoint metadata")
 
 
 def save_megatron_checkpoint(model, out_dir: str, tokenizer_dir: Optional[str] = None) -> None:

@@ -32,6 +32,20 @@ class CheckpointError(MegarlError, ValueError):
     """A checkpoint file that is missing, truncated or inconsistent; names the file/key."""
 
 
+def read_format_json(path: str, expected_format: str, what: str) -> dict:
+    """A JSON file whose ``format`` field must be ``expected_format``; a missing, unreadable or
+    foreign one is a :class:`CheckpointError` naming the file and ``what`` it should have been."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read {what} ({e})") from None
+    if not isinstance(data, dict) or data.get("format") != expected_format:
+        got = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise CheckpointError(f"{path}: format {got!r}, expected {expected_format!r}")
+    return data
+
+
 class HFCheckpointReader:
     """Read (slices of) tensors from an HF safetensors checkpoint directory."""
 
@@ -177,3 +191,22 @@ def copy_tokenizer_files(src: str, dst: str) -> list:
             shutil.copyfile(p, os.path.join(dst, fname))
             copied.append(fname)
     return copied
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(value)] if isinstance(value, int) else [int(v) for v in value]
+
+
+def model_dir_eos_token_ids(model_path: str | os.PathLike) -> tuple[int, ...]:
+    """The eos ids an HF model dir declares: ``config.json`` ``eos_token_id`` plus
+    ``generation_config.json`` ``eos_token_id``, in that order -- what SGLang itself stops on
+    (its ``configs/model_config.py`` ``_get_hf_eos_token_id``, 0.5.3 and 0.5.23 alike)."""
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        path = os.path.join(os.fspath(model_path), name)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                ids += _ids(json.load(f).get("eos_token_id"))
+    return tuple(dict.fromkeys(ids))

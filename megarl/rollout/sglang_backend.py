@@ -68,7 +68,6 @@ must reload a version) unless nothing had been handed over yet, in which case it
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -90,6 +89,7 @@ from megarl.rollout.protocol import (
     VersionNotStagedError,
     candidate_seed,
 )
+from megarl.models.safetensors_io import model_dir_eos_token_ids
 from megarl.rollout.weight_stream import (
     ManifestMismatchError,
     TensorManifest,
@@ -180,25 +180,6 @@ def _success(out, call: str) -> tuple[bool, str]:
 
 
 # ---- pure mapping functions (CPU-testable) -----------------------------------------------------
-
-
-def _ids(value) -> list[int]:
-    if value is None:
-        return []
-    return [int(value)] if isinstance(value, int) else [int(v) for v in value]
-
-
-def model_dir_eos_token_ids(model_path: str | os.PathLike) -> tuple[int, ...]:
-    """The eos ids SGLang itself stops on for this model dir: ``config.json`` ``eos_token_id``
-    plus ``generation_config.json`` ``eos_token_id`` (``configs/model_config.py``
-    ``_get_hf_eos_token_id``, 0.5.3 and 0.5.23 alike), in that order."""
-    ids: list[int] = []
-    for name in ("config.json", "generation_config.json"):
-        path = os.path.join(os.fspath(model_path), name)
-        if os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                ids += _ids(json.load(f).get("eos_token_id"))
-    return tuple(dict.fromkeys(ids))
 
 
 def stop_token_ids_sent(sampling: SamplingParams, eos_token_ids: Sequence[int]) -> tuple[int, ...]:
