@@ -28,6 +28,7 @@ read only after every file's sha256 matched the MANIFEST written at publish.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -46,7 +47,9 @@ from megarl.experience.seal import _file_sha256
 LATEST = "latest"
 MANIFEST = "MANIFEST.json"
 STATE = "state.json"
-FORMAT = "megarl-training-position-v1"
+# v2: policy versions name their weights by the on-device checksum manifest (wsum64), so a
+# v1 checkpoint's weight_manifest_hash can no longer be re-derived from its weights.
+FORMAT = "megarl-training-position-v2"
 
 
 def _rank() -> int:
@@ -85,10 +88,36 @@ def _write_json(path: str, obj) -> None:
 # ---- logical digests (bitwise comparison across runs and layouts) ------------------------------
 
 
-def tensor_digest(t: torch.Tensor) -> str:
-    from megarl.rollout.weight_stream import tensor_sha256
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """sha256 of the tensor's bytes in its own dtype, C-contiguous, on CPU.
 
-    return tensor_sha256(t)
+    Hashing the raw bytes (not the values) is what makes "bitwise equal" checkable: a single
+    flipped bit anywhere changes the hash.  Works for every dtype (bf16 has no numpy type, so
+    the bytes are taken through a uint8 view).  What is compared across runs and written next
+    to files stays sha256; the weight stream uses the cheaper on-device
+    ``megarl.rollout.weight_stream.tensor_checksum``.
+    """
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    if t.numel() == 0:
+        return "sha256:" + hashlib.sha256(b"").hexdigest()
+    return "sha256:" + hashlib.sha256(_byte_view(t)).hexdigest()
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """A read-only view of a contiguous CPU tensor's bytes for hashlib, without numpy.
+
+    ``Tensor.numpy()`` would mark the storage non-resizable for good (numpy may hold on to the
+    buffer), and the offloader frees a parameter's storage by resizing it to 0: hashing live
+    optimizer state or a parameter must not take that away.  The caller keeps ``t`` alive while
+    the view is used.
+    """
+    import ctypes
+
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B").toreadonly()
 
 
 def optimizer_digests(optimizer) -> Dict[str, str]:

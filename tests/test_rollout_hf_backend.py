@@ -242,7 +242,7 @@ def test_corrupted_bucket_is_detected_engine_stays_on_v_and_state_machine_fails(
     sm.begin_export()
     sm.begin_rollout_loading(ExportEvidence(m1.global_hash))
     target = "model.layers.1.mlp.up_proj.weight"
-    with pytest.raises(ManifestMismatchError, match=target.replace(".", r"\.") + ": sha256"):
+    with pytest.raises(ManifestMismatchError, match=target.replace(".", r"\.") + ": checksum"):
         engine.load_weights(v1, corrupt_one_value(iter_buckets(actor.named_tensors(), BUCKET), target), m1)
     assert engine.active_version == v0
     assert greedy(engine) == out_v0

@@ -13,7 +13,7 @@ from megarl.rollout.weight_stream import (
     flatten_bucket_by_dtype,
     hf_logical_tensors,
     iter_buckets,
-    tensor_sha256,
+    tensor_checksum,
 )
 
 
@@ -37,12 +37,12 @@ def test_global_hash_is_order_independent_and_bitwise():
     m3 = TensorManifest.from_named_tensors(flipped)
     assert m3.global_hash != m1.global_hash
     diff = m1.compare(m3)
-    assert diff.mismatched == (("b.bias", "sha256", m1.entries["b.bias"].sha256, m3.entries["b.bias"].sha256),)
+    assert diff.mismatched == (("b.bias", "checksum", m1.entries["b.bias"].checksum, m3.entries["b.bias"].checksum),)
 
 
 def test_same_bytes_other_shape_or_dtype_differ():
     t = torch.arange(12, dtype=torch.float32)
-    assert tensor_sha256(t) == tensor_sha256(t.reshape(3, 4))  # bytes only...
+    assert tensor_checksum(t) == tensor_checksum(t.reshape(3, 4))  # bytes only...
     a = TensorManifest.from_named_tensors([("x", t)])
     b = TensorManifest.from_named_tensors([("x", t.reshape(3, 4))])
     c = TensorManifest.from_named_tensors([("x", t.view(torch.int32))])
@@ -53,7 +53,7 @@ def test_same_bytes_other_shape_or_dtype_differ():
 
 def test_non_contiguous_tensor_hashes_like_its_contiguous_copy():
     t = torch.randn(6, 4)
-    assert tensor_sha256(t.t()) == tensor_sha256(t.t().contiguous())
+    assert tensor_checksum(t.t()) == tensor_checksum(t.t().contiguous())
 
 
 def test_diff_names_missing_and_unexpected_and_dict_round_trip():
@@ -65,7 +65,7 @@ def test_diff_names_missing_and_unexpected_and_dict_round_trip():
     back = TensorManifest.from_dict(m.to_dict())
     assert back.global_hash == m.global_hash and back.entries == m.entries
     d = m.to_dict()
-    d["tensors"][0]["sha256"] = "sha256:" + "0" * 64
+    d["tensors"][0]["checksum"] = "wsum64:" + "0" * 64
     with pytest.raises(ManifestMismatchError, match="does not match its tensors"):
         TensorManifest.from_dict(d)
     assert m.total_bytes == 4 * 3 * 4 + 5 * 2 + 4 + 16 * 2
@@ -74,7 +74,7 @@ def test_diff_names_missing_and_unexpected_and_dict_round_trip():
 def test_check_entry_names_the_tensor():
     m = TensorManifest.from_named_tensors(named())
     m.check_entry("a.weight", named()[0][1])
-    with pytest.raises(ManifestMismatchError, match="'a.weight': sha256"):
+    with pytest.raises(ManifestMismatchError, match="'a.weight': checksum"):
         m.check_entry("a.weight", named()[0][1] + 1)
     with pytest.raises(ManifestMismatchError, match="'nope' is not in the expected manifest"):
         m.check_entry("nope", torch.zeros(1))
@@ -126,18 +126,87 @@ def test_hf_logical_tensors_skip_tied_lm_head():
     assert not any("inv_freq" in n for n in tied_names)  # derived from the config, not weights
 
 
-def test_hashing_a_parameter_leaves_its_storage_resizable():
-    """The actor manifest hashes live parameters (at TP=1 the logical tensor is the parameter);
-    the offloader later frees them by resizing their storage, which numpy would forbid."""
-    import torch
+def test_checksumming_a_parameter_leaves_its_storage_resizable():
+    """The actor manifest checksums live parameters (at TP=1 the logical tensor is the
+    parameter); the offloader later frees them by resizing their storage, which numpy would
+    forbid -- also for a tensor smaller than one checksum row, whose words go to the host."""
+    for shape in [(4, 3), (3000, 7)]:
+        p = torch.nn.Parameter(torch.randn(*shape))
+        before = tensor_checksum(p)
+        assert p.untyped_storage().resizable()
+        assert before == tensor_checksum(p.detach().clone())
 
-    from megarl.rollout.weight_stream import tensor_sha256
 
-    p = torch.nn.Parameter(torch.randn(4, 3))
-    before = tensor_sha256(p)
-    assert p.untyped_storage().resizable()
-    assert before == tensor_sha256(p.detach().clone())
-    bf = torch.randn(5).to(torch.bfloat16)
+def _reference_checksum(t: torch.Tensor) -> str:
+    """The documented formula in plain Python integers (no torch reductions, no wrap-around)."""
     import hashlib
+    import struct
 
-    assert tensor_sha256(bf) == "sha256:" + hashlib.sha256(bf.view(torch.uint8).numpy().tobytes()).hexdigest()
+    from megarl.rollout.weight_stream import CHECKSUM_PREFIX, CHECKSUM_ROW_WORDS as R
+
+    mask = (1 << 64) - 1
+    c = []
+    for j in range(R):  # splitmix64(j) | 1
+        z = (j * 0x9E3779B97F4A7C15 + 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        c.append((z ^ (z >> 31)) | 1)
+    raw = t.contiguous().view(torch.uint8).reshape(-1).tolist()
+    nbytes = len(raw)
+    raw += [0] * (-len(raw) % 8)
+    words = [int.from_bytes(bytes(raw[i:i + 8]), "little") for i in range(0, len(raw), 8)]
+    m = len(words) // R
+    sums = [sum(c[j] * words[i * R + j] for j in range(R)) & mask for i in range(m)]
+    small = sums + words[m * R:]
+    h = hashlib.sha256(f"{nbytes}|{m}|".encode())
+    h.update(struct.pack(f"<{len(small)}Q", *small))
+    return CHECKSUM_PREFIX + h.hexdigest()
+
+
+@pytest.mark.parametrize("numel,dtype", [(3 * 4096 + 5, torch.float32), (2 * 8192 + 3, torch.bfloat16),
+                                         (7, torch.float16), (0, torch.float32), (9000, torch.int64)])
+def test_checksum_is_the_documented_formula(numel, dtype):
+    """Golden: equal to the formula computed with Python integers, including sums that wrap
+    modulo 2**64 (int64 words near the extremes) and zero-padded tails of odd-sized tensors."""
+    g = torch.Generator().manual_seed(numel)
+    if dtype == torch.int64:
+        t = torch.randint(2**62, 2**63 - 1, (numel,), generator=g, dtype=torch.int64)
+    else:
+        t = torch.randn(numel, generator=g).to(dtype)
+    assert tensor_checksum(t) == _reference_checksum(t)
+
+
+def test_checksum_catches_every_single_bit_and_words_exchanged():
+    from megarl.rollout.weight_stream import CHECKSUM_ROW_WORDS as R
+
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(3 * R + 4, 2, generator=g)  # 3 rows of int64 words plus a tail of 4
+    base = tensor_checksum(t)
+    words = t.view(-1).view(torch.int32)
+    n = words.numel()
+    for pos in [0, 1, R * 2 - 1, R * 2, n - 1]:
+        for bit in [0, 7, 22, 31]:
+            flipped = words.clone()
+            flipped[pos] ^= (1 << bit) if bit < 31 else -(2**31)
+            assert tensor_checksum(flipped.view(torch.float32)) != base, (pos, bit)
+    w64 = t.view(-1).view(torch.int64)
+    for i, j in [(0, 1), (0, R), (5, 2 * R + 5), (R - 1, R), (3, w64.numel() - 1), (10, R - 10)]:
+        swapped = w64.clone()
+        swapped[i], swapped[j] = w64[j].item(), w64[i].item()
+        assert tensor_checksum(swapped) != tensor_checksum(w64), (i, j)
+    rows = w64[: 3 * R].view(3, R)
+    moved = torch.cat([rows[[1, 0, 2]].reshape(-1), w64[3 * R:]])
+    assert tensor_checksum(moved) != tensor_checksum(w64)
+
+
+def test_misplaced_tp_shards_are_caught():
+    """Concatenating column- or row-parallel shards in the wrong order changes the checksum."""
+    g = torch.Generator().manual_seed(1)
+    for rows, cols in [(64, 64), (256, 1024)]:
+        full = torch.randn(rows, cols, generator=g)
+        base = tensor_checksum(full)
+        a, b = full.chunk(2, dim=0)
+        assert tensor_checksum(torch.cat([b, a], dim=0)) != base
+        a, b = full.chunk(2, dim=1)
+        assert tensor_checksum(torch.cat([b, a], dim=1)) != base
+        assert tensor_checksum(full.t().contiguous().view(rows, cols)) != base

@@ -215,22 +215,30 @@ def shard_from_hf(rule: ParamRule, read: SliceReader, spec: ModelSpec, tp_rank: 
 # TP shards -> HF tensors
 # --------------------------------------------------------------------------------------
 
+def _cat(tensors: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+    """``torch.cat``, except that one tensor (TP=1) is returned as it is: no copy of the weights."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(list(tensors), dim)
+
+
 def hf_from_shards(rule: ParamRule, shards: Sequence[torch.Tensor], spec: ModelSpec) -> Dict[str, torch.Tensor]:
-    """Merge the TP shards of ``rule`` (in TP-rank order) back into its HF tensors."""
+    """Merge the TP shards of ``rule`` (in TP-rank order) back into its HF tensors.
+
+    At TP=1 the results are views of the parameter wherever the layouts agree (everything but
+    the interleaved QKV); callers that keep them past the parameter's next change must copy."""
     if rule.kind == REPLICATED:
         return {rule.hf_names[0]: shards[0]}
     if rule.kind == ROW:
-        return {rule.hf_names[0]: torch.cat(list(shards), 1)}
+        return {rule.hf_names[0]: _cat(shards, 1)}
     if rule.kind == VOCAB:
-        return {rule.hf_names[0]: torch.cat(list(shards), 0)[: spec.vocab_size]}
+        return {rule.hf_names[0]: _cat(shards, 0)[: spec.vocab_size]}
     if rule.kind == GATE_UP:
         halves = [s.chunk(2, 0) for s in shards]
-        return {rule.hf_names[0]: torch.cat([h[0] for h in halves], 0),
-                rule.hf_names[1]: torch.cat([h[1] for h in halves], 0)}
+        return {rule.hf_names[0]: _cat([h[0] for h in halves], 0),
+                rule.hf_names[1]: _cat([h[1] for h in halves], 0)}
     if rule.kind == QKV:
         ng, hd = spec.num_query_groups, spec.head_dim
         hpg = spec.num_attention_heads // ng
-        full = torch.cat(list(shards), 0)
+        full = _cat(shards, 0)
         tail = tuple(full.shape[1:])
         grouped = full.reshape((ng, (hpg + 2) * hd) + tail)
         q, k, v = grouped.split([hpg * hd, hd, hd], 1)

@@ -53,6 +53,15 @@ class _Slot:
     model: torch.nn.Module
     version: PolicyVersion | None = None
     manifest: TensorManifest | None = None
+    _targets: dict[str, torch.Tensor] | None = None
+
+    def targets(self) -> dict[str, torch.Tensor]:
+        """The model's logical tensors by HF name (the parameters themselves, looked up once)."""
+        if self._targets is None:
+            from megarl.rollout.weight_stream import hf_logical_tensors
+
+            self._targets = dict(hf_logical_tensors(self.model))
+        return self._targets
 
 
 class _RawLogProbRecorder:
@@ -169,11 +178,6 @@ class HFRolloutEngine:
         slot = self._active
         return None if slot is None else slot.version
 
-    def _required_names(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        from megarl.rollout.weight_stream import hf_logical_tensors
-
-        return dict(hf_logical_tensors(model))
-
     def load_weights(
         self,
         version: PolicyVersion,
@@ -208,7 +212,7 @@ class HFRolloutEngine:
             self._loading = version
         t0 = time.perf_counter()
         try:
-            targets = self._required_names(slot.model)
+            targets = slot.targets()
             received = TensorManifest()
             n_bytes = n_buckets = 0
             with torch.no_grad():
@@ -301,6 +305,7 @@ class HFRolloutEngine:
             self._staged = None
             if self._active is not None and self.device.type != "cpu":
                 self._active.model.to("cpu")
+                self._active._targets = None  # .to() gave the parameters new storage
                 torch.cuda.empty_cache()
             self._asleep = True
 
@@ -308,6 +313,7 @@ class HFRolloutEngine:
         with self._lock:
             if self._active is not None and self.device.type != "cpu":
                 self._active.model.to(self.device)
+                self._active._targets = None
             self._asleep = False
 
     # ---- generation --------------------------------------------------------------------------

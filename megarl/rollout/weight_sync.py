@@ -4,10 +4,14 @@ Two collective passes over the actor's logical tensors (``megarl.models.weights.
 gather over TP, broadcast over PP, one parameter alive at a time, names and layouts from the
 mapping module):
 
-1. at commit, :func:`actor_manifest` hashes every logical tensor; its global hash becomes the
-   ``weight_manifest_hash`` of the new :class:`PolicyVersion`;
+1. at commit, :func:`actor_manifest` checksums every logical tensor where it was gathered (on
+   the GPU for a GPU actor: nothing but a few KiB per tensor crosses to the host); its global
+   hash becomes the ``weight_manifest_hash`` of the new :class:`PolicyVersion`;
 2. at export, :func:`sync_actor_to_engine` streams the same tensors in buckets into the engine,
-   which hashes what landed and activates only if it equals that manifest.
+   which checksums what landed and activates only if it equals that manifest.
+
+The manifest is layout-independent (it describes logical HF tensors), so a run resumed at
+another TP/PP proves its loaded weights against the checkpointed version with it.
 
 Every rank of the model-parallel group runs both passes; only ranks holding an engine (one per
 inference group) consume the stream, the others drain it.  If the engine rejects a bucket, the
@@ -29,8 +33,9 @@ Bucket = List[Tuple[str, torch.Tensor]]
 
 
 def actor_manifest(actor_model, dtype: Optional[torch.dtype] = None) -> TensorManifest:
-    """Collective: the manifest (name, shape, dtype, sha256) of the actor's logical tensors."""
-    return TensorManifest.from_named_tensors(iter_hf_tensors(actor_model, dtype=dtype))
+    """Collective: the manifest (name, shape, dtype, checksum) of the actor's logical tensors,
+    each checksummed on the device it was gathered on."""
+    return TensorManifest.from_named_tensors(iter_hf_tensors(actor_model, dtype=dtype, device=None))
 
 
 def model_config_hash(actor_model) -> str:

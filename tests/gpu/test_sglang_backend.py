@@ -123,11 +123,11 @@ def set_eos(model_dir: str, eos: int) -> None:
 
 
 def param_digest(model) -> str:
-    from megarl.rollout.weight_stream import tensor_sha256  # no numpy view: storages stay resizable
+    from megarl.checkpoint import tensor_digest  # no numpy view: storages stay resizable
 
     h = hashlib.sha256()
     for name, p in sorted(model.named_parameters()):
-        h.update(f"{name}={tensor_sha256(p)}".encode())
+        h.update(f"{name}={tensor_digest(p)}".encode())
     return h.hexdigest()[:16]
 
 
@@ -371,6 +371,26 @@ def check_bandwidth(ctx):
             f"{full:.2f} GB/s gather+check+hand-over+load, {engine_side:.2f} GB/s engine side (best of 3)")
 
 
+def check_checksum(ctx):
+    """The weight checksum is a function of the bytes alone: the same on the GPU as on the CPU
+    (a manifest made on one device is verified on the other), at GPU memory bandwidth."""
+    import time
+
+    from megarl.rollout.weight_stream import tensor_checksum
+
+    g = torch.Generator().manual_seed(0)
+    for shape, dtype in [((4096, 4096), torch.bfloat16), ((1001, 7), torch.float32), ((13,), torch.bfloat16)]:
+        t = torch.randn(*shape, generator=g).to(dtype)
+        assert tensor_checksum(t.cuda()) == tensor_checksum(t), (shape, dtype)
+    big = torch.randn(1 << 30, dtype=torch.bfloat16, device="cuda")  # 2 GiB
+    tensor_checksum(big)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    tensor_checksum(big)
+    seconds = time.perf_counter() - t0
+    return f"GPU checksum == CPU checksum (bf16/fp32, odd sizes); {big.numel() * 2 / 1e9 / seconds:.0f} GB/s on 2 GiB"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None, help="also write the rows here")
@@ -392,7 +412,8 @@ def main(argv=None) -> int:
                  "actor offload round trip, CUDA memory released",
                  "weight sync v1 -> engine serves v1 (= fresh engine from HF export)",
                  "bf16 end to end",
-                 "TP=1 weight sync bandwidth"]
+                 "TP=1 weight sync bandwidth",
+                 "weight checksum: GPU == CPU, GB/s"]
         try:
             table.run(names[0], lambda: check_setup(ctx))
             table.run(names[1], lambda: check_greedy(ctx), needs=(names[0],))
@@ -405,6 +426,7 @@ def main(argv=None) -> int:
                 ctx.engine.shutdown()
                 ctx.engine = None
             table.run(names[7], lambda: check_bandwidth(ctx), needs=(names[0],))
+            table.run(names[8], lambda: check_checksum(ctx))
         finally:
             if ctx.engine is not None:
                 ctx.engine.shutdown()

@@ -59,7 +59,7 @@ tok = TokenizerContract.from_pretrained(a.hf)
 actor = load_model(a.hf, tp=a.tp, pp=a.pp)
 manifest0 = actor_manifest(actor)
 v0 = make_version(actor, manifest0, run_id="test", optimizer_step=0, tokenizer_hash=tok.hash)
-report["manifest"] = {n: e.sha256 for n, e in manifest0.entries.items()}
+report["manifest"] = {n: e.checksum for n, e in manifest0.entries.items()}
 report["manifest_hash"] = manifest0.global_hash
 
 engine = HFRolloutEngine(a.hf, eos_token_ids=[a.eos]) if main else None
