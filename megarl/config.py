@@ -93,9 +93,11 @@ class RolloutConfig:
     max_new_tokens: int = 256
     n: int = 1  # samples per prompt; the group size G for group estimators
     #: old log-probs from the rollout engine instead of an actor forward, accepted only after a
-    #: measured parity check against the actor on the first iteration
+    #: measured token-by-token parity check against the actor on the first iteration (and again
+    #: every ``log_prob_parity_every`` iterations; 0 = the first only), within ``log_prob_parity_tol``
     reuse_rollout_log_probs: bool = False
     log_prob_parity_tol: float = 1.0e-3
+    log_prob_parity_every: int = 0
     bucket_mb: int = 512
     #: regenerations of a lost or aborted candidate (same sample id, seed and policy version)
     #: before its group is handled as incomplete (algo.partial_groups)
@@ -459,6 +461,9 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
     if r.reuse_rollout_log_probs:
         _need(r.backend == "hf" or r.temperature == 1.0, "rollout.reuse_rollout_log_probs",
               "raw-space rollout log-probs are needed")
+    _need(r.log_prob_parity_every >= 0, "rollout.log_prob_parity_every",
+          f"must be >= 0 (0 = check parity on the first iteration only), got {r.log_prob_parity_every}")
+    _need(r.log_prob_parity_tol > 0, "rollout.log_prob_parity_tol", f"must be > 0, got {r.log_prob_parity_tol}")
 
     # positive sizes
     for key, v in (("trainer.iterations", t.iterations), ("trainer.prompts_per_iteration", t.prompts_per_iteration),

@@ -91,6 +91,11 @@ def _rows_log_probs(model, facts):
     return out, rows
 
 
+def reuses(run_dir) -> bool:
+    with open(os.path.join(run_dir, "config.yaml")) as fh:
+        return "reuse_rollout_log_probs: true" in fh.read()
+
+
 def check_structure(run_dir, algo, groups_per_publish):
     """Ids, versions, masks, producers and sealed fields of every iteration; KV flush per version."""
     ms = metrics(run_dir)
@@ -103,7 +108,10 @@ def check_structure(run_dir, algo, groups_per_publish):
         assert len(versions) == 1
         (v,) = versions
         assert re.fullmatch(rf"v{k}\.0-[0-9a-f]{{8}}", v), v
-        assert f.old_log_probs.producer.role == "actor" and f.old_log_probs.producer.version == v
+        # the actor's own forward, or (rollout.reuse_rollout_log_probs) the engine's raw log-probs
+        # once iteration 0 measured their parity with the actor's
+        assert f.old_log_probs.producer.role == ("rollout" if k and reuses(run_dir) else "actor")
+        assert f.old_log_probs.producer.version == v
         assert f.rollout_log_probs.producer.role == "rollout" and f.rollout_log_probs.producer.version == v
         assert f.ref_log_probs.producer.role == "reference"
         by_group = defaultdict(list)
@@ -408,10 +416,14 @@ def test_dapo_dynamic_sampling_and_reference_refresh(assets, tmp_path):
 
 def test_reuse_rollout_log_probs_after_parity_check(assets, tmp_path):
     run_dir = str(tmp_path / "reuse")
-    run_train(assets, run_dir, GRPO, extra=[*DENSE, "rollout.reuse_rollout_log_probs=true", "eval.every=0"])
-    b0, b1 = batches(run_dir)
+    run_train(assets, run_dir, GRPO, extra=[*DENSE, "rollout.reuse_rollout_log_probs=true", "eval.every=0",
+                                            "trainer.iterations=3", "rollout.log_prob_parity_every=2"])
+    b0, b1, b2 = batches(run_dir)
     assert b0.facts.old_log_probs.producer.role == "actor"  # the parity check iteration
     assert b1.facts.old_log_probs.producer.role == "rollout"
+    assert b2.facts.old_log_probs.producer.role == "actor"  # checked again (every 2 iterations)
+    ms = metrics(run_dir)
+    assert ["prep/rollout_actor_logprob_max_abs_err" in m for m in ms] == [True, False, True]
     assert b1.facts.old_log_probs.producer.version == b1.facts.policy_version[0]
     assert metrics(run_dir)[0]["prep/rollout_actor_logprob_max_abs_err"] < 1e-4
     # a tolerance the measurement cannot meet stops the run, naming the key

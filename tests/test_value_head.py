@@ -31,3 +31,38 @@ def test_value_head_parity_and_export(tmp_path, megatron_world):
     assert set(out) == set(src)
     for k in src:
         assert torch.equal(out[k], src[k]), k
+
+
+def test_length_sorted_micro_batches_equal_one_row_at_a_time(tmp_path, megatron_world):
+    """Forward-only passes group rows of similar length and skip the padding after each row:
+    every real position equals the row run alone at its own length, the rest is 0."""
+    from megarl.models.forward import response_log_probs, right_align, teacher_forced_log_probs
+
+    hf = make_tiny_hf_checkpoint(str(tmp_path / "actor"), "llama", seed=3)
+    model = load_model(hf)
+    g = torch.Generator().manual_seed(0)
+    B, P, R = 7, 6, 5
+    plen = torch.tensor([6, 1, 3, 6, 2, 4, 5])
+    rlen = torch.tensor([5, 0, 2, 1, 5, 3, 4])
+    prompt = torch.randint(1, 300, (B, P), generator=g)
+    response = torch.randint(1, 300, (B, R), generator=g)
+    attn = torch.zeros(B, P + R, dtype=torch.long)
+    for b in range(B):
+        attn[b, P - plen[b]:P + rlen[b]] = 1
+        response[b, rlen[b]:] = 0
+    tokens, pl, rl = right_align(prompt, response, attn)
+    lengths = pl + rl
+    sorted_lp = teacher_forced_log_probs(model, tokens, micro_batch_size=3, lengths=lengths)
+    full_lp = teacher_forced_log_probs(model, tokens, micro_batch_size=3)
+    assert sorted_lp.shape == full_lp.shape == (B, tokens.shape[1] - 1)
+    for b in range(B):
+        n = int(lengths[b]) - 1  # predicted positions of row b (0 for a lone prompt token)
+        if n:
+            alone = teacher_forced_log_probs(model, tokens[b:b + 1, :n + 1])[0]
+            assert (sorted_lp[b, :n] - alone).abs().max() < 1e-5, b
+            assert (full_lp[b, :n] - alone).abs().max() < 1e-5, b
+        assert not sorted_lp[b, n:].any()
+    per_response = response_log_probs(model, prompt, response, attn, micro_batch_size=2)
+    assert per_response.shape == (B, R) and not per_response[rlen[:, None] <= torch.arange(R)].any()
+    values = scalar_values(model, tokens, 4, lengths=lengths)
+    assert values.shape == tokens.shape

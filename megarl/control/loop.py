@@ -985,7 +985,10 @@ class Trainer:
         self.actor.onload()
         ntok = float(c.attention_mask.sum())
         rollout_lp = LogProbs(c.rollout_log_probs, LogProbProducer("rollout", v, "raw"))
-        reuse = cfg.rollout.reuse_rollout_log_probs and self.parity_checked
+        every = cfg.rollout.log_prob_parity_every
+        check_parity = cfg.rollout.reuse_rollout_log_probs and (
+            not self.parity_checked or (every > 0 and k % every == 0))
+        reuse = cfg.rollout.reuse_rollout_log_probs and not check_parity
         with timer.stage("old_log_prob", samples=len(samples), tokens=int(ntok)):
             t0 = time.perf_counter()
             if reuse:
@@ -1001,7 +1004,7 @@ class Trainer:
             diff = (old.values - c.rollout_log_probs).abs()[keep]
             m["prep/rollout_actor_logprob_max_abs_err"] = float(diff.max())
             m["prep/rollout_actor_logprob_mean_abs_err"] = float(diff.mean())
-            if cfg.rollout.reuse_rollout_log_probs and not self.parity_checked:
+            if check_parity:
                 if float(diff.max()) > cfg.rollout.log_prob_parity_tol:
                     self.sm.fail("rollout/actor log-prob parity check failed")
                     raise RolloutParityError(

@@ -153,21 +153,50 @@ def full_logits(model, tokens: torch.Tensor, micro_batch_size: int = 0) -> torch
     return torch.cat(outs, 0)
 
 
+def _by_length(model, tokens: torch.Tensor, lengths: Optional[torch.Tensor], micro_batch_size: int,
+               on_output: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], trim: int) -> torch.Tensor:
+    """``forward_only`` over micro-batches of rows of similar length, each cut to its longest row.
+
+    Rows are right-padded and attention is causal, so the padding after a row's last token never
+    changes that row's outputs; computing it is waste (a batch of short prompts and long
+    responses is mostly padding).  Rows are sorted by ``lengths`` (longest first, stable), split
+    into micro-batches of ``micro_batch_size``, each micro-batch is cut to its longest row, and
+    the per-position results (``(b_i, L_i - trim, ...)``) go back to their rows in a zero-padded
+    ``(b, s - trim, ...)`` tensor.  ``lengths=None``: micro-batches in row order at full width.
+    """
+    if lengths is None:
+        return torch.cat(forward_only(model, _micro_batches(tokens, micro_batch_size), on_output), 0)
+    order = torch.argsort(lengths.cpu(), descending=True, stable=True)
+    groups = list(order.split(micro_batch_size or tokens.shape[0]))
+    widths = [max(int(lengths[g].max()), trim + 1) for g in groups]
+    results = forward_only(model, [tokens[g, :w] for g, w in zip(groups, widths)], on_output)
+    first = results[0]
+    out = first.new_zeros((tokens.shape[0], tokens.shape[1] - trim) + tuple(first.shape[2:]))
+    for g, w, res in zip(groups, widths, results):
+        out[g.to(out.device), : w - trim] = res
+    past = torch.arange(out.shape[1], device=out.device)[None, :] >= (lengths.to(out.device) - trim)[:, None]
+    return out.masked_fill_(past.reshape(past.shape + (1,) * (out.dim() - 2)), 0)
+
+
 def teacher_forced_log_probs(model, tokens: torch.Tensor, micro_batch_size: int = 0,
-                             temperature: float = 1.0) -> torch.Tensor:
-    """``(b, s-1)``: log-prob of ``tokens[:, t+1]`` given ``tokens[:, :t+1]`` on every rank."""
+                             temperature: float = 1.0, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``(b, s-1)``: log-prob of ``tokens[:, t+1]`` given ``tokens[:, :t+1]`` on every rank.
+
+    With ``lengths`` (each row's real tokens; right padding after them), micro-batches group
+    rows of similar length and skip the padding; positions past a row's length are 0."""
     V = unwrap(model).megarl_spec.vocab_size
 
     def on_output(out, toks):
         return token_log_probs_from_logits(out[:, :-1], toks[:, 1:], V, temperature).float()
 
-    return torch.cat(forward_only(model, _micro_batches(tokens, micro_batch_size), on_output), 0)
+    return _by_length(model, tokens, lengths, micro_batch_size, on_output, trim=1)
 
 
-def scalar_values(model, tokens: torch.Tensor, micro_batch_size: int = 0) -> torch.Tensor:
-    """``(b, s)`` scalar head outputs of a value-head model (critic / reward model)."""
-    return torch.cat(forward_only(model, _micro_batches(tokens, micro_batch_size),
-                                  lambda out, _t: out[..., 0].float()), 0)
+def scalar_values(model, tokens: torch.Tensor, micro_batch_size: int = 0,
+                  lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``(b, s)`` scalar head outputs of a value-head model (critic / reward model); with
+    ``lengths``, as :func:`teacher_forced_log_probs` (0 past a row's length)."""
+    return _by_length(model, tokens, lengths, micro_batch_size, lambda out, _t: out[..., 0].float(), trim=0)
 
 
 def right_align(prompt_ids: torch.Tensor, response_ids: torch.Tensor, attention_mask: torch.Tensor):
@@ -223,7 +252,7 @@ def response_log_probs(model, prompt_ids: torch.Tensor, response_ids: torch.Tens
     ``response_ids`` (0 at padding), from experience-layout tensors.  Collective over the
     model-parallel group; same result on every rank."""
     tokens, plen, rlen = right_align(prompt_ids, response_ids, attention_mask)
-    lp = teacher_forced_log_probs(model, tokens, micro_batch_size, temperature)
+    lp = teacher_forced_log_probs(model, tokens, micro_batch_size, temperature, lengths=plen + rlen)
     return gather_response(lp, plen, rlen, response_ids.shape[1])
 
 

@@ -74,7 +74,7 @@ class Critic(HostOffload):
         token, ``prompt_len - 1 + t``, the same position that predicts response token t.
         """
         st = step_tensors(prompt_ids, response_ids, attention_mask)
-        v = scalar_values(self.ddp, st["tokens"], micro_batch_size)
+        v = scalar_values(self.ddp, st["tokens"], micro_batch_size, lengths=st["prompt_lens"] + st["response_lens"])
         R = response_ids.shape[1]
         per_token = gather_response(v, st["prompt_lens"], st["response_lens"], R)
         last = (st["prompt_lens"] + st["response_lens"] - 1).clamp(max=v.shape[1] - 1)

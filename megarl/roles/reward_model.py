@@ -68,7 +68,7 @@ class RewardModel:
         ctx = self.offloader.on_device() if self.offloader is not None else contextlib.nullcontext()
         with ctx:
             def run(tok, ln):
-                v = scalar_values(self.model, tok, self.micro_batch_size)
+                v = scalar_values(self.model, tok, self.micro_batch_size, lengths=ln)
                 return v.gather(1, (ln - 1)[:, None].to(v.device))[:, 0].float()
 
             return map_rows(run, tokens, lengths).cpu()
