@@ -17,6 +17,7 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
+from functools import cached_property
 
 __all__ = ["PolicyVersion", "VersionError", "config_hash"]
 
@@ -56,12 +57,12 @@ class PolicyVersion:
             if not isinstance(value, str) or not _HASH_RE.match(value):
                 raise VersionError(f"{fld} must look like 'sha256:<64 hex>', got {value!r}")
 
-    @property
+    @cached_property  # immutable fields: computed once (it is read for every sample)
     def identity_hash(self) -> str:
         """sha256 over every field; the short id shows its first 8 hex digits."""
         return config_hash(self.to_dict())
 
-    @property
+    @cached_property
     def short_id(self) -> str:
         """Stable short id recorded on every sample, e.g. ``v42.1-1a2b3c4d``."""
         return f"v{self.optimizer_step}.{self.update_attempt}-{self.identity_hash[7:15]}"

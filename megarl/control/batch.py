@@ -28,19 +28,24 @@ def collate(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]
             raw_log_probs: Sequence[torch.Tensor], pad_id: int) -> Collated:
     """Every response token is a sampled action (no tool output in these rollouts)."""
     B = len(prompts)
+    bad = [b for b, (r, l) in enumerate(zip(responses, raw_log_probs)) if l.numel() != len(r)]
+    if bad:
+        raise ValueError(f"collate: row {bad[0]} has {len(responses[bad[0]])} response tokens but "
+                         f"{raw_log_probs[bad[0]].numel()} rollout log-probs")
     P = max(len(p) for p in prompts)
     R = max(max(len(r) for r in responses), 1)
-    prompt = torch.full((B, P), pad_id, dtype=torch.long)
-    resp = torch.full((B, R), pad_id, dtype=torch.long)
-    am = torch.zeros(B, P + R, dtype=torch.long)
-    rm = torch.zeros(B, R, dtype=torch.long)
+    # one tensor per field from Python lists: a per-row torch loop costs ~0.1 ms a row
+    prompt = torch.tensor([[pad_id] * (P - len(p)) + list(p) for p in prompts], dtype=torch.long)
+    resp = torch.tensor([list(r) + [pad_id] * (R - len(r)) for r in responses], dtype=torch.long)
+    plen = torch.tensor([len(p) for p in prompts], dtype=torch.long)[:, None]
+    rlen = torch.tensor([len(r) for r in responses], dtype=torch.long)[:, None]
+    cols = torch.arange(P + R)[None, :]
+    am = ((cols >= P - plen) & (cols < P + rlen)).long()
+    rm = (cols[:, :R] < rlen).long()
     lp = torch.zeros(B, R, dtype=torch.float32)
-    for b, (p, r, l) in enumerate(zip(prompts, responses, raw_log_probs)):
-        prompt[b, P - len(p):] = torch.tensor(list(p), dtype=torch.long)
-        resp[b, :len(r)] = torch.tensor(list(r), dtype=torch.long)
-        am[b, P - len(p):P + len(r)] = 1
-        rm[b, :len(r)] = 1
-        lp[b, :len(r)] = l.float()
+    if any(len(r) for r in responses):
+        flat = torch.cat([l.reshape(-1).float() for l in raw_log_probs])
+        lp[rm.bool()] = flat  # row-major order of the mask = each row's log-probs in turn
     return Collated(prompt, resp, am, rm, lp)
 
 

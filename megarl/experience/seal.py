@@ -109,8 +109,8 @@ def _wrap_aliases(result: Any, sealed_ptrs: set[int]) -> Any:
 
 
 def _freeze(t: torch.Tensor | None) -> torch.Tensor | None:
-    if t is None:
-        return None
+    if t is None or type(t) is SealedTensor:  # already read-only: sealed facts under new derived tensors
+        return t
     with torch._C.DisableTorchFunctionSubclass():
         return t.detach().clone().contiguous().as_subclass(SealedTensor)
 

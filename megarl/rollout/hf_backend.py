@@ -80,28 +80,56 @@ class _RawLogProbRecorder:
         return scores  # the warpers below return new tensors; ``raw`` stays unmodified
 
 
+def _as_int64(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_MIX1, _MIX2 = (_as_int64(c) for c in (0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 words (torch's ``>>`` is arithmetic)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def counter_uniforms(seeds: torch.Tensor, step: int) -> torch.Tensor:
+    """One uniform in [0, 1) per row: splitmix64 of (row seed, step), all rows at once.
+
+    A counter-based draw: row i's number at step t depends on ``seeds[i]`` and ``t`` only, never
+    on the other rows of the batch or on how many were drawn before, so a candidate regenerated
+    alone with its seed repeats its tokens.  int64 arithmetic wraps modulo 2**64, as splitmix64
+    (Steele, Lea & Flood, "Fast splittable pseudorandom number generators", OOPSLA 2014) needs.
+    """
+    z = seeds + _as_int64((step + 1) * 0x9E3779B97F4A7C15 % (1 << 64))
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    z = z ^ _shr(z, 31)
+    return _shr(z, 11).double() * (1.0 / (1 << 53))
+
+
 class _SeededTokenChooser:
     """Last processor: chooses each row's token and records its raw/processed log-probs.
 
-    Sampling: inverse CDF with one uniform per row from that row's generator, an exact draw
-    from p at the cost of one cumsum (a per-entry noise tensor, Gumbel-style, cost ~10% of
-    a small model's step in RNG alone); filtered entries have p = 0 and are never chosen.
-    Greedy: argmax of the raw logits.
+    Sampling: inverse CDF with one uniform per row and step from :func:`counter_uniforms` of
+    the row's seed, an exact draw from p at the cost of one cumsum (a per-entry noise tensor,
+    Gumbel-style, costs ~10% of a small model's step in RNG alone); filtered entries have
+    p = 0 and are never chosen.  Greedy: argmax of the raw logits.
     """
 
-    def __init__(self, recorder: _RawLogProbRecorder, generators: list[torch.Generator] | None):
+    def __init__(self, recorder: _RawLogProbRecorder, seeds: list[int] | None):
         self.recorder = recorder
-        self.generators = generators  # None = greedy
+        # None = greedy; candidate seeds are 63-bit (``protocol.candidate_seed``)
+        self.seeds = None if seeds is None else torch.tensor(seeds, dtype=torch.int64)
         self.raw_steps: list[torch.Tensor] = []
         self.processed_steps: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if self.generators is None:
+        if self.seeds is None:
             tokens = scores.argmax(dim=-1, keepdim=True)
         else:
             lse = torch.logsumexp(scores, dim=-1, keepdim=True)
             cdf = (scores - lse).exp_().cumsum_(dim=-1)
-            u = torch.cat([torch.rand(1, generator=g) for g in self.generators]).to(scores.device)
+            u = counter_uniforms(self.seeds, len(self.raw_steps)).to(scores.device, cdf.dtype)
             # first index whose cdf exceeds u: never a zero-probability (filtered) entry
             u = (u * cdf[:, -1])[:, None]
             tokens = torch.searchsorted(cdf, u, right=True).clamp_max_(scores.shape[-1] - 1)
@@ -366,7 +394,6 @@ class HFRolloutEngine:
 
         recorder = _RawLogProbRecorder()
         processors = [recorder]
-        generators = None
         if not sampling.greedy:
             if sampling.temperature != 1.0:
                 processors.append(TemperatureLogitsWarper(sampling.temperature))
@@ -374,8 +401,7 @@ class HFRolloutEngine:
                 processors.append(TopKLogitsWarper(top_k=sampling.top_k))
             if sampling.top_p < 1.0:
                 processors.append(TopPLogitsWarper(top_p=sampling.top_p))
-            generators = [torch.Generator("cpu").manual_seed(s) for s in seeds]
-        chooser = _SeededTokenChooser(recorder, generators)
+        chooser = _SeededTokenChooser(recorder, None if sampling.greedy else seeds)
         processors.append(chooser)
 
         terminal = tuple(dict.fromkeys(self.eos_token_ids + sampling.stop_token_ids))
