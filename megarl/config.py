@@ -148,7 +148,9 @@ class AlgoConfig:
     kl: KLSettings = field(default_factory=KLSettings)
     ppo_epochs: int = 1
     num_mini_batches: int = 1
+    #: rows per forward/backward in the update, per DP rank; 0 = the whole mini-batch at once
     micro_batch_size: int = 8
+    #: rows per forward-only pass (old/reference log-probs, critic values); 0 = all at once
     forward_micro_batch_size: int = 16
     dynamic_sampling: DynamicSampling = field(default_factory=DynamicSampling)
     partial_groups: str = "drop"  # drop | allow_partial
@@ -469,8 +471,6 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
     for key, v in (("trainer.iterations", t.iterations), ("trainer.prompts_per_iteration", t.prompts_per_iteration),
                    ("rollout.n", r.n), ("rollout.max_new_tokens", r.max_new_tokens),
                    ("algo.ppo_epochs", a.ppo_epochs), ("algo.num_mini_batches", a.num_mini_batches),
-                   ("algo.micro_batch_size", a.micro_batch_size),
-                   ("algo.forward_micro_batch_size", a.forward_micro_batch_size),
                    ("data.max_prompt_tokens", cfg.data.max_prompt_tokens), ("parallel.tp", p.tp),
                    ("parallel.pp", p.pp), ("rollout.bucket_mb", r.bucket_mb), ("rollout.tp", r.tp),
                    ("eval.n", cfg.eval.n)):
@@ -491,8 +491,11 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
     _need(t.prompts_per_iteration % a.num_mini_batches == 0, "algo.num_mini_batches",
           f"{a.num_mini_batches} does not divide trainer.prompts_per_iteration={t.prompts_per_iteration} "
           "(a mini-batch holds whole groups)")
+    for key, v in (("algo.micro_batch_size", a.micro_batch_size),
+                   ("algo.forward_micro_batch_size", a.forward_micro_batch_size)):
+        _need(v >= 0, key, f"must be >= 1, or 0 for the whole batch in one pass, got {v}")
     mini = t.prompts_per_iteration * r.n // a.num_mini_batches
-    _need(mini % (dp * a.micro_batch_size) == 0, "algo.micro_batch_size",
+    _need(a.micro_batch_size == 0 or mini % (dp * a.micro_batch_size) == 0, "algo.micro_batch_size",
           f"a mini-batch of {t.prompts_per_iteration} prompts x {r.n} samples / {a.num_mini_batches} = {mini} "
           f"is not divisible by dp x micro_batch_size = {dp} x {a.micro_batch_size}")
     if cfg.critic is not None:

@@ -27,6 +27,14 @@ def test_recipes_validate(path):
     assert validate(cfg, 2) == 2  # DP=2
 
 
+def test_whole_batch_micro_batches_fit_any_group_size():
+    """The tiny recipe runs its whole batch in one pass (micro sizes 0): changing G or B needs
+    no matching micro-batch size."""
+    for overrides in ([], ["rollout.n=4"], ["rollout.n=16", "trainer.prompts_per_iteration=3"]):
+        cfg = load_config(GRPO, overrides)
+        assert cfg.algo.micro_batch_size == 0 and validate(cfg, 1) == 1 and validate(cfg, 2) == 2
+
+
 @pytest.mark.parametrize("overrides,key", [
     (["algo.nonsense=1"], "algo.nonsense"),                      # unknown key
     (["trainer.iterations=many"], "trainer.iterations"),         # wrong type
@@ -35,6 +43,9 @@ def test_recipes_validate(path):
     (["trainer.prompts_per_iteration=3", "algo.num_mini_batches=1", "algo.micro_batch_size=16"],
      "algo.micro_batch_size"),                                   # B x G not divisible by dp x mbs
     (["algo.num_mini_batches=3"], "algo.num_mini_batches"),     # mini-batches of whole groups
+    (["algo.micro_batch_size=-1"], "algo.micro_batch_size"),     # 0 = whole batch; < 0 is nothing
+    (["algo.forward_micro_batch_size=-2"], "algo.forward_micro_batch_size"),
+    (["rollout.log_prob_parity_every=-1"], "rollout.log_prob_parity_every"),
     (["parallel.tp=2"], "parallel.tp"),                          # tp x pp x dp != world
     (["algo.advantage=gae"], "algo.advantage"),                  # GRPO has no critic
     (["critic.value_clip=0.1"], "critic"),                       # a critic GRPO would ignore
@@ -94,6 +105,14 @@ def test_config_hash_ignores_run_dir_only():
     b = load_config(GRPO, ["trainer.run_dir=/tmp/b"])
     c = load_config(GRPO, ["actor.optim.lr=2e-4"])
     assert config_hash(a) == config_hash(b) != config_hash(c)
+
+
+def test_whole_batch_micro_batches_fit_any_group_size():
+    """The tiny recipe runs its whole batch in one pass (micro sizes 0): changing G or B needs
+    no matching micro-batch size."""
+    for overrides in ([], ["rollout.n=4"], ["rollout.n=16", "trainer.prompts_per_iteration=3"]):
+        cfg = load_config(GRPO, overrides)
+        assert cfg.algo.micro_batch_size == 0 and validate(cfg, 1) == 1 and validate(cfg, 2) == 2
 
 
 @pytest.mark.parametrize("overrides,key", [

@@ -417,7 +417,8 @@ def test_dapo_dynamic_sampling_and_reference_refresh(assets, tmp_path):
 def test_reuse_rollout_log_probs_after_parity_check(assets, tmp_path):
     run_dir = str(tmp_path / "reuse")
     run_train(assets, run_dir, GRPO, extra=[*DENSE, "rollout.reuse_rollout_log_probs=true", "eval.every=0",
-                                            "trainer.iterations=3", "rollout.log_prob_parity_every=2"])
+                                            "trainer.iterations=3", "rollout.log_prob_parity_every=2",
+                                            "algo.micro_batch_size=0", "algo.forward_micro_batch_size=0"])
     b0, b1, b2 = batches(run_dir)
     assert b0.facts.old_log_probs.producer.role == "actor"  # the parity check iteration
     assert b1.facts.old_log_probs.producer.role == "rollout"

@@ -69,7 +69,8 @@ def plan_mini_batches(group_ids: Sequence[str], num_mini_batches: int, dp_size: 
                       generator: torch.Generator) -> list[MiniBatchPlan]:
     """Shuffle whole groups, deal them into ``num_mini_batches`` mini-batches as evenly as the
     group count allows, shuffle rows within each (groups stay whole: only their position moves),
-    and pad each to a multiple of ``dp_size x micro_batch_size``."""
+    and pad each to a multiple of ``dp_size x micro_batch_size`` (of ``dp_size`` when
+    ``micro_batch_size`` is 0: one micro-batch per rank)."""
     order: dict[str, list[int]] = {}
     for i, g in enumerate(group_ids):
         order.setdefault(g, []).append(i)
@@ -80,7 +81,7 @@ def plan_mini_batches(group_ids: Sequence[str], num_mini_batches: int, dp_size: 
     for chunk in torch.tensor(perm).tensor_split(k) if k else []:
         rows = torch.tensor([i for gi in chunk.tolist() for i in groups[gi]], dtype=torch.long)
         rows = rows[torch.randperm(rows.numel(), generator=generator)]
-        unit = dp_size * micro_batch_size
+        unit = dp_size * max(micro_batch_size, 1)
         total = -(-rows.numel() // unit) * unit
         pad = total - rows.numel()
         padded = torch.cat([rows, rows[:1].repeat(pad)]) if pad else rows

@@ -1157,8 +1157,8 @@ class Trainer:
                 norm = global_normaliser(real_mask, a.agg_mode, norm_constant=self.norm_constant)
                 local = {name: t[rows].clone() for name, t in full.items()}
                 local["loss_mask"][is_pad] = 0
-                mbs = [{name: t[i:i + a.micro_batch_size] for name, t in local.items()}
-                       for i in range(0, rows.numel(), a.micro_batch_size)]
+                step = a.micro_batch_size or rows.numel()  # 0: this rank's whole mini-batch at once
+                mbs = [{name: t[i:i + step] for name, t in local.items()} for i in range(0, rows.numel(), step)]
 
                 step_idx += 1
                 fault = (self.injector.optimizer_fault(k, step_idx, n_steps - 1)
