@@ -14,8 +14,8 @@ start-up -- then ``verify`` (sha256 of every file) and ``load_roles`` into the l
 
 Part 2 runs the built-in GRPO recipe (``configs/grpo_arith_tiny.yaml``) for a few iterations
 and times the checks an iteration makes on top of its work: the weight manifest of the new
-version at commit (sha256 of every tensor), the engine-side manifest verification (the same
-hashing again on the received tensors), and the sealed batch's content hash; their sum is
+version at commit (the on-device checksum of every tensor), the engine-side manifest
+verification (the same checksum again on the received tensors), and the sealed batch's content hash; their sum is
 compared with the median iteration.
 """
 
@@ -108,7 +108,7 @@ def bench_iteration_checks(workdir: str, iterations: int) -> dict:
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][1:]  # skip warm-up
     iteration_s = statistics.median(r["e2e/iteration_s"] for r in rows)
     commit_s = statistics.median(r["e2e/stage_s/commit"] for r in rows)  # the new version's weight manifest
-    # the engine-side verification hashes the same tensors again: time the same hashing on the export
+    # the engine-side verification checksums the same tensors again: time it on the export
     from megarl.rollout.weight_stream import TensorManifest
     from safetensors.torch import load_file
 

@@ -210,3 +210,20 @@ def test_misplaced_tp_shards_are_caught():
         a, b = full.chunk(2, dim=1)
         assert tensor_checksum(torch.cat([b, a], dim=1)) != base
         assert tensor_checksum(full.t().contiguous().view(rows, cols)) != base
+
+
+@pytest.mark.parametrize("numel,dtype", [(3 * 1024 + 5, torch.float32), (2 * 2048 + 3, torch.bfloat16),
+                                         (7, torch.float16), (0, torch.float32), (5000, torch.bool)])
+def test_the_accelerator_path_gives_the_host_checksum(numel, dtype):
+    """The torch multiply-and-reduce used on GPUs (run here on CPU tensors) equals the numpy
+    host path byte for byte, including odd sizes, padding and a storage offset."""
+    from megarl.rollout.weight_stream import _checksum_device
+
+    g = torch.Generator().manual_seed(numel)
+    t = (torch.rand(numel, generator=g) > 0.5) if dtype == torch.bool else torch.randn(numel, generator=g).to(dtype)
+    nbytes = t.numel() * t.element_size()
+    assert _checksum_device(t, nbytes) == tensor_checksum(t)
+    if numel > 1:
+        shifted = t[1:]  # a view one element into its storage: not 8-byte aligned
+        assert _checksum_device(shifted, shifted.numel() * shifted.element_size()) == tensor_checksum(shifted.clone())
+        assert tensor_checksum(shifted) == tensor_checksum(shifted.clone())
