@@ -103,21 +103,9 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     t = t.contiguous().reshape(-1)
     if t.numel() == 0:
         return "sha256:" + hashlib.sha256(b"").hexdigest()
-    return "sha256:" + hashlib.sha256(_byte_view(t)).hexdigest()
+    from megarl.rollout.weight_stream import host_bytes
 
-
-def _byte_view(t: torch.Tensor) -> memoryview:
-    """A read-only view of a contiguous CPU tensor's bytes for hashlib, without numpy.
-
-    ``Tensor.numpy()`` would mark the storage non-resizable for good (numpy may hold on to the
-    buffer), and the offloader frees a parameter's storage by resizing it to 0: hashing live
-    optimizer state or a parameter must not take that away.  The caller keeps ``t`` alive while
-    the view is used.
-    """
-    import ctypes
-
-    n = t.numel() * t.element_size()
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B").toreadonly()
+    return "sha256:" + hashlib.sha256(host_bytes(t)).hexdigest()
 
 
 def optimizer_digests(optimizer) -> Dict[str, str]:

@@ -65,4 +65,8 @@ def test_length_sorted_micro_batches_equal_one_row_at_a_time(tmp_path, megatron_
     per_response = response_log_probs(model, prompt, response, attn, micro_batch_size=2)
     assert per_response.shape == (B, R) and not per_response[rlen[:, None] <= torch.arange(R)].any()
     values = scalar_values(model, tokens, 4, lengths=lengths)
-    assert values.shape == tokens.shape
+    full = scalar_values(model, tokens, 4)
+    for b in range(B):
+        n = int(lengths[b])
+        assert (values[b, :n] - full[b, :n]).abs().max() < 1e-5, b
+        assert not values[b, n:].any()

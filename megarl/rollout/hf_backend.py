@@ -41,6 +41,7 @@ from megarl.rollout.protocol import (
     candidate_seed,
 )
 from megarl.rollout.weight_stream import ManifestMismatchError, TensorManifest
+from megarl.splitmix import shr, splitmix64
 from megarl.versions import PolicyVersion
 
 __all__ = ["HFRolloutEngine"]
@@ -63,6 +64,11 @@ class _Slot:
             self._targets = dict(hf_logical_tensors(self.model))
         return self._targets
 
+    def move(self, device) -> None:
+        """Move the model; ``.to()`` gives its parameters new storage, so the targets are looked up again."""
+        self.model.to(device)
+        self._targets = None
+
 
 class _RawLogProbRecorder:
     """First processor: sees the raw float32 logits; keeps them and their logsumexp.
@@ -80,18 +86,6 @@ class _RawLogProbRecorder:
         return scores  # the warpers below return new tensors; ``raw`` stays unmodified
 
 
-def _as_int64(x: int) -> int:
-    return x - (1 << 64) if x >= 1 << 63 else x
-
-
-_MIX1, _MIX2 = (_as_int64(c) for c in (0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
-
-
-def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 words (torch's ``>>`` is arithmetic)."""
-    return (z >> bits) & ((1 << (64 - bits)) - 1)
-
-
 def counter_uniforms(seeds: torch.Tensor, step: int) -> torch.Tensor:
     """One uniform in [0, 1) per row: splitmix64 of (row seed, step), all rows at once.
 
@@ -100,11 +94,7 @@ def counter_uniforms(seeds: torch.Tensor, step: int) -> torch.Tensor:
     alone with its seed repeats its tokens.  int64 arithmetic wraps modulo 2**64, as splitmix64
     (Steele, Lea & Flood, "Fast splittable pseudorandom number generators", OOPSLA 2014) needs.
     """
-    z = seeds + _as_int64((step + 1) * 0x9E3779B97F4A7C15 % (1 << 64))
-    z = (z ^ _shr(z, 30)) * _MIX1
-    z = (z ^ _shr(z, 27)) * _MIX2
-    z = z ^ _shr(z, 31)
-    return _shr(z, 11).double() * (1.0 / (1 << 53))
+    return shr(splitmix64(seeds, step + 1), 11).double() * (1.0 / (1 << 53))
 
 
 class _SeededTokenChooser:
@@ -332,16 +322,14 @@ class HFRolloutEngine:
             self._standby = None if self._active is not None else self._standby
             self._staged = None
             if self._active is not None and self.device.type != "cpu":
-                self._active.model.to("cpu")
-                self._active._targets = None  # .to() gave the parameters new storage
+                self._active.move("cpu")
                 torch.cuda.empty_cache()
             self._asleep = True
 
     def wake(self) -> None:
         with self._lock:
             if self._active is not None and self.device.type != "cpu":
-                self._active.model.to(self.device)
-                self._active._targets = None
+                self._active.move(self.device)
             self._asleep = False
 
     # ---- generation --------------------------------------------------------------------------

@@ -103,18 +103,28 @@ def _finish(nbytes: int, m: int, sums: bytes, tail: bytes) -> str:
     return CHECKSUM_PREFIX + h.hexdigest()
 
 
+def host_bytes(t: torch.Tensor) -> memoryview:
+    """A read-only view of a contiguous CPU tensor's bytes, without ``Tensor.numpy()``.
+
+    ``numpy()`` would mark the storage non-resizable for good (numpy may hold on to the buffer),
+    and the offloader frees a parameter's storage by resizing it to 0: checksumming or hashing a
+    live parameter or optimizer state must not take that away.  The caller keeps ``t`` alive
+    while the view is used.
+    """
+    import ctypes
+
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B").toreadonly()
+
+
 def _checksum_host(t: torch.Tensor, nbytes: int) -> str:
     """:func:`tensor_checksum` of a contiguous CPU tensor with numpy: a few numpy calls instead
     of ~15 torch dispatches (which dominate for the many small tensors of a model), and numpy's
-    int64 GEMV is faster than torch's here.  The bytes are read through ctypes, never
-    ``Tensor.numpy()``: that would pin a live parameter's storage non-resizable, and the
-    offloader frees parameters by resizing their storage to 0.  ``t`` stays referenced here."""
-    import ctypes
-
+    int64 GEMV is faster than torch's here.  The bytes are read through :func:`host_bytes`
+    (``t`` stays referenced here)."""
     import numpy as np
 
-    raw = np.frombuffer((ctypes.c_char * nbytes).from_address(t.data_ptr()), dtype=np.uint8) if nbytes \
-        else np.zeros(0, dtype=np.uint8)
+    raw = np.frombuffer(host_bytes(t), dtype=np.uint8) if nbytes else np.zeros(0, dtype=np.uint8)
     if nbytes % 8 == 0 and t.data_ptr() % 8 == 0:
         words = raw.view(np.int64)
     else:  # odd-sized bf16/fp16/int8 tensors, odd offsets: a zero-padded copy
@@ -159,18 +169,12 @@ _WEIGHTS: dict = {}
 
 
 def _host_weights():
-    """The odd int64 weights ``c_j = splitmix64(j) | 1`` of :func:`tensor_checksum` (numpy)."""
+    """The odd int64 weights ``c_j = splitmix64(0)_(j+1) | 1`` of :func:`tensor_checksum` (numpy)."""
     if "host" not in _WEIGHTS:
-        import numpy as np
+        from megarl.splitmix import GOLDEN, as_int64, mix64
 
-        mask = (1 << 64) - 1
-        out = []
-        for j in range(CHECKSUM_ROW_WORDS):
-            z = (j * 0x9E3779B97F4A7C15 + 0x9E3779B97F4A7C15) & mask
-            z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
-            z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
-            out.append((z ^ (z >> 31)) | 1)
-        _WEIGHTS["host"] = np.array(out, dtype=np.uint64).view(np.int64)
+        j = torch.arange(1, CHECKSUM_ROW_WORDS + 1, dtype=torch.int64)
+        _WEIGHTS["host"] = (mix64(j * as_int64(GOLDEN)) | 1).numpy()
     return _WEIGHTS["host"]
 
 
