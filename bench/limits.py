@@ -18,7 +18,8 @@ Stages and their floors, on the same bytes / tokens:
 * the whole iteration vs the sum of its stages (the controller's own time, ``e2e/controller_s``),
   from a run of the tiny GRPO recipe.
 
-Medians of ``--repeats`` after a warm-up; one torch thread by default (``--threads``).
+Each stage and its floor alternate for ``--repeats`` rounds after a warm-up; the ratio is the median
+of the per-round ratios.  One torch thread by default (``--threads``).
 """
 
 from __future__ import annotations
@@ -44,14 +45,26 @@ TINY = dict(TINY_RECIPE, eos_token_id=None, bos_token_id=None, pad_token_id=0)  
 LARGE = POINT_3B
 
 
-def _median(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _paired(ours, floor, repeats: int, warmup: int = 1) -> tuple:
+    """(median seconds of ``ours``, of ``floor``, median of the per-round ratios).
+
+    The two alternate round by round after ``warmup`` calls of each, so this VM's drift (the
+    same work runs +-20 % slower from one minute to the next) hits both sides of a ratio alike.
+    """
+    for _ in range(warmup):
+        ours()
+        floor()
+    a, b = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        a.append(_timed(ours))
+        b.append(_timed(floor))
+    return statistics.median(a), statistics.median(b), statistics.median(x / y for x, y in zip(a, b))
 
 
 def _actor(hf_dir):
@@ -81,8 +94,7 @@ def bench_weight_sync(name, config, workdir, repeats) -> dict:
         engine.activate(version)
         return report
 
-    nbytes = sync().num_bytes
-    t_sync = _median(sync, repeats)
+    nbytes = sync().num_bytes  # the first writes into the engine's first buffer
     params = [p.detach() for p in ddp.parameters()]
     bufs = [torch.empty_like(p) for p in params]
 
@@ -90,9 +102,10 @@ def bench_weight_sync(name, config, workdir, repeats) -> dict:
         for b, p in zip(bufs, params):
             b.copy_(p)
 
-    t_copy = _median(copy, repeats)
+    # warm-up: the first writes into the engine's second buffer and into the copy's buffers
+    t_sync, t_copy, ratio = _paired(sync, copy, repeats)
     return {"stage": f"weight sync ({name})", "bytes": nbytes, "seconds": t_sync, "floor_seconds": t_copy,
-            "floor": "copy_ of the same bytes", "ratio": t_sync / t_copy,
+            "floor": "copy_ of the same bytes", "ratio": ratio,
             "gb_per_s": nbytes / 1e9 / t_sync, "floor_gb_per_s": nbytes / 1e9 / t_copy}
 
 
@@ -136,9 +149,9 @@ def bench_stages(workdir, repeats, batch, prompt_len, new_tokens) -> list:
             model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), do_sample=True,
                            top_k=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
 
-    t_ours, t_plain = _median(ours, repeats), _median(plain, repeats)
+    t_ours, t_plain, r_roll = _paired(ours, plain, repeats)
     rows.append({"stage": "rollout", "seconds": t_ours, "floor_seconds": t_plain,
-                 "floor": "transformers generate alone", "ratio": t_ours / t_plain})
+                 "floor": "transformers generate alone", "ratio": r_roll})
     res = engine.generate(requests, sampling)
 
     # the experience of that rollout, in the trainer's layout
@@ -155,9 +168,9 @@ def bench_stages(workdir, repeats, batch, prompt_len, new_tokens) -> list:
             ddp.eval()
             ddp(tokens, pos, None)
 
-    t_lp, t_fwd = _median(old_lp, repeats), _median(bare_forward, repeats)
+    t_lp, t_fwd, r_lp = _paired(old_lp, bare_forward, repeats)
     rows.append({"stage": "old log-prob forward", "seconds": t_lp, "floor_seconds": t_fwd,
-                 "floor": "bare megatron forward", "ratio": t_lp / t_fwd})
+                 "floor": "bare megatron forward", "ratio": r_lp})
 
     old = response_log_probs(ddp, prompts, response, attention, micro_batch_size=batch).detach()
     adv = torch.randn(batch, 1).expand(batch, new_tokens).contiguous()
@@ -186,9 +199,9 @@ def bench_stages(workdir, repeats, batch, prompt_len, new_tokens) -> list:
         out.float().logsumexp(-1).mean().backward()
         opt.step()
 
-    t_up, t_bare = _median(update, repeats), _median(bare_update, repeats)
+    t_up, t_bare, r_up = _paired(update, bare_update, repeats)
     rows.append({"stage": "actor update", "seconds": t_up, "floor_seconds": t_bare,
-                 "floor": "bare forward + backward + optimizer.step", "ratio": t_up / t_bare})
+                 "floor": "bare forward + backward + optimizer.step", "ratio": r_up})
     return rows
 
 
@@ -222,7 +235,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         rows.append(bench_weight_sync("tiny", TINY, work, args.repeats))
         if not args.skip_large:
-            rows.append(bench_weight_sync("~0.3B", LARGE, work, 3))
+            rows.append(bench_weight_sync("~0.3B", LARGE, work, args.repeats))
         rows += bench_stages(work, args.repeats, batch=128, prompt_len=16, new_tokens=6)
         rows.append(bench_controller(work, args.iterations))
     print(f"{'stage':<32}{'seconds':>10}{'floor s':>10}{'ratio':>8}  floor")

@@ -64,3 +64,32 @@ def test_cuda_device_literals_land_on_cpu():
     assert torch.zeros(2, device="cuda").device.type == "cpu"
     assert torch.ones(1).cuda().device.type == "cpu"
     assert torch.cuda.current_device() == "cpu"
+
+
+@pytest.mark.skipif(not cpu_compat.on_cpu(), reason="the CPU path is only exercised without CUDA")
+def test_device_rewrite_is_lifted_only_inside_the_block():
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    cpu_compat.install()
+    with cpu_compat.without_device_rewrite():
+        with pytest.raises((RuntimeError, AssertionError)):  # no CUDA here: the literal is real again
+            torch.zeros(2, device="cuda")
+    assert torch.zeros(2, device="cuda").device.type == "cpu"
+    with pytest.raises(ValueError):
+        with cpu_compat.without_device_rewrite():
+            raise ValueError("the mode comes back on the way out of an error too")
+    assert torch.zeros(2, device="cuda").device.type == "cpu"
+
+    class Counting(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Counting.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counting():  # another mode above ours: the block keeps both rather than pull ours out
+        with cpu_compat.without_device_rewrite():
+            assert torch.zeros(2, device="cuda").device.type == "cpu"
+    assert Counting.calls >= 1
+    assert torch.zeros(2, device="cuda").device.type == "cpu"

@@ -105,3 +105,39 @@ def test_corrupted_bucket_is_caught(runs):
     assert r["phase_is_failed"], r["corrupt_phase"]
     assert r["after_corrupt_version"] == r["v1"]
     assert r["after_corrupt_ids"] == r["after_activation_ids"]
+
+
+def test_export_buffers_reused_across_passes_and_exact(tmp_path, megatron_world):
+    """The manifest pass and the stream write the de-interleaved Q, K, V into the same host
+    buffers every sync (no fresh allocation, so no page faults), and what they yield is exactly
+    what a pass without buffers yields, before and after the weights change."""
+    from safetensors.torch import load_file
+
+    from megarl.models.megatron_ckpt import load_model
+    from megarl.models.weights import ExportBuffers, iter_hf_tensors
+    from megarl.rollout.weight_stream import TensorManifest
+
+    hf = make_tiny_hf_checkpoint(str(tmp_path / "m"), "llama", seed=3)  # 4 heads in 2 groups
+    model = load_model(hf)
+    src = load_file(f"{hf}/model.safetensors")
+    bufs = ExportBuffers()
+    qkv = [n for n in src if n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))]
+    assert qkv
+    first = {n: (t.data_ptr(), t.clone()) for n, t in iter_hf_tensors(model, buffers=bufs)}
+    assert set(first) == set(src)
+    for n, (_, t) in first.items():
+        assert torch.equal(t, src[n]), n
+    assert bufs.nbytes == sum(src[n].numel() * src[n].element_size() for n in qkv)
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    plain = dict(iter_hf_tensors(model))
+    second = list(iter_hf_tensors(model, buffers=bufs))
+    for n, t in second:
+        assert torch.equal(t, plain[n]), n
+        if n in qkv:
+            assert t.data_ptr() == first[n][0], f"{n}: a new allocation instead of its buffer"
+            assert not torch.equal(t, first[n][1]), n
+    assert (TensorManifest.from_named_tensors(second).global_hash
+            == TensorManifest.from_named_tensors(plain.items()).global_hash)

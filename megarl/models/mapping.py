@@ -220,11 +220,15 @@ def _cat(tensors: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(list(tensors), dim)
 
 
-def hf_from_shards(rule: ParamRule, shards: Sequence[torch.Tensor], spec: ModelSpec) -> Dict[str, torch.Tensor]:
+def hf_from_shards(rule: ParamRule, shards: Sequence[torch.Tensor], spec: ModelSpec,
+                   out: Optional[Callable[[str, Tuple[int, ...], torch.Tensor], torch.Tensor]] = None,
+                   ) -> Dict[str, torch.Tensor]:
     """Merge the TP shards of ``rule`` (in TP-rank order) back into its HF tensors.
 
     At TP=1 the results are views of the parameter wherever the layouts agree (everything but
-    the interleaved QKV); callers that keep them past the parameter's next change must copy."""
+    the interleaved QKV); callers that keep them past the parameter's next change must copy.
+    ``out(hf_name, shape, like)``, when given, supplies the tensor a de-interleaved Q, K or V is
+    written into (e.g. a reused buffer) instead of a fresh allocation."""
     if rule.kind == REPLICATED:
         return {rule.hf_names[0]: shards[0]}
     if rule.kind == ROW:
@@ -241,10 +245,17 @@ def hf_from_shards(rule: ParamRule, shards: Sequence[torch.Tensor], spec: ModelS
         full = _cat(shards, 0)
         tail = tuple(full.shape[1:])
         grouped = full.reshape((ng, (hpg + 2) * hd) + tail)
-        q, k, v = grouped.split([hpg * hd, hd, hd], 1)
-        return {rule.hf_names[0]: q.reshape((ng * hpg * hd,) + tail),
-                rule.hf_names[1]: k.reshape((ng * hd,) + tail),
-                rule.hf_names[2]: v.reshape((ng * hd,) + tail)}
+        parts = grouped.split([hpg * hd, hd, hd], 1)
+        merged = {}
+        for name, part in zip(rule.hf_names, parts):
+            shape = (part.shape[0] * part.shape[1],) + tail
+            if out is None or ng == 1:  # one group: the reshape is a view, nothing to copy
+                merged[name] = part.reshape(shape)
+            else:
+                dst = out(name, shape, part)
+                dst.view(part.shape).copy_(part)
+                merged[name] = dst
+        return merged
     raise MappingError(f"{rule.megatron_name}: unknown layout kind {rule.kind!r}")
 
 

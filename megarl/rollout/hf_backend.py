@@ -41,6 +41,7 @@ from megarl.rollout.protocol import (
     candidate_seed,
 )
 from megarl.rollout.weight_stream import ManifestMismatchError, TensorManifest
+from megarl.runtime.cpu_compat import without_device_rewrite
 from megarl.splitmix import shr, splitmix64
 from megarl.versions import PolicyVersion
 
@@ -196,6 +197,18 @@ class HFRolloutEngine:
         slot = self._active
         return None if slot is None else slot.version
 
+    def staging_target(self, name: str) -> torch.Tensor | None:
+        """While :meth:`load_weights` runs: the standby tensor that will hold ``name`` (else None).
+
+        A producer that has to build a tensor anyway (the de-interleaved Q, K and V of megatron's
+        fused QKV) may build it here rather than in a buffer of its own, saving a copy; what
+        lands is checked against the expected manifest like every other tensor.
+        """
+        slot = self._standby
+        if self._loading is None or slot is None:
+            return None
+        return slot.targets().get(name)
+
     def load_weights(
         self,
         version: PolicyVersion,
@@ -233,7 +246,7 @@ class HFRolloutEngine:
             targets = slot.targets()
             received = TensorManifest()
             n_bytes = n_buckets = 0
-            with torch.no_grad():
+            with torch.no_grad(), without_device_rewrite():  # the stream only gathers and maps
                 for bucket in named_tensor_buckets:
                     n_buckets += 1
                     for name, tensor in bucket:
@@ -250,7 +263,8 @@ class HFRolloutEngine:
                                 f"{version.short_id}: tensor {name!r} expected shape {tuple(target.shape)} "
                                 f"dtype {target.dtype}, received shape {tuple(tensor.shape)} dtype {tensor.dtype}"
                             )
-                        target.copy_(tensor)
+                        if not (tensor.data_ptr() == target.data_ptr() and tensor.stride() == target.stride()):
+                            target.copy_(tensor)  # else built in place (staging_target)
                         # hash what landed in the staging model, i.e. what will be served
                         received.add(name, target)
                         n_bytes += tensor.numel() * tensor.element_size()
@@ -349,7 +363,8 @@ class HFRolloutEngine:
             slot = self._active
             self._generating += 1
         try:
-            return self._generate(slot, requests, sampling)
+            with without_device_rewrite():
+                return self._generate(slot, requests, sampling)
         finally:
             with self._lock:
                 self._generating -= 1

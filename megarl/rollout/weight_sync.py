@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-from megarl.models.weights import iter_hf_tensors, unwrap
+from megarl.models.weights import export_buffers, iter_hf_tensors, unwrap
 from megarl.rollout.protocol import LoadReport
 from megarl.rollout.weight_stream import TensorManifest, iter_buckets
 from megarl.versions import PolicyVersion, config_hash
@@ -35,7 +35,8 @@ Bucket = List[Tuple[str, torch.Tensor]]
 def actor_manifest(actor_model, dtype: Optional[torch.dtype] = None) -> TensorManifest:
     """Collective: the manifest (name, shape, dtype, checksum) of the actor's logical tensors,
     each checksummed on the device it was gathered on."""
-    return TensorManifest.from_named_tensors(iter_hf_tensors(actor_model, dtype=dtype, device=None))
+    return TensorManifest.from_named_tensors(
+        iter_hf_tensors(actor_model, dtype=dtype, device=None, buffers=export_buffers(actor_model)))
 
 
 def model_config_hash(actor_model) -> str:
@@ -48,6 +49,22 @@ def make_version(actor_model, manifest: TensorManifest, run_id: str, optimizer_s
     return PolicyVersion(run_id=run_id, optimizer_step=optimizer_step, update_attempt=update_attempt,
                          weight_manifest_hash=manifest.global_hash, tokenizer_hash=tokenizer_hash,
                          model_config_hash=model_config_hash(actor_model))
+
+
+class _BuildInEngine:
+    """The ``out`` of the stream's merge (see :class:`megarl.models.weights.ExportBuffers`): a
+    tensor the merge has to build is built straight in the engine's staging tensor when the
+    engine offers one of that shape, dtype and device (``staging_target``), else in the actor's
+    export buffers."""
+
+    def __init__(self, engine, fallback):
+        self.engine, self.fallback = engine, fallback
+
+    def __call__(self, name, shape, like):
+        t = self.engine.staging_target(name)
+        if t is None or tuple(t.shape) != tuple(shape) or t.dtype != like.dtype or t.device != like.device:
+            return self.fallback(name, shape, like)
+        return t
 
 
 def _drained(stream: Iterator) -> None:
@@ -76,7 +93,14 @@ def sync_actor_to_engine(
     # The engine's dtype by default; the expected manifest must have been computed in the same
     # dtype (``actor_manifest(actor, dtype=...)``), else the engine rejects the load by name.
     dtype = dtype or getattr(engine, "dtype", None)
-    stream = iter_hf_tensors(actor_model, dtype=dtype, device=str(getattr(engine, "device", "cpu")))
+    # An engine has copied what it keeps when load_weights returns, and a pass never yields
+    # one name twice, so the stream may share the actor's export buffers with the manifest pass.
+    # Without a transport in between, tensors the merge builds go straight into the engine.
+    buffers = export_buffers(actor_model)
+    if engine is not None and transport is None and hasattr(engine, "staging_target"):
+        buffers = _BuildInEngine(engine, buffers)
+    stream = iter_hf_tensors(actor_model, dtype=dtype, device=str(getattr(engine, "device", "cpu")),
+                             buffers=buffers)
     if engine is None:
         _drained(stream)
         return None
