@@ -107,37 +107,52 @@ def test_corrupted_bucket_is_caught(runs):
     assert r["after_corrupt_ids"] == r["after_activation_ids"]
 
 
-def test_export_buffers_reused_across_passes_and_exact(tmp_path, megatron_world):
-    """The manifest pass and the stream write the de-interleaved Q, K, V into the same host
-    buffers every sync (no fresh allocation, so no page faults), and what they yield is exactly
-    what a pass without buffers yields, before and after the weights change."""
+def test_qkv_read_in_place_and_built_in_the_engine(tmp_path, megatron_world):
+    """The commit-time manifest reads Q, K and V inside megatron's fused QKV (no copy) and equals
+    the manifest of the assembled tensors, in the actor's dtype and cast; the stream builds them
+    straight in the engine's staging tensors (one copy, not two), and the engine loads, verifies
+    and serves them: after a weight change the engine matches a fresh export."""
     from safetensors.torch import load_file
 
     from megarl.models.megatron_ckpt import load_model
-    from megarl.models.weights import ExportBuffers, iter_hf_tensors
+    from megarl.models.weights import iter_hf_tensors
+    from megarl.rollout.hf_backend import HFRolloutEngine
     from megarl.rollout.weight_stream import TensorManifest
+    from megarl.rollout.weight_sync import actor_manifest, make_version, sync_actor_to_engine
 
-    hf = make_tiny_hf_checkpoint(str(tmp_path / "m"), "llama", seed=3)  # 4 heads in 2 groups
+    # 4 heads in 2 groups of head_dim 32: each group's K is 32 x 128 fp32 = 16 KiB, whole
+    # checksum rows, so the manifest reads Q, K and V in place
+    hf = make_tiny_hf_checkpoint(str(tmp_path / "m"), "llama", seed=3, hidden_size=128)
     model = load_model(hf)
     src = load_file(f"{hf}/model.safetensors")
-    bufs = ExportBuffers()
     qkv = [n for n in src if n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))]
-    assert qkv
-    first = {n: (t.data_ptr(), t.clone()) for n, t in iter_hf_tensors(model, buffers=bufs)}
-    assert set(first) == set(src)
-    for n, (_, t) in first.items():
-        assert torch.equal(t, src[n]), n
-    assert bufs.nbytes == sum(src[n].numel() * src[n].element_size() for n in qkv)
+    assert len(qkv) == 6
+    engine = HFRolloutEngine(hf, dtype=torch.float32)
+    staging = engine.staging_target
+    for step in (1, 2):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        plain = dict(iter_hf_tensors(model))
+        for dtype in (torch.bfloat16, None):
+            assembled = TensorManifest.from_named_tensors((n, t.to(dtype or t.dtype)) for n, t in plain.items())
+            manifest = actor_manifest(model, dtype=dtype)
+            assert manifest.to_dict() == assembled.to_dict()
+        built = {}
 
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p))
-    plain = dict(iter_hf_tensors(model))
-    second = list(iter_hf_tensors(model, buffers=bufs))
-    for n, t in second:
-        assert torch.equal(t, plain[n]), n
-        if n in qkv:
-            assert t.data_ptr() == first[n][0], f"{n}: a new allocation instead of its buffer"
-            assert not torch.equal(t, first[n][1]), n
-    assert (TensorManifest.from_named_tensors(second).global_hash
-            == TensorManifest.from_named_tensors(plain.items()).global_hash)
+        def recording(name):
+            t = staging(name)
+            built[name] = None if t is None else t.data_ptr()
+            return t
+
+        engine.staging_target = recording
+        version = make_version(model, manifest, "test", step, "sha256:" + "0" * 64)
+        report = sync_actor_to_engine(model, engine, version, manifest, bucket_bytes=1 << 16)
+        engine.activate(version)
+        assert sorted(built) == sorted(qkv) and all(built.values()), built
+        assert report.manifest_hash == manifest.global_hash
+        served = dict(engine._active.targets())
+        for n in qkv:
+            assert served[n].data_ptr() == built[n], f"{n} was copied again after it was built"
+        for n, t in plain.items():
+            assert torch.equal(served[n], t), n

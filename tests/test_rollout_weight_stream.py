@@ -217,13 +217,51 @@ def test_misplaced_tp_shards_are_caught():
 def test_the_accelerator_path_gives_the_host_checksum(numel, dtype):
     """The torch multiply-and-reduce used on GPUs (run here on CPU tensors) equals the numpy
     host path byte for byte, including odd sizes, padding and a storage offset."""
-    from megarl.rollout.weight_stream import _checksum_device
+    from megarl.rollout.weight_stream import _finish, _row_sums_device
+
+    def on_device(x):
+        nbytes = x.numel() * x.element_size()
+        return _finish(nbytes, *_row_sums_device(x, nbytes))
 
     g = torch.Generator().manual_seed(numel)
     t = (torch.rand(numel, generator=g) > 0.5) if dtype == torch.bool else torch.randn(numel, generator=g).to(dtype)
-    nbytes = t.numel() * t.element_size()
-    assert _checksum_device(t, nbytes) == tensor_checksum(t)
+    assert on_device(t) == tensor_checksum(t)
     if numel > 1:
         shifted = t[1:]  # a view one element into its storage: not 8-byte aligned
-        assert _checksum_device(shifted, shifted.numel() * shifted.element_size()) == tensor_checksum(shifted.clone())
+        assert on_device(shifted) == tensor_checksum(shifted.clone())
         assert tensor_checksum(shifted) == tensor_checksum(shifted.clone())
+
+
+@pytest.mark.parametrize("groups,rows,cols,gap,offset,dtype", [
+    (4, 16, 128, 32, 0, torch.float32),    # each block 16 x 128 fp32 = one 8 KiB row: read in place
+    (3, 64, 128, 0, 0, torch.bfloat16),    # 2 rows per block, no gap between the blocks
+    (2, 24, 128, 8, 0, torch.bfloat16),    # blocks of 6 KiB: not whole rows, made contiguous first
+    (4, 16, 128, 3, 1, torch.float32),     # blocks at addresses that are not 8-byte aligned
+    (1, 32, 64, 0, 0, torch.float16)])
+def test_strided_blocks_are_checksummed_in_place_exactly(groups, rows, cols, gap, offset, dtype):
+    """Q, K or V inside a fused QKV is a strided view, one contiguous block per query group; its
+    checksum, read in place when the blocks are whole rows, is exactly the checksum of the
+    assembled tensor (also on the accelerator path), and a changed or reordered block is caught."""
+    from megarl.rollout.weight_stream import _block_row_sums, _finish, _row_sums_device
+
+    g = torch.Generator().manual_seed(groups * rows + gap)
+    storage = torch.randn(offset + groups * (rows + gap) * cols, generator=g).to(dtype)
+    fused = storage[offset:].view(groups, rows + gap, cols)
+    view = fused[:, gap:]  # a block of `rows` per group, `gap` rows of another tensor between
+    whole = view.contiguous()
+    assert tensor_checksum(view) == tensor_checksum(whole)
+    whole_rows = rows * cols * whole.element_size() % 8192 == 0 and offset == 0
+    assert (_block_row_sums(view) is not None) == whole_rows
+    manifest = TensorManifest()
+    manifest.add_view("q", (groups * rows, cols), view)
+    assert manifest.entries["q"].checksum == tensor_checksum(whole.view(groups * rows, cols))
+    assert manifest.entries["q"].shape == (groups * rows, cols)
+    with pytest.raises(ValueError, match="not a tensor of shape"):
+        TensorManifest().add_view("q", (groups * rows + 1, cols), view)
+    nbytes = whole.numel() * whole.element_size()
+    assert _finish(nbytes, *_row_sums_device(whole, nbytes)) == tensor_checksum(view)
+    if groups > 1:
+        assert tensor_checksum(view.flip(0)) != tensor_checksum(whole)
+        bent = fused.clone()
+        bent[-1, -1, -1:].view(torch.int16)[0] ^= 1  # one flipped bit in the last block
+        assert tensor_checksum(bent[:, gap:]) != tensor_checksum(whole)

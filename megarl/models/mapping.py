@@ -220,6 +220,39 @@ def _cat(tensors: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(list(tensors), dim)
 
 
+def hf_views_from_shards(rule: ParamRule, shards: Sequence[torch.Tensor], spec: ModelSpec,
+                         ) -> Dict[str, Tuple[Tuple[int, ...], torch.Tensor]]:
+    """Merge the TP shards of ``rule`` (in TP-rank order) into its HF tensors, each given as
+    ``(shape, view)``: a tensor whose elements in row-major order are the HF tensor's.
+
+    At TP=1 every view is of the parameter itself.  It has the HF shape wherever the layouts
+    agree; megatron's fused QKV gives Q, K and V as strided ``[groups, rows, hidden]`` views, one
+    contiguous block per query group, which can be read (checksummed) where they lie and are
+    only copied by whoever needs a contiguous tensor (:func:`hf_from_shards`)."""
+    def same(t: torch.Tensor):
+        return tuple(t.shape), t
+
+    if rule.kind == REPLICATED:
+        return {rule.hf_names[0]: same(shards[0])}
+    if rule.kind == ROW:
+        return {rule.hf_names[0]: same(_cat(shards, 1))}
+    if rule.kind == VOCAB:
+        return {rule.hf_names[0]: same(_cat(shards, 0)[: spec.vocab_size])}
+    if rule.kind == GATE_UP:
+        halves = [s.chunk(2, 0) for s in shards]
+        return {rule.hf_names[0]: same(_cat([h[0] for h in halves], 0)),
+                rule.hf_names[1]: same(_cat([h[1] for h in halves], 0))}
+    if rule.kind == QKV:
+        ng, hd = spec.num_query_groups, spec.head_dim
+        hpg = spec.num_attention_heads // ng
+        full = _cat(shards, 0)
+        tail = tuple(full.shape[1:])
+        grouped = full.reshape((ng, (hpg + 2) * hd) + tail)
+        parts = grouped.split([hpg * hd, hd, hd], 1)
+        return {name: ((ng * part.shape[1],) + tail, part) for name, part in zip(rule.hf_names, parts)}
+    raise MappingError(f"{rule.megatron_name}: unknown layout kind {rule.kind!r}")
+
+
 def hf_from_shards(rule: ParamRule, shards: Sequence[torch.Tensor], spec: ModelSpec,
                    out: Optional[Callable[[str, Tuple[int, ...], torch.Tensor], torch.Tensor]] = None,
                    ) -> Dict[str, torch.Tensor]:
@@ -228,35 +261,16 @@ def hf_from_shards(rule: ParamRule, shards: Sequence[torch.Tensor], spec: ModelS
     At TP=1 the results are views of the parameter wherever the layouts agree (everything but
     the interleaved QKV); callers that keep them past the parameter's next change must copy.
     ``out(hf_name, shape, like)``, when given, supplies the tensor a de-interleaved Q, K or V is
-    written into (e.g. a reused buffer) instead of a fresh allocation."""
-    if rule.kind == REPLICATED:
-        return {rule.hf_names[0]: shards[0]}
-    if rule.kind == ROW:
-        return {rule.hf_names[0]: _cat(shards, 1)}
-    if rule.kind == VOCAB:
-        return {rule.hf_names[0]: _cat(shards, 0)[: spec.vocab_size]}
-    if rule.kind == GATE_UP:
-        halves = [s.chunk(2, 0) for s in shards]
-        return {rule.hf_names[0]: _cat([h[0] for h in halves], 0),
-                rule.hf_names[1]: _cat([h[1] for h in halves], 0)}
-    if rule.kind == QKV:
-        ng, hd = spec.num_query_groups, spec.head_dim
-        hpg = spec.num_attention_heads // ng
-        full = _cat(shards, 0)
-        tail = tuple(full.shape[1:])
-        grouped = full.reshape((ng, (hpg + 2) * hd) + tail)
-        parts = grouped.split([hpg * hd, hd, hd], 1)
-        merged = {}
-        for name, part in zip(rule.hf_names, parts):
-            shape = (part.shape[0] * part.shape[1],) + tail
-            if out is None or ng == 1:  # one group: the reshape is a view, nothing to copy
-                merged[name] = part.reshape(shape)
-            else:
-                dst = out(name, shape, part)
-                dst.view(part.shape).copy_(part)
-                merged[name] = dst
-        return merged
-    raise MappingError(f"{rule.megatron_name}: unknown layout kind {rule.kind!r}")
+    written into (e.g. its place in a rollout engine) instead of a fresh allocation."""
+    merged = {}
+    for name, (shape, view) in hf_views_from_shards(rule, shards, spec).items():
+        if out is None or view.is_contiguous():  # a reshape that is a view: nothing to copy
+            merged[name] = view.reshape(shape)
+            continue
+        dst = out(name, shape, view)
+        dst.view(view.shape).copy_(view)
+        merged[name] = dst
+    return merged
 
 
 def shard_shape(rule: ParamRule, spec: ModelSpec, tp: int, padded_vocab: int) -> Tuple[int, ...]:

@@ -13,7 +13,7 @@ All layout knowledge comes from :mod:`megarl.models.mapping`.
 from __future__ import annotations
 
 import os
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -106,47 +106,53 @@ def _stage_params(model) -> Dict[str, torch.Tensor]:
     return {canon: params[name] for canon, name in local.items()}
 
 
-class ExportBuffers:
-    """Host buffers, kept from one pass of :func:`iter_hf_tensors` to the next, for the tensors
-    the pass has to build rather than view (the de-interleaved Q, K and V).
+def _merged_rules(model, spec: ModelSpec, merge):
+    """Collective over the TP group: ``(rule, owner stage, merge(rule, TP shards) or None)`` for
+    every rule in canonical order; the merge runs on the owner stage only."""
+    from megatron.core import parallel_state as ps
 
-    A fresh host allocation pays a page fault per page on every sync: de-interleaving a 4 MiB
-    Q into a new tensor took 0.9 ms on this CPU against 0.16 ms into a buffer touched before.
-    Device tensors are allocated as usual: the CUDA caching allocator already reuses memory.
-    A tensor from these buffers is valid until the next pass that uses the same buffers
-    overwrites it, so only consumers done with a pass's tensors when it ends may share them
-    (the manifest pass and the engine stream do; a caller keeping tensors must not pass any).
+    pp_rank, pp, tp_rank, tp = _pp_tp()
+    mine = _stage_params(model)
+    tp_group = ps.get_tensor_model_parallel_group()
+    for rule in mapping.rules(spec):
+        owner = _owner_stage(rule, spec, pp)
+        if owner != pp_rank:
+            yield rule, owner, None
+            continue
+        p = mine.get(rule.megatron_name)
+        if p is None:
+            raise mapping.MappingError(
+                f"{rule.megatron_name}: expected on pipeline stage {pp_rank}, not found")
+        shard = p.detach().contiguous()
+        if tp > 1 and rule.kind != mapping.REPLICATED:
+            shards = [torch.empty_like(shard) for _ in range(tp)]
+            dist.all_gather(shards, shard, group=tp_group)
+        else:
+            shards = [shard]
+        yield rule, owner, merge(rule, shards)
+
+
+@torch.no_grad()
+def iter_hf_views(model, spec: Optional[ModelSpec] = None,
+                  ) -> Iterator[Tuple[str, Tuple[int, ...], torch.Tensor]]:
+    """Collective over the TP group: ``(hf_name, shape, view)`` for each logical tensor this
+    rank's PP stage owns, in canonical order (see :func:`megarl.models.mapping.hf_views_from_shards`).
+
+    Nothing is copied beyond the TP gather and nothing crosses PP stages: for readers of the
+    weights in place (the manifest's checksums), which combine the stages' results themselves.
     """
-
-    def __init__(self):
-        self._host: Dict[str, torch.Tensor] = {}
-
-    def __call__(self, name: str, shape: Tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        if like.device.type != "cpu":
-            return torch.empty(shape, dtype=like.dtype, device=like.device)
-        buf = self._host.get(name)
-        if buf is None or tuple(buf.shape) != tuple(shape) or buf.dtype != like.dtype:
-            buf = self._host[name] = torch.empty(shape, dtype=like.dtype)
-        return buf
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._host.values())
-
-
-def export_buffers(model) -> ExportBuffers:
-    """The :class:`ExportBuffers` kept on ``model`` (created on first use)."""
     model = unwrap(model)
-    bufs = getattr(model, "_megarl_export_buffers", None)
-    if bufs is None:
-        bufs = ExportBuffers()
-        model._megarl_export_buffers = bufs
-    return bufs
+    spec = spec or model.megarl_spec
+    for _rule, _owner, views in _merged_rules(
+            model, spec, lambda rule, shards: mapping.hf_views_from_shards(rule, shards, spec)):
+        for name, (shape, view) in (views or {}).items():
+            yield name, shape, view
 
 
 @torch.no_grad()
 def iter_hf_tensors(model, spec: Optional[ModelSpec] = None, dtype: Optional[torch.dtype] = None,
-                    device: Optional[str] = "cpu", buffers: Optional[ExportBuffers] = None,
+                    device: Optional[str] = "cpu",
+                    out: Optional[Callable[[str, Tuple[int, ...], torch.Tensor], torch.Tensor]] = None,
                     ) -> Iterator[Tuple[str, torch.Tensor]]:
     """Collective: yield ``(hf_name, full logical tensor)`` on every rank, in canonical order.
 
@@ -154,36 +160,21 @@ def iter_hf_tensors(model, spec: Optional[ModelSpec] = None, dtype: Optional[tor
     The owner PP stage gathers the TP shards and merges them with the mapping; the merged
     HF tensors are then broadcast over the PP group.  Only one parameter's tensors are alive
     at a time.  Tensors are moved to ``device`` (``None``: left where they were gathered,
-    e.g. on the GPU for a CUDA-IPC consumer) and cast to ``dtype`` when given.  With
-    ``buffers`` the tensors the merge builds are written into them (see :class:`ExportBuffers`
-    for when that is safe).
+    e.g. on the GPU for a CUDA-IPC consumer) and cast to ``dtype`` when given.  ``out`` is
+    passed to :func:`megarl.models.mapping.hf_from_shards`: where the tensors it has to build
+    (the de-interleaved Q, K and V) are built, e.g. in their final place in a rollout engine.
     """
     from megatron.core import parallel_state as ps
 
     model = unwrap(model)
     spec = spec or model.megarl_spec
-    pp_rank, pp, tp_rank, tp = _pp_tp()
+    pp_rank, pp, _, _ = _pp_tp()
     shapes = mapping.hf_shapes(spec)
-    mine = _stage_params(model)
-    tp_group = ps.get_tensor_model_parallel_group()
     pp_group = ps.get_pipeline_model_parallel_group()
     param_dtype = next(model.parameters()).dtype
     dev = next(model.parameters()).device
-    for rule in mapping.rules(spec):
-        owner = _owner_stage(rule, spec, pp)
-        merged: Dict[str, torch.Tensor] = {}
-        if owner == pp_rank:
-            p = mine.get(rule.megatron_name)
-            if p is None:
-                raise mapping.MappingError(
-                    f"{rule.megatron_name}: expected on pipeline stage {pp_rank}, not found")
-            shard = p.detach().contiguous()
-            if tp > 1 and rule.kind != mapping.REPLICATED:
-                shards = [torch.empty_like(shard) for _ in range(tp)]
-                dist.all_gather(shards, shard, group=tp_group)
-            else:
-                shards = [shard]
-            merged = mapping.hf_from_shards(rule, shards, spec, out=buffers)
+    for rule, owner, merged in _merged_rules(
+            model, spec, lambda rule, shards: mapping.hf_from_shards(rule, shards, spec, out=out)):
         for name in rule.hf_names:
             if pp > 1:
                 if owner == pp_rank:

@@ -88,12 +88,50 @@ def tensor_checksum(tensor: torch.Tensor) -> str:
     ~1.5 GB/s on one host core plus a device-to-host copy.
     """
     t = tensor.detach()
-    if not t.is_contiguous():
-        t = t.contiguous()
     nbytes = t.numel() * t.element_size()
+    if not t.is_contiguous():
+        in_place = _block_row_sums(t)
+        if in_place is not None:
+            return _finish(nbytes, *in_place)
+        t = t.contiguous()
+    return _finish(nbytes, *_row_sums(t, nbytes))
+
+
+def _block_row_sums(t: torch.Tensor) -> "tuple[int, bytes, bytes] | None":
+    """The row sums of a non-contiguous ``t`` read in place, when ``t[0], t[1], ...`` are each
+    contiguous and a whole number of checksum rows (a Q, K or V inside megatron's fused QKV:
+    one block per query group, e.g. 128 x 4096 bf16 = 128 rows): rows then never straddle two
+    blocks, so the blocks' row sums in order are those of ``t.contiguous()``.  Else None."""
+    if t.dim() < 2 or t.numel() == 0:
+        return None
+    elt = t.element_size()
+    inner = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if size != 1 and stride != inner:
+            return None
+        inner *= size
+    row = 8 * CHECKSUM_ROW_WORDS
+    block = inner * elt
+    if block % row or (t.stride(0) * elt) % 8 or t.data_ptr() % 8 or t.stride(0) < inner:
+        return None
+    blocks, rows = t.shape[0], block // row
+    if t.device.type != "cpu":
+        sums = b"".join(_row_sums_device(t[g], block)[1] for g in range(blocks))
+        return blocks * rows, sums, b""
+    import numpy as np
+
+    span = (blocks - 1) * t.stride(0) * elt + block
+    words = np.frombuffer(_host_span(t.data_ptr(), span), dtype=np.int64)
+    grid = np.lib.stride_tricks.as_strided(words, shape=(blocks, rows, CHECKSUM_ROW_WORDS),
+                                           strides=(t.stride(0) * elt, row, 8), writeable=False)
+    return blocks * rows, np.einsum("gij,j->gi", grid, _host_weights()).tobytes(), b""
+
+
+def _row_sums(t: torch.Tensor, nbytes: int) -> "tuple[int, bytes, bytes]":
+    """(number of full rows, their sums as int64 bytes, the tail words' bytes) of contiguous ``t``."""
     if t.device.type == "cpu":
-        return _checksum_host(t, nbytes)
-    return _checksum_device(t, nbytes)
+        return _row_sums_host(t, nbytes)
+    return _row_sums_device(t, nbytes)
 
 
 def _finish(nbytes: int, m: int, sums: bytes, tail: bytes) -> str:
@@ -111,13 +149,16 @@ def host_bytes(t: torch.Tensor) -> memoryview:
     live parameter or optimizer state must not take that away.  The caller keeps ``t`` alive
     while the view is used.
     """
+    return _host_span(t.data_ptr(), t.numel() * t.element_size())
+
+
+def _host_span(address: int, n: int) -> memoryview:
     import ctypes
 
-    n = t.numel() * t.element_size()
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B").toreadonly()
+    return memoryview((ctypes.c_char * n).from_address(address)).cast("B").toreadonly()
 
 
-def _checksum_host(t: torch.Tensor, nbytes: int) -> str:
+def _row_sums_host(t: torch.Tensor, nbytes: int) -> "tuple[int, bytes, bytes]":
     """:func:`tensor_checksum` of a contiguous CPU tensor with numpy: a few numpy calls instead
     of ~15 torch dispatches (which dominate for the many small tensors of a model).  The
     matrix-vector product is ``einsum``'s: its unrolled int64 sum-of-products loop reads
@@ -135,10 +176,10 @@ def _checksum_host(t: torch.Tensor, nbytes: int) -> str:
     m = words.size // CHECKSUM_ROW_WORDS
     cut = m * CHECKSUM_ROW_WORDS
     sums = np.einsum("ij,j->i", words[:cut].reshape(m, CHECKSUM_ROW_WORDS), _host_weights()).tobytes() if m else b""
-    return _finish(nbytes, m, sums, words[cut:].tobytes())
+    return m, sums, words[cut:].tobytes()
 
 
-def _checksum_device(t: torch.Tensor, nbytes: int) -> str:
+def _row_sums_device(t: torch.Tensor, nbytes: int) -> "tuple[int, bytes, bytes]":
     """:func:`tensor_checksum` with torch ops on ``t``'s device (a GPU); only the row sums and
     the tail cross to the host.  No integer GEMV in CUDA: multiply and reduce in slices of rows
     (the same integers modulo 2**64), bounding the temporary to 64 MiB."""
@@ -164,7 +205,7 @@ def _checksum_device(t: torch.Tensor, nbytes: int) -> str:
         for i in range(0, m, step):
             torch.sum(grid[i:i + step] * c, dim=1, out=out[i:i + step])
         sums = out.cpu().numpy().tobytes()
-    return _finish(nbytes, m, sums, words[cut:].cpu().numpy().tobytes())
+    return m, sums, words[cut:].cpu().numpy().tobytes()
 
 
 _WEIGHTS: dict = {}
@@ -247,13 +288,26 @@ class TensorManifest:
     def add(self, name: str, tensor: torch.Tensor) -> TensorEntry:
         if name in self.entries:
             raise ManifestMismatchError(f"tensor {name!r} added twice to the manifest (duplicate in the stream)")
-        entry = TensorEntry(
-            name=name,
-            shape=tuple(int(s) for s in tensor.shape),
-            dtype=_dtype_name(tensor.dtype),
-            checksum=tensor_checksum(tensor),
-        )
-        self.entries[name] = entry
+        return self.add_entry(TensorEntry(name=name, shape=tuple(int(s) for s in tensor.shape),
+                                          dtype=_dtype_name(tensor.dtype), checksum=tensor_checksum(tensor)))
+
+    def add_view(self, name: str, shape: tuple[int, ...], view: torch.Tensor) -> TensorEntry:
+        """:meth:`add` for the tensor of ``shape`` whose elements are ``view``'s in row-major
+        order, e.g. a strided view of Q inside a fused QKV: checksummed in place where it can
+        be (:func:`tensor_checksum`), never reshaped into a copy here."""
+        numel = 1
+        for n in shape:
+            numel *= n
+        if view.numel() != numel:
+            raise ValueError(f"{name}: a view of {view.numel()} elements is not a tensor of shape {list(shape)}")
+        return self.add_entry(TensorEntry(name=name, shape=tuple(int(s) for s in shape),
+                                          dtype=_dtype_name(view.dtype), checksum=tensor_checksum(view)))
+
+    def add_entry(self, entry: TensorEntry) -> TensorEntry:
+        """Add an entry computed elsewhere (another pipeline stage's tensors)."""
+        if entry.name in self.entries:
+            raise ManifestMismatchError(f"tensor {entry.name!r} added twice to the manifest (duplicate in the stream)")
+        self.entries[entry.name] = entry
         return entry
 
     @classmethod

@@ -1,14 +1,16 @@
 """The hybrid engine: megatron actor shards -> rollout engine, verified by manifest.
 
-Two collective passes over the actor's logical tensors (``megarl.models.weights.iter_hf_tensors``:
-gather over TP, broadcast over PP, one parameter alive at a time, names and layouts from the
-mapping module):
+Two collective passes over the actor's logical tensors (gathered over TP, one parameter alive
+at a time, names and layouts from the mapping module):
 
-1. at commit, :func:`actor_manifest` checksums every logical tensor where it was gathered (on
-   the GPU for a GPU actor: nothing but a few KiB per tensor crosses to the host); its global
-   hash becomes the ``weight_manifest_hash`` of the new :class:`PolicyVersion`;
-2. at export, :func:`sync_actor_to_engine` streams the same tensors in buckets into the engine,
-   which checksums what landed and activates only if it equals that manifest.
+1. at commit, :func:`actor_manifest` checksums every logical tensor where it lies
+   (``megarl.models.weights.iter_hf_views``: on the GPU for a GPU actor, nothing but a few KiB
+   per tensor crosses to the host; Q, K and V read inside the fused QKV; PP stages exchange
+   entries only); its global hash becomes the ``weight_manifest_hash`` of the new
+   :class:`PolicyVersion`;
+2. at export, :func:`sync_actor_to_engine` streams the same tensors in buckets into the engine
+   (``megarl.models.weights.iter_hf_tensors``, broadcast over PP), which checksums what landed
+   and activates only if it equals that manifest.
 
 The manifest is layout-independent (it describes logical HF tensors), so a run resumed at
 another TP/PP proves its loaded weights against the checkpointed version with it.
@@ -23,8 +25,9 @@ from __future__ import annotations
 from typing import Callable, Iterable, Iterator, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
-from megarl.models.weights import export_buffers, iter_hf_tensors, unwrap
+from megarl.models.weights import iter_hf_views, iter_hf_tensors, unwrap
 from megarl.rollout.protocol import LoadReport
 from megarl.rollout.weight_stream import TensorManifest, iter_buckets
 from megarl.versions import PolicyVersion, config_hash
@@ -34,9 +37,27 @@ Bucket = List[Tuple[str, torch.Tensor]]
 
 def actor_manifest(actor_model, dtype: Optional[torch.dtype] = None) -> TensorManifest:
     """Collective: the manifest (name, shape, dtype, checksum) of the actor's logical tensors,
-    each checksummed on the device it was gathered on."""
-    return TensorManifest.from_named_tensors(
-        iter_hf_tensors(actor_model, dtype=dtype, device=None, buffers=export_buffers(actor_model)))
+    identical on every rank.
+
+    Each pipeline stage checksums the tensors it owns where they lie, on the device they were
+    gathered on: a Q, K or V is read in place inside megatron's fused QKV (no de-interleaving
+    copy), and the stages exchange their entries, never the tensors.  With ``dtype`` the
+    checksums are of the tensors cast to it (what an engine in that dtype receives)."""
+    from megatron.core import parallel_state as ps
+
+    own = TensorManifest()
+    for name, shape, view in iter_hf_views(actor_model):
+        own.add_view(name, shape, view if dtype is None else view.to(dtype))
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return own
+    group = ps.get_pipeline_model_parallel_group()
+    stages: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(stages, list(own.entries.values()), group=group)
+    manifest = TensorManifest()
+    for entries in stages:
+        for entry in entries:
+            manifest.add_entry(entry)
+    return manifest
 
 
 def model_config_hash(actor_model) -> str:
@@ -52,18 +73,18 @@ def make_version(actor_model, manifest: TensorManifest, run_id: str, optimizer_s
 
 
 class _BuildInEngine:
-    """The ``out`` of the stream's merge (see :class:`megarl.models.weights.ExportBuffers`): a
-    tensor the merge has to build is built straight in the engine's staging tensor when the
-    engine offers one of that shape, dtype and device (``staging_target``), else in the actor's
-    export buffers."""
+    """The stream's ``out`` (:func:`megarl.models.mapping.hf_from_shards`): a tensor the merge has
+    to build anyway (a de-interleaved Q, K or V) is built straight in the engine's staging tensor
+    when the engine offers one of that shape, dtype and device (``staging_target``), which saves
+    copying it again; else in a new tensor."""
 
-    def __init__(self, engine, fallback):
-        self.engine, self.fallback = engine, fallback
+    def __init__(self, engine):
+        self.engine = engine
 
     def __call__(self, name, shape, like):
         t = self.engine.staging_target(name)
         if t is None or tuple(t.shape) != tuple(shape) or t.dtype != like.dtype or t.device != like.device:
-            return self.fallback(name, shape, like)
+            return torch.empty(shape, dtype=like.dtype, device=like.device)
         return t
 
 
@@ -93,14 +114,11 @@ def sync_actor_to_engine(
     # The engine's dtype by default; the expected manifest must have been computed in the same
     # dtype (``actor_manifest(actor, dtype=...)``), else the engine rejects the load by name.
     dtype = dtype or getattr(engine, "dtype", None)
-    # An engine has copied what it keeps when load_weights returns, and a pass never yields
-    # one name twice, so the stream may share the actor's export buffers with the manifest pass.
-    # Without a transport in between, tensors the merge builds go straight into the engine.
-    buffers = export_buffers(actor_model)
+    # Without a transport in between, tensors the merge builds are built in the engine.
+    out = None
     if engine is not None and transport is None and hasattr(engine, "staging_target"):
-        buffers = _BuildInEngine(engine, buffers)
-    stream = iter_hf_tensors(actor_model, dtype=dtype, device=str(getattr(engine, "device", "cpu")),
-                             buffers=buffers)
+        out = _BuildInEngine(engine)
+    stream = iter_hf_tensors(actor_model, dtype=dtype, device=str(getattr(engine, "device", "cpu")), out=out)
     if engine is None:
         _drained(stream)
         return None
