@@ -159,10 +159,10 @@ def _host_span(address: int, n: int) -> memoryview:
 
 
 def _row_sums_host(t: torch.Tensor, nbytes: int) -> "tuple[int, bytes, bytes]":
-    """:func:`tensor_checksum` of a contiguous CPU tensor with numpy: a few numpy calls instead
+    """:func:`_row_sums` of a contiguous CPU tensor with numpy: a few numpy calls instead
     of ~15 torch dispatches (which dominate for the many small tensors of a model).  The
     matrix-vector product is ``einsum``'s: its unrolled int64 sum-of-products loop reads
-    13 GB/s on one core here, against 8.3 GB/s for ``@`` (numpy has no BLAS for integers) and
+    12.5-13 GB/s on one core here, against 8.3 GB/s for ``@`` (numpy has no BLAS for integers) and
     5 GB/s for torch; the integers are the same, modulo 2**64.  The bytes are read through
     :func:`host_bytes` (``t`` stays referenced here)."""
     import numpy as np
@@ -180,7 +180,7 @@ def _row_sums_host(t: torch.Tensor, nbytes: int) -> "tuple[int, bytes, bytes]":
 
 
 def _row_sums_device(t: torch.Tensor, nbytes: int) -> "tuple[int, bytes, bytes]":
-    """:func:`tensor_checksum` with torch ops on ``t``'s device (a GPU); only the row sums and
+    """:func:`_row_sums` with torch ops on ``t``'s device (a GPU); only the row sums and
     the tail cross to the host.  No integer GEMV in CUDA: multiply and reduce in slices of rows
     (the same integers modulo 2**64), bounding the temporary to 64 MiB."""
     flat = t.reshape(-1)
