@@ -35,6 +35,7 @@ from megarl.experience.schema import (
     SamplingConfig,
     batch_tensors,
 )
+from megarl.runtime.cpu_compat import without_device_rewrite
 
 MANIFEST_NAME = "manifest.json"
 TENSOR_FILE = "experience.safetensors"
@@ -203,8 +204,9 @@ def seal(batch: ExperienceBatch) -> ExperienceBatch:
     """
     if batch.sealed:
         return batch
-    frozen = _map_tensors(batch, _freeze, None)
-    return dataclasses.replace(frozen, content_hash=content_hash(frozen))
+    with without_device_rewrite():  # copies and hashes small tensors: no megatron below
+        frozen = _map_tensors(batch, _freeze, None)
+        return dataclasses.replace(frozen, content_hash=content_hash(frozen))
 
 
 def with_derived(batch: ExperienceBatch, derived: DerivedTensors) -> ExperienceBatch:
@@ -218,7 +220,8 @@ def verify(batch: ExperienceBatch) -> None:
     """Recompute the content hash of a sealed batch; raise CorruptExperienceError on mismatch."""
     if not batch.sealed:
         raise ValueError("verify: batch is not sealed (content_hash is None)")
-    got = content_hash(batch)
+    with without_device_rewrite():
+        got = content_hash(batch)
     if got != batch.content_hash:
         raise CorruptExperienceError(f"experience content hash {got} != sealed hash {batch.content_hash}")
 

@@ -28,6 +28,7 @@ from typing import List, Optional
 import torch
 
 from megarl.errors import MegarlError
+from megarl.runtime.cpu_compat import without_device_rewrite
 from megarl.roles.offload import _ALIGN, _as_chunks, _byte_view, _host_buffer, _sync, _torch_optimizers, \
     training_state_claims
 
@@ -49,6 +50,10 @@ class UpdateSnapshot:
 
     def take(self, ddp_model, optimizer, scheduler, steps: int) -> int:
         """Copy the role's state; returns the bytes copied."""
+        with without_device_rewrite():  # storage copies only: no megatron below
+            return self._take(ddp_model, optimizer, scheduler, steps)
+
+    def _take(self, ddp_model, optimizer, scheduler, steps: int) -> int:
         chunks = _as_chunks(ddp_model)
         opts = _torch_optimizers(optimizer)
         claims = training_state_claims(chunks, opts)
