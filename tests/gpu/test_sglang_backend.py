@@ -382,13 +382,16 @@ def check_checksum(ctx):
     for shape, dtype in [((4096, 4096), torch.bfloat16), ((1001, 7), torch.float32), ((13,), torch.bfloat16)]:
         t = torch.randn(*shape, generator=g).to(dtype)
         assert tensor_checksum(t.cuda()) == tensor_checksum(t), (shape, dtype)
+    # K inside a fused QKV (8 groups of [q 256 | k 128 | v 128] x 4096): read in place on both
+    fused = torch.randn(8, 512, 4096, generator=g).to(torch.bfloat16)
+    assert tensor_checksum(fused.cuda()[:, 256:384]) == tensor_checksum(fused[:, 256:384].contiguous())
     big = torch.randn(1 << 30, dtype=torch.bfloat16, device="cuda")  # 2 GiB
     tensor_checksum(big)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     tensor_checksum(big)
     seconds = time.perf_counter() - t0
-    return f"GPU checksum == CPU checksum (bf16/fp32, odd sizes); {big.numel() * 2 / 1e9 / seconds:.0f} GB/s on 2 GiB"
+    return f"GPU checksum == CPU checksum (bf16/fp32, odd sizes, strided QKV blocks); {big.numel() * 2 / 1e9 / seconds:.0f} GB/s on 2 GiB"
 
 
 def main(argv=None) -> int:
