@@ -260,6 +260,8 @@ def test_strided_blocks_are_checksummed_in_place_exactly(groups, rows, cols, gap
         TensorManifest().add_view("q", (groups * rows + 1, cols), view)
     nbytes = whole.numel() * whole.element_size()
     assert _finish(nbytes, *_row_sums_device(whole, nbytes)) == tensor_checksum(view)
+    if whole_rows:  # the accelerator's in-place path, run here on the CPU tensor
+        assert _finish(nbytes, *_block_row_sums(view, on_host=False)) == tensor_checksum(whole)
     if groups > 1:
         assert tensor_checksum(view.flip(0)) != tensor_checksum(whole)
         bent = fused.clone()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -97,11 +98,12 @@ def tensor_checksum(tensor: torch.Tensor) -> str:
     return _finish(nbytes, *_row_sums(t, nbytes))
 
 
-def _block_row_sums(t: torch.Tensor) -> "tuple[int, bytes, bytes] | None":
+def _block_row_sums(t: torch.Tensor, on_host: "bool | None" = None) -> "tuple[int, bytes, bytes] | None":
     """The row sums of a non-contiguous ``t`` read in place, when ``t[0], t[1], ...`` are each
     contiguous and a whole number of checksum rows (a Q, K or V inside megatron's fused QKV:
     one block per query group, e.g. 128 x 4096 bf16 = 128 rows): rows then never straddle two
-    blocks, so the blocks' row sums in order are those of ``t.contiguous()``.  Else None."""
+    blocks, so the blocks' row sums in order are those of ``t.contiguous()``.  Else None.
+    ``on_host`` (default: ``t`` is on the CPU) picks numpy or the accelerator's torch path."""
     if t.dim() < 2 or t.numel() == 0:
         return None
     elt = t.element_size()
@@ -115,7 +117,7 @@ def _block_row_sums(t: torch.Tensor) -> "tuple[int, bytes, bytes] | None":
     if block % row or (t.stride(0) * elt) % 8 or t.data_ptr() % 8 or t.stride(0) < inner:
         return None
     blocks, rows = t.shape[0], block // row
-    if t.device.type != "cpu":
+    if not (t.device.type == "cpu" if on_host is None else on_host):
         sums = b"".join(_row_sums_device(t[g], block)[1] for g in range(blocks))
         return blocks * rows, sums, b""
     import numpy as np
@@ -286,8 +288,7 @@ class TensorManifest:
     entries: dict[str, TensorEntry] = field(default_factory=dict)
 
     def add(self, name: str, tensor: torch.Tensor) -> TensorEntry:
-        if name in self.entries:
-            raise ManifestMismatchError(f"tensor {name!r} added twice to the manifest (duplicate in the stream)")
+        self._refuse_duplicate(name)  # before the checksum is computed for nothing
         return self.add_entry(TensorEntry(name=name, shape=tuple(int(s) for s in tensor.shape),
                                           dtype=_dtype_name(tensor.dtype), checksum=tensor_checksum(tensor)))
 
@@ -295,20 +296,20 @@ class TensorManifest:
         """:meth:`add` for the tensor of ``shape`` whose elements are ``view``'s in row-major
         order, e.g. a strided view of Q inside a fused QKV: checksummed in place where it can
         be (:func:`tensor_checksum`), never reshaped into a copy here."""
-        numel = 1
-        for n in shape:
-            numel *= n
-        if view.numel() != numel:
+        if view.numel() != math.prod(shape):
             raise ValueError(f"{name}: a view of {view.numel()} elements is not a tensor of shape {list(shape)}")
         return self.add_entry(TensorEntry(name=name, shape=tuple(int(s) for s in shape),
                                           dtype=_dtype_name(view.dtype), checksum=tensor_checksum(view)))
 
     def add_entry(self, entry: TensorEntry) -> TensorEntry:
         """Add an entry computed elsewhere (another pipeline stage's tensors)."""
-        if entry.name in self.entries:
-            raise ManifestMismatchError(f"tensor {entry.name!r} added twice to the manifest (duplicate in the stream)")
+        self._refuse_duplicate(entry.name)
         self.entries[entry.name] = entry
         return entry
+
+    def _refuse_duplicate(self, name: str) -> None:
+        if name in self.entries:
+            raise ManifestMismatchError(f"tensor {name!r} added twice to the manifest (duplicate in the stream)")
 
     @classmethod
     def from_named_tensors(cls, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> "TensorManifest":
