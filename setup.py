@@ -23,6 +23,7 @@ setup(
         "matplotlib",  # tools/plot_metrics.py
         "math-verify",  # megarl.rewards.MathVerify (reward.fn: math_verify)
         "pyarrow",  # Parquet prompt datasets (megarl.data.prompts)
+        "requests>=2.28",  # megarl.rewards.HttpReward (reward.fn: http), a remote reward service
     ],
     extras_require={
         "dev": ["pytest>=8", "hypothesis>=6"],

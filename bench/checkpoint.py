@@ -48,16 +48,17 @@ def _du(path: str) -> int:
 
 def bench_save_load(name: str, config: dict, workdir: str) -> dict:
     from megarl import checkpoint
+    from megarl.config import OptimSettings
     from megarl.models.forward import token_log_probs_from_logits
     from megarl.models.megatron_ckpt import load_model
-    from megarl.models.optim import OptimConfig, train_step, wrap_for_training
+    from megarl.models.optim import train_step, wrap_for_training
     from megarl.models.tiny import write_random_hf_checkpoint
     from megarl.roles.offload import ActorOffloader
 
     hf = os.path.join(workdir, f"hf-{name}")
     write_random_hf_checkpoint(hf, config)
     model = load_model(hf)
-    ddp, opt = wrap_for_training(model, OptimConfig(optimizer="adam", lr=1e-4))
+    ddp, opt = wrap_for_training(model, OptimSettings(optimizer="adam", lr=1e-4))
     n_params = sum(p.numel() for p in ddp.parameters())
     vocab = model.megarl_spec.vocab_size
     tokens = torch.randint(0, config["vocab_size"], (1, 8))

@@ -68,11 +68,12 @@ def _paired(ours, floor, repeats: int, warmup: int = 1) -> tuple:
 
 
 def _actor(hf_dir):
+    from megarl.config import OptimSettings
     from megarl.models.megatron_ckpt import load_model
-    from megarl.models.optim import OptimConfig, wrap_for_training
+    from megarl.models.optim import wrap_for_training
 
     model = load_model(hf_dir)
-    return wrap_for_training(model, OptimConfig(optimizer="adam", lr=1e-5))
+    return wrap_for_training(model, OptimSettings(optimizer="adam", lr=1e-5))
 
 
 def bench_weight_sync(name, config, workdir, repeats) -> dict:

@@ -41,8 +41,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megarl.hashing import file_sha256
 from megarl.models.safetensors_io import CheckpointError, read_format_json
-from megarl.experience.seal import _file_sha256
 
 LATEST = "latest"
 MANIFEST = "MANIFEST.json"
@@ -219,7 +219,7 @@ def save(root: str, iteration: int, state: dict, roles: dict, keep: int = 3,
         for d, _, names in os.walk(tmp):
             for n in names:
                 p = os.path.join(d, n)
-                files[os.path.relpath(p, tmp)] = _file_sha256(p)
+                files[os.path.relpath(p, tmp)] = file_sha256(p)
         _write_json(os.path.join(tmp, MANIFEST), {"format": FORMAT, "iteration": iteration, "files": files})
         _fsync_tree(tmp)
         if crash_before_publish == iteration:
@@ -277,7 +277,7 @@ def verify(path: str) -> dict:
             raise CheckpointError(f"{os.path.join(path, rel)}: not in the checkpoint manifest (tampered?)")
         if rel not in present:
             raise CheckpointError(f"{os.path.join(path, rel)}: listed in the manifest but missing")
-        got = _file_sha256(os.path.join(path, rel))
+        got = file_sha256(os.path.join(path, rel))
         if got != want[rel]:
             raise CheckpointError(f"{os.path.join(path, rel)}: sha256 {got} != manifest {want[rel]} (corrupted or tampered)")
     return manifest

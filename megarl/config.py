@@ -13,17 +13,14 @@ hash are written into the run directory.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from megarl.errors import MegarlError
+from megarl.hashing import json_sha256
 
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
-CRITIC_ESTIMATORS = ("gae",)
 ALGORITHMS = ("grpo", "ppo")
 
 
@@ -131,6 +128,16 @@ class DynamicSampling:
 
 
 @dataclass
+class RolloutCorrectionSettings:
+    """Correction of the rollout-vs-trainer log-prob mismatch (Yao et al. 2025), computed from
+    the sealed actor and rollout log-probs; both off (null) by default."""
+
+    token_is_cap: Optional[float] = None  # C of truncated importance sampling, >= 1 (null: no IS weights)
+    seq_mask_threshold: Optional[float] = None  # drop a sample from the loss above this error (null: keep all)
+    seq_mask_stat: str = "max_abs"  # max_abs | mean (|mean log-ratio| over the response)
+
+
+@dataclass
 class AlgoConfig:
     name: str = "grpo"  # grpo | ppo
     advantage: str = "grpo"  # grpo | dr_grpo | rloo | gae | reinforce_plus_plus
@@ -152,9 +159,12 @@ class AlgoConfig:
     micro_batch_size: int = 8
     #: rows per forward-only pass (old/reference log-probs, critic values); 0 = all at once
     forward_micro_batch_size: int = 16
+    #: forward-only passes run each micro-batch's real tokens as one packed (THD) sequence; false = padded
+    pack_sequences: bool = False
     dynamic_sampling: DynamicSampling = field(default_factory=DynamicSampling)
     partial_groups: str = "drop"  # drop | allow_partial
     min_partial_size: Optional[int] = None
+    rollout_correction: RolloutCorrectionSettings = field(default_factory=RolloutCorrectionSettings)
 
 
 @dataclass
@@ -213,9 +223,20 @@ class RewardConfig:
     timeout_s: Optional[float] = 30.0
     max_retries: int = 2
     retry_backoff_s: float = 0.05
+    #: where scorers run: process (killable worker processes) | thread | auto (threads for the
+    #: cheap rule builtins exact_numeric / regex / arithmetic and composites of them, processes
+    #: for math_verify and plug-ins); see megarl/rewards/isolation.py
+    isolation: str = "auto"
+    workers: int = 4  # concurrent reward calls: worker threads or processes
+    kill_grace_s: float = 0.5  # process: SIGTERM -> SIGKILL delay for an overdue worker
+    max_memory_mb: Optional[int] = None  # process: RLIMIT_AS per worker (whole address space); null = none
+    cpu_time_s: Optional[float] = None  # process: RLIMIT_CPU per call (SIGXCPU -> error); null = none
     on_failure: str = "drop"  # drop | quarantine (kept in <run_dir>/quarantine.jsonl)
     #: the only way a failure becomes a number: a penalty per status (null = none)
     penalty: dict = field(default_factory=lambda: {"error": None, "timeout": None, "invalid": None})
+    #: DAPO soft overlong punishment: L_cache, the last tokens before rollout.max_new_tokens over
+    #: which an ok score is lowered linearly to -1 (component "overlong"); null = off
+    overlong_buffer: Optional[int] = None
 
 
 @dataclass
@@ -224,6 +245,22 @@ class EvalConfig:
     n: int = 200  # held-out prompts per evaluation
     max_new_tokens: Optional[int] = None  # default: rollout.max_new_tokens
     success_threshold: float = 1.0  # accuracy = share of held-out samples with reward >= this
+
+
+@dataclass
+class PhaseTimeoutsConfig:
+    """Seconds each phase of the iteration may last (null: no limit).  A phase past its limit
+    fails the run on every rank together (restart from the last checkpoint): loading and
+    activation are checked when they end, generation after every generate call (before scoring
+    and the forwards run), the sealed batch before the update, the update after every optimizer
+    step."""
+
+    exporting: Optional[float] = 600.0
+    rollout_loading: Optional[float] = 600.0
+    rollout_ready: Optional[float] = 600.0
+    generating: Optional[float] = 3600.0
+    experience_sealed: Optional[float] = 600.0
+    updating_from: Optional[float] = 3600.0
 
 
 @dataclass
@@ -258,6 +295,7 @@ class TrainerConfig:
     update_rollback: str = "memory"
     #: iterations recorded as a Chrome-trace timeline per rank (<run_dir>/profile/iter_<k>.rank<r>.json)
     profile_iterations: List[int] = field(default_factory=list)
+    phase_timeout_s: PhaseTimeoutsConfig = field(default_factory=PhaseTimeoutsConfig)
 
 
 @dataclass
@@ -347,7 +385,8 @@ def to_dict(cfg: TrainConfig) -> dict:
 
 
 def config_hash(cfg: TrainConfig, *, exclude: tuple[str, ...] = ("trainer.run_dir", "trainer.run_id")) -> str:
-    """sha256 of the resolved config in canonical JSON (where the run writes is not part of it)."""
+    """:func:`megarl.hashing.json_sha256` of the resolved config (where the run writes is not part
+    of it); written to run.json."""
     d = to_dict(cfg)
     for dotted in exclude:
         node = d
@@ -355,14 +394,13 @@ def config_hash(cfg: TrainConfig, *, exclude: tuple[str, ...] = ("trainer.run_di
         for p in parents:
             node = node.get(p) or {}
         node.pop(leaf, None)
-    blob = json.dumps(d, sort_keys=True, separators=(",", ":"), default=str)
-    return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()
+    return json_sha256(d)
 
 
 def section_hash(section: Any) -> str:
-    blob = json.dumps(dataclasses.asdict(section) if dataclasses.is_dataclass(section) else section,
-                      sort_keys=True, separators=(",", ":"), default=str)
-    return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()
+    """:func:`megarl.hashing.json_sha256` of a config section (a dataclass, as a dict) or of any
+    JSON-able value: what a resumed run must share with its checkpoint."""
+    return json_sha256(dataclasses.asdict(section) if dataclasses.is_dataclass(section) else section)
 
 
 def default_run_dir(cfg: TrainConfig) -> str:
@@ -381,11 +419,30 @@ def _choice(value: str, key: str, choices) -> None:
     _need(value in choices, key, f"{value!r} is not one of {list(choices)}")
 
 
+def _validate_reward_isolation(cfg: TrainConfig) -> None:
+    from megarl.rewards.isolation import ISOLATION_MODES, resolve_isolation
+
+    rw = cfg.reward
+    _choice(rw.isolation, "reward.isolation", ISOLATION_MODES)
+    _need(rw.workers >= 1, "reward.workers", f"must be >= 1, got {rw.workers}")
+    _need(rw.kill_grace_s > 0, "reward.kill_grace_s", f"must be > 0 seconds, got {rw.kill_grace_s}")
+    _need(rw.max_memory_mb is None or rw.max_memory_mb >= 64, "reward.max_memory_mb",
+          f"must be >= 64 (the worker's whole address space) or null, got {rw.max_memory_mb}")
+    _need(rw.cpu_time_s is None or rw.cpu_time_s > 0, "reward.cpu_time_s", f"must be > 0 or null, got {rw.cpu_time_s}")
+    if rw.fn is not None and resolve_isolation(rw.isolation, rw.fn, list(rw.components or [])) == "thread":
+        for key in ("max_memory_mb", "cpu_time_s"):
+            _need(getattr(rw, key) is None, f"reward.{key}",
+                  f"limits worker processes, but reward.fn {rw.fn!r} runs on threads (reward.isolation="
+                  f"{rw.isolation}); set reward.isolation=process or drop the limit")
+    _need(not (cfg.faults.reward_timeout_rate and rw.isolation == "process"), "reward.isolation",
+          "'process' cannot carry faults.reward_timeout_rate (the fault wrapper lives in the trainer); use thread or auto")
+
+
 def validate(cfg: TrainConfig, world_size: int) -> int:
     """Check everything a type cannot; return the data-parallel size.  Reads no model weights."""
     from megarl.algo.aggregation import AGG_MODES
     from megarl.algo.kl import KL_ESTIMATORS
-    from megarl.algo.registry import advantage_names, policy_loss_names
+    from megarl.algo.registry import advantage_names, advantage_needs, policy_loss_names
 
     import megarl.algo.advantages  # noqa: F401  (registers the estimators)
     import megarl.algo.policy_loss  # noqa: F401
@@ -401,6 +458,7 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
     _choice(a.partial_groups, "algo.partial_groups", ("drop", "allow_partial"))
     _choice(r.backend, "rollout.backend", ("hf", "sglang"))
     _choice(cfg.reward.on_failure, "reward.on_failure", ("drop", "quarantine"))
+    _validate_reward_isolation(cfg)
     _choice(cfg.trainer.resume, "trainer.resume", ("auto", "never"))
     _need(cfg.trainer.checkpoint_every >= 0, "trainer.checkpoint_every", "must be >= 0")
     _need(cfg.trainer.checkpoint_keep >= 1, "trainer.checkpoint_keep", "must be >= 1")
@@ -408,6 +466,8 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
     _choice(t.on_update_failure, "trainer.on_update_failure", ("retry", "skip", "stop"))
     _choice(t.update_rollback, "trainer.update_rollback", ("memory", "none"))
     _need(t.max_update_retries >= 0, "trainer.max_update_retries", "must be >= 0")
+    for phase, limit in vars(t.phase_timeout_s).items():
+        _need(limit is None or limit > 0, f"trainer.phase_timeout_s.{phase}", f"must be > 0 seconds or null, got {limit}")
     _need(t.update_rollback == "memory" or t.on_update_failure == "stop", "trainer.on_update_failure",
           f"{t.on_update_failure!r} needs trainer.update_rollback=memory (without a copy of version v "
           "the only recovery is a restart from the last checkpoint: use 'stop')")
@@ -427,19 +487,25 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
     for k, v in cfg.reward.penalty.items():
         _need(v is None or isinstance(v, (int, float)), f"reward.penalty.{k}", f"must be a number or null, got {v!r}")
 
-    # the algorithm and the roles it reads
+    # the algorithm and the roles it reads: the estimator's registry entry says what it needs
+    needs = advantage_needs(a.advantage)
+    critic_free = [n for n in advantage_names() if not advantage_needs(n).critic and not advantage_needs(n).step_rewards]
     if a.name == "grpo":
-        _need(a.advantage not in CRITIC_ESTIMATORS, "algo.advantage",
-              f"{a.advantage!r} needs a critic; algo.name=grpo has none (use grpo, dr_grpo, rloo or reinforce_plus_plus)")
+        _need(not needs.critic, "algo.advantage",
+              f"{a.advantage!r} needs a critic; algo.name=grpo has none (use one of {critic_free})")
         _need(cfg.critic is None, "critic",
               "is set but algo.name=grpo trains no critic; remove the critic section or use algo.name=ppo")
     else:
         _need(cfg.critic is not None, "critic", "algo.name=ppo needs a critic section (critic: {} for the defaults)")
-        _need(a.advantage in CRITIC_ESTIMATORS, "algo.advantage",
-              f"algo.name=ppo uses the critic: expected one of {list(CRITIC_ESTIMATORS)}, got {a.advantage!r}")
-    if a.advantage in GROUP_ESTIMATORS:
+        critic_ests = [n for n in advantage_names() if advantage_needs(n).critic]
+        _need(needs.critic, "algo.advantage",
+              f"algo.name=ppo uses the critic: expected one of {critic_ests}, got {a.advantage!r}")
+    _need(not needs.step_rewards, "algo.advantage",
+          f"{a.advantage!r} reads per-step process rewards, which no reward function in megarl produces "
+          f"(use one of {critic_free})")
+    if needs.groups:
         _need(r.n >= 2, "rollout.n", f"the group estimator {a.advantage!r} needs G >= 2 samples per prompt, got {r.n}")
-    _need(not a.dynamic_sampling.enabled or a.advantage in GROUP_ESTIMATORS, "algo.dynamic_sampling.enabled",
+    _need(not a.dynamic_sampling.enabled or needs.groups, "algo.dynamic_sampling.enabled",
           "filters zero-spread groups, which only exist with a group estimator")
     _need(a.dynamic_sampling.max_rounds >= 1, "algo.dynamic_sampling.max_rounds", "must be >= 1")
     if a.kl.placement == "none":
@@ -463,6 +529,19 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
     if r.reuse_rollout_log_probs:
         _need(r.backend == "hf" or r.temperature == 1.0, "rollout.reuse_rollout_log_probs",
               "raw-space rollout log-probs are needed")
+    rc = a.rollout_correction
+    _need(rc.token_is_cap is None or rc.token_is_cap >= 1, "algo.rollout_correction.token_is_cap",
+          f"must be >= 1 or null, got {rc.token_is_cap}")
+    _need(rc.seq_mask_threshold is None or rc.seq_mask_threshold > 0, "algo.rollout_correction.seq_mask_threshold",
+          f"must be > 0 or null, got {rc.seq_mask_threshold}")
+    _choice(rc.seq_mask_stat, "algo.rollout_correction.seq_mask_stat", ("max_abs", "mean"))
+    if rc.token_is_cap is not None or rc.seq_mask_threshold is not None:
+        _need(not r.reuse_rollout_log_probs, "algo.rollout_correction",
+              "compares the actor's old log-probs with the rollout's; rollout.reuse_rollout_log_probs=true "
+              "makes them the same tensor (set it to false)")
+    ob = cfg.reward.overlong_buffer
+    _need(ob is None or 0 < ob <= r.max_new_tokens, "reward.overlong_buffer",
+          f"must be in (0, rollout.max_new_tokens={r.max_new_tokens}] or null, got {ob}")
     _need(r.log_prob_parity_every >= 0, "rollout.log_prob_parity_every",
           f"must be >= 0 (0 = check parity on the first iteration only), got {r.log_prob_parity_every}")
     _need(r.log_prob_parity_tol > 0, "rollout.log_prob_parity_tol", f"must be > 0, got {r.log_prob_parity_tol}")
@@ -494,6 +573,11 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
     for key, v in (("algo.micro_batch_size", a.micro_batch_size),
                    ("algo.forward_micro_batch_size", a.forward_micro_batch_size)):
         _need(v >= 0, key, f"must be >= 1, or 0 for the whole batch in one pass, got {v}")
+    if a.pack_sequences:
+        from megarl.models.forward import packing_unsupported_reason
+
+        why = packing_unsupported_reason()
+        _need(why is None, "algo.pack_sequences", f"is true, but {why}")
     mini = t.prompts_per_iteration * r.n // a.num_mini_batches
     _need(a.micro_batch_size == 0 or mini % (dp * a.micro_batch_size) == 0, "algo.micro_batch_size",
           f"a mini-batch of {t.prompts_per_iteration} prompts x {r.n} samples / {a.num_mini_batches} = {mini} "

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from megarl.errors import MegarlError
 
-__all__ = ["FaultInjector", "InjectedFault", "FaultyRolloutEngine", "FaultyRewardFunction"]
+__all__ = ["FaultInjector", "InjectedFault", "FaultyActor", "FaultyRolloutEngine", "FaultyRewardFunction"]
 
 
 class InjectedFault(MegarlError, RuntimeError):
@@ -36,6 +36,8 @@ class FaultInjector:
         self.counts: Counter = Counter()
         self._lock = threading.Lock()
         self._fired: set = set()  # one-shot faults already injected
+        #: the iteration the run is in; the driver advances it, the seams key iteration faults on it
+        self.iteration: int | None = None
 
     @property
     def active(self) -> bool:
@@ -77,6 +79,57 @@ class FaultInjector:
         return c.fail_optimizer_step_kind
 
 
+class FaultyActor:
+    """The real actor role whose optimizer steps fail on purpose, wrapped at its ``train_step``
+    seam (the trainer's maths is untouched):
+
+    * ``faults.fail_optimizer_step_at`` (see :meth:`FaultInjector.optimizer_fault`):
+      ``exception`` raises once the optimizer applied the step, before the LR schedule
+      advances; ``nan`` multiplies this rank's loss by NaN, so the summed gradients, the grad
+      norm and the stepped weights are NaN on every rank;
+    * ``faults.crash_during_update_at``: the process dies right after the iteration's first
+      actor optimizer step, leaving the weights half-updated in memory.
+
+    Steps are counted per iteration (``injector.iteration``); everything else is the actor's.
+    """
+
+    def __init__(self, actor, injector: FaultInjector, steps_per_update: int):
+        object.__setattr__(self, "_actor", actor)
+        object.__setattr__(self, "_inj", injector)
+        object.__setattr__(self, "_last", steps_per_update - 1)
+        object.__setattr__(self, "_clock", [None, 0])  # iteration, actor steps taken in it
+
+    def __getattr__(self, name):
+        return getattr(self._actor, name)
+
+    def __setattr__(self, name, value):  # e.g. a rollback restoring ``steps`` reaches the actor
+        setattr(self._actor, name, value)
+
+    def train_step(self, micro_batches, loss_fn, after_optimizer_step=None):
+        k = self._inj.iteration
+        if self._clock[0] != k:
+            self._clock[:] = [k, 0]
+        step = self._clock[1]
+        self._clock[1] += 1
+        fault = self._inj.optimizer_fault(k, step, self._last)
+        if fault == "nan":
+            real_loss = loss_fn
+
+            def loss_fn(output, mb):
+                loss, metrics = real_loss(output, mb)
+                return loss * float("nan"), metrics
+        if fault == "exception":
+            rank = self._inj.rank
+
+            def after_optimizer_step():
+                raise InjectedFault(f"faults.fail_optimizer_step_at: injected failure in iteration {k}'s "
+                                    f"optimizer step on rank {rank}")
+        result = self._actor.train_step(micro_batches, loss_fn, after_optimizer_step=after_optimizer_step)
+        if self._inj.cfg.crash_during_update_at == k and step == 0:
+            crash_now("inside the update, after its first optimizer step,", k)
+        return result
+
+
 class FaultyRolloutEngine:
     """A real rollout engine whose results are lost, delivered late, or duplicated.
 
@@ -94,6 +147,17 @@ class FaultyRolloutEngine:
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
+
+    @property
+    def dtype(self):
+        return self._engine.dtype
+
+    @property
+    def device(self):
+        return self._engine.device
+
+    def staging_target(self, name: str):
+        return self._engine.staging_target(name)
 
     def generate(self, requests: Sequence, sampling) -> list:
         late, self._late = self._late, []

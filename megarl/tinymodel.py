@@ -75,12 +75,13 @@ def build(out_dir: str, *, hidden_size: int = 128, num_layers: int = 4, num_head
     """Build the tiny model into ``out_dir`` (must not hold a finished build); return its info."""
     import torch
 
+    from megarl.config import OptimSettings
     from megarl.data.tasks.arithmetic import make_problems
     from megarl.data.tiny_tokenizer import build_tiny_tokenizer
     from megarl.data.tokenizer import TokenizerContract
     from megarl.models.forward import token_log_probs_from_logits
     from megarl.models.megatron_ckpt import load_model
-    from megarl.models.optim import OptimConfig, train_step, wrap_for_training
+    from megarl.models.optim import train_step, wrap_for_training
     from megarl.models.tiny import make_tiny_hf_checkpoint
     from megarl.models.weights import export_hf
     from megarl.runtime import distributed as rt
@@ -105,7 +106,7 @@ def build(out_dir: str, *, hidden_size: int = 128, num_layers: int = 4, num_head
 
     rt.initialize(tp=1, pp=1, seed=seed)
     model = load_model(random_dir)
-    ddp, opt = wrap_for_training(model, OptimConfig(optimizer="adam", lr=lr, clip_grad=1.0, weight_decay=0.0))
+    ddp, opt = wrap_for_training(model, OptimSettings(optimizer="adam", lr=lr, clip_grad=1.0, weight_decay=0.0))
     V = model.megarl_spec.vocab_size
     problems = make_problems("train", seed, steps * batch, digits=tuple(digits), ops=tuple(ops))
     prompts, answers = _sequences(tok, problems)

@@ -138,7 +138,7 @@ def main(argv=None) -> dict:
 
     import torch
 
-    from megarl.control.loop import Trainer
+    from megarl.control.trainer import Trainer
     from megarl.runtime import distributed as rt
     from megarl.runtime.data_parallel import broadcast_object
 

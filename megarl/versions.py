@@ -1,37 +1,32 @@
 """Policy versions: the identity every sample records.
 
 ``global_step=42`` alone is ambiguous (a retry after a failure, a different branch config, a
-second publish all reuse it), so a version is the tuple the seed prescribes: run id, optimizer
+second publish all reuse it), so a version is a tuple: run id, optimizer
 step, update attempt and the hashes of the weights, the tokenizer contract and the model config.
 Samples carry only the short id (``v42.1-1a2b3c4d``); the full record lives in the manifest.
 
-A leaf module (it imports nothing from megarl): rollout backends, experience records and the
-control loop all share these types without depending on one another
-(tests/test_layering.py enforces it).
+A leaf module (it imports nothing from megarl but the leaf ``megarl.hashing``): rollout backends,
+experience records and the control loop all share these types without depending on one another
+(tests/test_layering.py enforces it).  A version's identity hash is
+:func:`megarl.hashing.json_sha256` of its fields.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 
-__all__ = ["PolicyVersion", "VersionError", "config_hash"]
+from megarl.hashing import json_sha256
+
+__all__ = ["PolicyVersion", "VersionError"]
 
 _HASH_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 
 class VersionError(ValueError):
     """A PolicyVersion field is malformed or two versions are not in the expected relation."""
-
-
-def config_hash(config: Mapping) -> str:
-    """sha256 of a JSON-able mapping in canonical form (sorted keys, no whitespace)."""
-    blob = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
-    return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -60,7 +55,7 @@ class PolicyVersion:
     @cached_property  # immutable fields: computed once (it is read for every sample)
     def identity_hash(self) -> str:
         """sha256 over every field; the short id shows its first 8 hex digits."""
-        return config_hash(self.to_dict())
+        return json_sha256(self.to_dict())
 
     @cached_property
     def short_id(self) -> str:

@@ -9,6 +9,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from tests._dist import subprocess_env  # noqa: E402  (needs ROOT on sys.path)
+
 
 @pytest.fixture(scope="session")
 def megatron_world():
@@ -19,11 +21,6 @@ def megatron_world():
     yield
 
 
-def _env():
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-
-
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory):
     """A tiny warm-started model and task files (built by the real tools, small and quick)."""
@@ -31,11 +28,11 @@ def assets(tmp_path_factory):
     model = d / "tiny"
     subprocess.run([sys.executable, "-m", "megarl.tinymodel", "--out", str(model), "--steps", "40",
                     "--hidden-size", "64", "--num-layers", "2", "--intermediate-size", "128", "--max-digits", "2"],
-                   check=True, env=_env(), capture_output=True, timeout=600)
+                   check=True, env=subprocess_env(), capture_output=True, timeout=600)
     for split, seed, n in (("train", 0, 400), ("heldout", 1, 16)):
         subprocess.run([sys.executable, "-m", "megarl.data.tasks.arithmetic", "--split", split, "--seed", str(seed),
                         "--n", str(n), "--max-digits", "2", "--out", str(d / f"{split}.jsonl")],
-                       check=True, env=_env(), capture_output=True, timeout=120)
+                       check=True, env=subprocess_env(), capture_output=True, timeout=120)
     return {"model": str(model), "train": str(d / "train.jsonl"), "heldout": str(d / "heldout.jsonl")}
 
 

@@ -4,7 +4,6 @@ micro-batch split, packing vs padding, or DP size; no gradient reaches a prompt 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from megarl.algo.advantages import AdvantageConfig, AdvantageInputs, reinforce_p
 from megarl.algo.aggregation import global_normaliser
 from megarl.experience.packing import pack, pack_layout, unpack, unpack_response
 from megarl.experience.schema import check_mask_layout
+from tests._dist import free_port
 
 TOL = dict(atol=1e-6, rtol=0)
 BS = 11
@@ -121,12 +121,6 @@ def test_off_by_one_response_mask_is_rejected_by_the_layout_check():
         check_mask_layout(am, early, P)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_dp2_gloo_equals_single_process(tmp_path: Path):
     batch = ragged_batch(15, bs=BS, dtype=torch.float64)
     torch.save(batch, tmp_path / "batch.pt")
@@ -134,7 +128,7 @@ def test_dp2_gloo_equals_single_process(tmp_path: Path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parent), str(here), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-        "--master-port", str(_free_port()), str(here / "dist_algo_invariance.py"), str(tmp_path / "batch.pt"), str(tmp_path),
+        "--master-port", str(free_port()), str(here / "dist_algo_invariance.py"), str(tmp_path / "batch.pt"), str(tmp_path),
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

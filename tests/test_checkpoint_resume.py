@@ -5,77 +5,22 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
-import torch
 
-from tests.test_train_e2e import GRPO, PPO, _env, _free_port, batches, metrics
-
-ITERS = 5
-TIMING = ("time", "_s", "stage_s", "stage_share", "per_s", "seconds", "e2e/count/resumes",
-          "e2e/count/checkpoints")
-
-
-def _cmd(assets, run_dir, recipe, nproc, extra):
-    overrides = [f"model.path={assets['model']}", "model.build_tiny=false", f"data.train_path={assets['train']}",
-                 f"data.heldout_path={assets['heldout']}", "data.build_arithmetic=false",
-                 f"trainer.run_dir={run_dir}", "trainer.run_id=resume-test", f"trainer.iterations={ITERS}",
-                 "trainer.prompts_per_iteration=4", "rollout.n=4", "algo.num_mini_batches=2",
-                 "algo.micro_batch_size=2", "algo.forward_micro_batch_size=8", "eval.n=8", "eval.every=2",
-                 "trainer.checkpoint_every=1", "trainer.checkpoint_keep=2",
-                 "reward.fn=tests.plugins.faulty_rewards:digit_count", *extra]
-    head = [sys.executable, "-m", "megarl.train"] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-        "--master-port", str(_free_port()), "-m", "megarl.train"]
-    return head + ["--config", recipe] + overrides
-
-
-class _Done:
-    def __init__(self, returncode, stdout, stderr):
-        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
-
-
-def _run(cmd, expect=0):
-    """Run to completion in its own session, output to files (not pipes): a process that dies
-    hard (fault injection) can leave dist_checkpointing's writer workers behind, which would
-    hold pipes open; they are killed with the session."""
-    import tempfile
-
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=_env(), start_new_session=True)
-        try:
-            rc = proc.wait(timeout=900)
-        finally:
-            _kill_tree(proc.pid)
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        out.seek(0)
-        err.seek(0)
-        done = _Done(rc, out.read(), err.read())
-    assert done.returncode == expect, f"rc={done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-    return done
-
-
-def _kill_tree(pid):
-    """SIGKILL a process and every descendant at once (torchrun starts its workers in sessions of
-    their own, so a process-group kill would leave them running)."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = root.children(recursive=True) + [root]
-    except psutil.NoSuchProcess:
-        return
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(procs, timeout=30)
+from tests._dist import subprocess_env
+from tests._train_runs import (
+    GRPO,
+    ITERS,
+    PPO,
+    batches,
+    check_same_run,
+    checkpointed_run_cmd,
+    kill_tree,
+    run_to_exit,
+    uninterrupted,
+)
 
 
 def _latest(run_dir):
@@ -90,7 +35,7 @@ def _kill_after_checkpoint(cmd, run_dir, at_least):
     import tempfile
 
     err = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=_env(), start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=subprocess_env(), start_new_session=True)
     t0 = time.time()
     while _latest(run_dir) < at_least:
         if proc.poll() is not None:
@@ -98,49 +43,12 @@ def _kill_after_checkpoint(cmd, run_dir, at_least):
             raise AssertionError(f"the run ended (rc={proc.returncode}) before checkpoint {at_least}: "
                                  f"{err.read()[-4000:]}")
         if time.time() - t0 > 600:
-            _kill_tree(proc.pid)
+            kill_tree(proc.pid)
             raise AssertionError("no checkpoint within 600 s")
         time.sleep(0.02)
-    _kill_tree(proc.pid)
+    kill_tree(proc.pid)
     proc.wait()
     return _latest(run_dir)
-
-
-def _comparable(row, ignore=()):
-    return {k: v for k, v in row.items() if not any(t in k for t in TIMING + tuple(ignore))}
-
-
-def _check_same_run(a_dir, b_dir, killed_at, ignore=(), resumes=1):
-    from safetensors.torch import load_file
-
-    wa = load_file(os.path.join(a_dir, "export", f"iter_{ITERS}", "model.safetensors"))
-    wb = load_file(os.path.join(b_dir, "export", f"iter_{ITERS}", "model.safetensors"))
-    assert set(wa) == set(wb) and all(torch.equal(wa[k], wb[k]) for k in wa), "actor weights differ"
-    last = f"iter_{ITERS:06d}"
-    da = json.load(open(os.path.join(a_dir, "checkpoints", last, "digests.json")))
-    db = json.load(open(os.path.join(b_dir, "checkpoints", last, "digests.json")))
-    assert da == db, "optimizer state or weight manifests differ"
-    ma, mb = metrics(a_dir), metrics(b_dir)
-    assert [m["iteration"] for m in mb] == list(range(ITERS))  # rows after the checkpoint were rewritten once
-    for x, y in zip(ma[killed_at:], mb[killed_at:]):
-        assert _comparable(x, ignore) == _comparable(y, ignore), (
-            x["iteration"], {k: (x.get(k), y.get(k)) for k in _comparable(x, ignore) if x.get(k) != y.get(k)})
-    sa = json.load(open(os.path.join(b_dir, "checkpoints", last, "state.json")))
-    assert sa["counters"].get("resumes") == (resumes or None) and sa["unconsumed_experience"] is None
-
-
-_UNINTERRUPTED = {}
-
-
-def uninterrupted(assets, tmp_path_factory, recipe, nproc, extra):
-    """The run dir of an uninterrupted run of this configuration (made once per session, shared
-    by the resume and fault tests that compare against it)."""
-    key = (recipe, nproc, tuple(extra))
-    if key not in _UNINTERRUPTED:
-        d = str(tmp_path_factory.mktemp("uninterrupted") / "a")
-        _run(_cmd(assets, d, recipe, nproc, list(extra)))
-        _UNINTERRUPTED[key] = d
-    return _UNINTERRUPTED[key]
 
 
 PPO_EXTRA = ["critic.micro_batch_size=2", "critic.warmup_iters=1"]
@@ -154,20 +62,20 @@ PPO_EXTRA = ["critic.micro_batch_size=2", "critic.warmup_iters=1"]
 ], ids=["grpo-1proc", "ppo-1proc", "grpo-dp2", "ppo-dp2"])
 def test_exact_resume_after_kill(assets, tmp_path, tmp_path_factory, recipe, nproc, extra):
     a_dir, b_dir = uninterrupted(assets, tmp_path_factory, recipe, nproc, extra), str(tmp_path / "b")
-    killed_at = _kill_after_checkpoint(_cmd(assets, b_dir, recipe, nproc, extra), b_dir, at_least=2)
+    killed_at = _kill_after_checkpoint(checkpointed_run_cmd(assets, b_dir, recipe, nproc, extra), b_dir, at_least=2)
     assert 2 <= killed_at < ITERS, killed_at
-    out = _run(_cmd(assets, b_dir, recipe, nproc, extra))
+    out = run_to_exit(checkpointed_run_cmd(assets, b_dir, recipe, nproc, extra))
     assert f"resumed from {os.path.join(b_dir, 'checkpoints', f'iter_{killed_at:06d}')}" in out.stdout
-    _check_same_run(a_dir, b_dir, killed_at)
+    check_same_run(a_dir, b_dir, killed_at)
 
 
 def test_crash_mid_checkpoint_keeps_previous(assets, tmp_path):
     d = str(tmp_path / "crash")
-    out = _run(_cmd(assets, d, GRPO, 1, ["faults.crash_during_checkpoint_at=3"]), expect=86)
+    out = run_to_exit(checkpointed_run_cmd(assets, d, GRPO, 1, ["faults.crash_during_checkpoint_at=3"]), expect=86)
     assert _latest(d) == 2
     leftovers = [x for x in os.listdir(os.path.join(d, "checkpoints")) if x.startswith(".tmp-")]
     assert leftovers, "the half-written checkpoint should still be there (never published)"
-    out = _run(_cmd(assets, d, GRPO, 1, []))
+    out = run_to_exit(checkpointed_run_cmd(assets, d, GRPO, 1, []))
     assert "resumed from" in out.stdout and "iter_000002" in out.stdout
     assert not [x for x in os.listdir(os.path.join(d, "checkpoints")) if x.startswith(".tmp-")]
     assert _latest(d) == ITERS
@@ -175,18 +83,19 @@ def test_crash_mid_checkpoint_keeps_previous(assets, tmp_path):
 
 def test_resume_refuses_changed_contract_and_tampered_files(assets, tmp_path):
     d = str(tmp_path / "run")
-    base = _cmd(assets, d, GRPO, 1, ["trainer.iterations=2", "trainer.save_experience=true"])
-    _run(base)
+    base = checkpointed_run_cmd(assets, d, GRPO, 1, ["trainer.iterations=2", "trainer.save_experience=true"])
+    run_to_exit(base)
     # a changed reward config: refused with the field named, exit 2, nothing trained
-    bad = _run(base + ["reward.fn=tests.plugins.faulty_rewards:flat_even_prompts", "trainer.iterations=3"], expect=2)
+    bad = run_to_exit(base + ["reward.fn=tests.plugins.faulty_rewards:flat_even_prompts", "trainer.iterations=3"],
+                      expect=2)
     assert "reward changed" in bad.stderr and "resume_force" in bad.stderr, bad.stderr[-2000:]
     # a changed chat template (the tokenizer contract): both fields named
     tpl = tmp_path / "template.jinja"
     tpl.write_text("{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}<|assistant|> ")
-    bad = _run(base + [f"model.chat_template={tpl}", "trainer.iterations=3"], expect=2)
+    bad = run_to_exit(base + [f"model.chat_template={tpl}", "trainer.iterations=3"], expect=2)
     assert "chat_template" in bad.stderr and "tokenizer" in bad.stderr, bad.stderr[-2000:]
     # forced: continues as a new run id
-    ok = _run(base + ["reward.fn=tests.plugins.faulty_rewards:flat_even_prompts", "trainer.iterations=3",
+    ok = run_to_exit(base + ["reward.fn=tests.plugins.faulty_rewards:flat_even_prompts", "trainer.iterations=3",
                       "trainer.resume_force=true"])
     assert "resumed from" in ok.stdout
     assert batches(d)[-1].facts.run_id == "resume-test-forced2"
@@ -197,7 +106,7 @@ def test_resume_refuses_changed_contract_and_tampered_files(assets, tmp_path):
     data = bytearray(open(victim, "rb").read())
     data[len(data) // 2] ^= 0x01
     open(victim, "wb").write(bytes(data))
-    bad = _run(base + ["trainer.iterations=4"], expect=2)
+    bad = run_to_exit(base + ["trainer.iterations=4"], expect=2)
     assert os.path.basename(victim) in bad.stderr and "sha256" in bad.stderr, bad.stderr[-2000:]
 
 
@@ -210,11 +119,11 @@ def test_resume_at_another_layout(assets, tmp_path, tmp_path_factory, saved):
 
     d = str(tmp_path / "run")
     if saved:
-        _run(_cmd(assets, d, GRPO, 2, ["trainer.iterations=2", *saved]))
+        run_to_exit(checkpointed_run_cmd(assets, d, GRPO, 2, ["trainer.iterations=2", *saved]))
     else:  # a copy of the uninterrupted DP=2 run the exact-resume test made
         shutil.copytree(uninterrupted(assets, tmp_path_factory, GRPO, 2, []), d)
     k = _latest(d)
-    out = _run(_cmd(assets, d, GRPO, 1, [f"trainer.iterations={k + 1}"]))
+    out = run_to_exit(checkpointed_run_cmd(assets, d, GRPO, 1, [f"trainer.iterations={k + 1}"]))
     assert "at a different layout" in out.stdout and f"iter_{k:06d}" in out.stdout, out.stdout[-2000:]
     assert _latest(d) == k + 1
     state = json.load(open(os.path.join(d, "checkpoints", f"iter_{k + 1:06d}", "state.json")))
@@ -227,12 +136,13 @@ def test_sigterm_and_stop_file_checkpoint_then_resume_the_same_run(assets, tmp_p
     checkpoint and exit 0; the third start finishes (DONE), bitwise the uninterrupted run."""
     ref = uninterrupted(assets, tmp_path_factory, GRPO, 1, [])
     d = str(tmp_path / "run")
-    cmd = _cmd(assets, d, GRPO, 1, [])
+    cmd = checkpointed_run_cmd(assets, d, GRPO, 1, [])
     for how in ("stop_file", "sigterm"):
         start = _latest(d)
         log = tmp_path / f"{how}.log"
         with open(log, "w") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.DEVNULL, env=_env(), start_new_session=True)
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.DEVNULL, env=subprocess_env(),
+                                    start_new_session=True)
         t0 = time.time()
         # fresh: once a checkpoint exists; resumed: as soon as it says so (before its first iteration)
         while _latest(d) < 1 if start < 0 else "resumed from" not in log.read_text():
@@ -247,7 +157,7 @@ def test_sigterm_and_stop_file_checkpoint_then_resume_the_same_run(assets, tmp_p
         assert rc == 0 and "stopping after" in text and "on a signal" in text, text[-2000:]
         assert start < _latest(d) < ITERS and not os.path.exists(os.path.join(d, "DONE"))
     stopped_at = _latest(d)
-    _run(cmd)
+    run_to_exit(cmd)
     assert os.path.isfile(os.path.join(d, "DONE"))
-    _check_same_run(ref, d, killed_at=stopped_at, resumes=2)
+    check_same_run(ref, d, killed_at=stopped_at, resumes=2)
 

@@ -3,8 +3,6 @@
 import pytest
 
 from megarl.control.state_machine import (
-    CheckpointState,
-    CheckpointTracker,
     CompletionConditionError,
     ExportEvidence,
     IllegalTransitionError,
@@ -16,9 +14,10 @@ from megarl.control.state_machine import (
     SealEvidence,
     UpdateEvidence,
 )
-from megarl.versions import PolicyVersion, config_hash
+from megarl.hashing import json_sha256
+from megarl.versions import PolicyVersion
 
-H = lambda s: config_hash({"x": s})  # noqa: E731
+H = lambda s: json_sha256({"x": s})  # noqa: E731
 
 
 def version(step, weights="w0"):
@@ -175,6 +174,63 @@ def test_deadline_watchdog_and_in_time_transition():
     assert sm.state.phase is Phase.ACTOR_COMMITTED
 
 
+def test_collective_deadline_fails_every_rank_together():
+    """check_deadline(agree=...) fails a rank that is in time when another rank is late (the
+    reduction says so), with the late rank's own reason where it is the late one."""
+    v0 = version(0)
+    clock = FakeClock()
+    seen = []
+
+    def others_late(in_time):  # an all-reduce where some other rank reported "late"
+        seen.append(in_time)
+        return False
+
+    sm = IterationStateMachine(v0, deadlines=PhaseDeadlines(generating=60.0), clock=clock)
+    drive_to(sm, Phase.GENERATING, v0, version(1, "w1"))
+    clock.t += 1.0
+    sm.check_deadline(agree=lambda in_time: in_time)  # everyone in time: nothing happens
+    assert sm.state.phase is Phase.GENERATING
+    with pytest.raises(PhaseTimeoutError, match="another rank is past the deadline"):
+        sm.check_deadline(agree=others_late)
+    assert seen == [True] and sm.state.phase is Phase.FAILED
+
+    sm = IterationStateMachine(v0, deadlines=PhaseDeadlines(generating=60.0), clock=clock)
+    drive_to(sm, Phase.GENERATING, v0, version(1, "w1"))
+    clock.t += 61.0
+    with pytest.raises(PhaseTimeoutError, match="timeout in GENERATING"):
+        sm.check_deadline(agree=lambda in_time: in_time)  # this rank is the late one
+    assert sm.state.phase is Phase.FAILED
+
+
+def test_commit_needs_every_rank_completed_on_the_same_weights():
+    """The commit's evidence is each rank's report (update ran to the end, manifest of the
+    weights it holds): one rank that did not finish, or that holds other weights, refuses v+1."""
+    v0, v1 = version(0), version(1, "w1")
+    w1 = H("w1")
+    for reports, ok in (([(True, w1), (True, w1)], True),
+                        ([(True, w1), (False, w1)], False),  # a rank's update did not complete
+                        ([(True, w1), (True, H("w-other"))], False)):  # a rank diverged
+        sm = IterationStateMachine(v0)
+        drive_to(sm, Phase.UPDATING_FROM, v0, v1)
+        evidence = UpdateEvidence.from_rank_reports(reports, w1)
+        assert evidence.world_size == 2 and evidence.ranks_succeeded == sum(d and h == w1 for d, h in reports)
+        if ok:
+            sm.commit(v1, evidence)
+            assert sm.committed == v1
+        else:
+            with pytest.raises(CompletionConditionError, match="succeeded on 1 of 2 ranks"):
+                sm.commit(v1, evidence)
+            assert sm.state.phase is Phase.FAILED and sm.committed == v0
+
+
+def test_deadlines_from_config_section():
+    from megarl.config import PhaseTimeoutsConfig
+
+    d = PhaseDeadlines.from_config(PhaseTimeoutsConfig(generating=12.5, updating_from=None))
+    assert d.for_phase(Phase.GENERATING) == 12.5 and d.for_phase(Phase.UPDATING_FROM) is None
+    assert d.for_phase(Phase.EXPORTING) == PhaseTimeoutsConfig().exporting
+
+
 def test_recover_requires_the_last_committed_version():
     v0, v1 = version(0), version(1, "w1")
     sm = IterationStateMachine(v0)
@@ -191,29 +247,6 @@ def test_recover_requires_the_last_committed_version():
     assert retry.update_attempt == 1
     sm.commit(retry, UpdateEvidence(4, 4, retry.weight_manifest_hash))
     assert sm.committed == retry
-
-
-def test_checkpoint_state_is_separate_from_the_committed_version():
-    ck = CheckpointTracker()
-    assert ck.status.state is CheckpointState.NONE
-    ck.begin_write(10)
-    with pytest.raises(IllegalTransitionError, match="still being written"):
-        ck.begin_write(11)
-    with pytest.raises(IllegalTransitionError, match="WRITING\\(12\\)"):
-        ck.mark_persisted(12)
-    ck.mark_persisted(10)
-    assert (ck.status.state, ck.status.step) == (CheckpointState.PERSISTED, 10)
-    with pytest.raises(IllegalTransitionError, match="not after"):
-        ck.begin_write(10)
-    ck.begin_write(20)
-    assert ck.status.step == 10  # while writing, the last persisted one still counts
-    ck.abort_write()
-    assert (ck.status.state, ck.status.step) == (CheckpointState.PERSISTED, 10)
-    with pytest.raises(IllegalTransitionError):
-        ck.abort_write()
-    fresh = CheckpointTracker()
-    fresh.begin_write(1)
-    assert fresh.abort_write().state is CheckpointState.NONE
 
 
 @pytest.mark.parametrize("phase", ORDER + [Phase.FAILED])

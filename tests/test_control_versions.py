@@ -4,9 +4,10 @@ import re
 
 import pytest
 
-from megarl.versions import PolicyVersion, VersionError, config_hash
+from megarl.hashing import json_sha256
+from megarl.versions import PolicyVersion, VersionError
 
-H = lambda s: config_hash({"x": s})  # noqa: E731
+H = lambda s: json_sha256({"x": s})  # noqa: E731
 
 
 def make(**over):

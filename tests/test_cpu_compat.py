@@ -37,8 +37,12 @@ def test_patched_surfaces_still_exist():
     # the loss contract relies on the 3-tuple path not rescaling under calculate_per_token_loss
     src = inspect.getsource(schedules.forward_step_calc_loss)
     assert "if not config.calculate_per_token_loss" in src
-    # megatron still hard-codes device="cuda" in the schedules: the device rewrite is needed
+    # megatron still hard-codes device="cuda" in the schedules and the local attention's causal
+    # mask: the device rewrite is needed
     assert 'device="cuda"' in inspect.getsource(schedules)
+    from megatron.core.transformer import utils as transformer_utils
+
+    assert 'device="cuda"' in inspect.getsource(transformer_utils.get_default_causal_mask)
 
 
 def test_install_is_inert_when_cuda_is_present():
@@ -56,32 +60,66 @@ def test_install_is_inert_when_cuda_is_present():
     assert out.returncode == 0 and "inert" in out.stdout, out.stderr
 
 
-@pytest.mark.skipif(not cpu_compat.on_cpu(), reason="the CPU path is only exercised without CUDA")
-def test_cuda_device_literals_land_on_cpu():
+CPU_ONLY = pytest.mark.skipif(not cpu_compat.on_cpu(),
+                              reason="the CPU path is only exercised without CUDA (install() being inert on "
+                                     "CUDA is tested above)")
+
+
+def _mode_on_stack() -> bool:
+    """Whether cpu_compat's device-rewriting mode is on this thread's torch function stack."""
+    import torch
+
+    n = torch._C._len_torch_function_stack()
+    return any(torch._C._get_function_stack_at(i) is cpu_compat._MODE for i in range(n))
+
+
+@CPU_ONLY
+def test_cuda_device_literals_land_on_cpu_only_inside_megatron():
     import torch
 
     cpu_compat.install()
-    assert torch.zeros(2, device="cuda").device.type == "cpu"
-    assert torch.ones(1).cuda().device.type == "cpu"
-    assert torch.cuda.current_device() == "cpu"
+    assert cpu_compat._MODE is not None
+    assert not _mode_on_stack() and not cpu_compat.in_megatron_scope()
+    with pytest.raises((RuntimeError, AssertionError)):  # outside megatron the literal is real: no CUDA here
+        torch.zeros(2, device="cuda")
+    with cpu_compat.megatron_scope():
+        assert _mode_on_stack() and cpu_compat.in_megatron_scope()
+        assert torch.zeros(2, device="cuda").device.type == "cpu"
+        assert torch.ones(1).cuda().device.type == "cpu"
+        assert torch.ones(1).to("cuda").device.type == "cpu"
+        depth = torch._C._len_torch_function_stack()
+        with cpu_compat.megatron_scope():  # reentrant: the mode is pushed once
+            assert torch._C._len_torch_function_stack() == depth
+        assert _mode_on_stack()
+    assert not _mode_on_stack() and not cpu_compat.in_megatron_scope()
+    with pytest.raises(ValueError):
+        with cpu_compat.megatron_scope():
+            raise ValueError("the mode goes away on the way out of an error too")
+    assert not _mode_on_stack() and not cpu_compat.in_megatron_scope()
+    assert torch.cuda.current_device() == "cpu"  # a plain function patch, not scoped
 
 
-@pytest.mark.skipif(not cpu_compat.on_cpu(),
-                    reason="with CUDA no device-rewriting mode is installed, so there is nothing to lift "
-                           "(install() being inert on CUDA is tested above)")
-def test_device_rewrite_is_lifted_only_inside_the_block():
+@CPU_ONLY
+def test_scope_is_per_thread_and_composes_with_other_modes():
+    import threading
+
     import torch
     from torch.overrides import TorchFunctionMode
 
     cpu_compat.install()
-    with cpu_compat.without_device_rewrite():
-        with pytest.raises((RuntimeError, AssertionError)):  # no CUDA here: the literal is real again
-            torch.zeros(2, device="cuda")
-    assert torch.zeros(2, device="cuda").device.type == "cpu"
-    with pytest.raises(ValueError):
-        with cpu_compat.without_device_rewrite():
-            raise ValueError("the mode comes back on the way out of an error too")
-    assert torch.zeros(2, device="cuda").device.type == "cpu"
+    seen = {}
+
+    def other_thread():
+        seen["scope"] = cpu_compat.in_megatron_scope()
+        seen["on"] = _mode_on_stack()
+        with cpu_compat.megatron_scope():
+            seen["dev"] = torch.zeros(1, device="cuda").device.type
+
+    with cpu_compat.megatron_scope():
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join()
+    assert seen == {"scope": False, "on": False, "dev": "cpu"}
 
     class Counting(TorchFunctionMode):
         calls = 0
@@ -90,8 +128,137 @@ def test_device_rewrite_is_lifted_only_inside_the_block():
             Counting.calls += 1
             return func(*args, **(kwargs or {}))
 
-    with Counting():  # another mode above ours: the block keeps both rather than pull ours out
-        with cpu_compat.without_device_rewrite():
+    with Counting():  # a mode already on the stack: ours goes above it and leaves it in place
+        with cpu_compat.megatron_scope():
             assert torch.zeros(2, device="cuda").device.type == "cpu"
+        assert not _mode_on_stack() and torch._C._len_torch_function_stack() == 1
     assert Counting.calls >= 1
-    assert torch.zeros(2, device="cuda").device.type == "cpu"
+
+
+def test_entry_points_exist():
+    """Every megatron entry point the mode is scoped to is still there (wrapped once installed)."""
+    for module, path in cpu_compat.ENTRY_POINTS:
+        _owner, _name, fn = cpu_compat._resolve(module, path)
+        assert callable(fn), (module, path)
+        if cpu_compat._INSTALLED:
+            assert getattr(fn, "_megarl_scoped", False), (module, path)
+    from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer
+
+    for cls in (FP32Optimizer, ChainedOptimizer):
+        for name in ("step", "zero_grad", "state_dict", "load_state_dict", "sharded_state_dict"):
+            assert name in cls.__dict__, (cls, name)
+            if cpu_compat._INSTALLED:
+                assert getattr(cls.__dict__[name], "_megarl_scoped", False), (cls, name)
+
+
+@CPU_ONLY
+def test_entry_points_are_wrapped_where_megarl_reaches_them():
+    cpu_compat.install()
+    from megatron.core import dist_checkpointing, tensor_parallel
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    # re-exports (imported by name before install) are rebound too
+    for fn in (tensor_parallel.vocab_parallel_cross_entropy, dist_checkpointing.save, dist_checkpointing.load,
+               get_forward_backward_func(pp_size=1, vp_size=None),
+               get_forward_backward_func(pp_size=2, vp_size=None)):
+        assert getattr(fn, "_megarl_scoped", False), fn
+    cpu_compat.install()  # idempotent: nothing is wrapped twice
+    assert not getattr(tensor_parallel.vocab_parallel_cross_entropy.__wrapped__, "_megarl_scoped", False)
+
+
+#: megatron-core names megarl imports that are not entry points (ENTRY_POINTS) and why that is
+#: fine: they hold configuration or layer specs, answer parallel-state queries, are only
+#: type-checked, or run inside an entry point.
+_NOT_ENTRY_POINTS = {
+    "megatron.core.parallel_state": "rank / group queries; initialize / destroy are entry points",
+    "megatron.core.dist_checkpointing": "save / load are entry points",
+    "megatron.core.distributed.DistributedDataParallel": "its methods are entry points",
+    "megatron.core.distributed.DistributedDataParallelConfig": "configuration",
+    "megatron.core.distributed.finalize_model_grads": "called by the schedule (an entry point)",
+    "megatron.core.models.gpt.GPTModel": "its methods are entry points",
+    "megatron.core.models.gpt.gpt_layer_specs": "layer specs",
+    "megatron.core.optimizer.OptimizerConfig": "configuration",
+    "megatron.core.optimizer.get_megatron_optimizer": "an entry point",
+    "megatron.core.optimizer.clip_grads": "patched by cpu_compat",
+    "megatron.core.optimizer.optimizer": "patched by cpu_compat",
+    "megatron.core.optimizer.optimizer.MegatronOptimizer": "its subclasses' methods are entry points",
+    "megatron.core.optimizer_param_scheduler.OptimizerParamScheduler": "learning-rate arithmetic in Python",
+    "megatron.core.packed_seq_params.PackedSeqParams": "a dataclass",
+    "megatron.core.pipeline_parallel.get_forward_backward_func": "returns a schedule, an entry point",
+    "megatron.core.tensor_parallel": "cpu_compat: random.* are entry points",
+    "megatron.core.tensor_parallel.layers": "isinstance checks and parameter attributes",
+    "megatron.core.tensor_parallel.vocab_parallel_cross_entropy": "an entry point",
+    "megatron.core.transformer.dot_product_attention.DotProductAttention": "isinstance checks; cpu_compat's wrapper",
+    "megatron.core.transformer.enums.AttnMaskType": "an enum",
+    "megatron.core.transformer.transformer_config.TransformerConfig": "configuration",
+}
+
+
+def test_megarl_reaches_megatron_through_known_names():
+    """A new megatron import in megarl must be an entry point (ENTRY_POINTS) or listed above:
+    megatron code outside the entry points runs without the device rewrite on CPU."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(cpu_compat.__file__).parents[1]
+    unknown = set()
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megatron"):
+                names = [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.startswith("megatron")]
+            else:
+                continue
+            unknown.update(f"{n} ({path.relative_to(root.parent)})" for n in names if n not in _NOT_ENTRY_POINTS)
+    assert not unknown, f"megatron names megarl imports that are neither entry points nor listed: {sorted(unknown)}"
+
+
+@CPU_ONLY
+def test_megatron_forward_runs_inside_the_mode(tmp_path, megatron_world):
+    """A model built and run through megatron's entry points: the mode is on the stack inside the
+    forward (megatron's causal mask for ``attention_mask=None`` is ``torch.ones(..., device="cuda")``,
+    transformer/utils.py) and gone after it."""
+    import torch
+
+    from megarl.models.forward import position_ids_for, teacher_forced_log_probs
+    from megarl.models.megatron_ckpt import load_model
+    from megarl.models.tiny import make_tiny_hf_checkpoint
+
+    model = load_model(make_tiny_hf_checkpoint(str(tmp_path / "llama"), "llama", seed=3, vocab_size=300))
+    assert not _mode_on_stack() and not cpu_compat.in_megatron_scope()
+    seen = []
+
+    def hook(_module, _args):
+        seen.append((_mode_on_stack(), cpu_compat.in_megatron_scope(), torch.zeros(1, device="cuda").device.type))
+
+    handle = model.decoder.register_forward_pre_hook(hook)
+    try:
+        tokens = torch.randint(1, 300, (2, 7))
+        logits = model(tokens, position_ids_for(tokens), None)
+        assert not _mode_on_stack() and not cpu_compat.in_megatron_scope()
+        lp = teacher_forced_log_probs(model, tokens)
+    finally:
+        handle.remove()
+    assert seen == [(True, True, "cpu")] * 2
+    assert logits.device.type == "cpu" and torch.isfinite(lp).all()
+    assert not _mode_on_stack() and not cpu_compat.in_megatron_scope()
+
+
+def test_local_attention_thd_surface():
+    """The THD path given to megatron's local attention: megatron still refuses packed sequences
+    there (else the wrapper can go), hands the core attention ``[t, heads, dim]`` for THD, and
+    applies RoPE per ``cu_seqlens`` sequence without transformer-engine."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import attention
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    original = getattr(DotProductAttention.forward, "__wrapped__", DotProductAttention.forward)
+    assert "Packed sequence is not supported by DotProductAttention" in inspect.getsource(original)
+    assert list(inspect.signature(original).parameters) == [
+        "self", "query", "key", "value", "attention_mask", "attn_mask_type", "attention_bias", "packed_seq_params"]
+    src = inspect.getsource(attention.Attention.forward)
+    assert "query = query.squeeze(1)" in src and "core_attn_out.reshape(core_attn_out.size(0), 1, -1)" in src
+    assert "cu_seqlens" in inspect.signature(rope_utils._apply_rotary_pos_emb_thd).parameters
+    if cpu_compat._INSTALLED:
+        assert DotProductAttention.forward._megarl_thd

@@ -1,4 +1,4 @@
-"""Experience record: validation, sealing (read-only), save / load with hash verification, joins."""
+"""Experience record: validation, sealing (read-only), save / load with hash verification."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from dist_algo_invariance import ACTOR, REFERENCE, ROLLOUT, ragged_batch
-from megarl.experience.join import ExperienceJoin, JoinOutcome
 from megarl.experience.schema import (
     DerivedTensors,
     ExperienceBatch,
@@ -166,24 +165,3 @@ def test_a_tampered_manifest_is_detected(tmp_path):
     mpath.write_text(json.dumps(m))
     with pytest.raises(CorruptExperienceError, match="content hash"):
         load_sealed(tmp_path / "exp")
-
-
-def test_join_is_idempotent_and_rejects_late_results():
-    j = ExperienceJoin("runA", 42, {"reward": "rm-1", "reference": "ref0"})
-    key = dict(run_id="runA", iteration=42, sample_id="s1", role="reward", role_version="rm-1")
-    assert j.offer(**key, attempt=0, payload=1.0) is JoinOutcome.ACCEPTED
-    assert j.offer(**key, attempt=0, payload=1.0) is JoinOutcome.DUPLICATE
-    assert j.offer(**key, attempt=0, payload=5.0) is JoinOutcome.DUPLICATE  # first result wins
-    assert j.results("s1") == {"reward": 1.0}
-    assert j.offer(**{**key, "role_version": "rm-0"}, attempt=0, payload=2.0) is JoinOutcome.STALE
-    assert j.offer(**{**key, "iteration": 41}, attempt=0, payload=2.0) is JoinOutcome.STALE
-    assert j.new_attempt("s1") == 1  # the sample is regenerated: its old results are void
-    assert j.results("s1") == {}
-    assert j.offer(**key, attempt=0, payload=3.0) is JoinOutcome.STALE  # late result of attempt 0
-    assert j.offer(**key, attempt=1, payload=4.0) is JoinOutcome.ACCEPTED
-    assert j.offer(**{**key, "role": "reference", "role_version": "ref0"}, attempt=1, payload="lp") is JoinOutcome.ACCEPTED
-    assert j.results("s1") == {"reward": 4.0, "reference": "lp"}
-    assert j.complete(["s1", "s2"]) == ["s1"]
-    assert j.counters == {"accepted": 3, "duplicates": 2, "stale": 3, "retries": 1}
-    with pytest.raises(ValueError, match="attempt 2 was never issued"):
-        j.offer(**key, attempt=2, payload=0.0)

@@ -25,8 +25,13 @@ def test_decisions_are_deterministic_keyed_and_near_the_rate():
 class _Engine:
     """A stand-in for an inference engine's process boundary: answers every candidate."""
 
+    device = torch.device("cpu")
+
     def __init__(self, fail=False):
         self.fail, self.dtype = fail, "float32"
+
+    def staging_target(self, name):
+        return None
 
     def generate(self, requests, sampling):
         if self.fail:
@@ -39,6 +44,7 @@ def test_lost_results_arrive_late_and_duplicates_are_counted():
     inj = FaultInjector(FaultsConfig(rollout_error_rate=0.3, duplicate_result_rate=0.2), seed=1)
     eng = FaultyRolloutEngine(_Engine(), inj)
     assert eng.dtype == "float32"  # everything else is the real engine's
+    assert eng.device == torch.device("cpu") and eng.staging_target("w") is None
     sp = SamplingParams(n=4)
     reqs = [GenerationRequest(f"g{i}", (1, 2)) for i in range(25)]
     first = eng.generate(reqs, sp)
@@ -70,3 +76,56 @@ def test_hung_reward_calls_are_keyed_by_sample_and_attempt():
     for i in range(40):
         fn(Sample(f"s{i}"))  # the second attempt of each: its own draw
     assert inj.counts["reward_timeouts"] == want(0) + want(1)
+
+
+class _Actor:
+    """The actor's train_step seam: runs the loss closure once and the post-step hook."""
+
+    def __init__(self):
+        self.steps, self.losses = 0, []
+
+    def train_step(self, micro_batches, loss_fn, after_optimizer_step=None):
+        loss, _ = loss_fn(torch.ones(1), micro_batches[0])
+        self.losses.append(float(loss))
+        if after_optimizer_step is not None:
+            after_optimizer_step()
+        self.steps += 1
+        return "result"
+
+
+def _loss(output, mb):
+    return output.sum() * 2.0, {}
+
+
+def test_faulty_actor_poisons_the_last_step_of_a_listed_iteration_once():
+    from megarl.faults import FaultyActor
+
+    inj = FaultInjector(FaultsConfig(fail_optimizer_step_at=[1], fail_optimizer_step_kind="nan",
+                                     fail_optimizer_step_rank=0), seed=0, rank=0, world=1)
+    actor = _Actor()
+    faulty = FaultyActor(actor, inj, steps_per_update=3)
+    for k in (0, 1, 1):  # iteration 1 runs twice: its retry must be clean
+        inj.iteration = k
+        for _ in range(3):
+            assert faulty.train_step([{}], _loss) == "result"
+    assert actor.losses[:5] == [2.0] * 5 and actor.losses[5] != actor.losses[5]  # NaN at iteration 1's last step
+    assert actor.losses[6:] == [2.0] * 3 and inj.counts["optimizer_step_failures"] == 1
+    faulty.steps = 42  # a rollback restoring the step count reaches the real actor
+    assert actor.steps == 42 and faulty.steps == 42
+
+
+def test_faulty_actor_raises_after_the_optimizer_applied_the_step():
+    import pytest
+
+    from megarl.faults import FaultyActor, InjectedFault
+
+    inj = FaultInjector(FaultsConfig(fail_optimizer_step_at=[0], fail_optimizer_step_rank=-1), seed=0, rank=1, world=2)
+    actor = _Actor()
+    faulty = FaultyActor(actor, inj, steps_per_update=1)
+    inj.iteration = 0
+    with pytest.raises(InjectedFault, match="iteration 0's optimizer step on rank 1"):
+        faulty.train_step([{}], _loss)
+    assert actor.losses == [2.0]  # the loss was the real one; the step ran before the raise
+    other_rank = FaultyActor(_Actor(), FaultInjector(inj.cfg, seed=0, rank=0, world=2), steps_per_update=1)
+    other_rank._inj.iteration = 0
+    assert other_rank.train_step([{}], _loss) == "result"  # only the chosen rank fails

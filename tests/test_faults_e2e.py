@@ -15,15 +15,23 @@ the real seams (megarl/faults.py) of real runs:
 import os
 from collections import defaultdict
 
-from tests.test_checkpoint_resume import _check_same_run, _cmd, _run, uninterrupted
-from tests.test_train_e2e import GRPO, batches, hf_response_log_probs, metrics
+from tests._train_runs import (
+    GRPO,
+    batches,
+    check_same_run,
+    checkpointed_run_cmd,
+    hf_response_log_probs,
+    metrics,
+    run_to_exit,
+    uninterrupted,
+)
 
 FAULT_COUNTERS = ("faults/", "e2e/count/update_", "e2e/count/kv_flushes", "sealed_batches_reused")
 
 
 def test_grpo_dp2_survives_lost_late_duplicate_results_and_hung_rewards(assets, tmp_path):
     d = str(tmp_path / "faults")
-    _run(_cmd(assets, d, GRPO, 2, [
+    run_to_exit(checkpointed_run_cmd(assets, d, GRPO, 2, [
         "trainer.iterations=3", "trainer.checkpoint_every=0", "trainer.save_experience=true",
         "trainer.export_every=1", "faults.rollout_error_rate=0.2", "faults.duplicate_result_rate=0.1",
         "faults.reward_timeout_rate=0.2", "reward.timeout_s=0.25", "reward.max_retries=3",
@@ -71,33 +79,35 @@ def test_optimizer_step_exception_on_one_rank_rolls_back_everywhere(assets, tmp_
     and the run ends bitwise equal to the uninterrupted one (weights, optimizer state, metrics)."""
     ref = uninterrupted(assets, tmp_path_factory, GRPO, 2, [])
     d = str(tmp_path / "fail")
-    out = _run(_cmd(assets, d, GRPO, 2, ["faults.fail_optimizer_step_at=[1]", "faults.fail_optimizer_step_rank=1"]))
+    out = run_to_exit(checkpointed_run_cmd(assets, d, GRPO, 2, ["faults.fail_optimizer_step_at=[1]",
+                                                                "faults.fail_optimizer_step_rank=1"]))
     assert "rank 1: InjectedFault" in out.stderr, out.stderr[-2000:]
     m = metrics(d)[-1]
     assert m["faults/injected/optimizer_step_failures"] == 1
     assert m["e2e/count/update_failures"] == m["e2e/count/update_rollbacks"] == m["e2e/count/update_retries"] == 1
-    _check_same_run(ref, d, killed_at=0, ignore=FAULT_COUNTERS, resumes=0)
+    check_same_run(ref, d, killed_at=0, ignore=FAULT_COUNTERS, resumes=0)
 
 
 def test_non_finite_loss_rolls_back_everywhere(assets, tmp_path, tmp_path_factory):
     ref = uninterrupted(assets, tmp_path_factory, GRPO, 1, [])
     d = str(tmp_path / "nan")
-    out = _run(_cmd(assets, d, GRPO, 1, ["faults.fail_optimizer_step_at=[2]", "faults.fail_optimizer_step_kind=nan"]))
+    out = run_to_exit(checkpointed_run_cmd(assets, d, GRPO, 1, ["faults.fail_optimizer_step_at=[2]",
+                                                                "faults.fail_optimizer_step_kind=nan"]))
     assert "non-finite actor grad norm" in out.stderr
-    _check_same_run(ref, d, killed_at=0, ignore=FAULT_COUNTERS, resumes=0)
+    check_same_run(ref, d, killed_at=0, ignore=FAULT_COUNTERS, resumes=0)
 
 
 def test_crash_in_update_resumes_by_reusing_the_sealed_batch(assets, tmp_path, tmp_path_factory):
     ref = uninterrupted(assets, tmp_path_factory, GRPO, 1, [])
     d = str(tmp_path / "reuse")
     reuse = ["trainer.resume_experience=reuse"]
-    _run(_cmd(assets, d, GRPO, 1, reuse + ["faults.crash_during_update_at=2"]), expect=17)
+    run_to_exit(checkpointed_run_cmd(assets, d, GRPO, 1, reuse + ["faults.crash_during_update_at=2"]), expect=17)
     assert os.path.isfile(os.path.join(d, "experience", "pending", "position.json"))
     # the sealed batch was made under another algorithm config: reusing it is refused, naming it
-    bad = _run(_cmd(assets, d, GRPO, 1, reuse + ["algo.clip_high=0.3"]), expect=2)
+    bad = run_to_exit(checkpointed_run_cmd(assets, d, GRPO, 1, reuse + ["algo.clip_high=0.3"]), expect=2)
     assert "algo changed" in bad.stderr and "resume_experience=rerun" in bad.stderr, bad.stderr[-2000:]
-    out = _run(_cmd(assets, d, GRPO, 1, reuse))
+    out = run_to_exit(checkpointed_run_cmd(assets, d, GRPO, 1, reuse))
     assert "iteration 2: reusing the batch sealed before the restart" in out.stdout, out.stdout[-2000:]
     assert metrics(d)[-1]["e2e/count/sealed_batches_reused"] == 1
-    _check_same_run(ref, d, killed_at=2, ignore=FAULT_COUNTERS)
+    check_same_run(ref, d, killed_at=2, ignore=FAULT_COUNTERS)
 

@@ -3,7 +3,8 @@
 ``megarl/rollout``, ``megarl/experience`` and ``megarl/algo`` are used by the control loop and the
 roles; they must not import ``megarl.control``, ``megarl.roles`` or ``megarl.train`` (that would
 make a backend depend on the loop that drives it).  Types they share with the control plane live
-in leaf modules such as ``megarl/versions.py``, which imports nothing from megarl at all.
+in leaf modules such as ``megarl/versions.py``, which import nothing from megarl but other leaf
+modules (``megarl/hashing.py``: the standard library only).
 
 The check reads the source (AST), so it sees imports inside functions and ``TYPE_CHECKING``
 blocks as well, and needs none of the heavy dependencies installed.
@@ -21,7 +22,9 @@ PKG = ROOT / "megarl"
 
 LOWER_LAYERS = ("rollout", "experience", "algo")
 FORBIDDEN = ("megarl.control", "megarl.roles", "megarl.train")
-LEAF_MODULES = ("versions.py",)
+LEAF_MODULES = ("versions.py", "hashing.py")
+#: all a leaf module may import from megarl: the leaf modules
+LEAF_IMPORTS = tuple("megarl." + leaf.removesuffix(".py") for leaf in LEAF_MODULES)
 
 
 def _module_name(path: Path, root: Path = ROOT) -> str:
@@ -110,11 +113,13 @@ def test_lower_layers_do_not_import_orchestration(path):
 
 
 @pytest.mark.parametrize("leaf", LEAF_MODULES)
-def test_leaf_modules_import_nothing_from_megarl(leaf):
+def test_leaf_modules_import_only_leaf_modules(leaf):
     path = PKG / leaf
     assert path.is_file(), f"megarl/{leaf} is missing"
-    bad = _violations(path, ("megarl",))
-    assert not bad, f"megarl/{leaf} must be a leaf module (no megarl imports):\n" + "\n".join(bad)
+    bad = [v for v in _violations(path, ("megarl",))
+           if not any(_matches(v.rpartition(" imports ")[2], ok) for ok in LEAF_IMPORTS)]
+    assert not bad, (f"megarl/{leaf} must be a leaf module (no megarl imports but "
+                     f"{', '.join(LEAF_IMPORTS)}):\n" + "\n".join(bad))
 
 
 def test_old_version_module_is_gone():
@@ -148,3 +153,47 @@ def test_checker_sees_relative_and_nested_imports(tmp_path):
         "megarl/rollout/x.py:4: imports megarl.train",
         "megarl/rollout/x.py:5: imports megarl.control.loop",
     ]
+
+
+# ---- the iteration's phase components (megarl/control) --------------------------------------
+
+#: one module per phase; each may import the shared control infrastructure below, never another
+#: phase component: what one phase hands the next travels through the driver as the types of
+#: ``megarl/control/interfaces.py``
+PHASE_COMPONENTS = ("publication", "production", "scoring", "preparation", "learning", "persistence", "evaluation")
+#: what a phase component may import from megarl.control
+SHARED_CONTROL = ("megarl.control.interfaces", "megarl.control.state_machine", "megarl.control.batch",
+                  "megarl.control.placement")
+#: the composition root and the driver: the only modules that import the phase components
+WIRING = ("assembly", "trainer")
+
+
+def test_control_layout_is_the_phase_components():
+    # Guard against a rename leaving a phase unchecked, and against a phase growing back into
+    # one module: every module of megarl/control is a phase, shared infrastructure or wiring.
+    present = {p.stem for p in (PKG / "control").glob("*.py")} - {"__init__"}
+    expected = set(PHASE_COMPONENTS) | {m.rpartition(".")[2] for m in SHARED_CONTROL} | set(WIRING)
+    assert present == expected, f"megarl/control holds {sorted(present)}, the layout names {sorted(expected)}"
+    for name in present:
+        lines = len((PKG / "control" / f"{name}.py").read_text().splitlines())
+        assert lines <= 500, f"megarl/control/{name}.py has {lines} lines; split it (at most ~500 per module)"
+
+
+@pytest.mark.parametrize("component", PHASE_COMPONENTS)
+def test_phase_components_import_each_other_only_through_interfaces(component):
+    path = PKG / "control" / f"{component}.py"
+    bad = [v for v in _violations(path, ("megarl.control",))
+           if not any(_matches(v.rpartition(" imports ")[2], ok) for ok in SHARED_CONTROL)
+           and v.rpartition(" imports ")[2] != "megarl.control"]
+    assert not bad, (f"megarl/control/{component}.py may import only {', '.join(SHARED_CONTROL)} from "
+                     "megarl.control (phases talk through the driver):\n" + "\n".join(bad))
+
+
+def test_only_the_wiring_imports_the_phase_components():
+    users = []
+    for path in sorted(PKG.rglob("*.py")):
+        if path.parent == PKG / "control" and path.stem in WIRING:
+            continue
+        for line in _violations(path, tuple(f"megarl.control.{c}" for c in PHASE_COMPONENTS)):
+            users.append(line)
+    assert not users, "only megarl/control/assembly.py and trainer.py may import phase components:\n" + "\n".join(users)

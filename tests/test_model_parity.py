@@ -58,3 +58,7 @@ def test_logits_match_transformers(family_dirs, tmp_path, tp, pp):
         assert err < 1e-4, f"{fam} tp={tp} pp={pp}: max |logit diff| = {err}"
         lp_err = (got["log_probs"] - ref_lp).abs().max().item()
         assert lp_err < 1e-4, f"{fam} tp={tp} pp={pp}: max |log-prob diff| = {lp_err}"
+        # packed forward-only passes (algo.pack_sequences) equal the padded ones at every layout
+        pk_err = (got["packed_log_probs"] - got["padded_log_probs"]).abs().max().item()
+        assert got["padded_log_probs"].ne(0).any() and pk_err < 1e-5, \
+            f"{fam} tp={tp} pp={pp}: max |packed - padded log-prob| = {pk_err}"

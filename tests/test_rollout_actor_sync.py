@@ -1,4 +1,4 @@
-"""The rollout contracts against the megatron actor (DESIGN.md contracts 1, 2 and 8).
+"""The rollout contracts against the megatron actor (docs/design.md contracts 1, 2 and 8).
 
 torchrun workers (tests/workers/rollout_sync_worker.py) sync a megatron actor at TP=1, TP=2
 and TP=2 x PP=2 into the hf rollout engine and teacher-force the generated ids back through

@@ -1,6 +1,6 @@
 """hf rollout backend: log-prob spaces, version activation, manifest checks, refusal rules.
 
-A transformers model stands in for the actor (megarl.rollout.testing.HFActorStandIn); the
+A transformers model stands in for the actor (tests/_standins.py: HFActorStandIn); the
 megatron-actor versions of these checks are the lead's.
 """
 
@@ -26,8 +26,8 @@ from megarl.rollout.protocol import (
     SamplingParams,
     VersionNotStagedError,
 )
-from megarl.rollout.testing import HFActorStandIn, tiny_llama_config
 from megarl.rollout.weight_stream import ManifestMismatchError, TensorManifest, iter_buckets
+from tests._standins import HFActorStandIn, tiny_llama_config
 
 BUCKET = 40_000  # bytes: several buckets for the tiny model
 PROMPTS = [

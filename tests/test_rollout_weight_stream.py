@@ -5,7 +5,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megarl.rollout.testing import tiny_llama_config
 from megarl.rollout.weight_stream import (
     FlattenedTensorBucket,
     ManifestMismatchError,
@@ -15,6 +14,7 @@ from megarl.rollout.weight_stream import (
     iter_buckets,
     tensor_checksum,
 )
+from tests._standins import tiny_llama_config
 
 
 def named(seed=0):

@@ -41,8 +41,8 @@ from megarl.rollout.sglang_backend import (
     result_from_sglang_output,
     sglang_sampling_params,
 )
-from megarl.rollout.testing import HFActorStandIn, tiny_llama_config
 from megarl.rollout.weight_stream import ManifestMismatchError, iter_buckets
+from tests._standins import HFActorStandIn, tiny_llama_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VERSIONS = recorded_versions()
@@ -100,7 +100,7 @@ def calls(fake_engine, *names):
 
 
 def test_recorded_releases_are_the_ends_of_the_declared_range():
-    from test_gpu_requirements import gpu_extra_sglang_range, pinned_gpu_requirements
+    from tests._gpu_pins import gpu_extra_sglang_range, pinned_gpu_requirements
 
     low, high = VERSIONS[0], VERSIONS[-1]
     spec = gpu_extra_sglang_range()

@@ -54,6 +54,14 @@ def test_whole_batch_micro_batches_fit_any_group_size():
     (["reward.model.tokenizer=/x"], "reward.model.tokenizer"),   # RM settings without an RM
     (["reward.on_failure=zero"], "reward.on_failure"),
     (["reward.penalty.crash=-1"], "reward.penalty"),
+    (["reward.isolation=subprocess"], "reward.isolation"),
+    (["reward.workers=0"], "reward.workers"),
+    (["reward.workers=two"], "reward.workers"),
+    (["reward.kill_grace_s=0"], "reward.kill_grace_s"),
+    (["reward.max_memory_mb=0", "reward.isolation=process"], "reward.max_memory_mb"),
+    (["reward.cpu_time_s=-1", "reward.isolation=process"], "reward.cpu_time_s"),
+    (["reward.cpu_time_s=5"], "reward.cpu_time_s"),               # a process limit on a thread scorer
+    (["reward.isolation=process", "faults.reward_timeout_rate=0.1"], "reward.isolation"),
     (["algo.dynamic_sampling.max_rounds=0"], "algo.dynamic_sampling.max_rounds"),
     (["trainer.resume_experience=maybe"], "trainer.resume_experience"),
     (["trainer.on_update_failure=ignore"], "trainer.on_update_failure"),
@@ -63,6 +71,20 @@ def test_whole_batch_micro_batches_fit_any_group_size():
     (["faults.fail_optimizer_step_kind=segfault"], "faults.fail_optimizer_step_kind"),
     (["faults.fail_optimizer_step_rank=4"], "faults.fail_optimizer_step_rank"),
     (["faults.reward_timeout_rate=0.2", "reward.timeout_s=null"], "faults.reward_timeout_rate"),
+    # what the estimator's registry entry declares it reads, not its name
+    (["algo.advantage=grpo_process"], "algo.advantage"),        # step rewards: no scorer makes them
+    (["algo.advantage=reinforce_plus_plus", "algo.dynamic_sampling.enabled=true"],
+     "algo.dynamic_sampling.enabled"),                           # no groups to filter
+    (["trainer.phase_timeout_s.generating=0"], "trainer.phase_timeout_s.generating"),
+    (["trainer.phase_timeout_s.updating_from=-5"], "trainer.phase_timeout_s.updating_from"),
+    (["algo.rollout_correction.token_is_cap=2.0"], "algo.rollout_correction"),  # needs the actor's old log-probs
+    (["rollout.reuse_rollout_log_probs=false", "algo.rollout_correction.token_is_cap=0.5"],
+     "algo.rollout_correction.token_is_cap"),
+    (["rollout.reuse_rollout_log_probs=false", "algo.rollout_correction.seq_mask_threshold=0"],
+     "algo.rollout_correction.seq_mask_threshold"),
+    (["algo.rollout_correction.seq_mask_stat=median"], "algo.rollout_correction.seq_mask_stat"),
+    (["reward.overlong_buffer=7"], "reward.overlong_buffer"),   # longer than rollout.max_new_tokens=6
+    (["reward.overlong_buffer=0"], "reward.overlong_buffer"),
 ])
 def test_bad_grpo_config_names_key(overrides, key):
     _fail(GRPO, overrides, key)
@@ -75,6 +97,41 @@ def test_bad_grpo_config_names_key(overrides, key):
 ])
 def test_bad_ppo_config_names_key(overrides, key):
     _fail(PPO, overrides, key)
+
+
+def test_estimator_needs_come_from_the_registry():
+    """validate() asks each estimator's registry entry what it needs: every registered name is
+    either accepted by one algorithm or refused with the key named, never after a rollout."""
+    from megarl.algo.registry import advantage_names, advantage_needs
+
+    import megarl.algo.advantages  # noqa: F401
+
+    assert advantage_needs("grpo").groups and not advantage_needs("grpo").critic
+    assert advantage_needs("gae").critic and advantage_needs("gae").token_rewards
+    assert advantage_needs("grpo_process").step_rewards
+    for name in advantage_names():
+        needs = advantage_needs(name)
+        path = PPO if needs.critic else GRPO
+        cfg = load_config(path, [f"algo.advantage={name}"])
+        if needs.step_rewards:
+            with pytest.raises(ConfigError, match="algo.advantage"):
+                validate(cfg, 1)
+        else:
+            assert validate(cfg, 1) == 1, name
+
+
+def test_valid_new_keys_accepted():
+    cfg = load_config(GRPO, ["rollout.reuse_rollout_log_probs=false", "algo.rollout_correction.token_is_cap=2.0",
+                             "algo.rollout_correction.seq_mask_threshold=0.5", "reward.overlong_buffer=2",
+                             "trainer.phase_timeout_s.generating=null"])
+    assert validate(cfg, 1) == 1
+
+
+def test_reward_isolation_keys_accepted():
+    cfg = load_config(GRPO, ["reward.isolation=process", "reward.workers=2", "reward.kill_grace_s=0.2",
+                             "reward.max_memory_mb=4096", "reward.cpu_time_s=10"])
+    assert validate(cfg, 1) == 1
+    assert load_config(GRPO, []).reward.isolation == "auto"  # the tiny recipe's arithmetic: threads
 
 
 def test_ppo_without_critic_refused(tmp_path):
@@ -105,14 +162,6 @@ def test_config_hash_ignores_run_dir_only():
     b = load_config(GRPO, ["trainer.run_dir=/tmp/b"])
     c = load_config(GRPO, ["actor.optim.lr=2e-4"])
     assert config_hash(a) == config_hash(b) != config_hash(c)
-
-
-def test_whole_batch_micro_batches_fit_any_group_size():
-    """The tiny recipe runs its whole batch in one pass (micro sizes 0): changing G or B needs
-    no matching micro-batch size."""
-    for overrides in ([], ["rollout.n=4"], ["rollout.n=16", "trainer.prompts_per_iteration=3"]):
-        cfg = load_config(GRPO, overrides)
-        assert cfg.algo.micro_batch_size == 0 and validate(cfg, 1) == 1 and validate(cfg, 2) == 2
 
 
 @pytest.mark.parametrize("overrides,key", [

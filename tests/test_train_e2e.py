@@ -1,39 +1,29 @@
 """megarl.train end to end on the tiny model: GRPO and PPO, one process and torchrun x2 (TP=2,
 DP=2), checked from what the run leaves behind (sealed experience, metrics, exports).
 
-Ladder rung 3 (seed: "第三层：单迭代算法对照"): the first iteration is recomputed here in one
-plain process with transformers and torch -- rewards from the decoded text, GRPO advantages,
-old log-probs, the clipped loss with its KL term, the gradient norm, and the SGD-updated
-weights -- and must match what the distributed trainer did to 1e-5.
+Ladder rung 3 (docs/design.md, "Contracts and the tests that prove them"): one training
+iteration of the distributed trainer must equal the same iteration computed by hand.  The first
+iteration is recomputed here in one plain process with transformers and torch -- rewards from
+the decoded text, GRPO advantages, old log-probs, the clipped loss with its KL term, the gradient
+norm, and the SGD-updated weights -- and must match what the trainer did to 1e-5.
 """
 
 import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 from collections import Counter, defaultdict
 
+import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GRPO = os.path.join(ROOT, "configs", "grpo_arith_tiny.yaml")
-PPO = os.path.join(ROOT, "configs", "ppo_arith_tiny.yaml")
+from tests._dist import ROOT, free_port, subprocess_env
+from tests._train_runs import GRPO, PPO, batches, hf_response_log_probs, metrics
+
 LR = 0.1
 B, G = 4, 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env():
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
 def run_train(assets, run_dir, recipe, nproc=1, extra=()):
@@ -48,47 +38,10 @@ def run_train(assets, run_dir, recipe, nproc=1, extra=()):
         cmd = [sys.executable, "-m", "megarl.train", "--config", recipe, *overrides]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-               "127.0.0.1", "--master-port", str(_free_port()), "-m", "megarl.train", "--config", recipe, *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=900)
+               "127.0.0.1", "--master-port", str(free_port()), "-m", "megarl.train", "--config", recipe, *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), timeout=900)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n--- stdout ---\n{proc.stdout[-5000:]}\n--- stderr ---\n{proc.stderr[-8000:]}"
     return proc
-
-
-def metrics(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def batches(run_dir):
-    from megarl.experience.seal import load_sealed
-
-    root = os.path.join(run_dir, "experience")
-    return [load_sealed(os.path.join(root, d)) for d in sorted(os.listdir(root))]
-
-
-def hf_response_log_probs(model_dir, facts):
-    """Teacher-forced log-probs of every response token with transformers, row by row."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return model, _rows_log_probs(model, facts)
-
-
-def _rows_log_probs(model, facts):
-    P = facts.prompt_len
-    out = torch.zeros(facts.response_ids.shape, dtype=torch.float32)
-    rows = []
-    for b in range(facts.batch_size):
-        am = facts.attention_mask[b]
-        prompt = facts.prompt_ids[b][am[:P] != 0]
-        n = int(facts.response_mask[b].sum())
-        resp = facts.response_ids[b][:n]
-        tokens = torch.cat([prompt, resp])[None]
-        logits = model(tokens).logits[0].float()
-        lp = torch.log_softmax(logits[len(prompt) - 1:len(prompt) - 1 + n], -1).gather(-1, resp[:, None])[:, 0]
-        rows.append(lp)
-        out[b, :n] = lp.detach()
-    return out, rows
 
 
 def reuses(run_dir) -> bool:
@@ -221,10 +174,10 @@ def test_grpo_single_process(assets, tmp_path):
     sid = batches(run_dir)[0].facts.sample_id[1]
     out = subprocess.run([sys.executable, os.path.join(tools, "inspect_experience.py"), exp0, "--index", "1",
                           "--tokenizer", os.path.join(run_dir, "export", "iter_0")],
-                         capture_output=True, text=True, env=_env(), timeout=120)
+                         capture_output=True, text=True, env=subprocess_env(), timeout=120)
     assert out.returncode == 0 and sid in out.stdout and "advantage" in out.stdout, out.stderr[-2000:]
     out = subprocess.run([sys.executable, os.path.join(tools, "plot_metrics.py"), run_dir],
-                         capture_output=True, text=True, env=_env(), timeout=120)
+                         capture_output=True, text=True, env=subprocess_env(), timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     for stage in ("rollout", "prep", "update", "e2e", "eval", "summary"):
         assert os.path.getsize(os.path.join(run_dir, "plots", f"{stage}.png")) > 5000
@@ -278,7 +231,7 @@ def check_timeline(run_dir, ranks, iteration):
         assert phases["generate"]["role"] == "rollout" and phases["ref_log_prob"]["role"] == "reference"
         assert int(phases["generate"]["samples"]) == B * G and int(phases["update"]["groups"]) == B
     out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "timeline_summary.py"), *paths],
-                         capture_output=True, text=True, env=_env())
+                         capture_output=True, text=True, env=subprocess_env())
     assert out.returncode == 0, out.stderr
     assert f"{ranks} rank(s)" in out.stdout and "critical path: weight_sync" in out.stdout, out.stdout
 
@@ -295,9 +248,13 @@ def test_ppo_single_process(assets, tmp_path):
 
 
 def test_ppo_torchrun_dp2(assets, tmp_path):
+    """Also with algo.pack_sequences: the old log-probs, reference log-probs and critic values
+    come from packed forwards on each DP rank, and the old log-probs still equal what
+    transformers computes from each version's export (check_structure)."""
     run_dir = str(tmp_path / "ppo_dp2")
     run_train(assets, run_dir, PPO, nproc=2, extra=["critic.warmup_iters=1", "critic.micro_batch_size=2",
-                                                     "algo.micro_batch_size=2"])
+                                                     "algo.micro_batch_size=2", "algo.pack_sequences=true"])
+    assert "pack_sequences: true" in open(os.path.join(run_dir, "config.yaml")).read()
     check_structure(run_dir, "ppo", groups_per_publish=2)
     m = metrics(run_dir)
     assert "update/policy_loss" not in m[0] and "update/policy_loss" in m[1]  # critic warm-up first
@@ -323,24 +280,54 @@ def test_reward_failures_are_statuses_not_zero(assets, tmp_path):
                for x in m)
 
 
+def test_gil_holding_scorer_is_a_timeout_in_a_worker_process(assets, tmp_path):
+    """p001's plug-in spends minutes in one GIL-holding bigint call (tests/plugins/hostile_rewards):
+    under reward.isolation=auto a plug-in runs in a worker process, killed at reward.timeout_s, so
+    each of p001's samples is a timeout, its group is dropped, and the reward stage of an
+    iteration lasts about one timeout (the 4 hogs run side by side on 4 workers), not minutes."""
+    run_dir = str(tmp_path / "gil")
+    run_train(assets, run_dir, GRPO, extra=["reward.fn=tests.plugins.hostile_rewards:gil_hog", "reward.timeout_s=2",
+                                             "reward.max_retries=0", "reward.workers=4", "reward.on_failure=quarantine",
+                                             "eval.every=0"])
+    with open(os.path.join(run_dir, "quarantine.jsonl")) as fh:
+        q = [json.loads(line) for line in fh]
+    assert Counter(r["reward"]["status"] for r in q) == {"timeout": 2 * G}
+    assert {r["prompt_id"] for r in q} and all("timeout_s=2.0" in r["reward"]["error"] for r in q)
+    for b in batches(run_dir):
+        assert {g.rsplit("/", 1)[1] for g in b.facts.group_id} == {"p000", "p002", "p003"}
+    m = metrics(run_dir)
+    assert all(x["rollout/groups_dropped"] == 1 and x["prep/reward_timeout"] == G for x in m)
+    # iteration 0 also waits for the pool's first start (the forkserver imports torch once: 8.7 s
+    # measured on 2 busy CPUs); a call's timeout starts when it reaches a ready worker
+    stage = [x["e2e/stage_s/reward"] for x in m]
+    assert stage[0] < 30.0 and all(s < 2.0 + 0.5 + 2.5 for s in stage[1:]), stage  # measured [8.7, 3.5]
+
+
 def test_reward_penalty_only_when_configured(assets, tmp_path):
     """With reward.penalty.timeout=-1 the hung group trains with a -1 penalty (named as such);
-    the crashing one is still dropped, because no penalty is configured for errors."""
+    the crashing one is still dropped, because no penalty is configured for errors.  With
+    reward.overlong_buffer=2 (DAPO soft overlong punishment over the last 2 of 6 tokens) every
+    ok score carries an ``overlong`` component by its length, and a penalised failure none."""
     run_dir = str(tmp_path / "penalty")
     run_train(assets, run_dir, GRPO, extra=["reward.fn=tests.plugins.faulty_rewards:raise_or_hang",
                                              "reward.timeout_s=0.3", "reward.max_retries=0",
                                              "reward.penalty.timeout=-1.0", "eval.every=0", "trainer.iterations=1",
-                                             "algo.micro_batch_size=8"])
+                                             "algo.micro_batch_size=8", "reward.overlong_buffer=2",
+                                             "rollout.max_new_tokens=6"])
     (b,) = batches(run_dir)
     # 12 samples in micro-batches of 8: 4 padding rows, which must not count (loss mask 0)
     assert metrics(run_dir)[0]["update/tokens"] == float(b.facts.response_mask.sum())
     groups = {g.rsplit("/", 1)[1] for g in b.facts.group_id}
     assert groups == {"p001", "p002", "p003"}
-    for gid, r in zip(b.facts.group_id, b.facts.rewards):
+    lengths = b.facts.response_mask.sum(1).tolist()
+    for gid, r, n in zip(b.facts.group_id, b.facts.rewards, lengths):
         if gid.endswith("p001"):
             assert r.total == -1.0 and dict(r.components) == {"penalty/timeout": -1.0}
         else:
             assert "penalty/timeout" not in r.components
+            want = 0.0 if n <= 4 else (4 - n) / 2  # (L_max - L_cache - |y|) / L_cache
+            assert r.components["overlong"] == want, (n, dict(r.components))
+            assert r.total == r.components["raise_or_hang"] + want
 
 
 RM_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
@@ -395,10 +382,21 @@ def test_dapo_dynamic_sampling_and_reference_refresh(assets, tmp_path):
     run_dir = str(tmp_path / "dapo")
     run_train(assets, run_dir, GRPO, extra=["reward.fn=tests.plugins.faulty_rewards:flat_even_prompts",
                                              "algo.dynamic_sampling.enabled=true", "algo.dynamic_sampling.max_rounds=3",
-                                             "reference.refresh_every=1", "eval.every=0"])
+                                             "reference.refresh_every=1", "eval.every=0",
+                                             "rollout.reuse_rollout_log_probs=false",
+                                             "algo.rollout_correction.token_is_cap=1.0000001"])
     m = metrics(run_dir)
     for k, b in enumerate(batches(run_dir)):
         f = b.facts
+        # algo.rollout_correction: truncated IS weights min(pi_old / pi_rollout, C) from the
+        # sealed actor and rollout log-probs, sealed as a derived tensor and reported
+        keep = f.response_mask != 0
+        ratio = torch.exp(f.old_log_probs.values - f.rollout_log_probs.values)
+        want = torch.where(keep, ratio.clamp(max=1.0000001), 0.0)
+        assert b.derived.is_weights is not None and torch.equal(b.derived.is_weights != 0, keep)
+        assert (b.derived.is_weights - want).abs().max() < 1e-6
+        assert m[k]["prep/rollout_correction/tis_weight_mean"] == pytest.approx(float(want[keep].mean()), abs=1e-6)
+        assert 0.0 <= m[k]["prep/rollout_correction/tis_clipfrac"] <= 1.0
         groups = sorted(set(f.group_id))
         assert len(groups) == B and len(set(f.policy_version)) == 1
         assert all(int(g.rsplit("/p", 1)[1]) % 2 == 1 for g in groups)
@@ -434,5 +432,5 @@ def test_reuse_rollout_log_probs_after_parity_check(assets, tmp_path):
                           "trainer.iterations=1", f"trainer.prompts_per_iteration={B}", f"rollout.n={G}",
                           "algo.num_mini_batches=1", "algo.micro_batch_size=4", *DENSE,
                           "rollout.reuse_rollout_log_probs=true", "rollout.log_prob_parity_tol=1e-12"],
-                         capture_output=True, text=True, env=_env(), timeout=600)
+                         capture_output=True, text=True, env=subprocess_env(), timeout=600)
     assert bad.returncode == 2 and "rollout.log_prob_parity_tol" in bad.stderr, bad.stderr[-3000:]

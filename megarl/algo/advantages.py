@@ -23,7 +23,7 @@ from typing import Literal, get_args
 import torch
 import torch.distributed as dist
 
-from megarl.algo.registry import register_advantage
+from megarl.algo.registry import EstimatorNeeds, register_advantage
 
 ZeroStdRule = Literal["epsilon", "skip"]
 ZERO_STD_RULES: tuple[str, ...] = get_args(ZeroStdRule)
@@ -204,7 +204,7 @@ def _group_metrics(stats: GroupStats, deg_sample: torch.Tensor, cfg: AdvantageCo
 # outcome-reward group estimators
 
 
-@register_advantage("grpo")
+@register_advantage("grpo", EstimatorNeeds(groups=True))
 def grpo_outcome_advantage(inputs: AdvantageInputs, cfg: AdvantageConfig, *, process_group=None) -> AdvantageResult:
     """GRPO outcome supervision (Shao et al. 2024, DeepSeekMath, sec. 4.1.2).
 
@@ -222,7 +222,7 @@ def grpo_outcome_advantage(inputs: AdvantageInputs, cfg: AdvantageConfig, *, pro
     return _finish_group_estimator(a, st, gidx, mask, cfg, scores.dtype if scores.is_floating_point() else torch.float32)
 
 
-@register_advantage("dr_grpo")
+@register_advantage("dr_grpo", EstimatorNeeds(groups=True))
 def dr_grpo_advantage(inputs: AdvantageInputs, cfg: AdvantageConfig, *, process_group=None) -> AdvantageResult:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-like training"): no std division.
 
@@ -238,7 +238,7 @@ def dr_grpo_advantage(inputs: AdvantageInputs, cfg: AdvantageConfig, *, process_
     return _finish_group_estimator(a, st, gidx, mask, cfg, scores.dtype if scores.is_floating_point() else torch.float32)
 
 
-@register_advantage("rloo")
+@register_advantage("rloo", EstimatorNeeds(groups=True))
 def rloo_advantage(inputs: AdvantageInputs, cfg: AdvantageConfig, *, process_group=None) -> AdvantageResult:
     """RLOO, leave-one-out baseline (Ahmadian et al. 2024, "Back to Basics"; Kool et al. 2019).
 
@@ -256,7 +256,7 @@ def rloo_advantage(inputs: AdvantageInputs, cfg: AdvantageConfig, *, process_gro
     return _finish_group_estimator(a, st, gidx, mask, cfg, scores.dtype if scores.is_floating_point() else torch.float32)
 
 
-@register_advantage("grpo_process")
+@register_advantage("grpo_process", EstimatorNeeds(groups=True, step_rewards=True))
 def grpo_process_advantage(inputs: AdvantageInputs, cfg: AdvantageConfig, *, process_group=None) -> AdvantageResult:
     """GRPO with process supervision (Shao et al. 2024, DeepSeekMath, sec. 4.1.3).
 
@@ -362,7 +362,7 @@ def discounted_gae(
     return adv, returns
 
 
-@register_advantage("gae")
+@register_advantage("gae", EstimatorNeeds(critic=True, token_rewards=True))
 def gae_advantage(inputs: AdvantageInputs, cfg: AdvantageConfig, *, process_group=None) -> AdvantageResult:
     """PPO's GAE estimator (Schulman et al. 2016; formula in :func:`discounted_gae`).
 
@@ -412,7 +412,7 @@ def masked_whiten(
     return torch.where(keep, out, 0.0).to(x.dtype)
 
 
-@register_advantage("reinforce_plus_plus")
+@register_advantage("reinforce_plus_plus", EstimatorNeeds(token_rewards=True))
 def reinforce_plus_plus_advantage(
     inputs: AdvantageInputs, cfg: AdvantageConfig, *, process_group: dist.ProcessGroup | None = None
 ) -> AdvantageResult:

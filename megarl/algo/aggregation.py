@@ -1,6 +1,6 @@
 """Loss aggregation: the only place a token loss matrix becomes a scalar.
 
-The normalisation contract (DESIGN.md contract 6): every mode divides by a normaliser that is
+The normalisation contract (docs/design.md, contract 6): every mode divides by a normaliser that is
 counted over the *global* batch of one optimizer step -- all micro-batches on all data-parallel
 ranks -- and is passed in.  The value returned for one micro-batch is therefore that
 micro-batch's *contribution* to the global loss, and

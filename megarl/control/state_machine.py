@@ -5,9 +5,9 @@
     any of them -> FAILED(reason);  FAILED --recover()--> ACTOR_COMMITTED(last committed v)
 
 Read top to bottom: one method per transition, named after the phase it enters, each taking
-the evidence of the completion condition of the phase it leaves (seed: "每次状态转换都有完成
-条件：所有 shards 已收到、checksum 一致、旧 KV 已清除、所有 samples 已写入 manifest、group
-已完整，或梯度 step 已成功").  Three kinds of outcome:
+the evidence of the completion condition of the phase it leaves: every transition has one
+(all shards received, checksums equal, stale KV flushed, every sample written to the manifest,
+groups complete, or the gradient step succeeded).  Three kinds of outcome:
 
 * wrong phase for the call      -> IllegalTransitionError, state unchanged (a caller bug);
 * condition not met / timed out -> state becomes FAILED(reason), CompletionConditionError or
@@ -15,10 +15,12 @@ the evidence of the completion condition of the phase it leaves (seed: "每次�
 * condition met                 -> next phase.
 
 ACTOR_COMMITTED is the in-memory version that may be published; whether a checkpoint of it is
-on disk is a different question with different names (CheckpointState below).
+on disk is a different question, answered by ``megarl.checkpoint`` (the ``latest`` pointer).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import enum
 import time
@@ -40,9 +42,6 @@ __all__ = [
     "RolloutActivation",
     "SealEvidence",
     "UpdateEvidence",
-    "CheckpointState",
-    "CheckpointStatus",
-    "CheckpointTracker",
 ]
 
 
@@ -116,6 +115,15 @@ class UpdateEvidence:
     world_size: int
     manifest_hash: str
 
+    @classmethod
+    def from_rank_reports(cls, reports: Sequence[tuple[bool, str]], manifest_hash: str) -> "UpdateEvidence":
+        """From every rank's report ``(its update ran to the end, the manifest hash of the weights
+        it now holds)``: a rank counts as succeeded only when it completed and holds the weights
+        ``manifest_hash`` names (ranks that diverged would otherwise commit different weights
+        under one version)."""
+        ok = sum(1 for done, h in reports if done and h == manifest_hash)
+        return cls(ranks_succeeded=ok, world_size=len(reports), manifest_hash=manifest_hash)
+
 
 # ---- state ----------------------------------------------------------------------------------
 
@@ -147,6 +155,11 @@ class PhaseDeadlines:
 
     def for_phase(self, phase: Phase) -> float | None:
         return getattr(self, phase.value.lower(), None)
+
+    @classmethod
+    def from_config(cls, section) -> "PhaseDeadlines":
+        """From ``trainer.phase_timeout_s`` (one field per phase, seconds or None)."""
+        return cls(**{f.name: getattr(section, f.name) for f in dataclasses.fields(cls)})
 
 
 @dataclass
@@ -307,9 +320,28 @@ class IterationStateMachine:
         self._sealed_conditions(v, evidence)
         return self._enter(Phase.EXPERIENCE_SEALED, v)
 
-    def check_deadline(self) -> None:
-        """Move to FAILED if the current phase is past its deadline (for watchdogs)."""
-        self._check_deadline()
+    def check_deadline(self, agree: Callable[[bool], bool] | None = None) -> None:
+        """Move to FAILED (PhaseTimeoutError) if the current phase is past its deadline.
+
+        ``agree`` makes the check collective: given this rank's "in time", it returns whether
+        every rank is in time (e.g. an all-reduce), so that all ranks fail together when any
+        one is late and none is left waiting in the next collective."""
+        if agree is None:
+            self._check_deadline()
+            return
+        late = self.overdue()
+        if agree(late is None):
+            return
+        self._enter(Phase.FAILED, None, reason=late or f"timeout in {self.state}: another rank is past the deadline")
+        raise PhaseTimeoutError(self.state.reason)
+
+    def overdue(self) -> str | None:
+        """Why the current phase is past its deadline, or None while it is in time."""
+        limit = self.deadlines.for_phase(self.state.phase)
+        if limit is None or self.state.phase is Phase.FAILED:
+            return None
+        elapsed = self.clock() - self.state.entered_at
+        return f"timeout in {self.state} after {elapsed:.3f}s > {limit}s" if elapsed > limit else None
 
     # ---- machinery ----
 
@@ -325,15 +357,9 @@ class IterationStateMachine:
         return self.state.version
 
     def _check_deadline(self) -> None:
-        limit = self.deadlines.for_phase(self.state.phase)
-        if limit is None or self.state.phase is Phase.FAILED:
-            return
-        elapsed = self.clock() - self.state.entered_at
-        if elapsed > limit:
-            where = str(self.state)
-            self._enter(
-                Phase.FAILED, None, reason=f"timeout in {where} after {elapsed:.3f}s > {limit}s"
-            )
+        late = self.overdue()
+        if late is not None:
+            self._enter(Phase.FAILED, None, reason=late)
             raise PhaseTimeoutError(self.state.reason)
 
     def _condition(self, ok: bool, message: str) -> None:
@@ -347,54 +373,3 @@ class IterationStateMachine:
         self.history.append(self.state)
         return self.state
 
-
-# ---- persistent checkpoints: a separate state with its own names ----------------------------
-
-
-class CheckpointState(enum.Enum):
-    NONE = "NONE"  # nothing persisted in this run yet
-    WRITING = "WRITING"  # a checkpoint write is in progress; the previous one (if any) still counts
-    PERSISTED = "PERSISTED"  # a complete checkpoint of ``step`` is on disk
-
-
-@dataclass(frozen=True)
-class CheckpointStatus:
-    state: CheckpointState
-    step: int | None  # the step of the last PERSISTED checkpoint (kept while WRITING)
-    writing_step: int | None = None
-
-
-class CheckpointTracker:
-    """NONE -> WRITING(s) -> PERSISTED(s) -> WRITING(s') -> ...; a failed write returns to the
-    previous persisted state.  "Can start the next iteration" (ACTOR_COMMITTED) never implies
-    "recoverable after a crash" (PERSISTED)."""
-
-    def __init__(self):
-        self.status = CheckpointStatus(CheckpointState.NONE, None)
-
-    def begin_write(self, step: int) -> CheckpointStatus:
-        if self.status.state is CheckpointState.WRITING:
-            raise IllegalTransitionError(
-                f"checkpoint of step {self.status.writing_step} is still being written"
-            )
-        if self.status.step is not None and step <= self.status.step:
-            raise IllegalTransitionError(
-                f"checkpoint step {step} is not after the persisted step {self.status.step}"
-            )
-        self.status = CheckpointStatus(CheckpointState.WRITING, self.status.step, writing_step=step)
-        return self.status
-
-    def mark_persisted(self, step: int) -> CheckpointStatus:
-        if self.status.state is not CheckpointState.WRITING or self.status.writing_step != step:
-            raise IllegalTransitionError(
-                f"mark_persisted({step}) requires WRITING({step}), current {self.status}"
-            )
-        self.status = CheckpointStatus(CheckpointState.PERSISTED, step)
-        return self.status
-
-    def abort_write(self) -> CheckpointStatus:
-        if self.status.state is not CheckpointState.WRITING:
-            raise IllegalTransitionError(f"abort_write requires WRITING, current {self.status}")
-        prev = CheckpointState.NONE if self.status.step is None else CheckpointState.PERSISTED
-        self.status = CheckpointStatus(prev, self.status.step)
-        return self.status

@@ -1,18 +1,19 @@
 """The tokenizer + chat-template contract shared by the actor and the rollout.
 
-Strings that look the same do not give the same action positions (seed: "字符串看起来相同，不代
-表 action positions 相同"), so exactly one tokenizer and one chat template are used, their hash
-goes into every PolicyVersion (``tokenizer_hash``), and prompts are templated and tokenized
-once by :meth:`TokenizerContract.encode_prompt`; from then on only ids travel.
+Strings that look the same do not necessarily give the same action positions, so exactly one
+tokenizer and one chat template are used, their hash goes into every PolicyVersion
+(``tokenizer_hash``), and prompts are templated and tokenized once by
+:meth:`TokenizerContract.encode_prompt`; from then on only ids travel.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from megarl.hashing import json_sha256
 
 __all__ = ["TokenizerContract", "TokenizerMismatchError", "tokenizer_contract_hash"]
 
@@ -43,8 +44,8 @@ def tokenizer_contract_hash(tokenizer, chat_template: str | None) -> str:
         "added": added,
         "chat_template": chat_template,
     }
-    blob = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()
+    # non-ASCII (vocabulary, template) hashed as UTF-8; a value JSON cannot encode is an error
+    return json_sha256(payload, ensure_ascii=False, default=None)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""GRPO groups: a buffer that releases a group only under the seed's completion policy.
+"""GRPO groups: a buffer that releases a group only under this completion policy.
 
 1. a group is released when all G candidates have succeeded;
 2. a retryable failure is re-requested for the *same* policy version (a RetryRequest);

@@ -35,7 +35,7 @@ from megarl.experience.schema import (
     SamplingConfig,
     batch_tensors,
 )
-from megarl.runtime.cpu_compat import without_device_rewrite
+from megarl.hashing import canonical_json, file_sha256
 
 MANIFEST_NAME = "manifest.json"
 TENSOR_FILE = "experience.safetensors"
@@ -189,7 +189,7 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
 def content_hash(batch: ExperienceBatch) -> str:
     """SHA-256 over canonical metadata JSON and each tensor's (name, dtype, shape, bytes)."""
     h = hashlib.sha256()
-    h.update(json.dumps(_metadata(batch), sort_keys=True, separators=(",", ":")).encode())
+    h.update(canonical_json(_metadata(batch), default=None).encode())
     for name, t in sorted(batch_tensors(batch).items()):
         h.update(f"\0{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
         h.update(_tensor_bytes(t))
@@ -204,9 +204,8 @@ def seal(batch: ExperienceBatch) -> ExperienceBatch:
     """
     if batch.sealed:
         return batch
-    with without_device_rewrite():  # copies and hashes small tensors: no megatron below
-        frozen = _map_tensors(batch, _freeze, None)
-        return dataclasses.replace(frozen, content_hash=content_hash(frozen))
+    frozen = _map_tensors(batch, _freeze, None)
+    return dataclasses.replace(frozen, content_hash=content_hash(frozen))
 
 
 def with_derived(batch: ExperienceBatch, derived: DerivedTensors) -> ExperienceBatch:
@@ -220,18 +219,9 @@ def verify(batch: ExperienceBatch) -> None:
     """Recompute the content hash of a sealed batch; raise CorruptExperienceError on mismatch."""
     if not batch.sealed:
         raise ValueError("verify: batch is not sealed (content_hash is None)")
-    with without_device_rewrite():
-        got = content_hash(batch)
+    got = content_hash(batch)
     if got != batch.content_hash:
         raise CorruptExperienceError(f"experience content hash {got} != sealed hash {batch.content_hash}")
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return "sha256:" + h.hexdigest()
 
 
 def save_sealed(batch: ExperienceBatch, directory: str | os.PathLike) -> Path:
@@ -253,7 +243,7 @@ def save_sealed(batch: ExperienceBatch, directory: str | os.PathLike) -> Path:
         "format_version": FORMAT_VERSION,
         "content_hash": batch.content_hash,
         "tensor_file": TENSOR_FILE,
-        "tensor_file_sha256": _file_sha256(d / TENSOR_FILE),
+        "tensor_file_sha256": file_sha256(d / TENSOR_FILE),
         "tensors": {k: {"dtype": str(v.dtype), "shape": list(v.shape)} for k, v in sorted(tensors.items())},
         "metadata": _metadata(batch),
     }
@@ -273,7 +263,7 @@ def load_sealed(directory: str | os.PathLike) -> ExperienceBatch:
     if manifest.get("format_version") != FORMAT_VERSION:
         raise CorruptExperienceError(f"{d / MANIFEST_NAME}: format_version {manifest.get('format_version')} != {FORMAT_VERSION}")
     tf = d / manifest["tensor_file"]
-    got = _file_sha256(tf)
+    got = file_sha256(tf)
     if got != manifest["tensor_file_sha256"]:
         raise CorruptExperienceError(f"{tf}: sha256 {got} != manifest tensor_file_sha256 {manifest['tensor_file_sha256']}")
     tensors = load_file(str(tf))

@@ -40,7 +40,7 @@ class BuildOptions:
             import importlib.util
 
             # TE kernels on CUDA when installed; megatron's local spec otherwise (same function)
-            return not cpu_compat.on_cpu() and importlib.util.find_spec("transformer_engine") is not None
+            return cpu_compat.use_transformer_engine(importlib.util.find_spec("transformer_engine") is not None)
         return self.use_transformer_engine
 
 
@@ -58,15 +58,12 @@ def transformer_config(spec: ModelSpec, opts: BuildOptions):
     """megatron ``TransformerConfig`` realising ``spec`` exactly (dropout 0, no fusions on CPU)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    on_cpu = cpu_compat.on_cpu()
-    if on_cpu and opts.params_dtype != torch.float32:
-        raise ModelConfigError(
-            f"model.dtype={opts.params_dtype}: on CPU only float32 is supported "
-            "(megatron's bf16/fp16 paths type-check CUDA tensors)"
-        )
+    problem = cpu_compat.params_dtype_problem(opts.params_dtype)
+    if problem is not None:
+        raise ModelConfigError(f"model.dtype={opts.params_dtype}: {problem}")
     bf16 = opts.params_dtype == torch.bfloat16
     fp16 = opts.params_dtype == torch.float16
-    return TransformerConfig(
+    return TransformerConfig(**cpu_compat.adjust_transformer_config(dict(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         ffn_hidden_size=spec.ffn_hidden_size,
@@ -98,12 +95,12 @@ def transformer_config(spec: ModelSpec, opts: BuildOptions):
         pipeline_dtype=opts.params_dtype,
         bf16=bf16,
         fp16=fp16,
-        use_cpu_initialization=on_cpu,
+        use_cpu_initialization=False,
         perform_initialization=opts.init_weights,
         variable_seq_lengths=False,
         batch_p2p_comm=False,
-        batch_p2p_sync=not on_cpu,
-    )
+        batch_p2p_sync=True,
+    )))
 
 
 def layer_spec(spec: ModelSpec, opts: BuildOptions):
@@ -211,8 +208,7 @@ def build_model(spec: ModelSpec, opts: BuildOptions, seed: int = 1234):
         )
     if not opts.init_weights:
         _ensure_tp_attributes(model)
-    if not cpu_compat.on_cpu():
-        model = model.cuda()
+    model = cpu_compat.model_to_device(model)
     # Attach what the mapping and I/O layers need to find their way around this stage.
     model.megarl_spec = spec
     model.megarl_opts = opts

@@ -7,15 +7,24 @@
 
 Sequences are right-padded ``[batch, seq]`` token ids; attention is causal, so positions
 past a sequence's end never influence its valid positions.
+
+With ``pack=True`` (``algo.pack_sequences``) the forward-only passes lay the real tokens of the
+rows of each micro-batch back to back in one ``[1, total]`` sequence with megatron-core's
+``PackedSeqParams(qkv_format="thd")``: attention never crosses a ``cu_seqlens`` boundary and
+RoPE restarts at 0 in every sequence, so each row's outputs equal the padded forward's up to
+float rounding.  On CUDA this is transformer-engine's varlen attention; without TE the local
+attention gets its THD path from ``megarl.runtime.cpu_compat`` (CPU only).
 """
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Union
 
 import torch
 import torch.distributed as dist
 
+from megarl.experience.packing import PackedLayout, pack, pack_layout, unpack
 from megarl.models.weights import unwrap
 
 
@@ -74,14 +83,89 @@ def position_ids_for(tokens: torch.Tensor) -> torch.Tensor:
     return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
 
 
-def forward_only(model, micro_batches: List[torch.Tensor],
+@dataclass(frozen=True)
+class PackedMicroBatch:
+    """The rows of one micro-batch as one packed (THD) sequence.
+
+    ``tokens`` / ``position_ids`` ``(1, total)``: the real tokens of every row back to back and
+    their positions within their row; ``layout`` maps packed tokens back to the ``(b, s)`` rows.
+    """
+
+    tokens: torch.Tensor
+    position_ids: torch.Tensor
+    layout: PackedLayout
+
+    @classmethod
+    def from_rows(cls, tokens: torch.Tensor, lengths: torch.Tensor) -> "PackedMicroBatch":
+        """Pack right-padded ``tokens (b, s)`` whose row b has ``lengths[b] >= 1`` real tokens."""
+        mask = torch.arange(tokens.shape[1], device=tokens.device)[None, :] < lengths.to(tokens.device)[:, None]
+        layout = pack_layout(mask, tokens.shape[1])
+        return cls(pack(tokens, layout)[None], layout.position_ids[None], layout)
+
+    def to(self, dev) -> "PackedMicroBatch":
+        return PackedMicroBatch(self.tokens.to(dev), self.position_ids.to(dev), self.layout)
+
+    def packed_seq_params(self):
+        """megatron-core's THD parameters: attention within ``cu_seqlens`` boundaries, RoPE per
+        sequence (``max_seqlen`` sizes the RoPE table)."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = self.layout.cu_seqlens.to(self.tokens.device)
+        n = self.layout.max_seqlen
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n, max_seqlen_kv=n)
+
+
+MicroBatch = Union[torch.Tensor, PackedMicroBatch]
+
+
+def packing_unsupported_reason() -> Optional[str]:
+    """None when this process can run packed (THD) forwards, else why not (for start-up checks).
+
+    On CUDA the packed path is transformer-engine's attention (megatron's local
+    ``DotProductAttention`` refuses ``packed_seq_params``); on CPU ``megarl.runtime.cpu_compat``
+    gives the local attention a THD path.
+    """
+    import importlib.util
+
+    from megarl.runtime import cpu_compat
+
+    if cpu_compat.local_attention_takes_thd() or importlib.util.find_spec("transformer_engine") is not None:
+        return None
+    return ("transformer-engine is not installed: on CUDA only its attention takes packed (THD) sequences "
+            "(megatron-core's local DotProductAttention refuses them)")
+
+
+def _check_packable(model) -> None:
+    """Refuse, before any forward, a model whose attention cannot take a packed sequence."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    if getattr(DotProductAttention.forward, "_megarl_thd", False):
+        return
+    if any(isinstance(m, DotProductAttention) for m in unwrap(model).modules()):
+        raise ValueError("pack=True (algo.pack_sequences): this model uses megatron-core's local "
+                         "DotProductAttention, which has no packed-sequence (THD) path on CUDA; build it with "
+                         "transformer-engine or run padded")
+
+
+def _call(model, mb: MicroBatch):
+    if isinstance(mb, PackedMicroBatch):
+        return model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
+    return model(mb, position_ids_for(mb), None)
+
+
+def _tokens(mb: MicroBatch) -> torch.Tensor:
+    return mb.tokens if isinstance(mb, PackedMicroBatch) else mb
+
+
+def forward_only(model, micro_batches: List[MicroBatch],
                  on_output: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> List[torch.Tensor]:
-    """Run ``micro_batches`` (each ``(b, s)`` token ids, same ``s`` within a micro-batch)
-    through the pipeline without gradients.
+    """Run ``micro_batches`` (each ``(b, s)`` token ids, same ``s`` within a micro-batch, or a
+    :class:`PackedMicroBatch`) through the pipeline without gradients.
 
     ``on_output(model_output, tokens)`` runs on the last stage on every TP rank and must
     return a tensor whose shape is a function of ``tokens.shape`` only; its results are
-    broadcast from the last stage so every rank returns the same list.
+    broadcast from the last stage so every rank returns the same list.  For a packed
+    micro-batch, ``tokens`` is its ``(1, total)`` packed sequence.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -95,25 +179,27 @@ def forward_only(model, micro_batches: List[torch.Tensor],
     try:
         with torch.no_grad():
             if pp == 1:
-                for tokens in micro_batches:
-                    tokens = tokens.to(dev)
-                    out = model(tokens, position_ids_for(tokens), None)
-                    results.append(on_output(out, tokens))
+                for mb in micro_batches:
+                    mb = mb.to(dev)
+                    out = _call(model, mb)
+                    results.append(on_output(out, _tokens(mb)))
                 return results
-            it = iter([t.to(dev) for t in micro_batches])
+            it = iter([mb.to(dev) for mb in micro_batches])
 
             def step(data_iterator, m):
-                tokens = next(data_iterator)
-                out = m(tokens, position_ids_for(tokens), None)
+                mb = next(data_iterator)
+                out = _call(m, mb)
 
                 def loss_func(output):
-                    res = on_output(output, tokens)
+                    res = on_output(output, _tokens(mb))
                     return res, {"result": res}
 
                 return out, loss_func
 
-            for tokens in micro_batches:
+            for mb in micro_batches:
                 # one micro-batch per schedule call: shapes may differ between micro-batches
+                # (a packed one travels between stages as [total, 1, hidden])
+                tokens = _tokens(mb)
                 fb = get_forward_backward_func()
                 store = fb(forward_step_func=step, data_iterator=it, model=[model],
                            num_microbatches=1, seq_length=tokens.shape[1],
@@ -154,7 +240,8 @@ def full_logits(model, tokens: torch.Tensor, micro_batch_size: int = 0) -> torch
 
 
 def _by_length(model, tokens: torch.Tensor, lengths: Optional[torch.Tensor], micro_batch_size: int,
-               on_output: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], trim: int) -> torch.Tensor:
+               on_output: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], trim: int,
+               pack: bool = False) -> torch.Tensor:
     """``forward_only`` over micro-batches of rows of similar length, each cut to its longest row.
 
     Rows are right-padded and attention is causal, so the padding after a row's last token never
@@ -163,7 +250,14 @@ def _by_length(model, tokens: torch.Tensor, lengths: Optional[torch.Tensor], mic
     into micro-batches of ``micro_batch_size``, each micro-batch is cut to its longest row, and
     the per-position results (``(b_i, L_i - trim, ...)``) go back to their rows in a zero-padded
     ``(b, s - trim, ...)`` tensor.  ``lengths=None``: micro-batches in row order at full width.
+
+    ``pack=True``: the same micro-batches, each run as one packed sequence of its rows' real
+    tokens (:class:`PackedMicroBatch`); ``on_output`` sees the ``(1, total)`` packed tokens and
+    its ``(1, total - trim, ...)`` result is unpacked to the rows (entries that straddle two
+    rows land past a row's ``length - trim`` and are zeroed like the padding).
     """
+    if pack:
+        return _packed(model, tokens, lengths, micro_batch_size, on_output, trim)
     if lengths is None:
         return torch.cat(forward_only(model, _micro_batches(tokens, micro_batch_size), on_output), 0)
     order = torch.argsort(lengths.cpu(), descending=True, stable=True)
@@ -178,25 +272,59 @@ def _by_length(model, tokens: torch.Tensor, lengths: Optional[torch.Tensor], mic
     return out.masked_fill_(past.reshape(past.shape + (1,) * (out.dim() - 2)), 0)
 
 
+def _packed(model, tokens: torch.Tensor, lengths: Optional[torch.Tensor], micro_batch_size: int,
+            on_output: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], trim: int) -> torch.Tensor:
+    """:func:`_by_length` with every micro-batch packed (same rows per micro-batch)."""
+    _check_packable(model)
+    B, S = tokens.shape
+    if lengths is None:
+        lengths = torch.full((B,), S, dtype=torch.long)
+    lengths = lengths.cpu().long()
+    if int(lengths.max()) > S:
+        raise ValueError(f"lengths up to {int(lengths.max())} exceed the {S} token columns")
+    # a row without tokens still takes one (its outputs are zeroed below, as with padding)
+    real = lengths.clamp(min=1)
+    order = torch.argsort(lengths, descending=True, stable=True)
+    groups = list(order.split(micro_batch_size or B))
+    widths = [int(real[g].max()) for g in groups]
+    items = [PackedMicroBatch.from_rows(tokens[g, :w], real[g]) for g, w in zip(groups, widths)]
+    results = forward_only(model, items, on_output)
+    out = None
+    for g, w, item, res in zip(groups, widths, items, results):
+        per_token = res[0]  # (total - trim, ...): entry k belongs to packed token k
+        if trim:
+            per_token = torch.cat([per_token, per_token.new_zeros((trim,) + tuple(per_token.shape[1:]))])
+        rows = unpack(per_token, item.layout)  # (b_g, w, ...)
+        if out is None:
+            out = rows.new_zeros((B, max(S - trim, 0)) + tuple(rows.shape[2:]))
+        n = min(w, S - trim)
+        out[g.to(out.device), :n] = rows[:, :n]
+    past = torch.arange(out.shape[1], device=out.device)[None, :] >= (lengths.to(out.device) - trim)[:, None]
+    return out.masked_fill_(past.reshape(past.shape + (1,) * (out.dim() - 2)), 0)
+
+
 def teacher_forced_log_probs(model, tokens: torch.Tensor, micro_batch_size: int = 0,
-                             temperature: float = 1.0, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+                             temperature: float = 1.0, lengths: Optional[torch.Tensor] = None,
+                             pack: bool = False) -> torch.Tensor:
     """``(b, s-1)``: log-prob of ``tokens[:, t+1]`` given ``tokens[:, :t+1]`` on every rank.
 
     With ``lengths`` (each row's real tokens; right padding after them), micro-batches group
-    rows of similar length and skip the padding; positions past a row's length are 0."""
+    rows of similar length and skip the padding; positions past a row's length are 0.
+    ``pack=True``: each micro-batch runs as one packed (THD) sequence (see the module doc)."""
     V = unwrap(model).megarl_spec.vocab_size
 
     def on_output(out, toks):
         return token_log_probs_from_logits(out[:, :-1], toks[:, 1:], V, temperature).float()
 
-    return _by_length(model, tokens, lengths, micro_batch_size, on_output, trim=1)
+    return _by_length(model, tokens, lengths, micro_batch_size, on_output, trim=1, pack=pack)
 
 
 def scalar_values(model, tokens: torch.Tensor, micro_batch_size: int = 0,
-                  lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  lengths: Optional[torch.Tensor] = None, pack: bool = False) -> torch.Tensor:
     """``(b, s)`` scalar head outputs of a value-head model (critic / reward model); with
-    ``lengths``, as :func:`teacher_forced_log_probs` (0 past a row's length)."""
-    return _by_length(model, tokens, lengths, micro_batch_size, lambda out, _t: out[..., 0].float(), trim=0)
+    ``lengths`` and ``pack``, as :func:`teacher_forced_log_probs` (0 past a row's length)."""
+    return _by_length(model, tokens, lengths, micro_batch_size, lambda out, _t: out[..., 0].float(), trim=0,
+                      pack=pack)
 
 
 def right_align(prompt_ids: torch.Tensor, response_ids: torch.Tensor, attention_mask: torch.Tensor):
@@ -247,12 +375,12 @@ def gather_response(per_position: torch.Tensor, prompt_lens: torch.Tensor, respo
 
 def response_log_probs(model, prompt_ids: torch.Tensor, response_ids: torch.Tensor,
                        attention_mask: torch.Tensor, micro_batch_size: int = 0,
-                       temperature: float = 1.0) -> torch.Tensor:
+                       temperature: float = 1.0, pack: bool = False) -> torch.Tensor:
     """Teacher-forced log-prob of every response token, ``(b, R)`` aligned with
     ``response_ids`` (0 at padding), from experience-layout tensors.  Collective over the
-    model-parallel group; same result on every rank."""
+    model-parallel group; same result on every rank.  ``pack``: packed (THD) micro-batches."""
     tokens, plen, rlen = right_align(prompt_ids, response_ids, attention_mask)
-    lp = teacher_forced_log_probs(model, tokens, micro_batch_size, temperature, lengths=plen + rlen)
+    lp = teacher_forced_log_probs(model, tokens, micro_batch_size, temperature, lengths=plen + rlen, pack=pack)
     return gather_response(lp, plen, rlen, response_ids.shape[1])
 
 

@@ -107,7 +107,7 @@ def load_model(path: str, tp: int = 1, pp: int = 1, dtype: Optional[torch.dtype]
     if dtype is None:
         # CPU: fp32 only (megatron's half-precision paths need CUDA); GPU: what the checkpoint says
         saved = _DTYPES.get(meta["dtype"]) if meta else spec.checkpoint_dtype
-        dtype = torch.float32 if cpu_compat.on_cpu() else (saved or torch.bfloat16)
+        dtype = cpu_compat.model_dtype(saved or torch.bfloat16)
     if meta is not None:
         opts = BuildOptions(tp=tp, pp=pp, params_dtype=dtype,
                             vocab_multiple=vocab_multiple or meta["vocab_multiple"],

@@ -1,6 +1,6 @@
 """megatron DDP + megatron optimizer, and one optimizer step under a fixed loss contract.
 
-The loss contract (DESIGN.md contract 6): a step's loss is a *sum* over the global batch of
+The loss contract (docs/design.md, contract 6): a step's loss is a *sum* over the global batch of
 per-token (or per-sequence) terms divided by a *global* normaliser computed before the step
 (token or sequence count over all micro-batches and DP ranks).  Each micro-batch's loss
 function returns its share ``sum(terms in micro-batch) / global_normaliser``; gradients are
@@ -17,21 +17,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from megarl.config import OptimSettings
 from megarl.runtime import cpu_compat
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    optimizer: str = "adam"  # "adam" (AdamW, decoupled weight decay) or "sgd"
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    sgd_momentum: float = 0.0
-    clip_grad: float = 1.0
-    use_distributed_optimizer: Optional[bool] = None  # None: on CUDA yes, on CPU no
 
 
 def _finalize_without_token_scaling(model_chunks, num_tokens=None, **kwargs):
@@ -42,8 +29,17 @@ def _finalize_without_token_scaling(model_chunks, num_tokens=None, **kwargs):
     return finalize_model_grads(model_chunks, num_tokens=None, **kwargs)
 
 
-def wrap_for_training(model, cfg: OptimConfig):
+def wrap_for_training(model, cfg: OptimSettings, *, sgd_momentum: float = 0.0,
+                      use_distributed_optimizer: Optional[bool] = None):
     """Wrap a freshly built megatron model in megatron DDP and build its optimizer.
+
+    ``cfg`` is the config's optimizer section (``actor.optim`` / ``critic.optim``), used as it
+    is: ``optimizer`` ("adam": AdamW, decoupled weight decay; or "sgd"), ``lr``, ``min_lr``,
+    ``weight_decay``, ``adam_beta1/2``, ``adam_eps`` and ``clip_grad`` go to megatron's optimizer;
+    the schedule fields (``lr_warmup_steps``, ``lr_decay_style``) are
+    :func:`megarl.roles.common.lr_scheduler`'s.  Two settings are not config keys (a new key
+    would change every run's config hash): ``sgd_momentum`` (0: plain SGD; megatron's own
+    default is 0.9) and ``use_distributed_optimizer`` (None: on CUDA yes, on CPU no).
 
     Returns ``(ddp_model, optimizer)``.
     """
@@ -52,11 +48,7 @@ def wrap_for_training(model, cfg: OptimConfig):
 
     if cfg.optimizer not in ("adam", "sgd"):
         raise ValueError(f"optim.optimizer={cfg.optimizer!r}: expected 'adam' or 'sgd'")
-    on_cpu = cpu_compat.on_cpu()
-    use_dist_opt = (not on_cpu) if cfg.use_distributed_optimizer is None else cfg.use_distributed_optimizer
-    if on_cpu and use_dist_opt:
-        raise ValueError("optim.use_distributed_optimizer=true needs CUDA (megatron type-checks "
-                         "torch.cuda tensors); set it to false on CPU")
+    use_dist_opt = cpu_compat.use_distributed_optimizer(use_distributed_optimizer)
     tconf = model.config
     tconf.calculate_per_token_loss = True
     tconf.finalize_model_grads_func = _finalize_without_token_scaling
@@ -68,7 +60,7 @@ def wrap_for_training(model, cfg: OptimConfig):
         # megatron's check raises on the rank whose *local* gradients are non-finite, before the
         # DP all-reduce, and leaves the other ranks blocked in it; instead the NaN is summed into
         # every rank's gradients, the grad norm is non-finite on all of them, and the trainer
-        # rolls the step back everywhere (megarl/control/loop.py, update failures)
+        # rolls the step back everywhere (megarl/control/learning.py, update failures)
         check_for_nan_in_grad=False,
     )
     spec, opts = model.megarl_spec, model.megarl_opts
@@ -82,7 +74,7 @@ def wrap_for_training(model, cfg: OptimConfig):
         adam_beta1=cfg.adam_beta1,
         adam_beta2=cfg.adam_beta2,
         adam_eps=cfg.adam_eps,
-        sgd_momentum=cfg.sgd_momentum,
+        sgd_momentum=sgd_momentum,
         clip_grad=cfg.clip_grad,
         bf16=tconf.bf16,
         fp16=tconf.fp16,

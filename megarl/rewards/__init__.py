@@ -12,7 +12,9 @@ import inspect
 from typing import Any, Mapping, Sequence
 
 from megarl.rewards.base import RewardConfigError, RewardFunction, RewardSample
+from megarl.rewards.code_exec import CodeExec
 from megarl.rewards.composite import WeightedComposite
+from megarl.rewards.http import HttpReward
 from megarl.rewards.plugin import UserFunction, load_user_function
 from megarl.rewards.rules import Arithmetic, ExactNumericMatch, MathVerify, RegexFormat
 from megarl.rewards.runner import PENALTY_KEYS, RewardRunner, apply_penalties
@@ -27,6 +29,8 @@ __all__ = [
     "MathVerify",
     "RegexFormat",
     "Arithmetic",
+    "HttpReward",
+    "CodeExec",
     "WeightedComposite",
     "UserFunction",
     "load_user_function",
@@ -40,6 +44,8 @@ _RULES = {
     "math_verify": MathVerify,
     "regex": RegexFormat,
     "arithmetic": Arithmetic,
+    "http": HttpReward,  # a remote reward service (megarl/rewards/http.py); scores in batches
+    "code_exec": CodeExec,  # sandboxed code execution (megarl/rewards/code_exec.py); can hang: own limits
 }
 BUILTIN_REWARDS: tuple[str, ...] = (*_RULES, "composite")
 _COMPONENT_KEYS = ("name", "fn", "weight", "kwargs", "components")

@@ -169,6 +169,11 @@ class MathVerify:
             gold = self._parse(f"${text}$", parsing_timeout=None)
         return gold
 
+    def warmup(self) -> None:
+        """One parse and verify, so a fresh reward worker process pays math-verify's lazy
+        parser set-up before its first timed call."""
+        self._verify(self._parse_gold("1"), self._parse(r"\boxed{\frac{2}{2}}", parsing_timeout=None), timeout_seconds=None)
+
     def __call__(self, sample: RewardSample) -> RewardRecord:
         raw, bad = _answer(sample, self.answer_key, self.version)
         if bad is not None:

@@ -17,8 +17,9 @@ call cannot block interpreter exit; this is why the pool is not a
 would hang the trainer's shutdown, and each stuck thread would shrink the pool for good).  A
 retry of an abandoned call may run while the abandoned one is still going, so reward functions
 must be safe to run concurrently with themselves.  Scorers that can hang for real (sandboxed
-code execution, pathological sympy input) should enforce their own hard limit, e.g. in a
-subprocess.  Threads give parallelism only to scorers that release the GIL (I/O: remote reward
+code execution, pathological sympy input, any plug-in) run with ``isolation="process"``
+instead (:mod:`megarl.rewards.isolation`, ``reward.isolation``): the same loop drives a pool of
+worker processes, and an overdue call's worker is killed and replaced.  Threads give parallelism only to scorers that release the GIL (I/O: remote reward
 models, sandboxes); for pure-Python rules the pool is about timeouts, not speed.
 """
 
@@ -145,7 +146,12 @@ class RewardRunner:
             None waits forever.
         max_retries: extra attempts after an ``error`` / ``timeout`` (``invalid`` is final).
         backoff_s: delay before retry k is ``backoff_s * 2**(k-1)``.
-        max_workers: concurrent calls.
+        max_workers: concurrent calls (threads, or worker processes).
+        isolation: ``"thread"`` (calls on daemon threads) or ``"process"`` (calls in killable
+            worker processes, :class:`megarl.rewards.isolation.ProcessPool`; needs ``spec``).
+        spec: ``{"fn", "kwargs", "components"}`` from which each worker process builds its own
+            reward function with ``build_reward_function`` (``fn`` then only names the version).
+        kill_grace_s, max_memory_mb, cpu_time_s: process isolation only (see that module).
 
     ``counters`` (a Counter) accumulates over calls of :meth:`score`: ``calls`` (attempts),
     ``ok`` / ``error`` / ``timeout`` / ``invalid`` per attempt (so they sum to ``calls``),
@@ -160,6 +166,12 @@ class RewardRunner:
         max_retries: int = 2,
         backoff_s: float = 0.05,
         max_workers: int = 4,
+        *,
+        isolation: str = "thread",
+        spec: Mapping[str, Any] | None = None,
+        kill_grace_s: float = 0.5,
+        max_memory_mb: int | None = None,
+        cpu_time_s: float | None = None,
     ):
         if not callable(fn):
             raise RewardConfigError(f"RewardRunner fn must be callable, got {type(fn).__name__}")
@@ -171,13 +183,31 @@ class RewardRunner:
         label = getattr(fn, "name", None) or getattr(fn, "__qualname__", None) or type(fn).__qualname__
         self.version = str(getattr(fn, "version", "") or f"unversioned/{label}")
         self.counters: Counter = Counter()
-        self._pool = _WorkerPool(self.max_workers, f"reward-{label}")
+        from megarl.rewards.telemetry import ScorerStats
+
+        self.stats = ScorerStats(getattr(fn, "name", None) or label)
+        if isolation == "process":
+            from megarl.rewards.isolation import ProcessPool
+
+            self._pool = ProcessPool(
+                self.max_workers, spec, str(label), kill_grace_s=_check_number("kill_grace_s", kill_grace_s),
+                max_memory_mb=_check_number("max_memory_mb", max_memory_mb, allow_none=True, positive=True, integer=True),
+                cpu_time_s=_check_number("cpu_time_s", cpu_time_s, allow_none=True, positive=True))
+        elif isolation == "thread":
+            self._pool = _WorkerPool(self.max_workers, f"reward-{label}")
+        else:
+            raise RewardConfigError(f"RewardRunner isolation must be 'thread' or 'process', got {isolation!r}")
+        self.isolation = isolation
         self._finalizer = weakref.finalize(self, self._pool.close)
         self._score_lock = threading.Lock()
 
     def close(self) -> None:
         """Stop the idle workers (abandoned, still-running calls are left to finish on their own)."""
         self._finalizer()
+
+    def metrics(self) -> dict:
+        """``reward/<name>/...`` floats since the last call (see :mod:`megarl.rewards.telemetry`)."""
+        return self.stats.window(self.counters, getattr(self._pool, "restarts", 0), self.fn)
 
     def __enter__(self) -> "RewardRunner":
         return self
@@ -204,7 +234,41 @@ class RewardRunner:
     def score(self, samples: Sequence[RewardSample]) -> list[RewardRecord]:
         """One final record per sample, in input order; never raises for a scorer failure."""
         with self._score_lock:
+            if callable(getattr(self.fn, "score_batch", None)):
+                return self._score_batched(list(samples))
             return self._score(list(samples))
+
+    def _score_batched(self, samples: list[RewardSample]) -> list[RewardRecord]:
+        """A function with ``score_batch(samples) -> records`` (e.g. the HTTP service) gets the
+        whole list in one call and enforces its own timeouts, retries and concurrency.  Counters
+        stay per sample: ``calls`` += one per sample, ``ok`` / ``error`` / ``timeout`` /
+        ``invalid`` by final record, ``retries`` += the function's own re-sends (the delta of its
+        ``metrics()["retries"]``), ``failed`` as usual.  An exception or a wrong-length answer
+        fails every sample with status ``error``."""
+        metrics = getattr(self.fn, "metrics", None)
+        before = metrics().get("retries", 0) if callable(metrics) else 0
+        t_begin = time.monotonic()
+        try:
+            recs = list(self.fn.score_batch(samples))
+        except Exception as e:  # noqa: BLE001 -- any failure of a scorer is a status
+            recs = [self._failure(RewardStatus.ERROR, f"{type(e).__name__}: {e}")] * len(samples)
+        if getattr(self, "stats", None) is not None:
+            self.stats.busy(time.monotonic() - t_begin)
+        if len(recs) != len(samples):
+            recs = [self._failure(RewardStatus.ERROR,
+                                  f"score_batch returned {len(recs)} records for {len(samples)} samples")] * len(samples)
+        out = []
+        for rec in recs:
+            if not isinstance(rec, RewardRecord):
+                rec = self._failure(RewardStatus.ERROR, f"score_batch returned {type(rec).__name__}, expected a RewardRecord")
+            self.counters["calls"] += 1
+            self.counters[rec.status.value] += 1
+            if rec.status is not RewardStatus.OK:
+                self.counters["failed"] += 1
+            out.append(rec)
+        if callable(metrics):
+            self.counters["retries"] += int(metrics().get("retries", 0) - before)
+        return out
 
     def _score(self, samples: list[RewardSample]) -> list[RewardRecord]:
         n_attempts = 1 + self.max_retries
@@ -212,6 +276,7 @@ class RewardRunner:
         attempts = [0] * len(samples)
         inflight: dict[Future, tuple[int, _Task]] = {}
         retry_at: list[tuple[float, int]] = []  # heap of (monotonic time, sample index)
+        t_begin = time.monotonic()
 
         def submit(i: int) -> None:
             attempts[i] += 1
@@ -259,6 +324,8 @@ class RewardRunner:
                     done = set()
                 for fut in done:
                     i, task = inflight.pop(fut)
+                    if task.started is not None:
+                        self.stats.latency(time.monotonic() - task.started)
                     finish_attempt(i, self._outcome(task))
                 if self.timeout_s is not None:
                     now = time.monotonic()
@@ -270,6 +337,7 @@ class RewardRunner:
                                 i, self._failure(RewardStatus.TIMEOUT, f"no result within timeout_s={self.timeout_s}")
                             )
         finally:
+            self.stats.busy(time.monotonic() - t_begin)
             for fut in inflight:  # only reached with calls left on an exception (e.g. Ctrl-C)
                 fut.cancel()
         return results  # type: ignore[return-value]

@@ -17,7 +17,7 @@ from megarl.models.forward import response_log_probs
 from megarl.models.megatron_ckpt import load_model
 from megarl.models.optim import StepResult, train_step, wrap_for_training
 from megarl.models.weights import export_hf, unwrap
-from megarl.roles.common import HostOffload, lr_scheduler, optim_config
+from megarl.roles.common import HostOffload, lr_scheduler
 
 
 class Actor(HostOffload):
@@ -28,7 +28,7 @@ class Actor(HostOffload):
                  offload: bool = False):
         self.path = path
         self.model = load_model(path, tp=tp, pp=pp, vocab_multiple=vocab_multiple)
-        self.ddp, self.optimizer = wrap_for_training(self.model, optim_config(optim))
+        self.ddp, self.optimizer = wrap_for_training(self.model, optim)
         self.scheduler = lr_scheduler(self.optimizer, optim, total_steps)
         self.spec = unwrap(self.model).megarl_spec
         self.steps = 0
@@ -44,10 +44,11 @@ class Actor(HostOffload):
         return self.spec.vocab_size
 
     def log_probs(self, prompt_ids: torch.Tensor, response_ids: torch.Tensor, attention_mask: torch.Tensor,
-                  micro_batch_size: int) -> torch.Tensor:
+                  micro_batch_size: int, pack: bool = False) -> torch.Tensor:
         """``(b, R)`` raw-space log-probs of the response tokens under the current weights
-        (collective over the model-parallel group, eval mode, no grad)."""
-        return response_log_probs(self.ddp, prompt_ids, response_ids, attention_mask, micro_batch_size)
+        (collective over the model-parallel group, eval mode, no grad); ``pack``: each
+        micro-batch as one packed sequence (``algo.pack_sequences``)."""
+        return response_log_probs(self.ddp, prompt_ids, response_ids, attention_mask, micro_batch_size, pack=pack)
 
     def train_step(self, micro_batches: Sequence[Dict[str, torch.Tensor]],
                    loss_fn: Callable, after_optimizer_step: Optional[Callable[[], None]] = None) -> StepResult:

@@ -4,18 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from megarl.models.optim import OptimConfig
-
-
-def optim_config(o) -> OptimConfig:
-    """megarl's OptimConfig from a config ``OptimSettings`` section."""
-    return OptimConfig(optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-                       adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-                       clip_grad=o.clip_grad)
-
 
 def lr_scheduler(optimizer, o, total_steps: int):
-    """megatron's ``OptimizerParamScheduler``: warmup then constant / linear / cosine decay.
+    """megatron's ``OptimizerParamScheduler`` for the config's ``OptimSettings`` section ``o``
+    (the same object :func:`megarl.models.optim.wrap_for_training` built the optimizer from):
+    warmup then constant / linear / cosine decay.
 
     Steps are optimizer steps (one per mini-batch per PPO epoch).
     """

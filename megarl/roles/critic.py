@@ -18,7 +18,7 @@ from megarl.models.forward import gather_response, scalar_values
 from megarl.models.megatron_ckpt import load_model
 from megarl.models.optim import StepResult, train_step, wrap_for_training
 from megarl.models.weights import unwrap
-from megarl.roles.common import HostOffload, lr_scheduler, optim_config, step_tensors
+from megarl.roles.common import HostOffload, lr_scheduler, step_tensors
 
 
 def value_head_spec(actor_spec):
@@ -44,7 +44,7 @@ class Critic(HostOffload):
             self.model = build_model(value_head_spec(actor.megarl_spec), opts)
             self._copy_trunk(actor)
             self.init = "actor"
-        self.ddp, self.optimizer = wrap_for_training(self.model, optim_config(cfg.optim))
+        self.ddp, self.optimizer = wrap_for_training(self.model, cfg.optim)
         self.scheduler = lr_scheduler(self.optimizer, cfg.optim, total_steps)
         self.value_clip = cfg.value_clip
         self.steps = 0
@@ -67,14 +67,16 @@ class Critic(HostOffload):
                 raise ValueError(f"critic parameter {name} {tuple(p.shape)} has no counterpart in the actor")
 
     def values(self, prompt_ids: torch.Tensor, response_ids: torch.Tensor, attention_mask: torch.Tensor,
-               micro_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+               micro_batch_size: int, pack: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """V(s_t) before each response token ``(b, R)`` and V(s_T) after the last one ``(b,)``.
 
         s_t is the prefix (prompt, response[:t]); its value is read at the position of its last
         token, ``prompt_len - 1 + t``, the same position that predicts response token t.
+        ``pack``: each micro-batch as one packed sequence (``algo.pack_sequences``).
         """
         st = step_tensors(prompt_ids, response_ids, attention_mask)
-        v = scalar_values(self.ddp, st["tokens"], micro_batch_size, lengths=st["prompt_lens"] + st["response_lens"])
+        v = scalar_values(self.ddp, st["tokens"], micro_batch_size, lengths=st["prompt_lens"] + st["response_lens"],
+                          pack=pack)
         R = response_ids.shape[1]
         per_token = gather_response(v, st["prompt_lens"], st["response_lens"], R)
         last = (st["prompt_lens"] + st["response_lens"] - 1).clamp(max=v.shape[1] - 1)

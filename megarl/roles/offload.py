@@ -1,4 +1,5 @@
-"""Time-slicing one GPU between the rollout engine and the trainer (DESIGN.md "Time-slicing").
+"""Time-slicing one GPU between the rollout engine and the trainer (docs/design.md, "Roles and
+their physical home").
 
 While the rollout engine generates, the actor's parameters, gradients and optimizer state sit
 in (pinned) host memory and their device memory is returned; the reference model lives on the
@@ -42,12 +43,8 @@ storages' addresses: the storage's address changes across a round trip.
 from __future__ import annotations
 
 import contextlib
-import os
-import resource
-import sys
-import time
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Sequence, Union
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -57,7 +54,6 @@ __all__ = [
     "OffloadStateError",
     "ActorOffloader",
     "ReferenceOffloader",
-    "PhaseMemoryTracker",
 ]
 
 _ALIGN = 512  # byte alignment of each storage's slot in the flat host buffer
@@ -433,150 +429,3 @@ class ReferenceOffloader:
     def offloaded_bytes(self) -> int:
         return self._bytes
 
-
-# --------------------------------------------------------------------------------------------
-# peak memory per phase
-
-
-class _CudaProbe:
-    device = "cuda"
-    resettable = True
-
-    def __init__(self, dev=None):
-        self.dev = dev
-
-    def sync(self):
-        torch.cuda.synchronize(self.dev)
-
-    def current(self) -> int:
-        return int(torch.cuda.memory_allocated(self.dev))
-
-    def peak(self) -> int:
-        return int(torch.cuda.max_memory_allocated(self.dev))
-
-    def reset_peak(self):
-        torch.cuda.reset_peak_memory_stats(self.dev)
-
-
-class _RssProbe:
-    """Process resident memory: current from /proc/self/statm, peak from getrusage.
-
-    The process high-water mark cannot be reset, so a phase's peak is the process peak so far.
-    """
-
-    device = "cpu-rss"
-    resettable = False
-    _MAXRSS_UNIT = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
-
-    def sync(self):
-        pass
-
-    def current(self) -> int:
-        try:
-            with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, IndexError):
-            return self.peak()  # no procfs: the best we have is the high-water mark
-
-    def peak(self) -> int:
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * self._MAXRSS_UNIT
-
-    def reset_peak(self):
-        pass
-
-
-@dataclass
-class _Active:
-    name: str
-    start: int
-    baseline: int  # what peak_delta_bytes is measured from
-    t0: float
-    peak: int
-
-
-class PhaseMemoryTracker:
-    """Peak device memory per named phase: ``with tracker.phase("generate"): ...``.
-
-    On CUDA (``device: "cuda"``) a phase's ``peak_bytes`` is ``torch.cuda.max_memory_allocated``
-    over the phase (the peak stats are reset at its start; nested phases are folded so an outer
-    phase still sees an inner one's peak), and ``peak_delta_bytes = peak_bytes - start_bytes``.
-    Without CUDA (``device: "cpu-rss"``) the numbers are the process's resident set:
-    ``start_bytes``/``end_bytes`` are the current RSS, ``peak_bytes`` is the process RSS
-    high-water mark at the phase's end (``getrusage``; it cannot be reset, so it may predate the
-    phase), and ``peak_delta_bytes`` is how much that high-water mark grew during the phase.
-
-    A phase entered several times before :meth:`reset` aggregates: ``peak_bytes`` is the max,
-    ``start_bytes`` the first start, ``end_bytes`` the last end, ``seconds`` the sum, ``calls``
-    the count.  :meth:`as_metrics` flattens the records for a JSONL logger.
-    """
-
-    def __init__(self, device: Optional[str] = None, probe=None):
-        if probe is None:
-            use_cuda = torch.cuda.is_available() if device is None else device.startswith("cuda")
-            if use_cuda and not torch.cuda.is_available():
-                raise ValueError("PhaseMemoryTracker(device='cuda') but CUDA is not available")
-            probe = _CudaProbe() if use_cuda else _RssProbe()
-        self.probe = probe
-        self._active: List[_Active] = []
-        self._records: Dict[str, Dict[str, Union[int, float, str]]] = {}
-
-    @property
-    def device(self) -> str:
-        return self.probe.device
-
-    def _fold_peak(self) -> None:
-        if self._active:
-            v = self.probe.peak()
-            for a in self._active:
-                a.peak = max(a.peak, v)
-
-    @contextlib.contextmanager
-    def phase(self, name: str):
-        if any(a.name == name for a in self._active):
-            raise ValueError(f"phase {name!r} is already active (phases nest, but not into themselves)")
-        p = self.probe
-        p.sync()
-        self._fold_peak()
-        hwm_before = p.peak()
-        p.reset_peak()
-        start = p.current()
-        a = _Active(name, start, start if p.resettable else hwm_before, time.perf_counter(),
-                    start if p.resettable else hwm_before)
-        self._active.append(a)
-        try:
-            yield self
-        finally:
-            p.sync()
-            self._fold_peak()
-            self._active.remove(a)
-            seconds = time.perf_counter() - a.t0
-            end = p.current()
-            peak = max(a.peak, end)
-            self._record(name, start=start, end=end, peak=peak,
-                         delta=max(0, peak - a.baseline), seconds=seconds)
-
-    def _record(self, name, start, end, peak, delta, seconds) -> None:
-        r = self._records.get(name)
-        if r is None:
-            self._records[name] = {"device": self.device, "peak_bytes": peak, "start_bytes": start,
-                                   "end_bytes": end, "peak_delta_bytes": delta,
-                                   "seconds": seconds, "calls": 1}
-        else:
-            r["peak_bytes"] = max(r["peak_bytes"], peak)
-            r["peak_delta_bytes"] = max(r["peak_delta_bytes"], delta)
-            r["end_bytes"] = end
-            r["seconds"] += seconds
-            r["calls"] += 1
-
-    @property
-    def records(self) -> Dict[str, Dict[str, Union[int, float, str]]]:
-        """phase -> {device, peak_bytes, start_bytes, end_bytes, peak_delta_bytes, seconds, calls}."""
-        return {k: dict(v) for k, v in self._records.items()}
-
-    def as_metrics(self, prefix: str = "mem/") -> Dict[str, Union[int, float, str]]:
-        """Flat ``{f"{prefix}{phase}/{field}": value}`` for a JSONL logger."""
-        return {f"{prefix}{phase}/{k}": v for phase, r in self._records.items() for k, v in r.items()}
-
-    def reset(self) -> None:
-        """Forget finished phases (e.g. once per training step after logging)."""
-        self._records.clear()

@@ -37,10 +37,12 @@ class Reference:
         return self.offloader.on_device() if self.offloader is not None else contextlib.nullcontext()
 
     def log_probs(self, prompt_ids: torch.Tensor, response_ids: torch.Tensor, attention_mask: torch.Tensor,
-                  micro_batch_size: int) -> torch.Tensor:
-        """``(b, R)`` reference log-probs of the response tokens (collective over the MP group)."""
+                  micro_batch_size: int, pack: bool = False) -> torch.Tensor:
+        """``(b, R)`` reference log-probs of the response tokens (collective over the MP group);
+        ``pack``: each micro-batch as one packed sequence (``algo.pack_sequences``)."""
         with self._on_device():
-            return response_log_probs(self.model, prompt_ids, response_ids, attention_mask, micro_batch_size)
+            return response_log_probs(self.model, prompt_ids, response_ids, attention_mask, micro_batch_size,
+                                      pack=pack)
 
     @torch.no_grad()
     def refresh_from(self, actor_model, version: str) -> None:

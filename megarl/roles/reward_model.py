@@ -1,10 +1,10 @@
 """The neural reward model: a value-head megatron model, eval only, with its own tokenizer.
 
 A reward model may have been trained with another tokenizer and chat template than the actor
-(seed: "应把同一语义 response 交给各 scorer 自己的已版本化 preprocessing"), so it never reads the
-actor's token ids: the semantic sample (the chat messages, or the prompt text, plus the
-response text) is rendered with the RM's own template and tokenizer, and the score is the
-head's output at the last token.  The mapping from sample to scorer input is kept (``inputs``)
+(the same semantic response goes through each scorer's own versioned preprocessing), so it
+never reads the actor's token ids: the semantic sample (the chat messages, or the prompt text,
+plus the response text) is rendered with the RM's own template and tokenizer, and the score is
+the head's output at the last token.  The mapping from sample to scorer input is kept (``inputs``)
 so a score can be traced back.
 """
 
@@ -25,7 +25,7 @@ from megarl.runtime.data_parallel import map_rows
 class RewardModel:
     def __init__(self, path: str, tp: int, pp: int, tokenizer: Optional[str] = None,
                  chat_template: Optional[str] = None, vocab_multiple: int = 128, offload: bool = False,
-                 micro_batch_size: int = 8):
+                 micro_batch_size: int = 8, pack: bool = False):
         from megarl.config import ConfigError
 
         self.model = load_model(path, tp=tp, pp=pp, vocab_multiple=vocab_multiple)
@@ -39,6 +39,7 @@ class RewardModel:
         self.contract = TokenizerContract.from_pretrained(tokenizer or path, chat_template=template)
         self.version = f"rm-{self.contract.hash[7:15]}-{path}"
         self.micro_batch_size = micro_batch_size
+        self.pack = pack  # algo.pack_sequences: each micro-batch as one packed sequence
         self.offloader = None
         if offload:
             from megarl.roles.offload import ReferenceOffloader
@@ -68,7 +69,7 @@ class RewardModel:
         ctx = self.offloader.on_device() if self.offloader is not None else contextlib.nullcontext()
         with ctx:
             def run(tok, ln):
-                v = scalar_values(self.model, tok, self.micro_batch_size, lengths=ln)
+                v = scalar_values(self.model, tok, self.micro_batch_size, lengths=ln, pack=self.pack)
                 return v.gather(1, (ln - 1)[:, None].to(v.device))[:, 0].float()
 
             return map_rows(run, tokens, lengths).cpu()

@@ -1,6 +1,6 @@
 """Returning a trainable role to the committed version v after a failed update.
 
-The seed's rule for a failure inside the actor update: no partial update becomes visible, and
+The rule for a failure inside the actor update: no partial update becomes visible, and
 the actor, its optimizer and its LR schedule return to the committed version v on every rank.
 :class:`UpdateSnapshot` is the "from memory" way: at the start of an update it copies, to one
 flat host buffer, every device storage that holds v's parameters and optimizer state (the same
@@ -28,7 +28,6 @@ from typing import List, Optional
 import torch
 
 from megarl.errors import MegarlError
-from megarl.runtime.cpu_compat import without_device_rewrite
 from megarl.roles.offload import _ALIGN, _as_chunks, _byte_view, _host_buffer, _sync, _torch_optimizers, \
     training_state_claims
 
@@ -50,8 +49,7 @@ class UpdateSnapshot:
 
     def take(self, ddp_model, optimizer, scheduler, steps: int) -> int:
         """Copy the role's state; returns the bytes copied."""
-        with without_device_rewrite():  # storage copies only: no megatron below
-            return self._take(ddp_model, optimizer, scheduler, steps)
+        return self._take(ddp_model, optimizer, scheduler, steps)
 
     def _take(self, ddp_model, optimizer, scheduler, steps: int) -> int:
         chunks = _as_chunks(ddp_model)

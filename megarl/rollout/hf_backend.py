@@ -3,8 +3,9 @@
 The CPU default and the embedded default.  Two model instances are held (double buffering):
 the *active* one serves generate(), the *standby* one receives the next version's tensors.
 load_weights() writes into the standby and verifies the manifest; activate() swaps the two
-pointers under a lock (seed: "写入参数，完成设备同步，校验 manifest，再原子更新 active version
-pointer").  A bad stream therefore never touches what is being served: the engine stays on v.
+pointers under a lock (write, synchronise, verify the manifest, and only then switch the
+active version atomically).  A bad stream therefore never touches what is being served: the
+engine stays on v.
 
 Generation reuses transformers ``generate`` (KV cache, EOS bookkeeping, padding) and its own
 logits warpers (Temperature/TopK/TopP); megarl only adds two logits processors around them: one
@@ -41,7 +42,6 @@ from megarl.rollout.protocol import (
     candidate_seed,
 )
 from megarl.rollout.weight_stream import ManifestMismatchError, TensorManifest
-from megarl.runtime.cpu_compat import without_device_rewrite
 from megarl.splitmix import shr, splitmix64
 from megarl.versions import PolicyVersion
 
@@ -246,7 +246,7 @@ class HFRolloutEngine:
             targets = slot.targets()
             received = TensorManifest()
             n_bytes = n_buckets = 0
-            with torch.no_grad(), without_device_rewrite():  # the stream only gathers and maps
+            with torch.no_grad():
                 for bucket in named_tensor_buckets:
                     n_buckets += 1
                     for name, tensor in bucket:
@@ -363,8 +363,7 @@ class HFRolloutEngine:
             slot = self._active
             self._generating += 1
         try:
-            with without_device_rewrite():
-                return self._generate(slot, requests, sampling)
+            return self._generate(slot, requests, sampling)
         finally:
             with self._lock:
                 self._generating -= 1

@@ -11,7 +11,8 @@ them and the log-prob of every sampled token in two named spaces:
                           top-k and top-p; None when it equals the raw one (T=1, no filtering)
                           or the backend cannot observe it (say so in its ``log_prob_spaces``).
 
-A generic ``log_probs`` field is deliberately absent (seed: "必须先定义 old_log_probs 的概率空间").
+A generic ``log_probs`` field is deliberately absent: the probability space that
+``old_log_probs`` live in must be defined first, so every log-prob field names its space.
 """
 
 from __future__ import annotations
@@ -241,8 +242,28 @@ class RolloutEngine(Protocol):
     #: which log-prob spaces this backend fills: subset of {"raw", "processed"}
     log_prob_spaces: frozenset[str]
 
+    #: the dtype the engine holds its weights in, and so the dtype the actor's tensors are cast to
+    #: on their way in (the expected manifest must be computed in it: ``actor_manifest(actor,
+    #: dtype=engine.dtype)``); None: the actor's own dtype, no cast
+    dtype: torch.dtype | None
+
+    #: where the engine takes incoming tensors: the weight stream moves each tensor there before
+    #: handing it over (the CPU for the hf backend on CPU, the engine's GPU for sglang)
+    device: torch.device
+
     @property
     def active_version(self) -> PolicyVersion | None: ...
+
+    def staging_target(self, name: str) -> torch.Tensor | None:
+        """While :meth:`load_weights` runs: the tensor that will hold ``name`` once staged, for a
+        producer to build it in place (saving a copy), or None (not loading, no such tensor, or
+        an engine that never stages in place).
+
+        Only a producer whose tensors go straight to this engine may write there (the weight
+        stream does so only without a transport in between); whatever lands is verified against
+        the expected manifest like every other tensor.
+        """
+        ...
 
     def load_weights(
         self,

@@ -424,6 +424,11 @@ class SGLangRolloutEngine:
     def asleep(self) -> bool:
         return bool(self._released)
 
+    def staging_target(self, name: str) -> torch.Tensor | None:
+        """Always None: tensors are handed to SGLang's own loader (flattened per-dtype buckets
+        over CUDA IPC), never built in the engine's parameters by the producer."""
+        return None
+
     def _leader_call(self, what: str, fn, error: type[RolloutError] = WeightUpdateRejectedError) -> None:
         """Run ``fn() -> (ok, message)`` on the group's first rank; every rank raises ``error`` if
         it failed (one broadcast: also the sync point, so no rank is left waiting)."""

@@ -5,8 +5,8 @@ The actor side produces logical tensors in HuggingFace naming and layout (full t
 rollout engine consumes them in buckets of a configured byte size.  Both sides describe what
 they hold with a :class:`TensorManifest` (name, shape, dtype, a checksum of the bytes per tensor,
 plus one hash over all), so the engine can prove, before it activates a version, that every
-tensor of that version arrived intact (seed: "写入参数，完成设备同步，校验 manifest，再原子更新
-active version pointer").
+tensor of that version arrived intact.  The order is: write the parameters, synchronise the
+device, verify the manifest, and only then switch the active-version pointer atomically.
 
 The per-tensor checksum (:func:`tensor_checksum`) is computed with torch ops where the tensor
 lives -- on the GPU for a GPU actor or engine -- and only a few KiB per tensor reach the host.

@@ -27,11 +27,11 @@ from typing import Callable, Iterable, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megarl.hashing import json_sha256
 from megarl.models.weights import iter_hf_views, iter_hf_tensors, unwrap
 from megarl.rollout.protocol import LoadReport
 from megarl.rollout.weight_stream import TensorManifest, iter_buckets
-from megarl.runtime.cpu_compat import without_device_rewrite
-from megarl.versions import PolicyVersion, config_hash
+from megarl.versions import PolicyVersion
 
 Bucket = List[Tuple[str, torch.Tensor]]
 
@@ -47,9 +47,8 @@ def actor_manifest(actor_model, dtype: Optional[torch.dtype] = None) -> TensorMa
     from megatron.core import parallel_state as ps
 
     own = TensorManifest()
-    with without_device_rewrite():  # views and checksums only: ~3 of the 7 ms of a tiny model's pass
-        for name, shape, view in iter_hf_views(actor_model):
-            own.add_view(name, shape, view if dtype is None else view.to(dtype))
+    for name, shape, view in iter_hf_views(actor_model):
+        own.add_view(name, shape, view if dtype is None else view.to(dtype))
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return own
     group = ps.get_pipeline_model_parallel_group()
@@ -64,7 +63,7 @@ def actor_manifest(actor_model, dtype: Optional[torch.dtype] = None) -> TensorMa
 
 def model_config_hash(actor_model) -> str:
     """Hash of the model architecture the weights are laid out for (part of the version)."""
-    return config_hash(unwrap(actor_model).megarl_spec.to_dict())
+    return json_sha256(unwrap(actor_model).megarl_spec.to_dict())
 
 
 def make_version(actor_model, manifest: TensorManifest, run_id: str, optimizer_step: int,
@@ -107,7 +106,8 @@ def sync_actor_to_engine(
     """Collective: stream the actor's tensors into ``engine`` (``None`` on ranks without one).
 
     ``transport`` maps each bucket on its way (identity by default).  It is where a real
-    transport serialises/ships a bucket, and where fault-injection tests corrupt one.
+    transport serialises/ships a bucket, and where fault-injection tests corrupt one; with a
+    transport nothing is built in the engine's staging tensors (``engine.staging_target``).
     Returns the engine's :class:`LoadReport`; raises what the engine raised (e.g.
     ``ManifestMismatchError``) after the stream has been drained on this rank.
     """
@@ -115,12 +115,14 @@ def sync_actor_to_engine(
     # (its CUDA-IPC hand-over then needs no host round trip).
     # The engine's dtype by default; the expected manifest must have been computed in the same
     # dtype (``actor_manifest(actor, dtype=...)``), else the engine rejects the load by name.
-    dtype = dtype or getattr(engine, "dtype", None)
-    # Without a transport in between, tensors the merge builds are built in the engine.
-    out = None
-    if engine is not None and transport is None and hasattr(engine, "staging_target"):
-        out = _BuildInEngine(engine)
-    stream = iter_hf_tensors(actor_model, dtype=dtype, device=str(getattr(engine, "device", "cpu")), out=out)
+    if dtype is None and engine is not None:
+        dtype = engine.dtype
+    # Without a transport in between, tensors the merge builds are built in the engine (a
+    # transport ships or alters buckets on their way, so the engine's memory is not theirs).
+    out = _BuildInEngine(engine) if engine is not None and transport is None else None
+    # ranks without an engine only drain the stream (onto the CPU)
+    stream = iter_hf_tensors(actor_model, dtype=dtype, device=str(engine.device) if engine is not None else "cpu",
+                             out=out)
     if engine is None:
         _drained(stream)
         return None

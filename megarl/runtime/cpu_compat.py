@@ -4,33 +4,62 @@ megatron-core has no supported CPU path: it hard-codes ``device="cuda"`` literal
 ``torch.cuda.current_device()`` and ``torch.cuda.synchronize()`` in the pipeline schedules,
 p2p communication, tensor-parallel mappings and RoPE.  megarl's tests prove TP/PP/DP layouts
 on CPU with gloo, so we redirect those CUDA references to the CPU *only when CUDA is absent*.
-On a CUDA machine :func:`install` returns immediately and nothing here runs.
+On a CUDA machine :func:`install` returns immediately, the wrappers below are never installed
+and every function here returns the CUDA behaviour.
 
-What is patched, and why (observed on megatron-core 0.16.1, see shared/notes):
+What is patched, and why (observed on megatron-core 0.16.1):
 
 * ``torch.cuda.current_device`` returns ``"cpu"`` so ``device=torch.cuda.current_device()``
   allocations land on the CPU.
 * A :class:`torch.overrides.TorchFunctionMode` rewrites a ``device`` argument of type cuda to
-  cpu for every torch function (``torch.zeros(..., device="cuda")`` in the schedules), and makes
-  ``Tensor.cuda()`` return the tensor itself.
-  Code that never reaches megatron lifts it with :func:`without_device_rewrite`.
+  cpu (``torch.zeros(..., device="cuda")`` in the schedules), makes ``Tensor.cuda()`` return the
+  tensor itself and ``Tensor.to("cuda")`` a CPU no-op.  It is active *only while megatron code
+  runs*: :func:`install` wraps megatron's entry points (:data:`ENTRY_POINTS`: parallel-state
+  set-up, model construction and forward, DDP construction and grad sync, optimizer
+  construction and steps, the pipeline schedules, vocab-parallel cross entropy, RoPE scaling,
+  dist_checkpointing save / load, the RNG tracker) so that each pushes the mode on its thread on
+  the way in and pops it on the way out (:func:`megatron_scope`, reentrant: a nested entry point
+  costs one thread-local read).  Everything else, megarl's own code and transformers generation
+  included, runs without it: the mode costs every torch call a trip through Python.
 * ``torch.cuda.synchronize`` / ``torch.cuda.empty_cache`` become no-ops.
 * Gradient clipping: megatron's ``clip_grad_by_total_norm_fp32`` asserts CUDA grad types; a
   CPU twin with the same arithmetic replaces it (the norm itself is megatron's own).
 * The CUDA RNG tracker that megatron requires is replaced by megatron's own tracker initialised
-  in inference mode (dropout is 0 in RL fine-tuning; the tracker is never forked on CPU).
+  in inference mode (dropout is 0 in RL fine-tuning; the tracker is never forked on CPU):
+  :func:`seed_megatron_rng`.
+* Packed (THD) sequences: megatron's local ``DotProductAttention`` (the only attention without
+  transformer-engine) asserts ``packed_seq_params is None``; the rest of megatron (RoPE restarting
+  at every ``cu_seqlens`` boundary, the ``[t, 1, h]`` layout) already handles THD in pure torch.
+  A wrapper gives the local attention a THD path (:func:`thd_core_attention`: each sequence
+  attends causally to itself only) and leaves every call without ``packed_seq_params`` to the
+  original, untouched.  On CUDA, TE's attention takes THD natively
+  (:func:`local_attention_takes_thd` says which).
 
-Callers that must avoid remaining CUDA-only paths on CPU (fp32 only, no distributed optimizer,
-no fused grad clipping, explicit attention masks) ask :func:`on_cpu`.  ``tests/test_cpu_compat.py``
+What megarl asks of megatron differently on CPU, each a function that callers call
+unconditionally (on CUDA it returns the CUDA behaviour):
+
+* :func:`use_transformer_engine`: the local layer spec, never transformer-engine's (CUDA kernels).
+* :func:`params_dtype_problem`: float32 only (megatron's bf16/fp16 paths type-check CUDA tensors);
+  :func:`model_dtype`: a model loaded without an explicit dtype is built in float32.
+* :func:`adjust_transformer_config`: ``use_cpu_initialization=True`` (no CUDA RNG / device for
+  the initialisers), ``batch_p2p_sync=False`` (it synchronises CUDA streams).
+* :func:`model_to_device`: the model stays where megatron built it (``.cuda()`` on CUDA).
+* :func:`use_distributed_optimizer`: megatron's distributed optimizer type-checks CUDA tensors;
+  off on CPU, and an explicit request for it is an error.
+
+The runtime's choice of process-group backend and compute device (gloo and the CPU without
+CUDA) is :mod:`megarl.runtime.distributed`'s, by :func:`on_cpu`.  ``tests/test_cpu_compat.py``
 fails loudly when a megatron-core upgrade changes the surface patched here.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
+import importlib
+import sys
+import threading
 import warnings
-from typing import Iterator
+from typing import Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -70,24 +99,163 @@ class _CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-@contextlib.contextmanager
-def without_device_rewrite() -> Iterator[None]:
-    """Run a block that never reaches megatron (transformers generation, weight staging) with
-    the device-rewriting mode lifted on this thread.
+#: megatron-core's entry points, as ``(module, "function")`` or ``(module, "Class.method")``:
+#: every megatron call megarl makes goes through one of them, so the device-rewriting mode is on
+#: whenever megatron code runs (what they call, p2p communication, tensor-parallel mappings,
+#: RoPE, attention masks, grad-norm and DDP hooks included, runs inside).  Found by reading
+#: megarl's ``megatron.core`` imports; a megatron call outside them that meets a CUDA literal
+#: fails loudly on CPU ("Torch not compiled with CUDA enabled").  A function is also rebound
+#: wherever a ``megatron.*`` or ``megarl.*`` module imported it by name before :func:`install`.
+ENTRY_POINTS = (
+    # parallel state (megarl.runtime.distributed)
+    ("megatron.core.parallel_state", "initialize_model_parallel"),
+    ("megatron.core.parallel_state", "destroy_model_parallel"),
+    # the model-parallel RNG tracker (seed_megatron_rng)
+    ("megatron.core.tensor_parallel.random", "initialize_rng_tracker"),
+    ("megatron.core.tensor_parallel.random", "model_parallel_cuda_manual_seed"),
+    # the model: construction (initialisers, RoPE tables, tied embeddings), forward,
+    # checkpoint layout (megarl.models.builder / megatron_ckpt)
+    ("megatron.core.models.gpt.gpt_model", "GPTModel.__init__"),
+    ("megatron.core.models.gpt.gpt_model", "GPTModel.forward"),
+    ("megatron.core.models.gpt.gpt_model", "GPTModel.sharded_state_dict"),
+    ("megatron.core.models.common.embeddings.rotary_pos_embedding", "RotaryEmbedding._apply_scaling"),
+    # DDP: construction (grad buffers), forward, grad sync and zeroing (megarl.models.optim)
+    ("megatron.core.distributed.distributed_data_parallel", "DistributedDataParallel.__init__"),
+    ("megatron.core.distributed.distributed_data_parallel", "DistributedDataParallel.forward"),
+    ("megatron.core.distributed.distributed_data_parallel", "DistributedDataParallel.zero_grad_buffer"),
+    ("megatron.core.distributed.distributed_data_parallel", "DistributedDataParallel.start_grad_sync"),
+    ("megatron.core.distributed.distributed_data_parallel", "DistributedDataParallel.finish_grad_sync"),
+    ("megatron.core.distributed.distributed_data_parallel", "DistributedDataParallel.scale_gradients"),
+    ("megatron.core.distributed.distributed_data_parallel", "DistributedDataParallel.broadcast_params"),
+    ("megatron.core.distributed.distributed_data_parallel", "DistributedDataParallel.start_param_sync"),
+    # the optimizer: construction and every state-touching method (megarl.models.optim,
+    # megarl.checkpoint); the methods of each optimizer class are in _OPTIMIZER_METHODS
+    ("megatron.core.optimizer", "get_megatron_optimizer"),
+    # the pipeline schedules get_forward_backward_func returns (it reads these module globals)
+    ("megatron.core.pipeline_parallel.schedules", "forward_backward_no_pipelining"),
+    ("megatron.core.pipeline_parallel.schedules", "forward_backward_pipelining_without_interleaving"),
+    ("megatron.core.pipeline_parallel.schedules", "forward_backward_pipelining_with_interleaving"),
+    # tensor-parallel helpers megarl calls directly (megarl.models.forward)
+    ("megatron.core.tensor_parallel.cross_entropy", "vocab_parallel_cross_entropy"),
+    # dist_checkpointing (megarl.models.megatron_ckpt, megarl.checkpoint)
+    ("megatron.core.dist_checkpointing.serialization", "save"),
+    ("megatron.core.dist_checkpointing.serialization", "load"),
+)
 
-    The mode costs every torch call a trip through Python (~2.75 us on this CPU); a rollout of
-    the tiny recipe makes ~3000 of them per iteration.  Inert on CUDA (no mode is installed)
-    and when another mode has been pushed above ours (then the block runs under both).
-    """
-    depth = torch._C._len_torch_function_stack()
-    if _MODE is None or depth == 0 or torch._C._get_function_stack_at(depth - 1) is not _MODE:
-        yield
-        return
-    _MODE.__exit__(None, None, None)
-    try:
-        yield
-    finally:
-        _MODE.__enter__()
+#: The methods of megatron's optimizer classes that run inside the mode (those a class defines).
+_OPTIMIZER_METHODS = ("__init__", "step", "zero_grad", "state_dict", "load_state_dict", "sharded_state_dict",
+                      "reload_model_params", "prepare_grads", "step_with_ready_grads", "get_grad_norm",
+                      "clip_grad_norm", "count_zeros", "offload_to_cpu", "restore_from_cpu",
+                      "save_parameter_state", "load_parameter_state")
+_OPTIMIZER_MODULES = ("megatron.core.optimizer.optimizer", "megatron.core.optimizer.distrib_optimizer")
+
+_SCOPE = threading.local()  # .depth: megatron entry points entered on this thread
+
+
+def _push_mode() -> None:
+    torch._C._push_on_torch_function_stack(_MODE)
+
+
+def _pop_mode() -> None:
+    top = torch._C._pop_torch_function_stack()
+    if top is not _MODE:  # a mode pushed inside megatron code was left on the stack
+        torch._C._push_on_torch_function_stack(top)
+        raise RuntimeError(f"cpu_compat: leaving a megatron entry point with {top!r} above the "
+                           "device-rewriting mode on the torch function stack")
+
+
+class _MegatronScope:
+    """Reentrant, per-thread: the outermost entry pushes the mode, its exit pops it."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        depth = getattr(_SCOPE, "depth", 0)
+        if depth == 0 and _MODE is not None:
+            _push_mode()
+        _SCOPE.depth = depth + 1
+
+    def __exit__(self, *exc) -> bool:
+        depth = _SCOPE.depth - 1
+        _SCOPE.depth = depth
+        if depth == 0 and _MODE is not None:
+            _pop_mode()
+        return False
+
+
+_MEGATRON_SCOPE = _MegatronScope()
+
+
+def megatron_scope() -> _MegatronScope:
+    """``with megatron_scope(): ...`` runs a block with megatron's CUDA device literals landing on
+    the CPU (the wrapped entry points do this themselves).  Reentrant and per thread; without
+    :func:`install` (on CUDA) only a counter."""
+    return _MEGATRON_SCOPE
+
+
+def in_megatron_scope() -> bool:
+    """True inside a megatron entry point (or :func:`megatron_scope`) on this thread."""
+    return getattr(_SCOPE, "depth", 0) > 0
+
+
+def _scoped(fn):
+    """``fn`` run inside :func:`megatron_scope`; a call nested in another entry point goes straight
+    through."""
+    if getattr(fn, "_megarl_scoped", False):
+        return fn
+
+    @functools.wraps(fn)
+    def entry_point(*args, **kwargs):
+        depth = getattr(_SCOPE, "depth", 0)
+        if depth:
+            return fn(*args, **kwargs)
+        _push_mode()
+        _SCOPE.depth = 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _SCOPE.depth = 0
+            _pop_mode()
+
+    entry_point._megarl_scoped = True  # type: ignore[attr-defined]
+    return entry_point
+
+
+def _resolve(module_name: str, path: str):
+    """``(owner, attribute name, current value)`` of an entry point."""
+    owner = importlib.import_module(module_name)
+    *classes, name = path.split(".")
+    for c in classes:
+        owner = getattr(owner, c)
+    return owner, name, getattr(owner, name)
+
+
+def _rebind_imported(name: str, original, wrapped) -> None:
+    """Rebind ``name`` where a loaded megatron / megarl module imported ``original`` by name."""
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or not mod_name.startswith(("megatron.", "megarl.")):
+            continue
+        if getattr(mod, "__dict__", {}).get(name) is original:
+            setattr(mod, name, wrapped)
+
+
+def _wrap_entry_points() -> None:
+    for module_name, path in ENTRY_POINTS:
+        owner, name, fn = _resolve(module_name, path)
+        wrapped = _scoped(fn)
+        if wrapped is fn:
+            continue
+        setattr(owner, name, wrapped)
+        if isinstance(owner, type(sys)):  # a module-level function: also where it was imported
+            _rebind_imported(name, fn, wrapped)
+    from megatron.core.optimizer.optimizer import MegatronOptimizer
+
+    for module_name in _OPTIMIZER_MODULES:
+        for cls in list(vars(importlib.import_module(module_name)).values()):
+            if isinstance(cls, type) and issubclass(cls, MegatronOptimizer):
+                for name in _OPTIMIZER_METHODS:
+                    if name in cls.__dict__:
+                        setattr(cls, name, _scoped(cls.__dict__[name]))
 
 
 def _noop(*_args, **_kwargs):
@@ -110,8 +278,9 @@ def install() -> bool:
     torch.cuda.synchronize = _noop  # type: ignore[assignment]
     torch.cuda.empty_cache = _noop  # type: ignore[assignment]
     _MODE = _CudaToCpuMode()
-    _MODE.__enter__()
+    _wrap_entry_points()
     _patch_grad_clipping()
+    _patch_local_attention_thd()
     _INSTALLED = True
     return True
 
@@ -137,6 +306,82 @@ def _patch_grad_clipping() -> None:
     optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32_cpu
 
 
+#: How :func:`thd_core_attention` computes a packed micro-batch on CPU.  "repad": scatter the
+#: sequences into a ``[max_seqlen, n_seqs]`` grid and run megatron's own attention with its causal
+#: mask (cost ``n_seqs * max_seqlen**2``, the padded forward's attention; TE's varlen kernels pay
+#: ``sum(len_i**2)``); "block_mask": one
+#: ``[t, t]`` block-diagonal causal mask over the whole pack (cost ``t**2``; the literal
+#: definition, kept to cross-check "repad" in tests and bench/packing.py).
+THD_ATTENTION = "repad"
+
+
+def thd_core_attention(original, module, query, key, value, packed_seq_params):
+    """Causal self-attention of a packed (THD) micro-batch through megatron's local attention.
+
+    ``query`` ``[t, np, hn]`` and ``key`` / ``value`` ``[t, ng, hn]`` hold the tokens of the
+    sequences delimited by ``packed_seq_params.cu_seqlens_q`` back to back (RoPE was already
+    applied per sequence by megatron).  Token k of sequence i attends to tokens of sequence i at
+    or before k and to nothing else.  Returns ``[t, np * hn]``, the layout TE returns for THD.
+    """
+    from megatron.core.transformer.enums import AttnMaskType
+
+    if module.attn_mask_type != AttnMaskType.causal:
+        raise NotImplementedError(f"packed sequences on CPU: only causal self-attention, not {module.attn_mask_type}")
+    cu = packed_seq_params.cu_seqlens_q
+    for name in ("cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        other = getattr(packed_seq_params, name)
+        if other is not None and other is not cu and not torch.equal(other, cu):
+            raise NotImplementedError(f"packed sequences on CPU: {name} must equal cu_seqlens_q (self-attention, "
+                                      "no padding between sequences)")
+    if query.dim() == 4:  # [t, 1, np, hn]
+        query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
+    t = query.shape[0]
+    if int(cu[-1]) != t:
+        raise ValueError(f"packed sequences: cu_seqlens ends at {int(cu[-1])}, but the pack has {t} tokens")
+    cu = cu.to(device=query.device, dtype=torch.long)
+    lengths = cu[1:] - cu[:-1]
+    n = lengths.numel()
+    seq = torch.repeat_interleave(torch.arange(n, device=query.device), lengths, output_size=t)
+    if THD_ATTENTION == "block_mask":
+        masked = (seq[:, None] != seq[None, :]) | torch.ones(t, t, dtype=torch.bool, device=query.device).triu(1)
+        ctx = original(module, query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), masked[None, None])
+        return ctx.reshape(t, -1)
+    if THD_ATTENTION != "repad":
+        raise ValueError(f"cpu_compat.THD_ATTENTION={THD_ATTENTION!r}: expected 'repad' or 'block_mask'")
+    width = int(lengths.max()) if n else 0
+    pos = torch.arange(t, device=query.device) - torch.repeat_interleave(cu[:-1], lengths, output_size=t)
+    flat = pos * n + seq  # token k sits at [pos_k, seq_k] of a [width, n] (sbhd) grid
+
+    def grid(x):
+        return x.new_zeros((width * n, *x.shape[1:])).index_copy_(0, flat, x).view(width, n, *x.shape[1:])
+
+    # the explicit mask is the one megatron builds for a causal module given none
+    causal = torch.ones(width, width, dtype=torch.bool, device=query.device).triu(1)
+    ctx = original(module, grid(query), grid(key), grid(value), causal)  # [width, n, np * hn]
+    return ctx.reshape(width * n, -1).index_select(0, flat)
+
+
+def _patch_local_attention_thd() -> None:
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    original = DotProductAttention.forward
+    if getattr(original, "_megarl_thd", False):
+        return
+
+    @functools.wraps(original)
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+            return original(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                            attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+        if attention_bias is not None:
+            raise NotImplementedError("packed sequences on CPU: no attention bias")
+        return thd_core_attention(original, self, query, key, value, packed_seq_params)
+
+    forward._megarl_thd = True  # type: ignore[attr-defined]
+    DotProductAttention.forward = forward
+
+
 def seed_megatron_rng(seed: int) -> None:
     """Seed torch and megatron's model-parallel RNG tracker for this rank.
 
@@ -153,6 +398,66 @@ def seed_megatron_rng(seed: int) -> None:
         )
     else:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def use_transformer_engine(installed: bool) -> bool:
+    """Whether to build with transformer-engine's layer spec, given whether TE is ``installed``.
+
+    CUDA: ``installed``.  CPU: never (TE's kernels are CUDA-only; megatron's local spec realises
+    the same function)."""
+    return installed and not on_cpu()
+
+
+def params_dtype_problem(dtype: torch.dtype) -> Optional[str]:
+    """None when megatron can hold and train parameters in ``dtype`` here, else why not.
+
+    CUDA: always None.  CPU: float32 only (megatron's bf16/fp16 paths type-check CUDA tensors)."""
+    if on_cpu() and dtype != torch.float32:
+        return "on CPU only float32 is supported (megatron's bf16/fp16 paths type-check CUDA tensors)"
+    return None
+
+
+def model_dtype(default: torch.dtype) -> torch.dtype:
+    """The dtype to build a model in when the caller names none: ``default`` (what the
+    checkpoint says) on CUDA; float32 on CPU (see :func:`params_dtype_problem`)."""
+    return torch.float32 if on_cpu() else default
+
+
+def adjust_transformer_config(kwargs: dict) -> dict:
+    """megatron ``TransformerConfig`` keyword arguments for this machine.
+
+    CUDA: ``kwargs`` unchanged.  CPU: ``use_cpu_initialization=True`` (megatron's device
+    initialisers draw from the CUDA RNG tracker on a CUDA device) and ``batch_p2p_sync=False``
+    (it synchronises CUDA streams around batched p2p)."""
+    if not on_cpu():
+        return kwargs
+    return dict(kwargs, use_cpu_initialization=True, batch_p2p_sync=False)
+
+
+def model_to_device(model):
+    """The built model on the compute device: ``model.cuda()`` on CUDA; on CPU the model as
+    megatron built it (``use_cpu_initialization`` put it on the CPU)."""
+    return model if on_cpu() else model.cuda()
+
+
+def use_distributed_optimizer(requested: Optional[bool]) -> bool:
+    """Whether to wrap megatron's distributed optimizer; ``requested`` None means the default.
+
+    CUDA: ``requested``, by default yes.  CPU: no (megatron type-checks ``torch.cuda`` tensors
+    there); an explicit request raises ``ValueError``."""
+    if not on_cpu():
+        return True if requested is None else requested
+    if requested:
+        raise ValueError("optim.use_distributed_optimizer=true needs CUDA (megatron type-checks "
+                         "torch.cuda tensors); set it to false on CPU")
+    return False
+
+
+def local_attention_takes_thd() -> bool:
+    """Whether megatron's local ``DotProductAttention`` takes packed (THD) sequences: on CPU yes,
+    through :func:`install`'s wrapper (:func:`thd_core_attention`); on CUDA no (only
+    transformer-engine's attention packs there)."""
+    return on_cpu()
 
 
 @functools.lru_cache(maxsize=None)

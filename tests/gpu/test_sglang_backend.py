@@ -173,8 +173,9 @@ def greedy(engine, ctx):
 
 
 def check_setup(ctx):
+    from megarl.config import OptimSettings
     from megarl.models.megatron_ckpt import load_model
-    from megarl.models.optim import OptimConfig, wrap_for_training
+    from megarl.models.optim import wrap_for_training
     from megarl.models.tiny import write_random_hf_checkpoint
     from megarl.models.weights import export_hf
     from megarl.rollout.protocol import GenerationRequest
@@ -182,7 +183,7 @@ def check_setup(ctx):
     hf0 = os.path.join(ctx.work, "hf0")
     write_random_hf_checkpoint(hf0, TINY, seed=0, std=0.2, dtype=torch.bfloat16)
     model = load_model(hf0, tp=1, pp=1, dtype=torch.bfloat16)
-    ctx.ddp, ctx.opt = wrap_for_training(model, OptimConfig(optimizer="adam", lr=3e-3, clip_grad=1.0))
+    ctx.ddp, ctx.opt = wrap_for_training(model, OptimSettings(optimizer="adam", lr=3e-3, clip_grad=1.0))
     te = type(_first_layer(model).self_attention.linear_qkv).__module__
     assert "transformer_engine" in te, f"the actor's layers are not transformer-engine ({te})"
     g = torch.Generator().manual_seed(0)
@@ -394,6 +395,37 @@ def check_checksum(ctx):
     return f"GPU checksum == CPU checksum (bf16/fp32, odd sizes, strided QKV blocks); {big.numel() * 2 / 1e9 / seconds:.0f} GB/s on 2 GiB"
 
 
+def check_packed(ctx):
+    """algo.pack_sequences on CUDA: each micro-batch as one THD sequence (megatron-core
+    PackedSeqParams through TE's attention) gives the padded forward's log-probs."""
+    import time
+
+    from megarl.models.forward import response_log_probs
+
+    core = type(_first_layer(ctx.ddp).self_attention.core_attention)
+    assert "transformer_engine" in core.__module__, f"core attention is {core.__module__}.{core.__name__}, not TE"
+    g = torch.Generator().manual_seed(3)
+    B, P, R = 128, 32, 64
+    plen, rlen = torch.randint(8, P + 1, (B,), generator=g), torch.randint(1, R + 1, (B,), generator=g)
+    pos = torch.arange(P + R)
+    attn = ((pos >= (P - plen)[:, None]) & (pos < (P + rlen)[:, None])).long()
+    prompt = torch.randint(10, 1000, (B, P), generator=g) * attn[:, :P]
+    resp = torch.randint(10, 1000, (B, R), generator=g) * attn[:, P:]
+    args = [t.cuda() for t in (prompt, resp, attn)]
+    secs = {}
+    for pack in (False, True, False, True):  # the first pass of each warms up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = response_log_probs(ctx.ddp, *args, 16, pack=pack)
+        torch.cuda.synchronize()
+        secs[pack] = (time.perf_counter() - t0, out)
+    keep = attn[:, P:].bool().cuda()
+    err = float((secs[True][1] - secs[False][1]).abs()[keep].max())
+    assert err < RAW_ATOL, f"max |packed - padded| log-prob {err:.4f} >= {RAW_ATOL}"
+    return (f"max |packed - padded| {err:.4f} over {int(keep.sum())} response tokens (bf16, {core.__name__}); "
+            f"{B} rows, mbs 16: padded {secs[False][0] * 1e3:.1f} ms, packed {secs[True][0] * 1e3:.1f} ms")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None, help="also write the rows here")
@@ -416,7 +448,8 @@ def main(argv=None) -> int:
                  "weight sync v1 -> engine serves v1 (= fresh engine from HF export)",
                  "bf16 end to end",
                  "TP=1 weight sync bandwidth",
-                 "weight checksum: GPU == CPU, GB/s"]
+                 "weight checksum: GPU == CPU, GB/s",
+                 "packed (THD, TE) forward-only = padded"]
         try:
             table.run(names[0], lambda: check_setup(ctx))
             table.run(names[1], lambda: check_greedy(ctx), needs=(names[0],))
@@ -430,6 +463,7 @@ def main(argv=None) -> int:
                 ctx.engine = None
             table.run(names[7], lambda: check_bandwidth(ctx), needs=(names[0],))
             table.run(names[8], lambda: check_checksum(ctx))
+            table.run(names[9], lambda: check_packed(ctx), needs=(names[0],))
         finally:
             if ctx.engine is not None:
                 ctx.engine.shutdown()

@@ -6,9 +6,10 @@ import argparse
 
 import torch
 
+from megarl.config import OptimSettings
 from megarl.models.forward import full_logits, token_log_probs_from_logits
 from megarl.models.megatron_ckpt import load_model
-from megarl.models.optim import OptimConfig, train_step, wrap_for_training
+from megarl.models.optim import train_step, wrap_for_training
 from megarl.roles.offload import ActorOffloader, ReferenceOffloader
 from megarl.runtime import distributed as rt
 
@@ -18,7 +19,7 @@ p.add_argument("--hf", required=True)
 a = p.parse_args()
 
 rt.initialize(tp=a.tp, pp=1)
-cfg = OptimConfig(optimizer="adam", lr=1e-3, weight_decay=0.1, clip_grad=0.05)
+cfg = OptimSettings(optimizer="adam", lr=1e-3, weight_decay=0.1, clip_grad=0.05)
 
 
 def batch(seed):

@@ -8,9 +8,10 @@ import os
 
 import torch
 
+from megarl.config import OptimSettings
 from megarl.models.forward import token_log_probs_from_logits
 from megarl.models.megatron_ckpt import load_model
-from megarl.models.optim import OptimConfig, train_step, wrap_for_training
+from megarl.models.optim import train_step, wrap_for_training
 from megarl.models.weights import iter_hf_tensors
 from megarl.runtime import distributed as rt
 
@@ -49,8 +50,8 @@ def loss_fn(output, mb):
 
 
 for name, cfg in [
-    ("sgd", OptimConfig(optimizer="sgd", lr=0.5, clip_grad=1e9)),
-    ("adam", OptimConfig(optimizer="adam", lr=1e-3, weight_decay=0.1, clip_grad=0.05)),
+    ("sgd", OptimSettings(optimizer="sgd", lr=0.5, clip_grad=1e9)),
+    ("adam", OptimSettings(optimizer="adam", lr=1e-3, weight_decay=0.1, clip_grad=0.05)),
 ]:
     model = load_model(a.hf, tp=a.tp, pp=a.pp)
     ddp, opt = wrap_for_training(model, cfg)

@@ -28,7 +28,11 @@ for fam in a.families:
     load_hf_weights(model, hf_dir)
     logits = full_logits(model, tokens, micro_batch_size=2)
     lp = teacher_forced_log_probs(model, tokens, micro_batch_size=3)
+    # ragged rows padded (sorted by length) and packed (algo.pack_sequences): same log-probs
+    lengths = torch.tensor([19, 4, 11, 1, 16])[: tokens.shape[0]].clamp(max=tokens.shape[1])
+    padded = teacher_forced_log_probs(model, tokens, micro_batch_size=2, lengths=lengths)
+    packed = teacher_forced_log_probs(model, tokens, micro_batch_size=2, lengths=lengths, pack=True)
     if rt.is_main():
-        torch.save({"logits": logits, "log_probs": lp},
+        torch.save({"logits": logits, "log_probs": lp, "padded_log_probs": padded, "packed_log_probs": packed},
                    os.path.join(a.out, f"{fam}_tp{a.tp}_pp{a.pp}.pt"))
 rt.shutdown()

@@ -15,6 +15,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from megarl.config import OptimSettings
 from megarl.control.state_machine import (
     ExportEvidence,
     IterationStateMachine,
@@ -33,7 +34,7 @@ from megarl.models.forward import (
     token_log_probs_from_logits,
 )
 from megarl.models.megatron_ckpt import load_model
-from megarl.models.optim import OptimConfig, train_step, wrap_for_training
+from megarl.models.optim import train_step, wrap_for_training
 from megarl.models.weights import export_hf
 from megarl.rollout.hf_backend import HFRolloutEngine
 from megarl.rollout.protocol import GenerationRequest, SamplingParams
@@ -148,7 +149,7 @@ if a.step:
 
     # push the actor towards a fixed continuation so its greedy output visibly changes
     target = torch.tensor([list(prompts[0]) + [40, 41, 42, 43, 44, 45]])
-    ddp, opt = wrap_for_training(actor, OptimConfig(optimizer="sgd", lr=20.0, clip_grad=0.0))
+    ddp, opt = wrap_for_training(actor, OptimSettings(optimizer="sgd", lr=20.0, clip_grad=0.0))
     n_prompt = len(prompts[0])
 
     def loss_fn(output, mb):

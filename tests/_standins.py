@@ -1,4 +1,5 @@
-"""Helpers shared by the rollout tests, the GPU script and bench/weight_sync.py.
+"""Stand-ins for the actor, shared by the rollout tests and bench/weight_sync.py (test helpers:
+not part of the ``megarl`` package).
 
 An "actor" here is a plain transformers model whose logical tensors feed the stream; the lead
 replaces it with the megatron actor's gathered stream.  Nothing is downloaded.
@@ -11,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from megarl.hashing import json_sha256
 from megarl.rollout.weight_stream import TensorManifest, hf_logical_tensors
-from megarl.versions import PolicyVersion, config_hash
+from megarl.versions import PolicyVersion
 
 __all__ = ["tiny_llama_config", "HFActorStandIn"]
 
@@ -52,7 +54,7 @@ class HFActorStandIn:
 
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-        return cls(model, run_id, tokenizer_hash or config_hash({"tokenizer": "none"}))
+        return cls(model, run_id, tokenizer_hash or json_sha256({"tokenizer": "none"}))
 
     def export_config(self, out_dir: str | os.PathLike) -> str:
         self.model.config.save_pretrained(os.fspath(out_dir))
@@ -72,7 +74,7 @@ class HFActorStandIn:
             update_attempt=update_attempt,
             weight_manifest_hash=manifest.global_hash,
             tokenizer_hash=self.tokenizer_hash,
-            model_config_hash=config_hash(self.model.config.to_dict()),
+            model_config_hash=json_sha256(self.model.config.to_dict()),
         )
         return version, manifest
 

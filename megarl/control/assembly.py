@@ -1,0 +1,204 @@
+"""Assembly: the run config -> the objects the phase components work on.
+
+This is the one place that reads most of the config to build things: the tokenizer contract,
+the prompt datasets and their sampler, the roles (actor, reference, critic, reward model), the
+reward function and its runner, the KL controller, the fault plan, and the rollout engines.
+Construction order is part of the run's reproducibility (model initialisation and the engine's
+construction draw from torch's RNG; a resume restores the RNG between the roles and the
+engine), so the driver calls :func:`assemble` first and :func:`assemble_engine` after resume.
+:func:`wire_components` then builds the phase components over those parts: this module and the
+driver are the only ones that import the components.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megarl.runtime.data_parallel import broadcast_object
+
+
+@dataclass
+class Parts:
+    """Everything built before a resume (see the module docstring)."""
+
+    tok: Any
+    train_data: Any
+    heldout: Any
+    sampler: Any
+    actor: Any
+    reference: Any
+    critic: Any
+    injector: Any  # a FaultInjector when any faults.* key is set, else None
+    reward_fn: Any
+    reward_runner: Any  # rank 0 only
+    reward_model: Any
+    kl_ctl: Any
+
+
+@dataclass
+class Components:
+    """The phase components of one run, wired to the parts and to each other's interfaces."""
+
+    publisher: Any
+    producer: Any
+    preparer: Any
+    learner: Any
+    evaluator: Any
+
+
+@dataclass
+class EngineParts:
+    placement: Any
+    engine: Any  # None on ranks that hold no engine
+    pad_id: int
+    sync_dtype: Optional[torch.dtype]
+
+
+def assemble(cfg, model_path: str, tokenizer_dir: str) -> Parts:
+    from megarl.algo.kl import AdaptiveKLController, FixedKLController
+    from megarl.data.prompts import PromptSampler, load_prompt_dataset
+    from megarl.data.tokenizer import TokenizerContract
+    from megarl.faults import FaultInjector
+    from megarl.roles.actor import Actor
+
+    template = open(cfg.model.chat_template).read() if cfg.model.chat_template else None
+    tok = TokenizerContract.from_pretrained(tokenizer_dir, chat_template=template)
+    d = cfg.data
+    load = dict(prompt_field=d.prompt_field, messages_field=d.messages_field, id_field=d.id_field,
+                apply_chat_template=d.apply_chat_template, system_prompt=d.system_prompt,
+                max_prompt_tokens=d.max_prompt_tokens)
+    train_data = load_prompt_dataset(d.train_path, tok, **load)
+    heldout = load_prompt_dataset(d.heldout_path, tok, **load) if d.heldout_path else None
+    sampler = PromptSampler(len(train_data), seed=cfg.trainer.seed, shuffle=d.shuffle)
+
+    p, a = cfg.parallel, cfg.algo
+    total_steps = cfg.trainer.iterations * a.ppo_epochs * a.num_mini_batches
+    actor = Actor(model_path, p.tp, p.pp, cfg.actor.optim, total_steps, vocab_multiple=cfg.model.vocab_multiple,
+                  offload=cfg.actor.offload)
+    reference = None
+    if cfg.reference.enabled:
+        from megarl.roles.reference import Reference
+
+        reference = Reference(cfg.reference.path or model_path, p.tp, p.pp, version="ref-0",
+                              vocab_multiple=cfg.model.vocab_multiple, offload=cfg.reference.offload)
+    critic = None
+    if cfg.critic is not None:
+        from megarl.roles.critic import Critic
+
+        critic = Critic(cfg.critic, actor.model, p.tp, p.pp, total_steps, vocab_multiple=cfg.model.vocab_multiple)
+    injector = FaultInjector(cfg.faults, seed=cfg.faults.seed, rank=dist.get_rank(), world=dist.get_world_size())
+    injector = injector if injector.active else None
+    reward_fn, runner, reward_model = _rewards(cfg, injector, rank0=dist.get_rank() == 0)
+    kl_ctl = (AdaptiveKLController(a.kl.beta, a.kl.target, a.kl.horizon) if a.kl.adaptive
+              else FixedKLController(a.kl.beta))
+    return Parts(tok=tok, train_data=train_data, heldout=heldout, sampler=sampler, actor=actor, reference=reference,
+                 critic=critic, injector=injector, reward_fn=reward_fn, reward_runner=runner,
+                 reward_model=reward_model, kl_ctl=kl_ctl)
+
+
+def _rewards(cfg, injector, rank0: bool):
+    from megarl.rewards import build_reward_function
+    from megarl.rewards.runner import RewardRunner
+
+    r = cfg.reward
+    fn = build_reward_function(r.fn, r.kwargs, r.components) if r.fn else None
+    if fn is not None and cfg.faults.reward_timeout_rate:
+        from megarl.faults import FaultyRewardFunction
+
+        fn = FaultyRewardFunction(fn, injector, hang_s=1.5 * r.timeout_s + 0.05)
+    runner = None
+    if fn and rank0:
+        from megarl.rewards.isolation import resolve_isolation
+
+        # faults.reward_timeout_rate wraps fn here, in the trainer: those runs stay on threads
+        isolation = "thread" if cfg.faults.reward_timeout_rate else resolve_isolation(r.isolation, r.fn, r.components)
+        spec = {"fn": r.fn, "kwargs": dict(r.kwargs or {}), "components": list(r.components or [])}
+        runner = RewardRunner(fn, timeout_s=r.timeout_s, max_retries=r.max_retries, backoff_s=r.retry_backoff_s,
+                              max_workers=r.workers, isolation=isolation, spec=spec, kill_grace_s=r.kill_grace_s,
+                              max_memory_mb=r.max_memory_mb, cpu_time_s=r.cpu_time_s)
+    reward_model = None
+    if r.model.path:
+        from megarl.roles.reward_model import RewardModel
+
+        p = cfg.parallel
+        reward_model = RewardModel(r.model.path, p.tp, p.pp, tokenizer=r.model.tokenizer,
+                                   chat_template=r.model.chat_template, vocab_multiple=cfg.model.vocab_multiple,
+                                   offload=r.model.offload, micro_batch_size=cfg.algo.forward_micro_batch_size,
+                                   pack=cfg.algo.pack_sequences)
+    return fn, runner, reward_model
+
+
+def assemble_engine(cfg, tok, config_dir: str, injector) -> EngineParts:
+    """The rollout engines, created on an HF config of the actor (``config_dir``; weights only
+    ever arrive by stream), and the dtype weights are synced in."""
+    from megarl.control.placement import create_engine, make_placement
+    from megarl.models.safetensors_io import model_dir_eos_token_ids
+
+    placement = make_placement(cfg.rollout.backend, cfg.rollout.tp)
+    # the contract's eos and the model dir's (config.json / generation_config.json), which
+    # SGLang stops on regardless: both backends end responses on the same tokens
+    eos = list(dict.fromkeys(([tok.eos_token_id] if tok.eos_token_id is not None else [])
+                             + list(model_dir_eos_token_ids(config_dir))))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
+    engine = create_engine(cfg, placement, config_dir, eos, pad)
+    if engine is not None and (cfg.faults.rollout_error_rate or cfg.faults.duplicate_result_rate):
+        from megarl.faults import FaultyRolloutEngine
+
+        engine = FaultyRolloutEngine(engine, injector)
+    sync_dtype = broadcast_object(engine.dtype if engine is not None and dist.get_rank() == 0 else None)
+    if isinstance(sync_dtype, str):
+        sync_dtype = getattr(torch, sync_dtype)
+    return EngineParts(placement=placement, engine=engine, pad_id=pad, sync_dtype=sync_dtype)
+
+
+def wire_components(cfg, parts: Parts, eng: EngineParts, *, sm, progress, run_dir: str, run_id: str, dp: int,
+                    rank0: bool, ckpt_root: str) -> Components:
+    """The phase components of the iteration over the built parts: publication, production
+    (with its scorer), preparation, learning (through the fault seam when faults are set) and
+    evaluation (scoring without training-only shaping)."""
+    import os
+
+    from megarl.algo.registry import advantage_needs
+    from megarl.control.evaluation import Evaluator
+    from megarl.control.learning import Learner
+    from megarl.control.preparation import ExperiencePreparer
+    from megarl.control.production import GroupRolloutProducer
+    from megarl.control.publication import EngineTimeSlice, WeightPublisher
+    from megarl.control.scoring import Scorer
+
+    counters = progress.counters
+    quarantine = os.path.join(run_dir, "quarantine.jsonl")
+    time_slice = EngineTimeSlice(eng.engine, cfg.rollout.backend == "sglang" and cfg.rollout.enable_memory_saver)
+
+    def scorer(shape_overlong: bool) -> Scorer:
+        return Scorer(cfg.reward, parts.tok, parts.reward_runner, parts.reward_model, counters, quarantine, rank0,
+                      max_new_tokens=cfg.rollout.max_new_tokens, shape_overlong=shape_overlong)
+
+    publisher = WeightPublisher(
+        actor=parts.actor, critic=parts.critic, engine=eng.engine, placement=eng.placement, sm=sm,
+        time_slice=time_slice, counters=counters, sync_dtype=eng.sync_dtype, bucket_mb=cfg.rollout.bucket_mb,
+        max_retries=cfg.rollout.max_retries, corrupt_at=cfg.faults.corrupt_weight_sync_at, injector=parts.injector,
+        rank0=rank0)
+    producer = GroupRolloutProducer(
+        cfg, grouped=advantage_needs(cfg.algo.advantage).groups, train_data=parts.train_data, sampler=parts.sampler,
+        engine=eng.engine, placement=eng.placement, scorer=scorer(True), sm=sm, counters=counters, run_id=run_id,
+        quarantine_path=quarantine)
+    preparer = ExperiencePreparer(
+        cfg, actor=parts.actor, reference=parts.reference, critic=parts.critic, time_slice=time_slice, sm=sm,
+        kl_ctl=parts.kl_ctl, progress=progress, pad_id=eng.pad_id, run_id=run_id,
+        save_dir=os.path.join(run_dir, "experience") if cfg.trainer.save_experience and rank0 else None)
+    learning_actor = parts.actor
+    if parts.injector is not None:
+        from megarl.faults import FaultyActor
+
+        learning_actor = FaultyActor(parts.actor, parts.injector, cfg.algo.ppo_epochs * cfg.algo.num_mini_batches)
+    learner = Learner(cfg, actor=learning_actor, critic=parts.critic, sm=sm, kl_ctl=parts.kl_ctl, counters=counters,
+                      dp=dp, sync_dtype=eng.sync_dtype, rank0=rank0, ckpt_root=ckpt_root)
+    evaluator = Evaluator(cfg.eval, parts.heldout, engine=eng.engine, placement=eng.placement, scorer=scorer(False),
+                          progress=progress, run_id=run_id, default_max_new_tokens=cfg.rollout.max_new_tokens,
+                          max_retries=cfg.rollout.max_retries)
+    return Components(publisher=publisher, producer=producer, preparer=preparer, learner=learner, evaluator=evaluator)

@@ -1,0 +1,86 @@
+"""What the phase components hand each other, and the one interface a rollout producer meets.
+
+The driver (:mod:`megarl.control.trainer`) passes these between the components; a component
+never imports another component, only this module (``tests/test_layering.py`` checks it).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Protocol
+
+import torch
+
+from megarl.experience.schema import FinishReason, RewardRecord
+from megarl.metrics import StageTimer
+from megarl.versions import PolicyVersion
+
+
+@dataclass
+class Sample:
+    """One candidate on its way to the experience record: what the engine generated for it
+    (ids, raw log-probs, finish reason, the version that generated it) and, once scored, its
+    reward record."""
+
+    prompt_id: str
+    group_id: str
+    sample_id: str
+    request_id: str
+    prompt_ids: tuple
+    response_ids: tuple
+    raw_log_probs: torch.Tensor
+    finish_reason: FinishReason
+    policy_version: str
+    seed: Optional[int]
+    record: Optional[RewardRecord] = None
+    prompt: object = None  # the PromptRecord
+
+
+@dataclass
+class ProducedRollout:
+    """Complete, scored groups of one iteration and their accounting.
+
+    samples: the accepted candidates, group by group, every one scored with status ok (or a
+        penalty number that ``reward.penalty`` named).
+    real_sizes: group id -> the number of members the group was released with (G, or fewer
+        under ``algo.partial_groups=allow_partial``); sealing checks every group is complete.
+    sampling: the sampling parameters the samples were drawn with, as recorded in the experience.
+    metrics: ``rollout/*`` and ``prep/reward*`` metrics of the production.
+    """
+
+    samples: List[Sample]
+    real_sizes: Dict[str, int]
+    sampling: dict = field(default_factory=dict)
+    metrics: Dict[str, float] = field(default_factory=dict)
+
+
+class RolloutProducer(Protocol):
+    """Produces the experience of one iteration on the version the engines serve.
+
+    The synchronous generator (:class:`megarl.control.production.GroupRolloutProducer`) is the
+    first implementation; agentic (multi-turn) and asynchronous (bounded-staleness) producers
+    meet the same interface.  A producer must return only complete, scored groups generated on
+    ``version`` (or, for a bounded-staleness producer, within its declared bound), and count
+    everything it dropped.
+    """
+
+    def produce(self, k: int, version: PolicyVersion, timer: StageTimer) -> ProducedRollout: ...
+
+
+class SampleScorer(Protocol):
+    """Scores samples in place (``Sample.record``); a failure is a status, never a number
+    unless ``reward.penalty`` names one."""
+
+    def score(self, samples: List[Sample]) -> None: ...
+
+
+@dataclass
+class RunProgress:
+    """The run's facts that a resume must continue, shared by the components that change them:
+    cumulative counters (``e2e/count/*``), whether the rollout/actor log-prob parity was
+    checked, and the last held-out accuracy.  Saved in every checkpoint and restored on resume."""
+
+    counters: Counter = field(default_factory=Counter)
+    parity_checked: bool = False
+    last_eval: Optional[float] = None

@@ -1,0 +1,318 @@
+"""Learning: the update of v on its sealed batch, and the recovery when it fails.
+
+``ppo_epochs`` x ``num_mini_batches`` optimizer steps; each mini-batch holds whole groups
+(seeded shuffle) and is padded to equal micro-batches on every DP rank with rows whose loss
+mask is 0, so every rank runs the same number of forward/backward passes under one global
+normaliser.  The actor (and critic) step through megatron's forward-backward schedule, so PP
+works.  A step is *guarded*: an exception or a non-finite grad norm on any rank makes every
+rank abandon the update together; the actor and critic are then rolled back to v from a host
+snapshot (proven by the weight manifest on every rank) and the update is retried, skipped or
+the run stops, as ``trainer.on_update_failure`` says.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections import Counter
+from typing import Dict, List
+
+import torch
+
+from megarl.algo.aggregation import global_normaliser, masked_mean
+from megarl.algo.kl import KLConfig, kl_k1
+from megarl.algo.objective import actor_loss
+from megarl.algo.policy_loss import PolicyLossConfig
+from megarl.algo.value_loss import clipped_value_loss
+from megarl.control.batch import plan_mini_batches
+from megarl.control.state_machine import IterationStateMachine
+from megarl.errors import MegarlError
+from megarl.experience.schema import ExperienceBatch, LogProbs
+from megarl.metrics import StageTimer
+from megarl.models.forward import gather_response, token_log_probs_from_logits, vocab_parallel_entropy
+from megarl.rollout.weight_stream import TensorManifest
+from megarl.rollout.weight_sync import actor_manifest
+from megarl.roles.common import sequence_length, step_tensors
+from megarl.runtime.data_parallel import all_ranks_agree, dp_rank, gather_objects
+from megarl.versions import PolicyVersion
+
+
+class UpdateFailure(MegarlError, RuntimeError):
+    """The update of v failed on some rank (an exception, a non-finite loss or grad norm); every
+    rank raises it together, after agreeing on it."""
+
+
+def policy_loss_config(cfg) -> PolicyLossConfig:
+    a = cfg.algo
+    return PolicyLossConfig(
+        name=a.policy_loss, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip,
+        agg_mode=a.agg_mode, entropy_coef=a.entropy_coef,
+        kl=KLConfig(placement=a.kl.placement, estimator=a.kl.estimator, beta=a.kl.beta),
+        old_log_prob_roles=("actor", "rollout") if cfg.rollout.reuse_rollout_log_probs else ("actor",),
+        log_prob_space="raw")
+
+
+class Learner:
+    """Args: ``cfg`` the run config (reads ``algo``, ``critic`` and the update keys of
+    ``trainer``); ``actor`` the actor role (or its fault-injecting wrapper); ``critic`` or None;
+    ``kl_ctl`` the KL coefficient controller (updated here when adaptive); ``sync_dtype`` the
+    dtype manifests are computed in; ``counters`` the run's counters."""
+
+    def __init__(self, cfg, *, actor, critic, sm: IterationStateMachine, kl_ctl, counters: Counter, dp: int,
+                 sync_dtype, rank0: bool, ckpt_root: str):
+        from megarl.roles.rollback import UpdateSnapshot
+
+        a = cfg.algo
+        self.cfg, self.actor, self.critic, self.sm, self.kl_ctl = cfg, actor, critic, sm, kl_ctl
+        self.counters, self.dp, self.sync_dtype, self.rank0, self.ckpt_root = counters, dp, sync_dtype, rank0, ckpt_root
+        self.policy_cfg = policy_loss_config(cfg)
+        self.norm_constant = float(cfg.rollout.max_new_tokens) if a.agg_mode == "seq-mean-token-sum-norm" else None
+        self.snapshots = {"actor": UpdateSnapshot(), "critic": UpdateSnapshot()}
+        self.snapshot_s = self.snapshot_bytes = 0
+        self.critic_version_at_snapshot = None
+        #: the last update ran every planned step to the end on this rank (the commit's evidence)
+        self.completed = False
+
+    # ---- the update with its recovery --------------------------------------------------------
+
+    def update_with_recovery(self, k: int, batch: ExperienceBatch, version: PolicyVersion,
+                             manifest: TensorManifest, timer: StageTimer) -> Dict[str, float]:
+        """Update on ``batch``; on a failure roll back to ``version`` (named by ``manifest``)
+        and retry, skip (``update/skipped_batch``) or raise, per ``trainer.on_update_failure``."""
+        t = self.cfg.trainer
+        failures = 0
+        while True:
+            try:
+                with timer.stage("update", samples=batch.facts.batch_size,
+                                 groups=len(set(batch.facts.group_id)), attempt=failures):
+                    return self.update(k, batch, version)
+            except UpdateFailure as e:
+                failures += 1
+                self.counters["update_failures"] += 1
+                self.sm.fail(str(e))
+                if self.rank0:
+                    print(f"iteration {k}: {e}", file=sys.stderr, flush=True)
+                if t.on_update_failure == "stop" or (t.on_update_failure == "retry" and failures > t.max_update_retries):
+                    raise UpdateFailure(f"iteration {k}: the update failed {failures} time(s), "
+                                        f"trainer.on_update_failure={t.on_update_failure}, "
+                                        f"max_update_retries={t.max_update_retries}; restart from the last "
+                                        f"checkpoint in {self.ckpt_root} (resume=auto). Last failure: {e}") from e
+                with timer.stage("rollback"):
+                    self.rollback(version, manifest)
+                if t.on_update_failure == "skip":
+                    self.sm.recover(version)
+                    self.counters["updates_skipped"] += 1
+                    return {"update/skipped_batch": 1.0}
+                self.sm.retry_update(version)
+                self.counters["update_retries"] += 1
+
+    def rollback(self, version: PolicyVersion, manifest: TensorManifest) -> None:
+        """Actor (and critic) back to the committed v, proven by the weight manifest on every rank."""
+        from megarl.roles.rollback import RollbackError
+
+        self.actor.steps = self.snapshots["actor"].restore(self.actor.ddp, self.actor.optimizer, self.actor.scheduler)
+        if self.critic is not None:
+            self.critic.steps = self.snapshots["critic"].restore(self.critic.ddp, self.critic.optimizer,
+                                                                 self.critic.scheduler)
+            self.critic.version = self.critic_version_at_snapshot
+        restored = gather_objects(actor_manifest(self.actor.ddp, dtype=self.sync_dtype).global_hash)
+        bad = [i for i, h in enumerate(restored) if h != manifest.global_hash]
+        if bad:
+            raise RollbackError(f"rollback: ranks {bad} hold weights whose manifest is not the committed "
+                                f"{version.short_id}'s ({manifest.global_hash})")
+        self.counters["update_rollbacks"] += 1
+
+    def _take_snapshot(self) -> None:
+        self.critic_version_at_snapshot = self.critic.version if self.critic is not None else None
+        t0 = time.perf_counter()
+        nbytes = self.snapshots["actor"].take(self.actor.ddp, self.actor.optimizer, self.actor.scheduler,
+                                              self.actor.steps)
+        if self.critic is not None:
+            nbytes += self.snapshots["critic"].take(self.critic.ddp, self.critic.optimizer,
+                                                    self.critic.scheduler, self.critic.steps)
+        self.snapshot_s, self.snapshot_bytes = time.perf_counter() - t0, nbytes
+
+    # ---- one update ----------------------------------------------------------------------------
+
+    def update(self, k: int, batch: ExperienceBatch, version: PolicyVersion) -> Dict[str, float]:
+        cfg, a = self.cfg, self.cfg.algo
+        f, d = batch.facts, batch.derived
+        self.completed = False
+        self.sm.begin_update()
+        self.actor.onload()
+        if self.critic is not None:
+            self.critic.onload()
+        if cfg.trainer.update_rollback == "memory":
+            self._take_snapshot()
+        L = sequence_length(f.attention_mask)
+        st = step_tensors(f.prompt_ids, f.response_ids, f.attention_mask, L)
+        full = {"tokens": st["tokens"], "prompt_lens": st["prompt_lens"], "response_lens": st["response_lens"],
+                "old_log_probs": f.old_log_probs.values, "advantages": d.advantages, "loss_mask": d.loss_mask}
+        kl_in_loss = self.policy_cfg.kl.placement == "loss"
+        if kl_in_loss:
+            full["ref_log_probs"] = f.ref_log_probs.values
+        if d.is_weights is not None:  # algo.rollout_correction.token_is_cap
+            full["is_weights"] = d.is_weights
+        if self.critic is not None:
+            full["old_values"] = f.values
+            full["returns"] = d.returns
+        gen = torch.Generator().manual_seed(cfg.trainer.seed * 7919 + k)
+        actor_metrics: List[Dict[str, float]] = []
+        critic_metrics: List[Dict[str, float]] = []
+        grad_norms, critic_norms, skipped, lag = [], [], 0, 0
+        train_actor = self.critic is None or k >= cfg.critic.warmup_iters
+        kl_beta = self.kl_ctl.value
+        for _epoch in range(a.ppo_epochs):
+            plans = plan_mini_batches(f.group_id, a.num_mini_batches, self.dp, a.micro_batch_size, gen)
+            for plan in plans:
+                rows, is_pad = plan.rank_rows(dp_rank(), self.dp)
+                real_mask = d.loss_mask[plan.rows]
+                norm = global_normaliser(real_mask, a.agg_mode, norm_constant=self.norm_constant)
+                local = {name: t[rows].clone() for name, t in full.items()}
+                local["loss_mask"][is_pad] = 0
+                if train_actor:
+                    loss_fn = self._actor_loss_fn(batch, version, norm, kl_beta, kl_in_loss)
+                    mbs = _micro_batches(local, a.micro_batch_size, rows.numel())
+                    res = self._guarded_step("actor", lambda: self.actor.train_step(mbs, loss_fn))
+                    grad_norms.append(res.grad_norm)
+                    skipped += 0 if res.update_successful else 1
+                    actor_metrics.append(self._reduce_step_metrics(res.metrics))
+                    lag += 1
+                if self.critic is not None:
+                    vloss = self._value_loss_fn(f.response_len, norm)
+                    cmbs = _micro_batches(local, cfg.critic.micro_batch_size, rows.numel())
+                    cres = self._guarded_step("critic", lambda: self.critic.train_step(cmbs, vloss))
+                    critic_norms.append(cres.grad_norm)
+                    critic_metrics.append(self._reduce_step_metrics(cres.metrics))
+        m = combine_steps(actor_metrics, "update/")
+        m.update(combine_steps(critic_metrics, "update/critic_"))
+        if actor_metrics:
+            m["update/first_step_pg_loss"] = actor_metrics[0].get("pg_loss", float("nan"))
+        if grad_norms:
+            m["update/grad_norm"] = sum(grad_norms) / len(grad_norms)
+            m["update/grad_norm_max"] = max(grad_norms)
+        if critic_norms:
+            m["update/critic_grad_norm"] = sum(critic_norms) / len(critic_norms)
+        m["update/skipped_steps"] = skipped
+        if cfg.trainer.update_rollback == "memory":  # the host copy of v a failed update would return to
+            m["update/snapshot_s"], m["update/snapshot_bytes"] = self.snapshot_s, float(self.snapshot_bytes)
+        m["update/optimizer_steps"] = len(grad_norms)
+        m["update/policy_lag_max"] = max(lag - 1, 0)
+        m["update/lr"] = self.actor.lr
+        m["update/kl_beta"] = kl_beta
+        self.counters["skipped_steps"] += skipped
+        if a.kl.adaptive and f.ref_log_probs is not None:
+            keep = f.response_mask != 0
+            cur = float(masked_mean(kl_k1(f.old_log_probs.values, f.ref_log_probs.values), keep))
+            self.kl_ctl.update(cur, f.batch_size)
+        self.completed = True
+        return m
+
+    def _actor_loss_fn(self, batch: ExperienceBatch, version: PolicyVersion, norm, kl_beta: float, kl_in_loss: bool):
+        """The policy loss of one micro-batch from the actor's logits (megatron's loss closure)."""
+        f = batch.facts
+        R, V = f.response_len, self.actor.vocab_size
+        old_prod = f.old_log_probs.producer
+        ref_prod = f.ref_log_probs.producer if f.ref_log_probs is not None else None
+        need_entropy_grad = self.cfg.algo.entropy_coef > 0
+        v = version.short_id
+
+        def loss_fn(output, mb):
+            lp_all = token_log_probs_from_logits(output[:, :-1], mb["tokens"][:, 1:], V)
+            lp = gather_response(lp_all, mb["prompt_lens"], mb["response_lens"], R)
+            if need_entropy_grad:
+                ent = gather_response(vocab_parallel_entropy(output[:, :-1], V), mb["prompt_lens"],
+                                      mb["response_lens"], R)
+            else:
+                with torch.no_grad():
+                    ent = gather_response(vocab_parallel_entropy(output[:, :-1].detach(), V),
+                                          mb["prompt_lens"], mb["response_lens"], R)
+            out = actor_loss(
+                lp, old_log_probs=LogProbs(mb["old_log_probs"], old_prod), advantages=mb["advantages"],
+                loss_mask=mb["loss_mask"], cfg=self.policy_cfg, normaliser=norm,
+                ref_log_probs=LogProbs(mb["ref_log_probs"], ref_prod) if kl_in_loss else None,
+                entropy=ent, is_weights=mb.get("is_weights"), old_version=v, kl_beta=kl_beta)
+            return out.loss, out.metrics
+
+        return loss_fn
+
+    def _value_loss_fn(self, R: int, norm):
+        a = self.cfg.algo
+
+        def vloss(output, mb):
+            vals = gather_response(output[..., 0].float(), mb["prompt_lens"], mb["response_lens"], R)
+            out = clipped_value_loss(vals, mb["old_values"], mb["returns"], mb["loss_mask"],
+                                     self.critic.value_clip, a.agg_mode, norm)
+            return out.loss, {**out.metrics, "value_loss": float(out.loss.detach())}
+
+        return vloss
+
+    def _guarded_step(self, role: str, step):
+        """One optimizer step that every rank either completes or abandons together: an
+        exception here or a non-finite grad norm anywhere makes every rank raise
+        :class:`UpdateFailure` (after an all-reduce of the status), before the next collective.
+        An exception that leaves a peer blocked inside a collective cannot be recovered in
+        process; the job's collective timeout ends it and ``resume=auto`` restarts it."""
+        res, error = None, None
+        try:
+            res = step()
+            if not math.isfinite(res.grad_norm):
+                error = f"non-finite {role} grad norm {res.grad_norm}"
+        except Exception as e:  # noqa: BLE001 -- any failure of the step is rolled back
+            error = f"{type(e).__name__}: {e}"
+        if all_ranks_agree(error is None):
+            self.sm.check_deadline(agree=all_ranks_agree)
+            return res
+        errors = [f"rank {i}: {e}" for i, e in enumerate(gather_objects(error)) if e is not None]
+        raise UpdateFailure(f"{role} update failed ({'; '.join(errors)})")
+
+    #: per-micro-batch values that are shares of the step's global loss: they add up
+    _SHARES = ("pg_loss", "kl_loss", "entropy", "value_loss")
+
+    def _reduce_step_metrics(self, local: List[Dict[str, float]]) -> Dict[str, float]:
+        """One optimizer step's micro-batch metrics (they live on the last PP stage) reduced over
+        micro-batches and DP ranks: loss shares summed, ratio tails min / max, the rest
+        token-weighted means."""
+        from megatron.core import parallel_state as ps
+
+        mine = local if (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0) else []
+        allm = [d for part in gather_objects(mine) for d in part]
+        out: Dict[str, float] = {}
+        for key in sorted({k for d in allm for k in d}):
+            pairs = [(float(d[key]), float(d.get("tokens", 1.0))) for d in allm if key in d]
+            vals = [v for v, _ in pairs]
+            if key in self._SHARES or key == "tokens":
+                out[key] = sum(vals)
+            elif key.endswith("_max"):
+                out[key] = max(vals)
+            elif key.endswith("_min"):
+                out[key] = min(vals)
+            else:
+                w = sum(t for _, t in pairs)
+                out[key] = sum(v * t for v, t in pairs) / w if w > 0 else sum(vals) / len(vals)
+        return out
+
+
+def _micro_batches(local: Dict[str, torch.Tensor], size: int, rows: int) -> List[Dict[str, torch.Tensor]]:
+    """This rank's mini-batch rows cut into micro-batches of ``size`` rows (0: all at once)."""
+    step = size or rows
+    return [{name: t[i:i + step] for name, t in local.items()} for i in range(0, rows, step)]
+
+
+def combine_steps(steps: List[Dict[str, float]], prefix: str) -> Dict[str, float]:
+    """Per-step metrics -> per-iteration: means over steps (tails: min / max, tokens: sum)."""
+    out: Dict[str, float] = {}
+    for key in sorted({k for d in steps for k in d}):
+        vals = [d[key] for d in steps if key in d]
+        if key.endswith("_max"):
+            out[prefix + key] = max(vals)
+        elif key.endswith("_min"):
+            out[prefix + key] = min(vals)
+        elif key == "tokens":
+            out[prefix + key] = sum(vals)
+        else:
+            out[prefix + key] = sum(vals) / len(vals)
+    if prefix == "update/" and "update/pg_loss" in out:
+        out["update/policy_loss"] = out["update/pg_loss"]
+    return out

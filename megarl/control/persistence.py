@@ -1,0 +1,250 @@
+"""Persistence: training-position checkpoints, resume, and the pending sealed batch.
+
+A checkpoint is the training position after an iteration, taken at ACTOR_COMMITTED: actor,
+critic and refreshed-reference weights with their optimizer state, schedules, the sampler
+cursor, the KL controller, per-rank RNG, the run's cumulative counters and the contract hashes
+(tokenizer, chat template, sampling, reward, model config, training data).  Resuming refuses a
+changed contract, naming the field, unless ``trainer.resume_force`` (then the run id changes).
+
+With ``trainer.resume_experience=reuse`` rank 0 also keeps the last sealed batch and what its
+rollout changed; a restart that resumes the iteration it belongs to trains on it instead of
+generating again, after checking its version and every config hash.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from typing import Dict, Optional
+
+import torch.distributed as dist
+
+from megarl.control.interfaces import RunProgress
+from megarl.control.state_machine import IterationStateMachine, SealEvidence
+from megarl.experience.schema import ExperienceBatch
+from megarl.versions import PolicyVersion
+
+
+class RunPersistence:
+    """Args: ``cfg`` the run config; ``actor`` / ``critic`` / ``reference`` the roles;
+    ``sampler`` the prompt cursor; ``kl_ctl`` the KL controller; ``progress`` the run's
+    counters and flags; ``tok`` / ``train_data`` for the contract hashes; ``reward_fn`` /
+    ``reward_model`` for the scorer versions recorded; ``layout`` tp/pp/dp/world."""
+
+    def __init__(self, cfg, run_dir: str, *, actor, critic, reference, sampler, kl_ctl, progress: RunProgress,
+                 tok, train_data, reward_fn, reward_model, layout: Dict[str, int], rank0: bool):
+        self.cfg, self.run_dir = cfg, run_dir
+        self.actor, self.critic, self.reference = actor, critic, reference
+        self.sampler, self.kl_ctl, self.progress = sampler, kl_ctl, progress
+        self.tok, self.train_data, self.reward_fn, self.reward_model = tok, train_data, reward_fn, reward_model
+        self.layout, self.rank0 = layout, rank0
+        self.ckpt_root = os.path.join(run_dir, "checkpoints")
+        self.pending_dir = os.path.join(run_dir, "experience", "pending")
+        self.last_checkpoint_s = 0.0
+
+    # ---- contracts ------------------------------------------------------------------------------
+
+    def contract_hashes(self) -> Dict[str, str]:
+        """What a resumed run must share with the checkpoint (a change refuses, naming the field)."""
+        from megarl.config import section_hash
+        from megarl.rollout.weight_sync import model_config_hash
+
+        r = self.cfg.rollout
+        sampling = {k: getattr(r, k) for k in ("temperature", "top_p", "top_k", "max_new_tokens", "n")}
+        return {"tokenizer": self.tok.hash,
+                "chat_template": section_hash({"template": self.tok.chat_template}),
+                "sampling": section_hash(sampling), "reward": section_hash(self.cfg.reward),
+                "model_config": model_config_hash(self.actor.ddp), "train_data": self.train_data.stats["sha256"]}
+
+    def _pending_hashes(self) -> Dict[str, str]:
+        from megarl.config import section_hash
+
+        return {**self.contract_hashes(), "algo": section_hash(self.cfg.algo)}
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+
+    def _roles(self, with_reference: bool) -> dict:
+        roles = {"actor": (self.actor.ddp, self.actor.optimizer)}
+        if self.critic is not None:
+            roles["critic"] = (self.critic.ddp, self.critic.optimizer)
+        if self.reference is not None and with_reference:
+            roles["reference"] = (self.reference.model, None)
+        return roles
+
+    def save(self, iteration: int, run_id: str, version: PolicyVersion, manifest_hash: str) -> str:
+        """Collective: the training position after ``iteration`` iterations (at ACTOR_COMMITTED).
+        The checkpoint counts itself: ``checkpoints`` is cumulative across resumes."""
+        import contextlib
+
+        from megarl import checkpoint
+
+        t0 = time.perf_counter()
+        self.actor.onload()
+        if self.critic is not None:
+            self.critic.onload()
+        refreshed = self.reference is not None and self.reference.refreshes
+        ref_ctx = self.reference._on_device() if refreshed else contextlib.nullcontext()
+        counters = self.progress.counters
+        counters["checkpoints"] += 1
+        state = {
+            "run_id": run_id, "iteration": iteration, "policy_version": version.to_dict(),
+            "sampler": self.sampler.state_dict(), "kl_controller": self.kl_ctl.state_dict(),
+            "actor": {"scheduler": self.actor.scheduler.state_dict(), "steps": self.actor.steps},
+            "critic": None if self.critic is None else {"scheduler": self.critic.scheduler.state_dict(),
+                                                        "steps": self.critic.steps, "version": self.critic.version},
+            "reference": None if self.reference is None else {"version": self.reference.version,
+                                                              "refreshes": self.reference.refreshes},
+            "scorer_version": getattr(self.reward_fn, "version", None),
+            "reward_model_version": getattr(self.reward_model, "version", None),
+            "counters": dict(counters), "parity_checked": self.progress.parity_checked,
+            "last_eval": self.progress.last_eval, "hashes": self.contract_hashes(), "layout": dict(self.layout),
+            "weight_manifests": {"actor": manifest_hash},
+            "unconsumed_experience": None,
+            "unconsumed_experience_note": "saved at ACTOR_COMMITTED: every sealed batch was consumed by the update",
+        }
+        with ref_ctx:
+            path = checkpoint.save(self.ckpt_root, iteration, state, self._roles(refreshed),
+                                   keep=self.cfg.trainer.checkpoint_keep,
+                                   crash_before_publish=self.cfg.faults.crash_during_checkpoint_at)
+        self.last_checkpoint_s = time.perf_counter() - t0
+        return path
+
+    def resume(self) -> Optional[dict]:
+        """Continue from ``<run_dir>/checkpoints/latest`` (verified) if there is one: roles,
+        schedules, sampler, KL controller, progress and RNG restored; the checkpoint's state is
+        returned (None when there is none)."""
+        from megarl import checkpoint
+
+        path = checkpoint.find_latest(self.ckpt_root) if os.path.isdir(self.ckpt_root) else None
+        if path is None:
+            return None
+        state = checkpoint.read_state(path)
+        now = self.contract_hashes()
+        changed = [k for k in sorted(now) if state["hashes"].get(k) != now[k]]
+        if changed and not self.cfg.trainer.resume_force:
+            raise checkpoint.CheckpointError(
+                f"resume from {path}: {', '.join(changed)} changed since the checkpoint was written "
+                f"(e.g. {changed[0]}: {state['hashes'].get(changed[0])} -> {now[changed[0]]}); "
+                "start a new run_dir, or set trainer.resume_force=true to continue as a new run id")
+        counters = self.progress.counters
+        if changed:
+            state["run_id"] = f"{state['run_id']}-forced{state['iteration']}"
+            counters["forced_resumes"] += 1
+        saved = state["layout"]
+        same = (saved["tp"], saved["pp"], saved["world"]) == (self.layout["tp"], self.layout["pp"], self.layout["world"])
+        checkpoint.load_roles(path, self._roles(bool(state["reference"] and state["reference"]["refreshes"])))
+        self.actor.scheduler.load_state_dict(state["actor"]["scheduler"])
+        self.actor.steps = state["actor"]["steps"]
+        if self.critic is not None:
+            self.critic.scheduler.load_state_dict(state["critic"]["scheduler"])
+            self.critic.steps, self.critic.version = state["critic"]["steps"], state["critic"]["version"]
+        if self.reference is not None and state["reference"]:
+            self.reference.version = state["reference"]["version"]
+            self.reference.refreshes = state["reference"]["refreshes"]
+        self.sampler.load_state_dict(state["sampler"])
+        self.kl_ctl.load_state_dict(state["kl_controller"])
+        counters.update(state["counters"])
+        self.progress.parity_checked = state["parity_checked"]
+        self.progress.last_eval = state["last_eval"]
+        checkpoint.restore_rng(path, same_layout=same)
+        counters["resumes"] += 1
+        if self.rank0:
+            print(f"resumed from {path}: iteration {state['iteration']}, version step "
+                  f"{state['policy_version']['optimizer_step']}"
+                  f"{'' if same else ' (at a different layout: saved ' + str(saved) + ')'}", flush=True)
+        return state
+
+    def truncate_metrics(self, start: int) -> None:
+        """Rows of iterations that will run again (written after the checkpoint) are dropped."""
+        if not self.rank0:
+            return
+        path = os.path.join(self.run_dir, "metrics.jsonl")
+        if not os.path.isfile(path):
+            return
+        with open(path) as f:
+            rows = [line for line in f if line.strip() and json.loads(line)["iteration"] < start]
+        with open(path + ".tmp", "w") as f:
+            f.writelines(rows)
+        os.replace(path + ".tmp", path)
+
+    # ---- trainer.resume_experience=reuse: the sealed batch of an interrupted iteration --------
+
+    def write_pending(self, k: int, version: PolicyVersion, batch: ExperienceBatch, metrics: Dict[str, float],
+                      counters_delta) -> None:
+        """Rank 0 writes iteration k's sealed batch and what its rollout changed (sampler cursor,
+        counters, metrics), replacing the previous one atomically."""
+        from megarl.experience.seal import save_sealed
+
+        if self.rank0:
+            final, tmp = self.pending_dir, self.pending_dir + ".tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            save_sealed(batch, tmp)
+            side = {"iteration": k, "policy_version": version.to_dict(), "hashes": self._pending_hashes(),
+                    "content_hash": batch.content_hash, "sampler": self.sampler.state_dict(),
+                    "counters": dict(counters_delta), "parity_checked": self.progress.parity_checked,
+                    "metrics": metrics}
+            with open(os.path.join(tmp, "position.json"), "w") as f:
+                json.dump(side, f, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+        if dist.is_initialized():
+            dist.barrier()
+
+    def load_pending(self, resume_state: dict, version: PolicyVersion):
+        """Check ``experience/pending`` against the checkpoint we resumed from: None when it is
+        not the resumed iteration's (the crash came before its seal: the rollout runs again); a
+        clear error naming the field when it is but a version or a config hash differs."""
+        from megarl import checkpoint
+        from megarl.experience.seal import load_sealed
+
+        d = self.pending_dir
+        side_path = os.path.join(d, "position.json")
+        if not os.path.isfile(side_path):
+            return None
+        with open(side_path) as f:
+            side = json.load(f)
+        if side["iteration"] != resume_state["iteration"]:
+            if self.rank0:
+                print(f"resume: the sealed batch in {d} is iteration {side['iteration']}'s, not "
+                      f"{resume_state['iteration']}'s; its rollout runs again", flush=True)
+            return None
+        saved, now = side["policy_version"], version.to_dict()
+        for key in ("run_id", "optimizer_step", "weight_manifest_hash", "tokenizer_hash"):
+            if saved.get(key) != now.get(key):
+                raise checkpoint.CheckpointError(
+                    f"trainer.resume_experience=reuse: {d} was sealed on policy version {key}={saved.get(key)}, "
+                    f"the checkpoint resumes {key}={now.get(key)}; set trainer.resume_experience=rerun")
+        hashes = self._pending_hashes()
+        changed = [key for key in sorted(hashes) if side["hashes"].get(key) != hashes[key]]
+        if changed:
+            raise checkpoint.CheckpointError(
+                f"trainer.resume_experience=reuse: {', '.join(changed)} changed since {d} was sealed; "
+                "set trainer.resume_experience=rerun to generate it again")
+        batch = load_sealed(d)  # verifies the file's sha256 and the content hash
+        if batch.content_hash != side["content_hash"] or set(batch.facts.policy_version) != {version.short_id}:
+            raise checkpoint.CheckpointError(f"{d}: the sealed batch is not the one position.json describes")
+        return batch, side
+
+    def adopt_pending(self, pending, k: int, version: PolicyVersion, sm: IterationStateMachine):
+        """The pending batch of iteration k, adopted as sealed: EXPERIENCE_SEALED(v) under the
+        same completeness conditions, and the sampler, counters and flags its rollout left."""
+        batch, side = pending
+        facts = batch.facts
+        groups = {g: facts.group_id.count(g) for g in set(facts.group_id)}
+        sm.adopt_sealed(SealEvidence(samples_expected=facts.batch_size, samples_written=facts.batch_size,
+                                     groups_expected=len(groups), groups_complete=len(groups),
+                                     sample_version_ids=frozenset(facts.policy_version)))
+        self.sampler.load_state_dict(side["sampler"])
+        self.progress.counters.update(side["counters"])
+        self.progress.parity_checked = side["parity_checked"]
+        if "eval/accuracy" in side["metrics"]:
+            self.progress.last_eval = side["metrics"]["eval/accuracy"]
+        self.progress.counters["sealed_batches_reused"] += 1
+        if self.rank0:
+            print(f"iteration {k}: reusing the batch sealed before the restart ({batch.content_hash[:16]}, "
+                  f"{facts.batch_size} samples of {version.short_id})", flush=True)
+        return batch, dict(side["metrics"])

@@ -1,0 +1,207 @@
+"""Preparation: the produced samples -> a sealed experience batch with its advantages.
+
+The facts of the batch are computed on version v before any update and sealed (read-only,
+content-hashed, equal on every rank): old log-probs by the actor (or the rollout engine's own
+raw-space log-probs after a measured token-by-token parity check), reference log-probs, critic
+values.  The state machine reaches EXPERIENCE_SEALED(v) only when every sample was written,
+every group is complete and every sample records v.  Advantages and returns are derived tensors
+attached to the sealed facts, computed by the estimator the registry names, fed what its entry
+declares it needs.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Dict, Optional
+
+import torch
+
+from megarl.algo.advantages import AdvantageConfig, AdvantageInputs, check_finite, masked_whiten
+from megarl.algo.aggregation import masked_mean
+from megarl.algo.kl import kl_k1, kl_k3
+from megarl.algo.registry import advantage_needs, get_advantage
+from megarl.algo.reward_shaping import kl_shaped_token_rewards, place_outcome_rewards
+from megarl.algo.rollout_correction import RolloutCorrectionConfig, rollout_correction
+from megarl.control.batch import collate
+from megarl.control.interfaces import ProducedRollout, RunProgress
+from megarl.control.state_machine import IterationStateMachine, SealEvidence
+from megarl.errors import MegarlError
+from megarl.experience.groups import group_index
+from megarl.experience.schema import DerivedTensors, ExperienceBatch, ExperienceFacts, LogProbProducer, LogProbs
+from megarl.experience.seal import save_sealed, seal, with_derived
+from megarl.metrics import StageTimer
+from megarl.runtime.data_parallel import gather_objects, map_rows
+from megarl.versions import PolicyVersion
+
+
+class RolloutParityError(MegarlError, RuntimeError):
+    """Rollout log-probs disagree with the actor's beyond ``rollout.log_prob_parity_tol``: reusing
+    them as old log-probs would change the PPO ratio, so the run stops (exit 2)."""
+
+
+class ExperiencePreparer:
+    """Args: ``cfg`` the run config (reads ``algo`` and the rollout's log-prob reuse keys);
+    ``actor`` / ``reference`` / ``critic`` the roles (reference and critic may be None);
+    ``time_slice`` releases the rollout engine's GPU memory before the forwards; ``kl_ctl`` the
+    KL coefficient controller (read for KL-shaped rewards); ``progress`` holds whether parity
+    was checked; ``save_dir`` where ``trainer.save_experience`` writes each sealed batch."""
+
+    def __init__(self, cfg, *, actor, reference, critic, time_slice, sm: IterationStateMachine, kl_ctl,
+                 progress: RunProgress, pad_id: int, run_id: str, save_dir: Optional[str]):
+        a = cfg.algo
+        self.cfg, self.actor, self.reference, self.critic = cfg, actor, reference, critic
+        self.time_slice, self.sm, self.kl_ctl, self.progress = time_slice, sm, kl_ctl, progress
+        self.pad_id, self.run_id, self.save_dir = pad_id, run_id, save_dir
+        self.needs = advantage_needs(a.advantage)
+        self.estimator = get_advantage(a.advantage)
+        self.adv_cfg = AdvantageConfig(gamma=a.gamma, lam=a.lam, zero_std_rule=a.zero_std_rule, std_eps=a.std_eps)
+        self.whiten = bool(self.needs.critic and a.whiten_advantages)
+        rc = a.rollout_correction
+        self.correction = (RolloutCorrectionConfig(token_is_cap=rc.token_is_cap, seq_mask_threshold=rc.seq_mask_threshold,
+                                                   seq_mask_stat=rc.seq_mask_stat)
+                           if rc.token_is_cap is not None or rc.seq_mask_threshold is not None else None)
+
+    def prepare(self, k: int, version: PolicyVersion, produced: ProducedRollout, timer: StageTimer):
+        """Returns the sealed batch with its derived tensors, and the ``prep/*`` metrics."""
+        cfg, a = self.cfg, self.cfg.algo
+        v = version.short_id
+        samples = produced.samples
+        c = collate([s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                    [s.raw_log_probs for s in samples], self.pad_id)
+        mbs, pack = a.forward_micro_batch_size, a.pack_sequences
+        m: Dict[str, float] = {}
+        self.time_slice.release()
+        self.actor.onload()
+        ntok = float(c.attention_mask.sum())
+        rollout_lp = LogProbs(c.rollout_log_probs, LogProbProducer("rollout", v, "raw"))
+        every = cfg.rollout.log_prob_parity_every
+        check_parity = cfg.rollout.reuse_rollout_log_probs and (
+            not self.progress.parity_checked or (every > 0 and k % every == 0))
+        reuse = cfg.rollout.reuse_rollout_log_probs and not check_parity
+        with timer.stage("old_log_prob", samples=len(samples), tokens=int(ntok)):
+            t0 = time.perf_counter()
+            if reuse:
+                old = rollout_lp
+            else:
+                vals = map_rows(lambda *t: self.actor.log_probs(*t, mbs, pack=pack), c.prompt_ids,
+                                c.response_ids, c.attention_mask).cpu()
+                old = LogProbs(vals, LogProbProducer("actor", v, "raw"))
+            m["prep/old_log_prob_s"] = time.perf_counter() - t0
+            m["prep/actor_tokens_per_s"] = ntok / max(m["prep/old_log_prob_s"], 1e-9)
+        keep = c.response_mask != 0
+        if old.producer.role == "actor":
+            diff = (old.values - c.rollout_log_probs).abs()[keep]
+            m["prep/rollout_actor_logprob_max_abs_err"] = float(diff.max())
+            m["prep/rollout_actor_logprob_mean_abs_err"] = float(diff.mean())
+            if check_parity:
+                if float(diff.max()) > cfg.rollout.log_prob_parity_tol:
+                    self.sm.fail("rollout/actor log-prob parity check failed")
+                    raise RolloutParityError(
+                        f"rollout.reuse_rollout_log_probs: measured max |rollout - actor| log-prob "
+                        f"{float(diff.max()):.3e} > rollout.log_prob_parity_tol={cfg.rollout.log_prob_parity_tol}")
+                self.progress.parity_checked = True
+        ref = None
+        if self.reference is not None:
+            with timer.stage("ref_log_prob", samples=len(samples), tokens=int(ntok)):
+                t0 = time.perf_counter()
+                vals = map_rows(lambda *t: self.reference.log_probs(*t, mbs, pack=pack), c.prompt_ids,
+                                c.response_ids, c.attention_mask).cpu()
+                ref = LogProbs(vals, LogProbProducer("reference", self.reference.version, "raw"))
+                m["prep/ref_log_prob_s"] = time.perf_counter() - t0
+                m["prep/ref_tokens_per_s"] = ntok / max(m["prep/ref_log_prob_s"], 1e-9)
+            d = (old.values - ref.values)[keep]
+            m["prep/old_ref_logprob_max_abs_diff"] = float(d.abs().max())
+            m["update/kl_ref"] = float(masked_mean(kl_k3(old.values, ref.values), keep))
+            m["update/kl_ref_k1"] = float(masked_mean(kl_k1(old.values, ref.values), keep))
+        values = bootstrap = None
+        if self.critic is not None:
+            self.critic.onload()
+            with timer.stage("critic_values", samples=len(samples), tokens=int(ntok)):
+                t0 = time.perf_counter()
+                R = c.response_ids.shape[1]
+
+                def crit(*t):
+                    pt, b = self.critic.values(*t, mbs, pack=pack)
+                    return torch.cat([pt, b[:, None]], 1)
+
+                both = map_rows(crit, c.prompt_ids, c.response_ids, c.attention_mask).cpu()
+                values, bootstrap = both[:, :R] * keep, both[:, R]
+                m["prep/critic_s"] = time.perf_counter() - t0
+                m["prep/critic_tokens_per_s"] = ntok / max(m["prep/critic_s"], 1e-9)
+        facts = ExperienceFacts(
+            run_id=self.run_id, iteration=k,
+            prompt_id=tuple(s.prompt_id for s in samples), group_id=tuple(s.group_id for s in samples),
+            sample_id=tuple(s.sample_id for s in samples),
+            prompt_ids=c.prompt_ids, response_ids=c.response_ids, attention_mask=c.attention_mask,
+            response_mask=c.response_mask, finish_reason=tuple(s.finish_reason for s in samples),
+            policy_version=tuple(s.policy_version for s in samples),
+            sampling=produced.sampling, request_id=tuple(s.request_id for s in samples),
+            seed=tuple(s.seed for s in samples), rewards=tuple(s.record for s in samples),
+            rollout_log_probs=rollout_lp, old_log_probs=old, ref_log_probs=ref, values=values,
+            critic_version=self.critic.version if self.critic is not None else None)
+        sealed = seal(ExperienceBatch(facts))
+        groups_complete = sum(1 for g, n in produced.real_sizes.items() if facts.group_id.count(g) == n)
+        self.sm.seal_experience(SealEvidence(
+            samples_expected=sum(produced.real_sizes.values()), samples_written=facts.batch_size,
+            groups_expected=len(produced.real_sizes), groups_complete=groups_complete,
+            sample_version_ids=frozenset(facts.policy_version)))
+        hashes = gather_objects(sealed.content_hash)
+        if len(set(hashes)) != 1:
+            raise RuntimeError(f"ranks sealed different experience: {hashes}")
+        with timer.stage("advantages"):
+            derived, adv_m = self.advantages(facts, produced.real_sizes, bootstrap)
+        m.update(adv_m)
+        batch = with_derived(sealed, derived)
+        if self.save_dir is not None:
+            save_sealed(batch, os.path.join(self.save_dir, f"iter_{k:06d}"))
+        return batch, m
+
+    def advantages(self, facts: ExperienceFacts, real_sizes: Dict[str, int], bootstrap):
+        """The estimator's derived tensors over the sealed facts, and the ``prep/adv*`` metrics."""
+        a = self.cfg.algo
+        scores = facts.scores()
+        mask = facts.response_mask
+        token_rewards = None
+        if self.needs.groups:
+            gidx, _ = group_index(facts.group_id, real_sizes)
+            inputs = AdvantageInputs(response_mask=mask, scores=scores, group_index=gidx)
+        else:
+            if a.kl.placement == "reward":
+                token_rewards, _ = kl_shaped_token_rewards(scores, mask, facts.old_log_probs, facts.ref_log_probs,
+                                                           self.kl_ctl.value)
+            else:
+                token_rewards = place_outcome_rewards(scores, mask)
+            inputs = AdvantageInputs(response_mask=mask, token_rewards=token_rewards.float(),
+                                     values=facts.values, terminated=facts.terminated(),
+                                     bootstrap_values=bootstrap)
+        res = self.estimator(inputs, self.adv_cfg)
+        check_finite(res)
+        adv = res.advantages
+        if self.whiten:
+            adv = masked_whiten(adv, res.loss_mask, self.adv_cfg.whiten_eps)
+        loss_mask, is_weights, m = res.loss_mask, None, {}
+        if self.correction is not None:  # the rollout/trainer mismatch, from the sealed log-probs
+            corr = rollout_correction(facts.old_log_probs, facts.rollout_log_probs, loss_mask, self.correction)
+            loss_mask, is_weights = corr.loss_mask, corr.is_weights
+            m.update({f"prep/rollout_correction/{k}": v for k, v in corr.metrics.items()})
+        keep = loss_mask != 0
+        m.update({f"prep/adv/{k}": v for k, v in res.metrics.items()})
+        m["prep/advantage_mean"] = float(masked_mean(adv, keep)) if keep.any() else 0.0
+        m["prep/advantage_std"] = float(adv[keep].std()) if int(keep.sum()) > 1 else 0.0
+        if self.needs.groups:
+            spreads = {}
+            for g, t in zip(facts.group_id, scores.tolist()):
+                spreads.setdefault(g, set()).add(t)
+            m["prep/zero_variance_group_share"] = sum(len(s) == 1 for s in spreads.values()) / len(spreads)
+        derived = DerivedTensors(
+            advantages=adv.float(), loss_mask=loss_mask, is_weights=is_weights,
+            returns=None if res.returns is None else res.returns.float(),
+            shaped_rewards=None if token_rewards is None else token_rewards.float(), estimator=a.advantage,
+            hyperparameters={"gamma": a.gamma, "lam": a.lam, "zero_std_rule": a.zero_std_rule,
+                             "std_eps": a.std_eps, "kl_beta": self.kl_ctl.value, "whiten": self.whiten,
+                             **({} if self.correction is None else {"rollout_correction": {
+                                 "token_is_cap": self.correction.token_is_cap,
+                                 "seq_mask_threshold": self.correction.seq_mask_threshold,
+                                 "seq_mask_stat": self.correction.seq_mask_stat}})})
+        return derived, m

@@ -1,0 +1,98 @@
+"""Scoring: a reward record for every generated sample.
+
+Rule functions (and plug-ins) run once, on rank 0, under the :class:`RewardRunner`, which turns
+exceptions, timeouts and invalid values into statuses; the records are broadcast.  The neural
+reward model is a collective forward on every rank, added with ``reward.model.weight``.  A
+failed score stays a status (the sample and, under GRPO, its group are dropped or quarantined)
+unless ``reward.penalty.<status>`` names a number for it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import List
+
+from megarl.control.interfaces import Sample
+from megarl.experience.schema import RewardRecord, RewardStatus
+from megarl.runtime.data_parallel import broadcast_object
+
+
+class Scorer:
+    """Args: ``reward_cfg`` the ``reward`` section; ``runner`` the rule-function runner (rank 0
+    only, else None); ``reward_model`` the neural reward model role or None; ``tok`` the policy
+    tokenizer contract (decodes responses for the scorers); ``counters`` the run's counters;
+    ``max_new_tokens`` the response budget (L_max of ``reward.overlong_buffer``);
+    ``shape_overlong`` false for evaluation, which scores answers, not training signals."""
+
+    def __init__(self, reward_cfg, tok, runner, reward_model, counters: Counter, quarantine_path: str, rank0: bool,
+                 max_new_tokens: int, shape_overlong: bool = True):
+        self.cfg, self.tok, self.runner, self.reward_model = reward_cfg, tok, runner, reward_model
+        self.max_new_tokens = max_new_tokens  # L_max of the overlong punishment
+        self.overlong_buffer = reward_cfg.overlong_buffer if shape_overlong else None
+        self.counters, self.quarantine_path, self.rank0 = counters, quarantine_path, rank0
+
+    def score(self, samples: List[Sample]) -> None:
+        """Rewards for ``samples``, in place (``Sample.record``)."""
+        from megarl.rewards.base import RewardSample
+        from megarl.algo.reward_shaping import with_overlong_component
+        from megarl.rewards.runner import apply_penalties
+
+        rs = [RewardSample(sample_id=s.sample_id, prompt_id=s.prompt_id, group_id=s.group_id,
+                           prompt_text=(s.prompt.text if s.prompt.text is not None
+                                        else self.tok.decode(s.prompt_ids, skip_special_tokens=True)),
+                           response_text=self.tok.decode(s.response_ids, skip_special_tokens=True),
+                           prompt_ids=tuple(s.prompt_ids), response_ids=tuple(s.response_ids),
+                           finish_reason=s.finish_reason.value, ground_truth=dict(s.prompt.ground_truth),
+                           messages=s.prompt.messages) for s in samples]
+        records = None
+        if self.rank0 and self.runner is not None:
+            rc = self.runner.counters
+            before = (rc["timeout"], rc["error"], rc["retries"])
+            records = [r.to_json() for r in self.runner.score(rs)]  # JSON travels, mappingproxy does not
+            records = (records, [n - b for n, b in zip((rc["timeout"], rc["error"], rc["retries"]), before)])
+        records = broadcast_object(records)
+        if records is not None:
+            records, (timeouts, errors, retries) = records
+            self.counters["reward_call_timeouts"] += timeouts
+            self.counters["reward_call_errors"] += errors
+            self.counters["reward_call_retries"] += retries
+        records = None if records is None else [RewardRecord.from_json(r) for r in records]
+        if self.reward_model is not None:
+            records = self._add_reward_model(rs, records)
+        if self.overlong_buffer is not None:  # DAPO soft overlong punishment, on ok scores only
+            records = [with_overlong_component(rec, len(s.response_ids), self.max_new_tokens, self.overlong_buffer)
+                       for rec, s in zip(records, samples)]
+        records = apply_penalties(records, self.cfg.penalty)
+        for s, r in zip(samples, records):
+            s.record = r
+        failed = [s for s in samples if s.record.status is not RewardStatus.OK]
+        if failed and self.rank0 and self.cfg.on_failure == "quarantine":
+            with open(self.quarantine_path, "a") as f:
+                for s in failed:
+                    f.write(json.dumps({"sample_id": s.sample_id, "prompt_id": s.prompt_id,
+                                        "policy_version": s.policy_version,
+                                        "response_text": self.tok.decode(s.response_ids),
+                                        "response_ids": list(s.response_ids),
+                                        "reward": s.record.to_json()}) + "\n")
+        self.counters["reward_failures"] += len(failed)
+
+    def _add_reward_model(self, rs, records):
+        """The reward model's score (collective) added to each ok rule record, or alone."""
+        rm = self.reward_model
+        texts = [rm.encode(x.messages, x.prompt_text, x.response_text) for x in rs]
+        scores = rm.score(texts)
+        w = self.cfg.model.weight
+        merged = []
+        for i, _ in enumerate(rs):
+            sc = float(scores[i])
+            base = records[i] if records is not None else None
+            if base is not None and base.status is not RewardStatus.OK:
+                merged.append(base)
+                continue
+            comps = dict(base.components) if base is not None else {}
+            comps["reward_model"] = sc
+            total = (base.total if base is not None else 0.0) + w * sc
+            version = f"{base.scorer_version}+{rm.version}" if base is not None else rm.version
+            merged.append(RewardRecord(total=total, components=comps, scorer_version=version))
+        return merged

@@ -1,0 +1,522 @@
+"""Sandboxed code execution (``reward.fn: code_exec``): run the response's program against tests.
+
+The program is the last fenced ```python (``py``, ``python3``) block of the response, or the
+whole response with ``source: whole``.  Tests come from the row's ground truth:
+
+* ``ground_truth["tests"] = [{"input": "...", "output": "..."}, ...]``: one run per test, the
+  input on stdin, stdout compared with ``output`` (trailing whitespace of each line and trailing
+  blank lines ignored);
+* ``ground_truth["asserts"]``: Python code appended to the program; a string is one test, a list
+  one run per item.  A run passes when it exits 0 and the line the harness prints after the
+  asserts is the last stdout line (so ``sys.exit(0)`` before the asserts does not pass).
+
+Reward: ``mode: fraction`` (tests passed / tests run) or ``all`` (1.0 iff all pass; stops at the
+first failure).  Components: ``tests_passed``, ``tests_total`` and ``fail/<reason>`` counts with
+reason in ``wrong_answer``, ``timeout`` (wall or CPU limit), ``memory`` (MemoryError under the
+address-space limit), ``runtime_error`` (non-zero exit, a signal), ``syntax_error``,
+``output_limit`` (a file or stdout past ``max_file_bytes``), ``no_code`` (no fenced block).
+
+The program failing is a SCORE; the sandbox failing (no work dir, cannot spawn, the launcher's
+namespace / rlimit / user setup failed, a disk error) is a STATUS ``error``; a row without
+tests is ``invalid``.
+
+What each run gets (``_LAUNCHER`` below is run as ``python -I -S -c``; it sets up, then execs
+the candidate's ``python -I -B main.py``):
+
+1. a fresh ``tempfile.mkdtemp`` directory (mode 0700, root's) holding the stdio files and a
+   ``box/`` subdirectory that is the cwd, owned by the sandbox user;
+2. an empty environment (only ``PATH=/usr/bin:/bin``, ``LANG=C.UTF-8``; ``-I`` makes Python
+   ignore ``PYTHON*`` variables and the user site);
+3. ``unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID)``: no network (only a down loopback),
+   private tmpfs mounts over ``/tmp``, ``/var/tmp``, ``/dev/shm`` (``tmpfs_size``), a fresh
+   ``/proc`` that shows only the sandbox's processes; the program is pid 1 of its pid namespace,
+   so when it exits or is killed every process it forked dies with it (needs root or
+   CAP_SYS_ADMIN);
+4. rlimits: ``RLIMIT_CPU`` (``cpu_s``), ``RLIMIT_AS`` (``memory_mb``), ``RLIMIT_FSIZE``
+   (``max_file_bytes``, also bounds stdout / stderr, which are files), ``RLIMIT_NPROC``
+   (``max_procs``), ``RLIMIT_NOFILE`` (``max_open_files``), ``RLIMIT_CORE`` 0;
+5. when running as root: ``setgroups([])``, ``setgid``/``setuid`` to ``uid`` / ``gid`` (default
+   65534, nobody), after which ``RLIMIT_NPROC`` applies (root ignores it), then
+   ``PR_SET_PDEATHSIG=SIGKILL`` so killing the launcher kills the pid namespace;
+6. a new session; at ``timeout_s`` wall seconds the program (pid 1 of its namespace) and then
+   the launcher's process group are SIGKILLed; stdout and stderr are read back capped at
+   ``max_output_bytes``.  Should the trainer (or its reward worker process) die mid-run, the
+   launcher dies with it (``PR_SET_PDEATHSIG``) and takes the program along, and the launcher
+   kills the program by itself at ``timeout_s + 2``.
+
+Where a step is unavailable (not root, no CAP_SYS_ADMIN, not Linux) the run continues without it
+unless ``strict: true`` (then it is status error); :meth:`CodeExec.metrics` says what took
+effect on the last run (``isolation/netns`` ...).  Without the pid namespace a program that calls
+``setsid()`` escapes the process-group kill; without the mount namespace it can write the host's
+``/tmp``; without the user drop it runs as the trainer's user (rlimits still apply, except
+``RLIMIT_NPROC`` for root).  ``RLIMIT_NPROC`` counts all processes of the sandbox uid on the
+machine, so concurrent sandboxes share it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import secrets
+import select
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+from megarl.experience.schema import RewardRecord, RewardStatus
+from megarl.rewards.base import RewardConfigError, RewardSample
+
+__all__ = ["CodeExec", "extract_program"]
+
+log = logging.getLogger(__name__)
+
+_FENCE = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\r?\n(.*?)```", re.DOTALL | re.IGNORECASE)
+_SETUP_FAILED = 121
+_MIN_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+_FAIL_REASONS = ("wrong_answer", "timeout", "memory", "runtime_error", "syntax_error", "output_limit", "no_code")
+
+# Runs as the trainer's user (root in CI) with -I -S; argv[1] is a JSON config.  Reports on the
+# inherited pipe fd: {"child": {...what took effect}} just before exec, then {"wait": status}
+# when the program ended, or {"setup_error": "..."}.
+_LAUNCHER = r"""
+import ctypes, json, os, resource, signal, sys
+cfg = json.loads(sys.argv[1]); fd = cfg["report_fd"]
+def report(obj):
+    os.write(fd, (json.dumps(obj) + "\n").encode())
+def fail(msg):
+    report({"setup_error": msg}); os._exit(%(setup_failed)d)
+rep = {"netns": False, "mountns": False, "pidns": False, "tmpfs": False, "proc": False, "user": False, "rlimits": False}
+try:
+    libc = ctypes.CDLL(None, use_errno=True)
+except OSError as e:
+    libc = None
+    if cfg["strict"]: fail("no libc for unshare: %%s" %% e)
+if libc is not None:
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: the launcher dies with the trainer
+def errno_msg(what):
+    e = ctypes.get_errno(); return "%%s: %%s" %% (what, os.strerror(e))
+if libc is not None and cfg["namespaces"]:
+    for name, flag in (("netns", 0x40000000), ("mountns", 0x00020000), ("pidns", 0x20000000)):
+        if libc.unshare(flag) == 0:
+            rep[name] = True
+        elif cfg["strict"]:
+            fail(errno_msg("unshare " + name))
+    if rep["mountns"]:
+        MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 16384, 1 << 18
+        if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+            fail(errno_msg("make mounts private"))
+        ok = True
+        cwd = os.getcwd(); box_fd = os.open(".", os.O_RDONLY)
+        for d in ("/tmp", "/var/tmp", "/dev/shm"):
+            if os.path.isdir(d) and not os.path.islink(d):
+                opts = ("size=%%d,mode=1777" %% cfg["tmpfs_size"]).encode()
+                if libc.mount(b"tmpfs", d.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts) != 0:
+                    ok = False
+                    if cfg["strict"]: fail(errno_msg("mount tmpfs on " + d))
+                elif cwd.startswith(d + "/"):
+                    # the work dir was under d: bind it back at the same path inside the new tmpfs
+                    os.makedirs(cwd, 0o711)
+                    if libc.mount(("/proc/self/fd/%%d" %% box_fd).encode(), cwd.encode(), None, 4096, None) != 0:
+                        fail(errno_msg("bind the work dir into the private " + d))
+        os.chdir(cwd); os.close(box_fd)
+        rep["tmpfs"] = ok
+pid = os.fork()
+if pid:
+    report({"pid": pid})
+    def expire(*_):  # the launcher's own wall limit, should the trainer be gone
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, cfg["hard_limit_s"])
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0); break
+        except InterruptedError:
+            continue
+    report({"wait": status}); os._exit(0)
+try:
+    if rep["pidns"] and rep["mountns"] and libc is not None:
+        rep["proc"] = libc.mount(b"proc", b"/proc", b"proc", 2 | 4 | 8, None) == 0
+    R = resource
+    for lim, val in ((R.RLIMIT_CPU, (cfg["cpu_s"], cfg["cpu_s"] + 1)), (R.RLIMIT_AS, (cfg["as"], cfg["as"])),
+                     (R.RLIMIT_FSIZE, (cfg["fsize"], cfg["fsize"])), (R.RLIMIT_NPROC, (cfg["nproc"], cfg["nproc"])),
+                     (R.RLIMIT_NOFILE, (cfg["nofile"], cfg["nofile"])), (R.RLIMIT_CORE, (0, 0))):
+        R.setrlimit(lim, val)
+    rep["rlimits"] = True
+    if os.getuid() == 0 and cfg["uid"] is not None:
+        os.setgroups([]); os.setgid(cfg["gid"]); os.setuid(cfg["uid"])
+        rep["user"] = os.getuid() == cfg["uid"] and os.geteuid() == cfg["uid"]
+    elif cfg["strict"]:
+        fail("not root: cannot drop to an unprivileged user")
+    if libc is not None:
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG (after the uid change, which clears it)
+    if cfg["strict"] and not all(rep.values()):
+        fail("isolation incomplete: %%s" %% rep)
+    os.set_inheritable(fd, False)  # FD_CLOEXEC: the program never holds the report pipe
+    report({"child": rep})
+    os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])
+except BaseException as e:
+    fail("%%s: %%s" %% (type(e).__name__, e))
+""" % {"setup_failed": _SETUP_FAILED}
+
+
+class _SandboxError(Exception):
+    """The sandbox itself failed (not the program): becomes status error."""
+
+
+def extract_program(text: str, source: str = "fenced") -> str | None:
+    """The last fenced python block (``source="fenced"``) or the whole text (``"whole"``)."""
+    if source == "whole":
+        return text
+    blocks = _FENCE.findall(text)
+    return blocks[-1] if blocks else None
+
+
+def _world_runnable(path: str) -> bool:
+    """Can any user run ``path``: every directory on the way o+x, the file o+rx."""
+    path = os.path.realpath(path)
+    try:
+        st = os.stat(path)
+        if not (st.st_mode & stat.S_IROTH and st.st_mode & stat.S_IXOTH):
+            return False
+        d = os.path.dirname(path)
+        while True:
+            if not os.stat(d).st_mode & stat.S_IXOTH:
+                return False
+            if d == "/":
+                return True
+            d = os.path.dirname(d)
+    except OSError:
+        return False
+
+
+def _norm(text: str) -> str:
+    lines = [ln.rstrip() for ln in text.replace("\r\n", "\n").split("\n")]
+    while lines and not lines[-1]:
+        lines.pop()
+    return "\n".join(lines)
+
+
+def _read_capped(path: str, cap: int) -> tuple[str, bool]:
+    with open(path, "rb") as f:
+        data = f.read(cap + 1)
+    return data[:cap].decode("utf-8", errors="replace"), len(data) > cap
+
+
+class CodeExec:
+    """Fraction (or all-or-nothing) of the row's tests the response's program passes, run in a
+    sandbox; see the module docstring for the limits and what each failure becomes."""
+
+    name = "code_exec"
+
+    def __init__(
+        self,
+        mode: str = "fraction",
+        source: str = "fenced",
+        timeout_s: float = 5.0,
+        cpu_s: int | None = None,
+        memory_mb: int = 512,
+        max_output_bytes: int = 64 << 10,
+        max_file_bytes: int = 4 << 20,
+        max_procs: int = 32,
+        max_open_files: int = 64,
+        tmpfs_size: int = 16 << 20,
+        uid: int | None = 65534,
+        gid: int | None = 65534,
+        python: str | None = None,
+        namespaces: bool = True,
+        strict: bool = False,
+        tests_key: str = "tests",
+        asserts_key: str = "asserts",
+    ):
+        if mode not in ("fraction", "all"):
+            raise RewardConfigError(f"code_exec mode must be 'fraction' or 'all', got {mode!r}")
+        if source not in ("fenced", "whole"):
+            raise RewardConfigError(f"code_exec source must be 'fenced' or 'whole', got {source!r}")
+
+        def pos(name, v, integer=False):
+            ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+            if isinstance(v, bool) or not ok or not math.isfinite(v) or v <= 0:
+                raise RewardConfigError(f"code_exec {name} must be a positive {'integer' if integer else 'number'}, got {v!r}")
+            return v
+
+        self.mode, self.source = mode, source
+        self.timeout_s = float(pos("timeout_s", timeout_s))
+        self.cpu_s = int(pos("cpu_s", cpu_s, True)) if cpu_s is not None else max(1, math.ceil(self.timeout_s))
+        self.memory_mb = int(pos("memory_mb", memory_mb, True))
+        self.max_output_bytes = int(pos("max_output_bytes", max_output_bytes, True))
+        self.max_file_bytes = int(pos("max_file_bytes", max_file_bytes, True))
+        self.max_procs = int(pos("max_procs", max_procs, True))
+        self.max_open_files = int(pos("max_open_files", max_open_files, True))
+        self.tmpfs_size = int(pos("tmpfs_size", tmpfs_size, True))
+        if (uid is None) != (gid is None):
+            raise RewardConfigError("code_exec uid and gid must be given together (or both null: no user drop)")
+        self.uid, self.gid = (None, None) if uid is None else (int(uid), int(gid))
+        self.namespaces, self.strict = bool(namespaces), bool(strict)
+        self.tests_key, self.asserts_key = str(tests_key), str(asserts_key)
+        if python is None:
+            dropping = self.uid is not None and os.geteuid() == 0
+            cands = [sys.executable] + [p for p in ("/usr/bin/python3", "/usr/local/bin/python3", "/bin/python3")]
+            python = next((p for p in cands if p and os.path.exists(p) and (not dropping or _world_runnable(p))), None)
+            if python is None:
+                raise RewardConfigError(
+                    "code_exec: no Python the sandbox user can run (the trainer's may sit under a private home); "
+                    "set reward.kwargs.python")
+        elif not (os.path.isabs(python) and os.path.exists(python)):
+            raise RewardConfigError(f"code_exec python must be an absolute path to an interpreter, got {python!r}")
+        self.python = python
+        self._mlock = threading.Lock()
+        self._m: dict[str, float] = {"runs": 0, "sandbox_errors": 0, "timeouts": 0, "samples": 0}
+        self._isolation: dict[str, bool] = {}
+        self._warned = False
+        self.version = (
+            f"code_exec/1(mode={mode},source={source},timeout_s={self.timeout_s},cpu_s={self.cpu_s},"
+            f"memory_mb={self.memory_mb},python={self.python})"
+        )
+
+    def metrics(self) -> dict[str, float]:
+        """Runs, sandbox errors, timeouts, and ``isolation/<step>`` (1.0 / 0.0) of the last run."""
+        with self._mlock:
+            out = dict(self._m)
+            out.update({f"isolation/{k}": float(v) for k, v in self._isolation.items()})
+        return out
+
+    # --- one run -------------------------------------------------------------------------------
+    def _run(self, program: str, stdin: str) -> dict[str, Any]:
+        """Run ``program`` once; {"rc", "signal", "timed_out", "stdout", "stderr", ...}.  Raises
+        :class:`_SandboxError` when the sandbox (not the program) fails."""
+        try:
+            root = tempfile.mkdtemp(prefix="megarl-code-")
+        except OSError as e:
+            raise _SandboxError(f"cannot create a work directory: {e}") from None
+        proc = None
+        rfd = wfd = None
+        try:
+            try:
+                box = os.path.join(root, "box")
+                os.mkdir(box, 0o700)
+                drop = self.uid is not None and os.geteuid() == 0
+                if drop:
+                    os.chmod(root, 0o711)  # the sandbox user may traverse to its box, not list root
+                    os.chown(box, self.uid, self.gid)
+                with open(os.path.join(box, "main.py"), "w", encoding="utf-8") as f:
+                    f.write(program)
+                with open(os.path.join(root, "stdin"), "w", encoding="utf-8") as f:
+                    f.write(stdin)
+                if drop:
+                    os.chown(os.path.join(box, "main.py"), self.uid, self.gid)
+                fin = open(os.path.join(root, "stdin"), "rb")
+                fout = open(os.path.join(root, "stdout"), "wb")
+                ferr = open(os.path.join(root, "stderr"), "wb")
+            except OSError as e:
+                raise _SandboxError(f"cannot prepare the work directory: {e}") from None
+            rfd, wfd = os.pipe()
+            cfg = {
+                "report_fd": wfd, "strict": self.strict, "namespaces": self.namespaces, "tmpfs_size": self.tmpfs_size,
+                "cpu_s": self.cpu_s, "as": self.memory_mb << 20, "fsize": self.max_file_bytes,
+                "nproc": self.max_procs, "nofile": self.max_open_files,
+                "uid": self.uid, "gid": self.gid, "env": _MIN_ENV, "hard_limit_s": self.timeout_s + 2.0,
+                "argv": [self.python, "-I", "-B", "main.py"],
+            }
+            t0 = time.monotonic()
+            try:
+                with fin, fout, ferr:
+                    proc = subprocess.Popen(
+                        [sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(cfg)],
+                        stdin=fin, stdout=fout, stderr=ferr, cwd=box, env=dict(_MIN_ENV),
+                        start_new_session=True, pass_fds=(wfd,), close_fds=True,
+                    )
+            except OSError as e:
+                raise _SandboxError(f"cannot spawn the sandbox: {e}") from None
+            finally:
+                os.close(wfd)
+                wfd = None
+            timed_out = False
+            buf = bytearray()
+            try:
+                proc.wait(timeout=self.timeout_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                # kill the program first (pid 1 of its namespace: all it forked dies with it) so the
+                # launcher reaps it and reports; then the launcher's whole process group
+                self._drain(rfd, buf, 0.0)
+                pid = next((r["pid"] for r in self._parse(buf) if "pid" in r), None)
+                if pid is not None and proc.poll() is None:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                        proc.wait(timeout=2.0)
+                    except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
+                        pass
+            self._kill(proc)
+            wall = time.monotonic() - t0
+            self._drain(rfd, buf, 5.0)
+            reports = self._parse(buf)
+            if any("setup_error" in r for r in reports):
+                err = next(r["setup_error"] for r in reports if "setup_error" in r)
+                raise _SandboxError(f"sandbox setup failed: {err}")
+            child = next((r["child"] for r in reports if "child" in r), None)
+            if child is None:
+                if timed_out:
+                    raise _SandboxError(f"sandbox did not start the program within timeout_s={self.timeout_s}")
+                raise _SandboxError(f"sandbox launcher exited with {proc.returncode} before starting the program")
+            with self._mlock:
+                self._isolation = dict(child)
+            if not self._warned and not all(child.values()):
+                self._warned = True
+                log.warning("code_exec: sandbox isolation incomplete on this machine: %s", child)
+            status = next((r["wait"] for r in reports if "wait" in r), None)
+            out, out_cut = _read_capped(os.path.join(root, "stdout"), self.max_output_bytes)
+            err, _ = _read_capped(os.path.join(root, "stderr"), self.max_output_bytes)
+            rc = sig = None
+            if status is not None:
+                if os.WIFSIGNALED(status):
+                    sig = os.WTERMSIG(status)
+                elif os.WIFEXITED(status):
+                    rc = os.WEXITSTATUS(status)
+            elif not timed_out:
+                raise _SandboxError(f"sandbox launcher exited with {proc.returncode} without the program's status")
+            return {"rc": rc, "signal": sig, "timed_out": timed_out, "stdout": out, "stderr": err,
+                    "stdout_truncated": out_cut, "wall_s": wall}
+        finally:
+            if proc is not None and proc.returncode is None:
+                self._kill(proc)
+            for fd in (rfd, wfd):
+                if fd is not None:
+                    os.close(fd)
+            shutil.rmtree(root, ignore_errors=True)
+
+    @staticmethod
+    def _kill(proc: subprocess.Popen) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher's session: launcher, program, children
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL does not wait for this long
+            pass
+
+    @staticmethod
+    def _drain(rfd: int, buf: bytearray, wait_s: float) -> None:
+        """Read the report pipe into ``buf`` until EOF, or until nothing arrives for ``wait_s``."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            ready, _, _ = select.select([rfd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return
+            chunk = os.read(rfd, 65536)
+            if not chunk:
+                return
+            buf += chunk
+
+    @staticmethod
+    def _parse(buf: bytearray) -> list[dict]:
+        out = []
+        for line in bytes(buf).decode(errors="replace").splitlines():
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(obj, dict):
+                out.append(obj)
+        return out
+
+    def _verdict(self, run: dict, expected: str | None, marker: str | None) -> str | None:
+        """None when the run passed, else the failure reason."""
+        if run["timed_out"] or run["signal"] in (signal.SIGXCPU, signal.SIGKILL):
+            return "timeout"
+        if run["signal"] == signal.SIGXFSZ:
+            return "output_limit"
+        err_tail = run["stderr"].strip().splitlines()[-1:] or [""]
+        if run["signal"] is not None or run["rc"] != 0:
+            if "[Errno 27]" in err_tail[0]:  # EFBIG: Python ignores SIGXFSZ, the write fails instead
+                return "output_limit"
+            if err_tail[0].startswith("MemoryError"):
+                return "memory"
+            if err_tail[0].startswith(("SyntaxError", "IndentationError", "TabError")):
+                return "syntax_error"
+            return "runtime_error"
+        if run["stdout_truncated"]:
+            return "output_limit"
+        if marker is not None:
+            lines = _norm(run["stdout"]).split("\n")
+            return None if lines and lines[-1] == marker else "wrong_answer"
+        return None if _norm(run["stdout"]) == _norm(expected or "") else "wrong_answer"
+
+    # --- one sample ----------------------------------------------------------------------------
+    def _tests(self, gt: Any) -> tuple[list[tuple[str, str | None, str | None]] | None, str | None]:
+        """[(program suffix, stdin, expected stdout)] or (None, why invalid)."""
+        if not isinstance(gt, dict):
+            return None, f"ground_truth is {type(gt).__name__}, expected a mapping"
+        tests, asserts = gt.get(self.tests_key), gt.get(self.asserts_key)
+        if tests is None and asserts is None:
+            return None, f"ground_truth has neither {self.tests_key!r} nor {self.asserts_key!r}; fields: {sorted(gt)}"
+        out = []
+        if tests is not None:
+            if not isinstance(tests, (list, tuple)):
+                return None, f"ground_truth[{self.tests_key!r}] must be a list of {{input, output}}"
+            for i, t in enumerate(tests):
+                if not isinstance(t, dict) or not isinstance(t.get("output"), str) or not isinstance(t.get("input", ""), str):
+                    return None, f"ground_truth[{self.tests_key!r}][{i}] must be {{'input': str, 'output': str}}"
+                out.append(("", t.get("input", ""), t["output"]))
+        if asserts is not None:
+            items = [asserts] if isinstance(asserts, str) else asserts
+            if not isinstance(items, (list, tuple)) or not all(isinstance(a, str) for a in items):
+                return None, f"ground_truth[{self.asserts_key!r}] must be a string or a list of strings"
+            out.extend((a, "", None) for a in items)
+        if not out:
+            return None, "no tests in ground_truth"
+        return out, None
+
+    def _failure(self, status: RewardStatus, error: str) -> RewardRecord:
+        return RewardRecord(total=None, scorer_version=self.version, status=status, error=error)
+
+    def __call__(self, sample: RewardSample) -> RewardRecord:
+        tests, why = self._tests(sample.ground_truth)
+        with self._mlock:
+            self._m["samples"] += 1
+        if tests is None:
+            return self._failure(RewardStatus.INVALID, why)
+        n = len(tests)
+        comps: dict[str, float] = {"tests_passed": 0.0, "tests_total": float(n)}
+        program = extract_program(sample.response_text, self.source)
+        if program is None:
+            comps["fail/no_code"] = 1.0
+            return RewardRecord(total=0.0, components=comps, scorer_version=self.version)
+        passed = 0
+        for suffix, stdin, expected in tests:
+            marker = None
+            source = program
+            if suffix:
+                marker = f"megarl-asserts-passed-{secrets.token_hex(8)}"
+                source = f"{program}\n\n{suffix}\n\nimport sys as _megarl_sys\n_megarl_sys.stdout.write('\\n{marker}\\n')\n"
+            try:
+                run = self._run(source, stdin or "")
+            except _SandboxError as e:
+                with self._mlock:
+                    self._m["sandbox_errors"] += 1
+                return self._failure(RewardStatus.ERROR, f"[sandbox] {e}")
+            with self._mlock:
+                self._m["runs"] += 1
+                self._m["timeouts"] += run["timed_out"]
+            reason = self._verdict(run, expected, marker)
+            if reason is None:
+                passed += 1
+            else:
+                comps[f"fail/{reason}"] = comps.get(f"fail/{reason}", 0.0) + 1
+                if self.mode == "all":
+                    break
+        comps["tests_passed"] = float(passed)
+        total = passed / n if self.mode == "fraction" else float(passed == n)
+        return RewardRecord(total=float(total), components=comps, scorer_version=self.version)

@@ -1,0 +1,179 @@
+"""Launching real ``megarl.train`` runs on the tiny model and reading what they leave behind,
+shared by the end-to-end, resume and fault tests.
+
+* the tiny recipes (``GRPO``, ``PPO``) and a run directory's ``metrics`` and sealed ``batches``;
+* ``hf_response_log_probs``: an export's teacher-forced log-probs, recomputed with transformers;
+* ``checkpointed_run_cmd`` / ``run_to_exit``: an ``ITERS``-iteration run that checkpoints every
+  iteration, run to completion in its own session (``kill_tree`` ends what it leaves behind);
+* ``uninterrupted``: such a run made once per session per configuration, and ``check_same_run``:
+  a second run of it ended bitwise equal (weights, optimizer state digests, metrics).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import torch
+
+from tests._dist import ROOT, free_port, subprocess_env
+
+GRPO = os.path.join(ROOT, "configs", "grpo_arith_tiny.yaml")
+PPO = os.path.join(ROOT, "configs", "ppo_arith_tiny.yaml")
+
+#: iterations of a checkpointed run
+ITERS = 5
+#: metric keys that differ between two runs of the same training (wall times, resume counters)
+#: keys that differ between an uninterrupted run and a resumed one by nature: wall times, and
+#: how often the run was resumed (every other counter, checkpoints included, is cumulative)
+TIMING = ("time", "_s", "stage_s", "stage_share", "per_s", "seconds", "e2e/count/resumes")
+
+
+# ---- what a run leaves behind ---------------------------------------------------------------------
+
+
+def metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def batches(run_dir):
+    from megarl.experience.seal import load_sealed
+
+    root = os.path.join(run_dir, "experience")
+    return [load_sealed(os.path.join(root, d)) for d in sorted(os.listdir(root))]
+
+
+def hf_response_log_probs(model_dir, facts):
+    """Teacher-forced log-probs of every response token with transformers, row by row: returns
+    (model, (padded log-probs, per-row log-probs with their graph))."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model, _rows_log_probs(model, facts)
+
+
+def _rows_log_probs(model, facts):
+    P = facts.prompt_len
+    out = torch.zeros(facts.response_ids.shape, dtype=torch.float32)
+    rows = []
+    for b in range(facts.batch_size):
+        am = facts.attention_mask[b]
+        prompt = facts.prompt_ids[b][am[:P] != 0]
+        n = int(facts.response_mask[b].sum())
+        resp = facts.response_ids[b][:n]
+        tokens = torch.cat([prompt, resp])[None]
+        logits = model(tokens).logits[0].float()
+        lp = torch.log_softmax(logits[len(prompt) - 1:len(prompt) - 1 + n], -1).gather(-1, resp[:, None])[:, 0]
+        rows.append(lp)
+        out[b, :n] = lp.detach()
+    return out, rows
+
+
+# ---- checkpointed runs ----------------------------------------------------------------------------
+
+
+def checkpointed_run_cmd(assets, run_dir, recipe, nproc, extra):
+    """The command of an ``ITERS``-iteration run (run id ``resume-test``) that checkpoints every
+    iteration: one process, or torchrun with ``nproc``."""
+    overrides = [f"model.path={assets['model']}", "model.build_tiny=false", f"data.train_path={assets['train']}",
+                 f"data.heldout_path={assets['heldout']}", "data.build_arithmetic=false",
+                 f"trainer.run_dir={run_dir}", "trainer.run_id=resume-test", f"trainer.iterations={ITERS}",
+                 "trainer.prompts_per_iteration=4", "rollout.n=4", "algo.num_mini_batches=2",
+                 "algo.micro_batch_size=2", "algo.forward_micro_batch_size=8", "eval.n=8", "eval.every=2",
+                 "trainer.checkpoint_every=1", "trainer.checkpoint_keep=2",
+                 "reward.fn=tests.plugins.faulty_rewards:digit_count", *extra]
+    head = [sys.executable, "-m", "megarl.train"] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+        "--master-port", str(free_port()), "-m", "megarl.train"]
+    return head + ["--config", recipe] + overrides
+
+
+class Finished:
+    """What ``run_to_exit`` returns: the exit status and the whole output."""
+
+    def __init__(self, returncode, stdout, stderr):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def run_to_exit(cmd, expect=0):
+    """Run to completion in its own session, output to files (not pipes): a process that dies
+    hard (fault injection) can leave dist_checkpointing's writer workers behind, which would
+    hold pipes open; they are killed with the session.  The exit status must be ``expect``."""
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=subprocess_env(), start_new_session=True)
+        try:
+            rc = proc.wait(timeout=900)
+        finally:
+            kill_tree(proc.pid)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        out.seek(0)
+        err.seek(0)
+        done = Finished(rc, out.read(), err.read())
+    assert done.returncode == expect, f"rc={done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return done
+
+
+def kill_tree(pid):
+    """SIGKILL a process and every descendant at once (torchrun starts its workers in sessions of
+    their own, so a process-group kill would leave them running)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = root.children(recursive=True) + [root]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=30)
+
+
+def _comparable(row, ignore=()):
+    return {k: v for k, v in row.items() if not any(t in k for t in TIMING + tuple(ignore))}
+
+
+def check_same_run(a_dir, b_dir, killed_at, ignore=(), resumes=1):
+    """``b_dir`` ended bitwise like ``a_dir``: final weights, optimizer state digests, and every
+    metric from iteration ``killed_at`` on (but wall times and the ``ignore`` keys)."""
+    from safetensors.torch import load_file
+
+    wa = load_file(os.path.join(a_dir, "export", f"iter_{ITERS}", "model.safetensors"))
+    wb = load_file(os.path.join(b_dir, "export", f"iter_{ITERS}", "model.safetensors"))
+    assert set(wa) == set(wb) and all(torch.equal(wa[k], wb[k]) for k in wa), "actor weights differ"
+    last = f"iter_{ITERS:06d}"
+    da = json.load(open(os.path.join(a_dir, "checkpoints", last, "digests.json")))
+    db = json.load(open(os.path.join(b_dir, "checkpoints", last, "digests.json")))
+    assert da == db, "optimizer state or weight manifests differ"
+    ma, mb = metrics(a_dir), metrics(b_dir)
+    assert [m["iteration"] for m in mb] == list(range(ITERS))  # rows after the checkpoint were rewritten once
+    for x, y in zip(ma[killed_at:], mb[killed_at:]):
+        assert _comparable(x, ignore) == _comparable(y, ignore), (
+            x["iteration"], {k: (x.get(k), y.get(k)) for k in _comparable(x, ignore) if x.get(k) != y.get(k)})
+    sa = json.load(open(os.path.join(b_dir, "checkpoints", last, "state.json")))
+    assert sa["counters"].get("resumes") == (resumes or None) and sa["unconsumed_experience"] is None
+
+
+_UNINTERRUPTED = {}
+
+
+def uninterrupted(assets, tmp_path_factory, recipe, nproc, extra):
+    """The run dir of an uninterrupted run of this configuration (made once per session, shared
+    by the resume and fault tests that compare against it)."""
+    key = (recipe, nproc, tuple(extra))
+    if key not in _UNINTERRUPTED:
+        d = str(tmp_path_factory.mktemp("uninterrupted") / "a")
+        run_to_exit(checkpointed_run_cmd(assets, d, recipe, nproc, list(extra)))
+        _UNINTERRUPTED[key] = d
+    return _UNINTERRUPTED[key]

@@ -1,0 +1,184 @@
+"""ExperiencePreparer on its own: fake actor and reference roles (their log-probs are known
+tensors), a fake engine time slice, a real state machine and the real collate / seal /
+advantage code.  The data-parallel helpers run at DP=1 (``dp_size``/``dp_rank`` stubbed: no
+megatron parallel state is needed for one replica)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from megarl.algo.kl import FixedKLController
+from megarl.control.batch import collate
+from megarl.control.interfaces import ProducedRollout, RunProgress
+from megarl.control.preparation import ExperiencePreparer, RolloutParityError
+from megarl.control.state_machine import CompletionConditionError, Phase
+from megarl.experience.schema import SamplingConfig
+from megarl.experience.seal import load_sealed
+from megarl.metrics import StageTimer
+from megarl.runtime import data_parallel
+from tests._control_fakes import load_cfg, make_samples, phases, sm_generating, version
+
+REWARDS = [[1.0, 0.0, 0.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0]]
+
+
+@pytest.fixture(autouse=True)
+def one_replica(monkeypatch):
+    monkeypatch.setattr(data_parallel, "dp_size", lambda: 1)
+    monkeypatch.setattr(data_parallel, "dp_rank", lambda: 0)
+
+
+class FakeLogProbRole:
+    """log_probs(...) -> the rollout's log-probs plus ``shift`` on every response token."""
+
+    def __init__(self, truth, mask, shift, version="ref-0"):
+        self.truth, self.mask, self.shift, self.version = truth, mask, shift, version
+        self.calls = Counter()
+
+    def log_probs(self, prompt_ids, response_ids, attention_mask, mbs, pack=False):
+        self.calls["log_probs"] += 1
+        assert prompt_ids.shape[0] == self.truth.shape[0] and mbs == 0 and pack is False  # the config's
+        return self.truth + self.shift * self.mask
+
+    def onload(self):
+        self.calls["onload"] += 1
+
+
+class TimeSlice:
+    def __init__(self):
+        self.released = 0
+
+    def release(self):
+        self.released += 1
+
+
+def setup(cfg, *, actor_shift=2e-4, rewards=REWARDS, v=None, progress=None, save_dir=None, samples=None,
+          real_sizes=None):
+    v = v or version(5)
+    samples = samples or make_samples(v, rewards, k=7)
+    c = collate([s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                [s.raw_log_probs for s in samples], 0)
+    actor = FakeLogProbRole(c.rollout_log_probs, c.response_mask, actor_shift, version=v.short_id)
+    ref = FakeLogProbRole(c.rollout_log_probs, c.response_mask, -0.1)
+    sm = sm_generating(v)
+    real_sizes = real_sizes or {g: sum(1 for s in samples if s.group_id == g) for g in dict.fromkeys(
+        s.group_id for s in samples)}
+    produced = ProducedRollout(samples, real_sizes, sampling=SamplingConfig(n=3, max_new_tokens=6))
+    prep = ExperiencePreparer(cfg, actor=actor, reference=ref, critic=None, time_slice=TimeSlice(), sm=sm,
+                              kl_ctl=FixedKLController(0.001), progress=progress or RunProgress(), pad_id=0,
+                              run_id="run", save_dir=save_dir)
+    return prep, produced, sm, v, c
+
+
+def cfg_(*over):
+    return load_cfg("rollout.n=3", "trainer.prompts_per_iteration=3", "algo.forward_micro_batch_size=0", *over)
+
+
+def grpo_by_hand(rewards):
+    out = []
+    for g in rewards:
+        mean = sum(g) / len(g)
+        std = math.sqrt(sum((x - mean) ** 2 for x in g) / (len(g) - 1))
+        out += [0.0 if std <= 1e-6 else (x - mean) / std for x in g]
+    return out
+
+
+def test_sealed_batch_records_v_and_grpo_advantages_equal_the_hand_computation(tmp_path):
+    prep, produced, sm, v, c = setup(cfg_("rollout.reuse_rollout_log_probs=false"), save_dir=str(tmp_path))
+    batch, m = prep.prepare(7, v, produced, StageTimer(7, v.short_id))
+    f = batch.facts
+    assert batch.sealed and f.iteration == 7 and f.run_id == "run"
+    assert set(f.policy_version) == {v.short_id} and f.batch_size == 9
+    assert f.sample_id == tuple(s.sample_id for s in produced.samples)
+    assert phases(sm)[-2:] == ["GENERATING", "EXPERIENCE_SEALED"] and sm.state.version == v
+    # old log-probs: the actor's, on v, before any update; reference: its own producer
+    assert (f.old_log_probs.producer.role, f.old_log_probs.producer.version) == ("actor", v.short_id)
+    assert torch.allclose(f.old_log_probs.values, c.rollout_log_probs + 2e-4 * c.response_mask)
+    assert (f.ref_log_probs.producer.role, f.ref_log_probs.producer.version) == ("reference", "ref-0")
+    assert (f.rollout_log_probs.producer.role, f.rollout_log_probs.producer.version) == ("rollout", v.short_id)
+    assert prep.actor.calls["log_probs"] == 1 and prep.actor.calls["onload"] == 1 and prep.time_slice.released == 1
+    # GRPO: (r - mean_g) / std_g (Bessel), 0 for the zero-variance group, on every action token
+    want = torch.tensor(grpo_by_hand(REWARDS), dtype=torch.float32)[:, None] * c.response_mask
+    assert torch.allclose(batch.derived.advantages, want, atol=1e-6)
+    assert torch.equal(batch.derived.loss_mask, c.response_mask)
+    assert batch.derived.estimator == "grpo" and batch.derived.returns is None
+    assert dict(batch.derived.hyperparameters) == {"gamma": 1.0, "lam": 1.0, "zero_std_rule": "epsilon",
+                                                   "std_eps": 1e-6, "kl_beta": 0.001, "whiten": False}
+    assert m["prep/zero_variance_group_share"] == pytest.approx(1 / 3) and m["prep/adv/zero_std_groups"] == 1
+    # measured errors and KL: golden from the fakes' shifts
+    assert m["prep/rollout_actor_logprob_max_abs_err"] == pytest.approx(2e-4, rel=1e-3)
+    assert m["prep/old_ref_logprob_max_abs_diff"] == pytest.approx(0.1002, rel=1e-4)
+    d = -0.1002
+    assert m["update/kl_ref"] == pytest.approx(math.expm1(d) - d, rel=1e-3)
+    assert m["update/kl_ref_k1"] == pytest.approx(0.1002, rel=1e-3)
+    # trainer.save_experience: the sealed batch on disk is this batch
+    again = load_sealed(tmp_path / "iter_000007")
+    assert again.content_hash == batch.content_hash
+
+
+def test_rollout_log_probs_are_reused_only_after_a_measured_parity_check():
+    progress = RunProgress()
+    cfg = cfg_("rollout.reuse_rollout_log_probs=true", "rollout.log_prob_parity_every=2",
+               "rollout.log_prob_parity_tol=1e-3")
+    prep, produced, _, v, c = setup(cfg, progress=progress)
+    b1, m1 = prep.prepare(1, v, produced, StageTimer())
+    assert prep.actor.calls["log_probs"] == 1 and progress.parity_checked  # checked: the actor's are used
+    assert b1.facts.old_log_probs.producer.role == "actor" and "prep/rollout_actor_logprob_max_abs_err" in m1
+    prep2, produced2, _, _, _ = setup(cfg, progress=progress, v=v)
+    b2, m2 = prep2.prepare(3, v, produced2, StageTimer())
+    assert prep2.actor.calls["log_probs"] == 0  # reused: no actor forward at all
+    assert (b2.facts.old_log_probs.producer.role, b2.facts.old_log_probs.producer.version) == ("rollout", v.short_id)
+    assert torch.equal(b2.facts.old_log_probs.values, c.rollout_log_probs)
+    assert "prep/rollout_actor_logprob_max_abs_err" not in m2
+    prep4, produced4, _, _, _ = setup(cfg, progress=progress, v=v)
+    prep4.prepare(4, v, produced4, StageTimer())  # k % log_prob_parity_every == 0: measured again
+    assert prep4.actor.calls["log_probs"] == 1
+
+
+def test_a_parity_failure_raises_and_fails_the_state_machine():
+    progress = RunProgress()
+    cfg = cfg_("rollout.reuse_rollout_log_probs=true", "rollout.log_prob_parity_tol=1e-3")
+    prep, produced, sm, v, _ = setup(cfg, actor_shift=0.01, progress=progress)
+    with pytest.raises(RolloutParityError) as e:
+        prep.prepare(0, v, produced, StageTimer())
+    assert "1.000e-02" in str(e.value) and "rollout.log_prob_parity_tol=0.001" in str(e.value)
+    assert sm.state.phase is Phase.FAILED and "parity" in sm.state.reason
+    assert not progress.parity_checked
+
+
+def test_an_incomplete_group_is_refused_at_the_seal():
+    v = version(5)
+    samples = make_samples(v, REWARDS, k=7)
+    del samples[4]  # a member of group p001 went missing after its group was released
+    real = {"run/it7/r0/p000": 3, "run/it7/r0/p001": 3, "run/it7/r0/p002": 3}
+    prep, produced, sm, _, _ = setup(cfg_("rollout.reuse_rollout_log_probs=false"), v=v, samples=samples,
+                                     real_sizes=real)
+    with pytest.raises(CompletionConditionError, match="8 of 9 samples written"):
+        prep.prepare(7, v, produced, StageTimer())
+    assert sm.state.phase is Phase.FAILED
+
+
+def test_a_partial_group_released_with_its_real_size_is_sealed():
+    v = version(5)
+    samples = make_samples(v, REWARDS, k=7)
+    del samples[4]
+    real = {"run/it7/r0/p000": 3, "run/it7/r0/p001": 2, "run/it7/r0/p002": 3}
+    prep, produced, sm, _, c = setup(cfg_("rollout.reuse_rollout_log_probs=false"), v=v, samples=samples,
+                                     real_sizes=real)
+    batch, _ = prep.prepare(7, v, produced, StageTimer())
+    assert sm.state.phase is Phase.EXPERIENCE_SEALED and batch.facts.batch_size == 8
+    want = torch.tensor(grpo_by_hand([[1.0, 0.0, 0.0], [1.0, 0.0], [1.0, 1.0, 1.0]]), dtype=torch.float32)
+    assert torch.allclose(batch.derived.advantages, want[:, None] * c.response_mask, atol=1e-6)
+
+
+def test_a_sample_of_another_version_is_never_sealed():
+    v, other = version(5), version(4, "w4")
+    versions = [v.short_id] * 8 + [other.short_id]
+    samples = make_samples(v, REWARDS, k=7, versions=versions)
+    prep, produced, sm, _, _ = setup(cfg_("rollout.reuse_rollout_log_probs=false"), v=v, samples=samples)
+    with pytest.raises(ValueError, match="version"):
+        prep.prepare(7, v, produced, StageTimer())
+    assert sm.state.phase is not Phase.EXPERIENCE_SEALED

@@ -1,0 +1,163 @@
+"""Packed forward-only passes (``algo.pack_sequences``): the old / reference log-probs and the
+critic values computed with each micro-batch as one packed (THD) sequence equal the padded
+forward's, on the tiny Llama, for rows of very different lengths.
+
+On CPU the packed attention is megatron's local attention given a THD path by
+``megarl.runtime.cpu_compat`` (both of its strategies are checked); RoPE restarting per sequence
+is megatron's own THD code.  TP=2 / PP=2 are covered by ``tests/test_model_parity.py``.
+"""
+
+import os
+import os.path
+
+import pytest
+import torch
+
+from megarl.config import ConfigError, load_config, validate
+from megarl.models.forward import (
+    PackedMicroBatch,
+    response_log_probs,
+    right_align,
+    scalar_values,
+    teacher_forced_log_probs,
+)
+from megarl.models.megatron_ckpt import load_model
+from megarl.models.tiny import make_tiny_hf_checkpoint
+from megarl.runtime import cpu_compat
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOL = 1e-5  # fp32; measured 0 (bitwise) on this CPU for the local attention's "repad" strategy
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory, megatron_world):
+    d = tmp_path_factory.mktemp("packed")
+    actor = make_tiny_hf_checkpoint(str(d / "llama"), "llama", seed=3, vocab_size=300)
+    critic = make_tiny_hf_checkpoint(str(d / "llama_vh"), "llama", seed=4, vocab_size=300, value_head=True)
+    return {"actor": actor, "critic": critic}
+
+
+def ragged_batch(seed=0):
+    """12 rows in the experience layout: prompts 1..32 tokens, responses 0..64 (one of each extreme)."""
+    g = torch.Generator().manual_seed(seed)
+    P, R = 32, 64
+    plen = torch.tensor([1, 32, 3, 17, 1, 30, 8, 2, 25, 5, 12, 32])
+    rlen = torch.tensor([64, 1, 0, 40, 1, 64, 7, 55, 2, 33, 19, 0])
+    pos = torch.arange(P + R)
+    attn = ((pos >= (P - plen)[:, None]) & (pos < (P + rlen)[:, None])).long()
+    prompt = torch.randint(1, 300, (len(plen), P), generator=g) * attn[:, :P]
+    response = torch.randint(1, 300, (len(plen), R), generator=g) * attn[:, P:]
+    return prompt, response, attn, rlen
+
+
+@pytest.fixture(params=["repad", "block_mask"])
+def thd_attention(request, monkeypatch):
+    monkeypatch.setattr(cpu_compat, "THD_ATTENTION", request.param)
+    return request.param
+
+
+def test_packed_log_probs_equal_padded(ckpts, thd_attention):
+    from megarl.config import OptimSettings
+    from megarl.roles.actor import Actor
+    from megarl.roles.reference import Reference
+
+    prompt, response, attn, rlen = ragged_batch()
+    actor = Actor(ckpts["actor"], 1, 1, OptimSettings(), total_steps=1)
+    ref = Reference(ckpts["actor"], 1, 1, version="ref-0")
+    worst = 0.0
+    for mbs in (0, 5, 16):
+        for role in (actor, ref):
+            padded = role.log_probs(prompt, response, attn, mbs)
+            packed = role.log_probs(prompt, response, attn, mbs, pack=True)
+            assert packed.shape == padded.shape == response.shape
+            past = torch.arange(response.shape[1])[None, :] >= rlen[:, None]
+            assert not packed[past].any() and padded[~past].ne(0).any()
+            worst = max(worst, float((packed - padded).abs().max()))
+    print(f"\nmax |packed - padded| log-prob ({thd_attention}): {worst:.3e}")
+    assert worst < TOL
+
+
+def test_packed_critic_values_equal_padded(ckpts, thd_attention):
+    from megarl.config import CriticConfig
+    from megarl.roles.critic import Critic
+
+    prompt, response, attn, rlen = ragged_batch(seed=1)
+    critic = Critic(CriticConfig(path=ckpts["critic"]), None, 1, 1, total_steps=1)
+    worst = 0.0
+    for mbs in (0, 5):
+        per_token, boot = critic.values(prompt, response, attn, mbs)
+        per_token_p, boot_p = critic.values(prompt, response, attn, mbs, pack=True)
+        assert per_token.ne(0).any() and boot.ne(0).all()
+        worst = max(worst, float((per_token_p - per_token).abs().max()), float((boot_p - boot).abs().max()))
+    print(f"\nmax |packed - padded| value ({thd_attention}): {worst:.3e}")
+    assert worst < TOL
+
+
+def test_full_rows_and_teacher_forced_positions(ckpts):
+    """Without ``lengths`` (every row full) and through the lower-level functions."""
+    model = load_model(ckpts["actor"])
+    prompt, response, attn, _ = ragged_batch(seed=2)
+    tokens, plen, rlen = right_align(prompt, response, attn)
+    lengths = plen + rlen
+    for kw in ({}, {"lengths": lengths}):
+        a = teacher_forced_log_probs(model, tokens, 4, **kw)
+        b = teacher_forced_log_probs(model, tokens, 4, pack=True, **kw)
+        assert (a - b).abs().max() < TOL
+    assert (response_log_probs(model, prompt, response, attn, 3, temperature=0.7)
+            - response_log_probs(model, prompt, response, attn, 3, temperature=0.7, pack=True)).abs().max() < TOL
+
+
+def test_attention_stays_inside_each_sequence(ckpts):
+    """The packed logits of each row equal that row run alone; the same tokens run as one causal
+    sequence (no boundaries, positions running on) do not -- so the boundaries are doing the work."""
+    model = load_model(ckpts["actor"])
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.tensor([9, 1, 23, 4])
+    tokens = torch.randint(1, 300, (4, 23), generator=g)
+    mb = PackedMicroBatch.from_rows(tokens, lengths)
+    assert mb.tokens.shape == (1, int(lengths.sum()))
+    assert mb.position_ids[0].tolist() == [j for n in lengths.tolist() for j in range(n)]
+    with torch.no_grad():
+        packed = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())[0]
+        leaky = model(mb.tokens, torch.arange(mb.tokens.shape[1])[None], None)[0]
+        starts = [0] + lengths.cumsum(0).tolist()
+        for i, n in enumerate(lengths.tolist()):
+            alone = model(tokens[i:i + 1, :n], torch.arange(n)[None], None)[0]
+            assert (packed[starts[i]:starts[i] + n] - alone).abs().max() < TOL, i
+            if i:
+                assert (leaky[starts[i]:starts[i] + n] - alone).abs().max() > 1e-3, i
+
+
+def test_scalar_values_with_empty_row(ckpts):
+    """A row with no token (never produced by the trainer) comes back 0, as in the padded path."""
+    model = load_model(ckpts["critic"])
+    tokens = torch.randint(1, 300, (3, 6), generator=torch.Generator().manual_seed(0))
+    lengths = torch.tensor([6, 0, 2])
+    a = scalar_values(model, tokens, 0, lengths=lengths)
+    b = scalar_values(model, tokens, 0, lengths=lengths, pack=True)
+    assert not b[1].any() and (a - b).abs().max() < TOL
+
+
+@pytest.mark.skipif(not cpu_compat.on_cpu(), reason="the local attention's THD path is a CPU accommodation")
+def test_local_attention_without_thd_path_is_refused(ckpts, monkeypatch):
+    """Without the CPU accommodation (megatron's local attention as on a CUDA machine without TE)
+    a packed forward is refused up front, naming the key."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    model = load_model(ckpts["actor"])
+    monkeypatch.setattr(DotProductAttention, "forward", DotProductAttention.forward.__wrapped__)
+    with pytest.raises(ValueError, match="algo.pack_sequences"):
+        teacher_forced_log_probs(model, torch.ones(2, 4, dtype=torch.long), pack=True)
+
+
+def test_config_key_default_and_validation(monkeypatch):
+    from megarl.config import AlgoConfig
+    from megarl.models import forward
+
+    assert AlgoConfig().pack_sequences is False
+    path = os.path.join(ROOT, "configs", "grpo_arith_tiny.yaml")
+    assert validate(load_config(path, ["algo.pack_sequences=true"]), 1) == 1
+    monkeypatch.setattr(forward, "packing_unsupported_reason", lambda: "no THD attention here")
+    with pytest.raises(ConfigError, match="algo.pack_sequences.*no THD attention here"):
+        validate(load_config(path, ["algo.pack_sequences=true"]), 1)
+    assert validate(load_config(path, []), 1) == 1  # the default never asks
