@@ -4,6 +4,7 @@ comparisons of its weights and optimizer state."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megarl.config import OptimSettings
@@ -81,3 +82,9 @@ def assert_same(a, b, what):
             assert_same(v, w, f"{what}[{k}]")
         else:
             assert torch.equal(v, w), f"{what}[{k}] differs after the round trip"
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory, megatron_world):
+    """The tiny Llama checkpoint of a test module (built once per module)."""
+    return tiny_llama_checkpoint(tmp_path_factory)

@@ -15,13 +15,8 @@ from tests._tiny_actor import (
     make_batch,
     opt_state_copy,
     params_copy,
-    tiny_llama_checkpoint,
+    hf,  # noqa: F401  (the module's tiny checkpoint fixture)
 )
-
-
-@pytest.fixture(scope="module")
-def hf(tmp_path_factory, megatron_world):
-    return tiny_llama_checkpoint(tmp_path_factory)
 
 
 def _poisoned_step(ddp, opt, loss_fn, seed):

@@ -56,3 +56,21 @@ class RewardFunction(Protocol):
     version: str
 
     def __call__(self, sample: RewardSample) -> RewardRecord: ...
+
+
+def check_number(owner: str, name: str, value, *, allow_none: bool = False, positive: bool = False,
+                 integer: bool = False):
+    """``value`` if it is a finite number >= 0 (> 0 with ``positive``; an integer with
+    ``integer``; None with ``allow_none``), else RewardConfigError naming ``owner`` and ``name``."""
+    import math
+    import numbers
+
+    if value is None and allow_none:
+        return None
+    kind = numbers.Integral if integer else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value) or value < 0 or (
+        positive and value == 0
+    ):
+        want = ("an integer" if integer else "a finite number") + (" > 0" if positive else " >= 0")
+        raise RewardConfigError(f"{owner} {name} must be {want}{' or None' if allow_none else ''}, got {value!r}")
+    return value

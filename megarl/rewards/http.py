@@ -76,7 +76,7 @@ from typing import Any, Sequence
 from urllib.parse import urlsplit
 
 from megarl.experience.schema import RewardRecord, RewardStatus
-from megarl.rewards.base import RewardConfigError, RewardSample
+from megarl.rewards.base import RewardConfigError, RewardSample, check_number
 
 __all__ = ["HttpReward", "REQUEST_SCHEMA"]
 
@@ -96,15 +96,8 @@ class _Failure(Exception):
 
 
 def _num(name: str, value: Any, *, positive: bool = False, integer: bool = False, allow_none: bool = False):
-    if value is None and allow_none:
-        return None
-    kind = numbers.Integral if integer else numbers.Real
-    if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value) or value < 0 or (
-        positive and value == 0
-    ):
-        want = ("an integer" if integer else "a finite number") + (" > 0" if positive else " >= 0")
-        raise RewardConfigError(f"http {name} must be {want}, got {value!r}")
-    return int(value) if integer else float(value)
+    value = check_number("http", name, value, positive=positive, integer=integer, allow_none=allow_none)
+    return None if value is None else (int(value) if integer else float(value))
 
 
 class _Breaker:

@@ -37,7 +37,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any, Callable, Mapping, Sequence
 
 from megarl.experience.schema import RewardRecord, RewardStatus
-from megarl.rewards.base import RewardConfigError, RewardFunction, RewardSample
+from megarl.rewards.base import RewardConfigError, RewardFunction, RewardSample, check_number
 
 __all__ = ["RewardRunner", "apply_penalties", "PENALTY_KEYS"]
 
@@ -125,18 +125,6 @@ class _WorkerPool:
                     return
 
 
-def _check_number(name: str, value: Any, *, allow_none: bool = False, positive: bool = False, integer: bool = False):
-    if value is None and allow_none:
-        return None
-    kind = numbers.Integral if integer else numbers.Real
-    if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value) or value < 0 or (
-        positive and value == 0
-    ):
-        want = ("an integer" if integer else "a finite number") + (" > 0" if positive else " >= 0")
-        raise RewardConfigError(f"RewardRunner {name} must be {want}{' or None' if allow_none else ''}, got {value!r}")
-    return value
-
-
 class RewardRunner:
     """Score samples with ``fn``: per-call timeout, retries with backoff, failures as statuses.
 
@@ -176,10 +164,10 @@ class RewardRunner:
         if not callable(fn):
             raise RewardConfigError(f"RewardRunner fn must be callable, got {type(fn).__name__}")
         self.fn = fn
-        self.timeout_s = _check_number("timeout_s", timeout_s, allow_none=True, positive=True)
-        self.max_retries = int(_check_number("max_retries", max_retries, integer=True))
-        self.backoff_s = float(_check_number("backoff_s", backoff_s))
-        self.max_workers = int(_check_number("max_workers", max_workers, positive=True, integer=True))
+        self.timeout_s = check_number("RewardRunner", "timeout_s", timeout_s, allow_none=True, positive=True)
+        self.max_retries = int(check_number("RewardRunner", "max_retries", max_retries, integer=True))
+        self.backoff_s = float(check_number("RewardRunner", "backoff_s", backoff_s))
+        self.max_workers = int(check_number("RewardRunner", "max_workers", max_workers, positive=True, integer=True))
         label = getattr(fn, "name", None) or getattr(fn, "__qualname__", None) or type(fn).__qualname__
         self.version = str(getattr(fn, "version", "") or f"unversioned/{label}")
         self.counters: Counter = Counter()
@@ -190,9 +178,9 @@ class RewardRunner:
             from megarl.rewards.isolation import ProcessPool
 
             self._pool = ProcessPool(
-                self.max_workers, spec, str(label), kill_grace_s=_check_number("kill_grace_s", kill_grace_s),
-                max_memory_mb=_check_number("max_memory_mb", max_memory_mb, allow_none=True, positive=True, integer=True),
-                cpu_time_s=_check_number("cpu_time_s", cpu_time_s, allow_none=True, positive=True))
+                self.max_workers, spec, str(label), kill_grace_s=check_number("RewardRunner", "kill_grace_s", kill_grace_s),
+                max_memory_mb=check_number("RewardRunner", "max_memory_mb", max_memory_mb, allow_none=True, positive=True, integer=True),
+                cpu_time_s=check_number("RewardRunner", "cpu_time_s", cpu_time_s, allow_none=True, positive=True))
         elif isolation == "thread":
             self._pool = _WorkerPool(self.max_workers, f"reward-{label}")
         else:
