@@ -26,7 +26,15 @@ setup(
         "requests>=2.28",  # megarl.rewards.HttpReward (reward.fn: http), a remote reward service
     ],
     extras_require={
-        "dev": ["pytest>=8", "hypothesis>=6"],
+        "dev": ["pytest>=8", "hypothesis>=6", "wandb>=0.19", "mlflow-skinny>=2.14", "datasets>=2.19"],
+        # experiment trackers (trainer.loggers): imported only by a run that names them.  The
+        # skinny mlflow client suffices for a file store (the default, <run_dir>/mlruns) or a
+        # tracking server; a sqlite:// store needs the full mlflow (SQLAlchemy, alembic).
+        "wandb": ["wandb>=0.19"],
+        "mlflow": ["mlflow-skinny>=2.14"],
+        # prompt datasets from `datasets` save_to_disk directories and Hub dataset names
+        # (megarl/data/prompts.py); imported only for such a data.train_path / heldout_path
+        "datasets": ["datasets>=2.19"],
         # bench/vs_trl.py only: TRL is what megarl is measured against, never a runtime dependency
         "bench": ["trl>=1.16,<2"],
         # sglang: 0.5.3 is the first release with everything the backend uses (the raw log-prob

@@ -104,7 +104,7 @@ def bench_iteration_checks(workdir: str, iterations: int) -> dict:
     env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "megarl.train", "--config", os.path.join(ROOT, "configs", "grpo_arith_tiny.yaml"),
            f"trainer.run_dir={run_dir}", f"trainer.iterations={iterations}", "trainer.save_experience=true",
-           "trainer.tensorboard=false", "eval.every=0"]
+           "trainer.loggers=[jsonl]", "eval.every=0"]
     subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][1:]  # skip warm-up
     iteration_s = statistics.median(r["e2e/iteration_s"] for r in rows)

@@ -210,7 +210,7 @@ def bench_controller(workdir, iterations) -> dict:
     run_dir = os.path.join(workdir, "run")
     env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     subprocess.run([sys.executable, "-m", "megarl.train", "--config", os.path.join(ROOT, "configs", "grpo_arith_tiny.yaml"),
-                    f"trainer.run_dir={run_dir}", f"trainer.iterations={iterations}", "trainer.tensorboard=false",
+                    f"trainer.run_dir={run_dir}", f"trainer.iterations={iterations}", "trainer.loggers=[jsonl]",
                     "eval.every=0"], check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][1:-1]  # no warm-up, no final eval
     it = statistics.median(r["e2e/iteration_s"] for r in rows)

@@ -39,7 +39,7 @@ def run(work: str, name: str, nproc: int, overrides: list, iterations: int) -> d
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     subprocess.run(head + ["--config", RECIPE, f"trainer.run_dir={run_dir}", f"trainer.iterations={iterations}",
-                           "trainer.tensorboard=false", "eval.every=0", *overrides],
+                           "trainer.loggers=[jsonl]", "eval.every=0", *overrides],
                    check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][1:-1]
     med = lambda key: statistics.median(r.get(key, 0.0) for r in rows)  # noqa: E731

@@ -54,7 +54,7 @@ def recipe_paths():
 def run_megarl(work: str, iterations: int) -> dict:
     run_dir = os.path.join(work, "megarl")
     subprocess.run([sys.executable, "-m", "megarl.train", "--config", RECIPE, f"trainer.run_dir={run_dir}",
-                    f"trainer.iterations={iterations}", "trainer.tensorboard=false", "eval.every=0",
+                    f"trainer.iterations={iterations}", "trainer.loggers=[jsonl]", "eval.every=0",
                     f"trainer.prompts_per_iteration={B}", f"rollout.n={G}", f"rollout.max_new_tokens={NEW}",
                     f"actor.optim.lr={LR}", f"algo.kl.beta={BETA}", f"trainer.seed={SEED}"],
                    check=True, env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL)

@@ -4,6 +4,11 @@
 #   sbatch launch/multinode.sh CONFIG.yaml [key=value ...]
 #   sbatch --nodes=4 launch/multinode.sh configs/grpo_qwen2_7b.yaml parallel.tp=4
 #
+# The job's log is <job name>-<job id>.out in the directory you submit from (Slurm opens it before
+# this script runs, so it must be a directory that exists at submission; a requeued job appends
+# to it).  To put logs elsewhere, create the directory first:
+#   mkdir -p logs && sbatch --output=logs/%x-%j.out launch/multinode.sh CONFIG.yaml ...
+#
 # Environment knobs: GPUS_PER_NODE (default 8), MASTER_PORT (29500), MEGARL_ENTRY (the python
 # module to run, default megarl.train), MEGARL_EXTRA_TORCHRUN_ARGS, MEGARL_RUN_DIR (default
 # runs/<job name>-<job id>), MEGARL_MAX_REQUEUES (after a crash; default 3).
@@ -22,7 +27,8 @@
 #SBATCH --gpus-per-node=8
 #SBATCH --cpus-per-task=64
 #SBATCH --exclusive
-#SBATCH --output=logs/%x-%j.out
+#SBATCH --output=%x-%j.out
+#SBATCH --open-mode=append
 set -euo pipefail
 
 if [ $# -lt 1 ]; then
@@ -45,7 +51,6 @@ NNODES=${SLURM_NNODES:?run under sbatch/salloc (SLURM_NNODES is unset)}
 # awk reads to the end: `head` would close the pipe early and pipefail would turn SIGPIPE into a failure
 HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk 'NR == 1')
 HEAD_ADDR=$(srun --nodes=1 --ntasks=1 -w "$HEAD_NODE" hostname --ip-address | awk '{print $1}')
-mkdir -p logs
 
 echo "megarl: $NNODES nodes x $GPUS_PER_NODE GPUs, rendezvous $HEAD_ADDR:$MASTER_PORT, entry $MEGARL_ENTRY, run dir $RUN_DIR (restart ${SLURM_RESTART_COUNT:-0})"
 # NCCL over the node's fabric; CUDA_DEVICE_MAX_CONNECTIONS=1 is what megatron's TP overlap expects.

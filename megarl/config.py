@@ -13,6 +13,7 @@ hash are written into the run directory.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -35,74 +36,93 @@ class ConfigError(MegarlError, ValueError):
 class TinyModelConfig:
     """How to build the built-in tiny model when ``model.path`` does not exist yet."""
 
-    hidden_size: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 256
-    warmstart_steps: int = 470
-    warmstart_lr: float = 2.0e-3
-    warmstart_batch: int = 64
-    seed: int = 0
+    hidden_size: int = 128  # the built-in tiny Llama's width
+    num_layers: int = 4  # its transformer layers
+    num_heads: int = 4  # its attention heads
+    num_kv_heads: int = 2  # its KV heads (GQA)
+    intermediate_size: int = 256  # its SwiGLU width
+    warmstart_steps: int = 470  # supervised warm-start steps on the arithmetic task
+    warmstart_lr: float = 2.0e-3  # the warm start's learning rate
+    warmstart_batch: int = 64  # the warm start's batch size
+    seed: int = 0  # of its initialisation and warm-start data
 
 
 @dataclass
 class ModelConfig:
-    path: str = "???"  # an HF checkpoint dir or a megarl megatron checkpoint dir
-    tokenizer: Optional[str] = None  # default: model.path
+    """The policy model: where it is, its tokenizer and chat template."""
+
+    path: str = "???"  # an HF checkpoint dir, a megarl megatron checkpoint dir, or a Hub id (megarl/hub.py)
+    tokenizer: Optional[str] = None  # default: model.path (a directory or a Hub id)
+    #: the Hub revision (branch, tag or commit) of model.path / model.tokenizer when they are Hub ids
+    revision: Optional[str] = None
     chat_template: Optional[str] = None  # a file with a Jinja template; default: the tokenizer's
     build_tiny: bool = False  # build the built-in tiny model at model.path if it is missing
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
-    vocab_multiple: int = 128
+    vocab_multiple: int = 128  # pad the vocabulary to a multiple of this (divisible by parallel.tp)
 
 
 @dataclass
 class ParallelConfig:
-    tp: int = 1
-    pp: int = 1
+    """Megatron model parallelism of the trained and frozen roles (dp = world / (tp x pp))."""
+
+    tp: int = 1  # tensor-parallel size of the actor, reference, critic and reward model
+    pp: int = 1  # pipeline-parallel size; tp x pp x dp = the number of processes
 
 
 @dataclass
 class DataConfig:
+    """Prompt datasets: files, fields, chat formatting, length limit."""
+
+    #: a .jsonl / .parquet file, a directory of them, a `datasets` save_to_disk directory, or a
+    #: Hub dataset (org/name or hf://datasets/name; needs the `datasets` extra)
     train_path: str = "???"
-    heldout_path: Optional[str] = None
-    prompt_field: str = "prompt"
-    messages_field: str = "messages"
-    id_field: str = "id"
-    apply_chat_template: bool = True
-    system_prompt: Optional[str] = None
-    max_prompt_tokens: int = 256
-    shuffle: bool = True
+    heldout_path: Optional[str] = None  # held-out prompts for eval.* (null: no held-out evaluation)
+    train_split: str = "train"  # the split of a DatasetDict directory or Hub dataset (files have none)
+    train_subset: Optional[str] = None  # the subset (config name) of a Hub dataset (openai/gsm8k: main)
+    heldout_split: str = "test"  # the held-out split of a DatasetDict directory or Hub dataset
+    heldout_subset: Optional[str] = None  # the held-out subset (config name) of a Hub dataset
+    prompt_field: str = "prompt"  # the row field with the prompt text
+    messages_field: str = "messages"  # the row field with chat messages (instead of a prompt)
+    id_field: str = "id"  # the row field with a stable sample id (default: the row number)
+    apply_chat_template: bool = True  # render prompts with the tokenizer's chat template
+    system_prompt: Optional[str] = None  # a system message put before every prompt (null: none)
+    max_prompt_tokens: int = 256  # longer prompts are dropped and counted, never cut
+    shuffle: bool = True  # shuffle the prompt order (seeded by trainer.seed)
     #: build the built-in arithmetic task files at these paths if they are missing
     build_arithmetic: bool = False
-    arithmetic_train_n: int = 20000
-    arithmetic_heldout_n: int = 200
-    arithmetic_min_digits: int = 1
-    arithmetic_max_digits: int = 3
+    arithmetic_train_n: int = 20000  # problems in the built-in train split
+    arithmetic_heldout_n: int = 200  # problems in the built-in held-out split
+    arithmetic_min_digits: int = 1  # fewest digits per operand of the built-in task
+    arithmetic_max_digits: int = 3  # most digits per operand of the built-in task
+    #: a train / held-out row without a ground-truth field the reward reads: error (refuse the
+    #: file at start-up, naming file, line and field) | skip (drop such rows, counted)
+    on_missing_fields: str = "error"
 
 
 @dataclass
 class RolloutConfig:
+    """Generation: the engine, sampling parameters, samples per prompt, weight sync."""
+
     backend: str = "hf"  # hf (transformers; CPU default) | sglang (GPU)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 256
+    temperature: float = 1.0  # sampling temperature of training rollouts
+    top_p: float = 1.0  # nucleus sampling (1: off)
+    top_k: int = -1  # top-k sampling (-1: off)
+    max_new_tokens: int = 256  # response length limit (tokens)
     n: int = 1  # samples per prompt; the group size G for group estimators
     #: old log-probs from the rollout engine instead of an actor forward, accepted only after a
     #: measured token-by-token parity check against the actor on the first iteration (and again
     #: every ``log_prob_parity_every`` iterations; 0 = the first only), within ``log_prob_parity_tol``
     reuse_rollout_log_probs: bool = False
-    log_prob_parity_tol: float = 1.0e-3
-    log_prob_parity_every: int = 0
-    bucket_mb: int = 512
+    log_prob_parity_tol: float = 1.0e-3  # largest |rollout - actor| log-prob accepted by the parity check
+    log_prob_parity_every: int = 0  # iterations between parity checks (0: the first iteration only)
+    bucket_mb: int = 512  # weight-sync bucket size (MiB)
     #: regenerations of a lost or aborted candidate (same sample id, seed and policy version)
     #: before its group is handled as incomplete (algo.partial_groups)
     max_retries: int = 2
     # sglang (GPU) settings
     tp: int = 1  # inference TP size
-    mem_fraction_static: float = 0.6
-    enable_memory_saver: bool = True
+    mem_fraction_static: float = 0.6  # SGLang's share of GPU memory (weights + KV cache)
+    enable_memory_saver: bool = True  # SGLang releases its KV cache and weights while the actor trains
     #: SGLang's enable_deterministic_inference: per-candidate seeds are honoured (and recorded in
     #: the experience) only with it; batch-invariant kernels make decoding slower
     deterministic_inference: bool = False
@@ -110,12 +130,14 @@ class RolloutConfig:
 
 @dataclass
 class KLSettings:
+    """The KL to the reference model: where it enters, its estimator and coefficient."""
+
     placement: str = "none"  # none | loss (GRPO, DeepSeekMath) | reward (PPO shaped reward)
-    estimator: str = "k3"
-    beta: float = 0.0
+    estimator: str = "k3"  # k1 | k2 | k3 (Schulman's estimators of KL(actor || reference))
+    beta: float = 0.0  # KL coefficient (initial one when adaptive)
     adaptive: bool = False  # PPO: Ziegler et al. adaptive controller
-    target: float = 6.0
-    horizon: int = 10000
+    target: float = 6.0  # adaptive controller: target KL per sequence
+    horizon: int = 10000  # adaptive controller: horizon (samples)
 
 
 @dataclass
@@ -123,8 +145,8 @@ class DynamicSampling:
     """DAPO dynamic sampling (Yu et al. 2025): drop groups whose rewards all agree and sample
     more prompts on the same version until the batch is full, at most ``max_rounds`` rounds."""
 
-    enabled: bool = False
-    max_rounds: int = 4
+    enabled: bool = False  # drop groups whose rewards all agree and sample more prompts
+    max_rounds: int = 4  # most sampling rounds per iteration
 
 
 @dataclass
@@ -139,22 +161,24 @@ class RolloutCorrectionSettings:
 
 @dataclass
 class AlgoConfig:
+    """The algorithm: advantage estimator, policy loss, KL, epochs and batch splits."""
+
     name: str = "grpo"  # grpo | ppo
     advantage: str = "grpo"  # grpo | dr_grpo | rloo | gae | reinforce_plus_plus
-    gamma: float = 1.0
-    lam: float = 1.0
+    gamma: float = 1.0  # discount (GAE)
+    lam: float = 1.0  # GAE lambda
     zero_std_rule: str = "epsilon"  # epsilon | skip
-    std_eps: float = 1.0e-6
+    std_eps: float = 1.0e-6  # added to the group std (zero_std_rule=epsilon)
     whiten_advantages: bool = True  # GAE advantages whitened over the batch (PPO practice)
     policy_loss: str = "vanilla"  # vanilla | gspo
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: Optional[float] = 3.0
-    agg_mode: str = "token-mean"
-    entropy_coef: float = 0.0
+    clip_low: float = 0.2  # ratio clipped below at 1 - clip_low
+    clip_high: float = 0.2  # ratio clipped above at 1 + clip_high (DAPO clip-higher)
+    dual_clip: Optional[float] = 3.0  # c > 1 bounds negative-advantage losses by -c * A (null: off)
+    agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    entropy_coef: float = 0.0  # entropy bonus coefficient
     kl: KLSettings = field(default_factory=KLSettings)
-    ppo_epochs: int = 1
-    num_mini_batches: int = 1
+    ppo_epochs: int = 1  # passes over each sealed batch
+    num_mini_batches: int = 1  # optimizer steps per epoch (each over whole groups)
     #: rows per forward/backward in the update, per DP rank; 0 = the whole mini-batch at once
     micro_batch_size: int = 8
     #: rows per forward-only pass (old/reference log-probs, critic values); 0 = all at once
@@ -163,66 +187,78 @@ class AlgoConfig:
     pack_sequences: bool = False
     dynamic_sampling: DynamicSampling = field(default_factory=DynamicSampling)
     partial_groups: str = "drop"  # drop | allow_partial
-    min_partial_size: Optional[int] = None
+    min_partial_size: Optional[int] = None  # allow_partial: the smallest group kept
     rollout_correction: RolloutCorrectionSettings = field(default_factory=RolloutCorrectionSettings)
 
 
 @dataclass
 class OptimSettings:
-    optimizer: str = "adam"
-    lr: float = 1.0e-6
-    min_lr: float = 0.0
+    """An optimizer and its learning-rate schedule (megatron's)."""
+
+    optimizer: str = "adam"  # adam (AdamW) | sgd
+    lr: float = 1.0e-6  # peak learning rate
+    min_lr: float = 0.0  # learning rate at the end of the decay (<= lr)
     lr_warmup_steps: int = 0  # optimizer steps (ppo_epochs x num_mini_batches per iteration)
     lr_decay_style: str = "constant"  # constant | linear | cosine
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1.0e-8
-    clip_grad: float = 1.0
+    weight_decay: float = 0.0  # decoupled weight decay
+    adam_beta1: float = 0.9  # Adam beta1
+    adam_beta2: float = 0.999  # Adam beta2
+    adam_eps: float = 1.0e-8  # Adam epsilon
+    clip_grad: float = 1.0  # global grad-norm clip
 
 
 @dataclass
 class ActorConfig:
+    """The trained policy: its optimizer."""
+
     optim: OptimSettings = field(default_factory=OptimSettings)
     offload: bool = False  # params/grads/optimizer to host while the rollout engine runs (GPU)
 
 
 @dataclass
 class ReferenceConfig:
-    enabled: bool = True
+    """The frozen reference policy for the KL."""
+
+    enabled: bool = True  # a frozen reference model for the KL
     path: Optional[str] = None  # default: the actor's starting checkpoint
     refresh_every: int = 0  # 0: never; K: copy the actor into the reference every K iterations
-    offload: bool = False
+    offload: bool = False  # on the host between its forwards (GPU)
 
 
 @dataclass
 class CriticConfig:
+    """PPO's value model (``critic: {}`` for the defaults; null for GRPO)."""
+
     path: Optional[str] = None  # None: initialised from the actor's weights (value head zero)
     optim: OptimSettings = field(default_factory=lambda: OptimSettings(lr=1.0e-5))
-    value_clip: Optional[float] = 0.2
-    micro_batch_size: int = 8
+    value_clip: Optional[float] = 0.2  # PPO value clipping around the old values (null: off)
+    micro_batch_size: int = 8  # rows per critic forward/backward, per DP rank
     warmup_iters: int = 0  # critic-only updates before the actor starts moving
-    offload: bool = False
+    offload: bool = False  # on the host while the rollout engine runs (GPU)
 
 
 @dataclass
 class RewardModelConfig:
+    """A neural reward model, alone or next to a rule (reward.fn)."""
+
     path: Optional[str] = None  # an HF *ForTokenClassification (num_labels=1) checkpoint
     tokenizer: Optional[str] = None  # default: reward_model.path
-    chat_template: Optional[str] = None
+    chat_template: Optional[str] = None  # a Jinja file for the RM's prompts (default: its tokenizer's)
     weight: float = 1.0  # weight of the RM score in a composite with reward.fn
     offload: bool = False  # on the host between its forwards (GPU time-slicing)
 
 
 @dataclass
 class RewardConfig:
+    """How samples are scored: the function, its isolation, timeouts and failure policy."""
+
     fn: Optional[str] = "exact_numeric"  # builtin name or "pkg.mod:callable"; None = RM only
-    kwargs: dict = field(default_factory=dict)
+    kwargs: dict = field(default_factory=dict)  # keyword arguments of reward.fn
     components: list = field(default_factory=list)  # for fn=composite
     model: RewardModelConfig = field(default_factory=RewardModelConfig)
-    timeout_s: Optional[float] = 30.0
-    max_retries: int = 2
-    retry_backoff_s: float = 0.05
+    timeout_s: Optional[float] = 30.0  # per-call timeout in seconds (null: none)
+    max_retries: int = 2  # retries of a failed or timed-out call
+    retry_backoff_s: float = 0.05  # sleep before a retry
     #: where scorers run: process (killable worker processes) | thread | auto (threads for the
     #: cheap rule builtins exact_numeric / regex / arithmetic and composites of them, processes
     #: for math_verify and plug-ins); see megarl/rewards/isolation.py
@@ -237,14 +273,30 @@ class RewardConfig:
     #: DAPO soft overlong punishment: L_cache, the last tokens before rollout.max_new_tokens over
     #: which an ok score is lowered linearly to -1 (component "overlong"); null = off
     overlong_buffer: Optional[int] = None
+    #: the ground-truth fields the reward reads (checked in every train / held-out row at
+    #: start-up); null: what the reward function declares (megarl/rewards/declarations.py)
+    required_fields: Optional[List[str]] = None
 
 
 @dataclass
 class EvalConfig:
+    """Held-out evaluation during training (data.heldout_path) and python -m megarl.eval."""
+
     every: int = 5  # iterations between held-out evaluations (0: start and end only)
     n: int = 200  # held-out prompts per evaluation
     max_new_tokens: Optional[int] = None  # default: rollout.max_new_tokens
-    success_threshold: float = 1.0  # accuracy = share of held-out samples with reward >= this
+    #: accuracy = share of the *scored* held-out samples with reward >= this (a sample whose
+    #: generation or scorer failed is counted in eval/scorer_failures, never as wrong)
+    success_threshold: float = 1.0
+    before_train: bool = True  # evaluate before the first update (with every=0: start and end only)
+    save_results: bool = False  # per-row results of each evaluation to <run_dir>/eval/iter_<k>.jsonl
+    #: python -m megarl.eval: samples per prompt for pass@k / maj@k (at ``temperature``; 1 = greedy only)
+    samples_per_prompt: int = 1
+    temperature: float = 1.0  # of the pass@k / maj@k samples (the greedy accuracy is always at 0)
+    top_p: float = 1.0
+    k: List[int] = field(default_factory=list)  # the k of pass@k / maj@k (default: 1 and samples_per_prompt)
+    source_field: str = "source"  # per-source metrics when the rows carry this field
+    seed: int = 0  # of the pass@k / maj@k samples (per-candidate seeds, as in training)
 
 
 @dataclass
@@ -264,20 +316,53 @@ class PhaseTimeoutsConfig:
 
 
 @dataclass
+class WandbSettings:
+    """Weights & Biases (``trainer.loggers`` names ``wandb``; ``pip install -e ".[wandb]"``)."""
+
+    project: str = "megarl"  # the wandb project
+    entity: Optional[str] = None  # the wandb team or user (null: your default entity)
+    mode: Optional[str] = None  # online | offline; null: wandb's own default (WANDB_MODE, else online)
+    tags: List[str] = field(default_factory=list)  # tags of the wandb run
+    group: Optional[str] = None  # the wandb run group (null: none)
+
+
+@dataclass
+class MlflowSettings:
+    """MLflow (``trainer.loggers`` names ``mlflow``; ``pip install -e ".[mlflow]"``)."""
+
+    tracking_uri: Optional[str] = None  # the mlflow store or server (null: a file store in <run_dir>/mlruns)
+    experiment: Optional[str] = None  # the mlflow experiment (null: the recipe's name)
+
+
+@dataclass
 class TrainerConfig:
-    iterations: int = 10
+    """The run: iterations, batch size, run directory, logging, checkpoints, resume, recovery."""
+
+    iterations: int = 10  # training iterations (rollout + update each)
     prompts_per_iteration: int = 8  # B
-    seed: int = 1234
+    seed: int = 1234  # of the prompt order, sampling and init
     run_dir: Optional[str] = None  # default runs/<recipe>-<timestamp>
     run_id: Optional[str] = None  # default: the run_dir's name
     export_every: int = 0  # 0: only iter_0 and the end
     save_experience: bool = False  # audit trail: every sealed batch with its manifest
-    tensorboard: bool = True
-    deterministic: bool = True
+    #: where metrics go: jsonl (<run_dir>/metrics.jsonl, the source of truth, always on even if
+    #: not listed) | tensorboard | wandb | mlflow (see megarl/trackers.py)
+    loggers: List[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    wandb: WandbSettings = field(default_factory=WandbSettings)
+    mlflow: MlflowSettings = field(default_factory=MlflowSettings)
+    #: a table of trainer.log_samples_n samples of the sealed batch every this many iterations
+    #: (iterations 0, K, 2K, ...) to <run_dir>/samples.jsonl and every tracker with tables; 0 = off
+    log_samples_every: int = 10
+    log_samples_n: int = 4  # rows per sample table
+    log_samples_console: int = 2  # of those rows, how many are printed (one short line each)
+    deterministic: bool = True  # torch deterministic algorithms
     max_wall_minutes: Optional[float] = None  # stop (with an export) after this much wall time
     checkpoint_every: int = 0  # iterations between training-position checkpoints (0: only on SIGTERM/SIGUSR1)
     checkpoint_keep: int = 3  # how many published checkpoints to keep
-    resume: str = "auto"  # auto: continue from <run_dir>/checkpoints/latest if there is one | never
+    #: auto: continue from <run_dir>/checkpoints/latest if there is one (a finished run: nothing to do;
+    #: metrics but no checkpoint: refused) | never: start at iteration 0 (an interrupted attempt without
+    #: checkpoints is moved to <run_dir>/attempt-<time>/; a finished or checkpointed run dir is refused)
+    resume: str = "auto"
     resume_force: bool = False  # resume although tokenizer / template / reward / model config changed (new run id)
     #: the iteration a crash interrupted after its experience was sealed: "rerun" its rollout, or
     #: "reuse" the sealed batch (written to <run_dir>/experience/pending at every seal; reused only
@@ -288,7 +373,7 @@ class TrainerConfig:
     #: "retry" the update on the same sealed batch (at most max_update_retries times, then stop),
     #: "skip" the batch and keep v, or "stop" the run (the last checkpoint stays the restart point)
     on_update_failure: str = "retry"
-    max_update_retries: int = 2
+    max_update_retries: int = 2  # on_update_failure=retry: attempts per batch
     #: "memory": a host copy of actor (and critic) params and optimizer state at the start of every
     #: update, for the rollback (costs one device->host copy of that state per iteration); "none":
     #: no copy, a failed update stops the run and resume=auto restarts from the last checkpoint
@@ -316,7 +401,7 @@ class FaultsConfig:
 
 @dataclass
 class TrainConfig:
-    recipe: str = "custom"
+    recipe: str = "custom"  # the recipe's name (default: the YAML file's); names the default run dir
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -334,44 +419,90 @@ class TrainConfig:
 # ---- loading ---------------------------------------------------------------------------------
 
 
-def _omegaconf_error(e: Exception, where: str) -> ConfigError:
-    key = getattr(e, "full_key", None) or getattr(e, "key", None)
+def _closest_key(key: str) -> str:
+    """`` (did you mean X?)`` for the schema key nearest to a mistyped one, or ``""``."""
+    import difflib
+
+    from megarl.config_help import schema_keys
+
+    close = difflib.get_close_matches(key, schema_keys(), n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean {close[0]}?)"
+    if "." not in key:  # a top-level key: name the sections (python -m megarl.train --help lists their keys)
+        return f" (the top level holds: {', '.join(f.name for f in dataclasses.fields(TrainConfig))})"
+    return ""
+
+
+def _omegaconf_error(e: Exception, where: str, key: Optional[str] = None) -> ConfigError:
+    """omegaconf's exception as one line that blames ``where`` (the recipe file, or the one
+    override that caused it) and names the key in the schema's words."""
+    from omegaconf.errors import ConfigKeyError
+
+    key = getattr(e, "full_key", None) or getattr(e, "key", None) or key
     msg = (getattr(e, "msg", None) or str(e)).strip().splitlines()[0]
+    if isinstance(e, ConfigKeyError) and key:
+        return ConfigError(f"{where}: unknown key {key}{_closest_key(str(key))}")
+    if "is not a ListConfig" in msg and key:
+        value = getattr(e, "value", None)
+        example = value if isinstance(value, (int, float, str)) and not isinstance(value, bool) else 3
+        return ConfigError(f"{where}: {key} expects a list, e.g. {key}=[{example}]")
+    if "is not a subclass of" in msg and key:  # a scalar given for a whole section
+        return ConfigError(f"{where}: {key} is a section; set its keys ({key}.<key>=...), not a value")
     return ConfigError(f"{where}: {key}: {msg}" if key else f"{where}: {msg}")
+
+
+def merge_config(path: Optional[str], overrides: list[str] = ()):
+    """The recipe and the overrides merged onto the schema: an omegaconf ``DictConfig``, not yet
+    resolved (``--print-config`` shows it; :func:`load_config` turns it into a
+    :class:`TrainConfig`).  A bad recipe is blamed on its file, a bad override on the override."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    schema = OmegaConf.structured(TrainConfig)
+    merged = schema
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ConfigError(f"--config {path}: file not found")
+        try:
+            recipe = OmegaConf.load(path)
+        except Exception as e:  # yaml syntax
+            raise ConfigError(f"{path}: not a valid YAML recipe ({str(e).splitlines()[0]})") from None
+        try:
+            if recipe.get("critic") is not None:
+                # an Optional[dataclass] node merges only onto a structured default
+                schema.critic = OmegaConf.structured(CriticConfig)
+            merged = OmegaConf.merge(schema, recipe)
+        except OmegaConfBaseException as e:
+            raise _omegaconf_error(e, path) from None
+    for ov in overrides:
+        if "=" not in ov:
+            raise ConfigError(f"override {ov!r}: expected key=value")
+        key = ov.split("=", 1)[0]
+        try:
+            if ov.startswith("critic.") and merged.critic is None:
+                merged.critic = OmegaConf.structured(CriticConfig)
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([ov]))
+        except OmegaConfBaseException as e:
+            raise _omegaconf_error(e, f"override {ov!r}", key=key) from None
+    return merged
 
 
 def load_config(path: Optional[str], overrides: list[str] = ()) -> TrainConfig:
     """YAML recipe + dotlist overrides merged onto the schema; a typed :class:`TrainConfig`.
 
     Unknown keys, wrong types and missing required keys raise :class:`ConfigError` naming the
-    key.  Relative paths in the recipe stay relative to the working directory (like every CLI).
+    key (and, for a typo, the closest key).  Relative paths in the recipe stay relative to the
+    working directory (like every CLI).
     """
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    schema = OmegaConf.structured(TrainConfig)
+    merged = merge_config(path, overrides)
+    missing = sorted(OmegaConf.missing_keys(merged))
+    if missing:
+        raise ConfigError(f"{path or 'config'}: required key(s) not set: {', '.join(missing)} "
+                          f"(set {'them' if len(missing) > 1 else 'it'} in the recipe or as key=value)")
     try:
-        merged = schema
-        if path is not None:
-            if not os.path.isfile(path):
-                raise ConfigError(f"--config {path}: file not found")
-            try:
-                recipe = OmegaConf.load(path)
-            except Exception as e:  # yaml syntax
-                raise ConfigError(f"{path}: not a valid YAML recipe ({str(e).splitlines()[0]})") from None
-            if recipe.get("critic") is not None:
-                # an Optional[dataclass] node merges only onto a structured default
-                schema.critic = OmegaConf.structured(CriticConfig)
-            merged = OmegaConf.merge(schema, recipe)
-        for ov in overrides:
-            if "=" not in ov:
-                raise ConfigError(f"override {ov!r}: expected key=value")
-            if ov.startswith("critic.") and merged.critic is None:
-                merged.critic = OmegaConf.structured(CriticConfig)
-        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
-        missing = sorted(OmegaConf.missing_keys(merged))
-        if missing:
-            raise ConfigError(f"{path or 'config'}: required key(s) not set: {', '.join(missing)}")
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise _omegaconf_error(e, path or "config") from None
@@ -438,6 +569,79 @@ def _validate_reward_isolation(cfg: TrainConfig) -> None:
           "'process' cannot carry faults.reward_timeout_rate (the fault wrapper lives in the trainer); use thread or auto")
 
 
+def _validate_trackers(cfg: TrainConfig) -> None:
+    """trainer.loggers names known trackers whose packages are installed (found, not imported:
+    wandb and mlflow are imported only by a run that logs to them), and the sample-table keys."""
+    import importlib.util
+
+    from megarl.trackers import TRACKER_PACKAGES
+
+    t = cfg.trainer
+    for name in t.loggers:
+        _choice(name, "trainer.loggers", tuple(TRACKER_PACKAGES))
+    dup = sorted({n for n in t.loggers if list(t.loggers).count(n) > 1})
+    _need(not dup, "trainer.loggers", f"lists {dup[0] if dup else ''!r} more than once")
+    for name in t.loggers:
+        module, install = TRACKER_PACKAGES[name]
+        _need(module is None or importlib.util.find_spec(module) is not None, "trainer.loggers",
+              f"names {name!r}, but the {module} package is not installed: {install}")
+    _need(t.wandb.mode in (None, "online", "offline"), "trainer.wandb.mode",
+          f"{t.wandb.mode!r} is not one of ['online', 'offline', null]")
+    _need(t.log_samples_every >= 0, "trainer.log_samples_every", f"must be >= 0 (0 = off), got {t.log_samples_every}")
+    _need(t.log_samples_n >= 1, "trainer.log_samples_n", f"must be >= 1, got {t.log_samples_n}")
+    _need(0 <= t.log_samples_console <= t.log_samples_n, "trainer.log_samples_console",
+          f"must be in [0, trainer.log_samples_n={t.log_samples_n}], got {t.log_samples_console}")
+
+
+def validate_eval_settings(cfg: TrainConfig) -> None:
+    """The ``eval`` section and the data-vs-reward keys (also all that ``python -m megarl.eval``
+    validates: it trains nothing)."""
+    e = cfg.eval
+    _choice(cfg.data.on_missing_fields, "data.on_missing_fields", ("error", "skip"))
+    if cfg.reward.required_fields is not None:
+        from megarl.rewards.declarations import normalise_requirements
+        from megarl.rewards.base import RewardConfigError
+
+        try:
+            normalise_requirements(list(cfg.reward.required_fields), "reward.required_fields")
+        except RewardConfigError as err:
+            raise ConfigError(str(err)) from None
+    _need(e.samples_per_prompt >= 1, "eval.samples_per_prompt", f"must be >= 1, got {e.samples_per_prompt}")
+    _need(e.max_new_tokens is None or e.max_new_tokens >= 1, "eval.max_new_tokens",
+          f"must be >= 1 or null (rollout.max_new_tokens), got {e.max_new_tokens}")
+    _need(e.temperature > 0, "eval.temperature",
+          f"must be > 0 (the greedy accuracy is always decoded at 0), got {e.temperature}")
+    _need(0 < e.top_p <= 1, "eval.top_p", f"must be in (0, 1], got {e.top_p}")
+    for i, k in enumerate(e.k):
+        _need(1 <= k <= e.samples_per_prompt, f"eval.k[{i}]",
+              f"must be in [1, eval.samples_per_prompt={e.samples_per_prompt}], got {k}")
+    _need(bool(e.source_field), "eval.source_field", "must be a non-empty field name")
+
+
+def _validate_ranges(cfg: TrainConfig) -> None:
+    """Every numeric key within its range (the table in :mod:`megarl.config_ranges`), and the
+    bounds that pair two keys."""
+    from megarl.config_ranges import range_errors
+
+    for key, msg in range_errors(cfg):
+        raise ConfigError(f"{key}: {msg}")
+    for key, o in (("actor.optim", cfg.actor.optim),) + ((("critic.optim", cfg.critic.optim),) if cfg.critic else ()):
+        _need(o.min_lr <= o.lr, f"{key}.min_lr",
+              f"{o.min_lr} is above {key}.lr={o.lr} (the schedule decays lr to min_lr)")
+    for k, v in cfg.reward.penalty.items():
+        _need(not isinstance(v, float) or math.isfinite(v), f"reward.penalty.{k}", f"must be finite or null, got {v}")
+    d = cfg.data
+    _need(d.arithmetic_min_digits <= d.arithmetic_max_digits, "data.arithmetic_min_digits",
+          f"{d.arithmetic_min_digits} is above data.arithmetic_max_digits={d.arithmetic_max_digits}")
+
+
+def _validate_rollout_groups(cfg: TrainConfig, world_size: int) -> None:
+    """SGLang inference groups of rollout.tp consecutive ranks must tile the world."""
+    r = cfg.rollout
+    _need(r.backend != "sglang" or world_size % r.tp == 0, "rollout.tp",
+          f"{r.tp} does not divide the world size {world_size} (inference groups of rollout.tp GPUs tile the world)")
+
+
 def validate(cfg: TrainConfig, world_size: int) -> int:
     """Check everything a type cannot; return the data-parallel size.  Reads no model weights."""
     from megarl.algo.aggregation import AGG_MODES
@@ -447,6 +651,8 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
     import megarl.algo.advantages  # noqa: F401  (registers the estimators)
     import megarl.algo.policy_loss  # noqa: F401
 
+    _validate_ranges(cfg)
+    _validate_rollout_groups(cfg, world_size)
     a, r, t, p = cfg.algo, cfg.rollout, cfg.trainer, cfg.parallel
     _choice(a.name, "algo.name", ALGORITHMS)
     _choice(a.advantage, "algo.advantage", advantage_names())
@@ -458,7 +664,9 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
     _choice(a.partial_groups, "algo.partial_groups", ("drop", "allow_partial"))
     _choice(r.backend, "rollout.backend", ("hf", "sglang"))
     _choice(cfg.reward.on_failure, "reward.on_failure", ("drop", "quarantine"))
+    validate_eval_settings(cfg)
     _validate_reward_isolation(cfg)
+    _validate_trackers(cfg)
     _choice(cfg.trainer.resume, "trainer.resume", ("auto", "never"))
     _need(cfg.trainer.checkpoint_every >= 0, "trainer.checkpoint_every", "must be >= 0")
     _need(cfg.trainer.checkpoint_keep >= 1, "trainer.checkpoint_keep", "must be >= 1")
@@ -587,6 +795,24 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
               f"a mini-batch of {mini} samples is not divisible by dp x critic.micro_batch_size = "
               f"{dp} x {cfg.critic.micro_batch_size}")
     return dp
+
+
+def missing_packages(cfg: TrainConfig) -> list:
+    """``(key, message)`` for each optional package the config needs that is not installed here
+    (found, not imported).  A real start raises the first (:func:`require_installed`); a dry run
+    simulating another machine reports them as not checked here."""
+    import importlib.util
+
+    out = []
+    if cfg.rollout.backend == "sglang" and importlib.util.find_spec("sglang") is None:
+        out.append(("rollout.backend", "'sglang' is not installed here; install the GPU extra: "
+                                       'pip install -e ".[gpu]" (or use the Dockerfile)'))
+    return out
+
+
+def require_installed(cfg: TrainConfig) -> None:
+    for key, msg in missing_packages(cfg):
+        raise ConfigError(f"{key}: {msg}")
 
 
 def validate_model_fit(cfg: TrainConfig, spec, where: str) -> None:

@@ -1,4 +1,4 @@
-"""Per-stage metrics: stage timers, JSONL + TensorBoard writers, and the console progress line.
+"""Per-stage metrics: stage timers, the JSONL writer (fanned out to the trackers), and the console progress line.
 
 Metric names are ``<stage>/<name>`` with stages ``rollout`` (generation), ``prep`` (rewards and
 the reference / old-policy / critic forwards, advantages), ``update`` (actor and critic
@@ -13,7 +13,7 @@ import math
 import os
 import time
 from contextlib import contextmanager
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 from megarl.profiling import span
 
@@ -60,20 +60,23 @@ def _clean(v):
 
 
 class MetricsWriter:
-    """Rank 0 writes; other ranks hold a writer that does nothing."""
+    """One row per iteration to ``<run_dir>/metrics.jsonl`` (the source of truth), then the same
+    numeric values to every tracker (:mod:`megarl.trackers`: TensorBoard, wandb, mlflow) at
+    ``step = iteration``.  Rank 0 writes; other ranks hold a writer that does nothing."""
 
-    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool = True):
+    def __init__(self, run_dir: str, enabled: bool, trackers: Sequence = ()):
         self.enabled = enabled
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._f = open(self.path, "a") if enabled else None
-        self._tb = None
-        if enabled and tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+        self.trackers = list(trackers) if enabled else []
 
-                self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
-            except ImportError:  # tensorboard is a declared dependency; keep JSONL regardless
-                self._tb = None
+    @classmethod
+    def for_run(cls, cfg, run_dir: str, run_id: str, enabled: bool, resumed_at: Optional[int]) -> "MetricsWriter":
+        """The writer of a training run: the trackers ``trainer.loggers`` names, opened on rank 0
+        (continuing the tracker runs of ``<run_dir>/trackers.json`` on a resume)."""
+        from megarl.trackers import open_trackers
+
+        return cls(run_dir, enabled, open_trackers(cfg, run_dir, run_id, resumed_at) if enabled else ())
 
     def write(self, iteration: int, metrics: Dict[str, object]) -> None:
         if not self.enabled:
@@ -83,26 +86,43 @@ class MetricsWriter:
             row[k] = _clean(v)
         self._f.write(json.dumps(row) + "\n")
         self._f.flush()
-        if self._tb is not None:
-            for k, v in row.items():
-                if k not in ("iteration", "time") and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self._tb.add_scalar(k, v, iteration)
-            self._tb.flush()
+        if self.trackers:
+            from megarl.trackers import call_guarded
+
+            values = {k: v for k, v in row.items()
+                      if k not in ("iteration", "time") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+            call_guarded(self.trackers, "log_metrics", iteration, values, row["time"])
+
+    def log_table(self, iteration: int, columns, rows) -> None:
+        """A sample table to every tracker that has tables."""
+        if self.trackers:
+            from megarl.trackers import call_guarded
+
+            call_guarded(self.trackers, "log_table", iteration, list(columns), rows)
 
     def close(self) -> None:
         if self._f is not None:
             self._f.close()
-        if self._tb is not None:
-            self._tb.close()
+            self._f = None
+        if self.trackers:
+            from megarl.trackers import call_guarded
+
+            call_guarded(self.trackers, "close")
+            self.trackers = []
 
 
-def progress_line(it: int, total: int, m: Dict[str, object], last_acc: Optional[float]) -> str:
-    """One console line per iteration: reward, held-out accuracy, KL, seconds."""
+def progress_line(it: int, total: int, m: Dict[str, object], last_acc: Optional[float],
+                  unscored: Optional[tuple] = None) -> str:
+    """One console line per iteration: reward, held-out accuracy, KL, seconds.  ``unscored`` is
+    ``(unscored, prompts)`` of the last evaluation: ``heldout acc 0.812 (3 unscored)``, or
+    ``heldout acc - (50/50 unscored)`` when nothing was scored (there is no accuracy then)."""
     def f(key, fmt):
         v = m.get(key)
         return fmt.format(v) if isinstance(v, (int, float)) else "-"
 
     acc = "-" if last_acc is None else f"{last_acc:.3f}"
+    if unscored and unscored[0]:
+        acc += f" ({unscored[0]} unscored)" if last_acc is not None else f" ({unscored[0]}/{unscored[1]} unscored)"
     kl = m.get("update/kl_ref", m.get("update/approx_kl"))
     kl_s = f"{kl:.4f}" if isinstance(kl, (int, float)) else "-"
     return (f"iter {it}/{total} | reward {f('rollout/reward_mean', '{:.3f}')} | heldout acc {acc} | "

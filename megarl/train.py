@@ -3,17 +3,20 @@
     python -m megarl.train --config configs/grpo_arith_tiny.yaml [key=value ...]
     torchrun --nproc-per-node N -m megarl.train --config ... parallel.tp=2
     sbatch launch/multinode.sh configs/....yaml key=value ...
+    python -m megarl.train --config ... --print-config | --dry-run [--world-size N]
 
 Start-up order: the config is loaded and validated first (unknown keys, wrong types and
 inconsistent sizes exit with status 2 and the key named, before any model loads); then the
-built-in assets are made if the recipe asks for them and they are missing (the tiny model, the
-arithmetic task files: built once, cached at their paths); then torch.distributed and megatron
-come up, the run directory gets the resolved config and its hash, and the loop runs.
+built-in assets are made if the recipe asks for them and they are missing (the arithmetic task
+files, then -- after every train and held-out row was checked against the reward -- the tiny
+model: built once, cached at their paths); then torch.distributed and megatron
+come up, the run directory gets the resolved config and its hash, and the loop runs.  Before
+any model loads the run directory is checked too (writable; a finished run is left as it is and
+the command exits 0; megarl/run_dir.py), and a stopped run prints the command that resumes it.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -35,12 +38,9 @@ def _wait_for(path: str, what: str, timeout_s: float = 3600.0) -> None:
         time.sleep(1.0)
 
 
-def ensure_builtin_assets(cfg) -> None:
-    """Make the recipe's built-in tiny model and task files if they are missing (rank 0 builds,
-    the other ranks wait for the finished marker).  The build runs as a plain single process,
-    outside this job's process group."""
-    from megarl.tinymodel import MARKER, is_built
-
+def ensure_builtin_task(cfg) -> None:
+    """Write the recipe's built-in arithmetic task files if they are missing (rank 0 writes, the
+    other ranks wait for them)."""
     rank = int(os.environ.get("RANK", "0"))
     d = cfg.data
     if d.build_arithmetic:
@@ -58,7 +58,16 @@ def ensure_builtin_assets(cfg) -> None:
                 print(f"wrote the built-in arithmetic {split} split: {path} ({n} problems)", flush=True)
             else:
                 _wait_for(path, f"the arithmetic {split} split")
-    m = cfg.model
+
+
+def ensure_builtin_model(cfg) -> None:
+    """Build the recipe's built-in tiny model if it is missing (rank 0 builds, the other ranks
+    wait for the finished marker).  The build runs as a plain single process, outside this job's
+    process group."""
+    from megarl.tinymodel import MARKER, is_built
+
+    rank = int(os.environ.get("RANK", "0"))
+    d, m = cfg.data, cfg.model
     if m.build_tiny and not is_built(m.path):
         if rank == 0:
             t = m.tiny
@@ -77,13 +86,19 @@ def ensure_builtin_assets(cfg) -> None:
             _wait_for(os.path.join(m.path, MARKER), "the tiny model")
 
 
-def _check_model(cfg) -> None:
+def _check_model(cfg) -> dict:
+    """Resolve Hub ids to local snapshots (megarl/hub.py), then check the model, data and role
+    paths without loading weights.  Returns what was resolved from the Hub (for run.json)."""
     from megarl.config import ConfigError, validate_model_fit
+    from megarl.data.prompts import check_source
+    from megarl.hub import resolve_sources
     from megarl.models.hf_config import ModelConfigError, load_spec
 
+    sources = resolve_sources(cfg)
     if not os.path.isdir(cfg.model.path):
-        raise ConfigError(f"model.path: {cfg.model.path} is not a directory (an HF or megarl checkpoint); "
-                          "set model.build_tiny=true to build the built-in tiny model there")
+        raise ConfigError(f"model.path: {cfg.model.path} is not a directory (an HF or megarl checkpoint, or a Hub "
+                          "id like Qwen/Qwen2.5-0.5B-Instruct); or set model.build_tiny=true to build the built-in "
+                          "tiny model there")
     try:
         spec = load_spec(cfg.model.path)
     except ModelConfigError as e:
@@ -92,12 +107,16 @@ def _check_model(cfg) -> None:
         raise ConfigError(f"model.path: {cfg.model.path} is a value-head model; the actor needs a causal LM")
     validate_model_fit(cfg, spec, where=os.path.join(cfg.model.path, "config.json"))
     for key, path in (("data.train_path", cfg.data.train_path), ("data.heldout_path", cfg.data.heldout_path)):
-        if path is not None and not os.path.isfile(path):
-            raise ConfigError(f"{key}: {path}: file not found")
+        if path is not None:
+            try:
+                check_source(path)  # a file, a directory of files, a `datasets` directory or a Hub dataset
+            except MegarlError as e:
+                raise ConfigError(f"{key}: {e}") from None
     for key, path in (("critic.path", cfg.critic.path if cfg.critic else None),
                       ("reward.model.path", cfg.reward.model.path), ("reference.path", cfg.reference.path)):
         if path is not None and not os.path.isfile(os.path.join(path, "config.json")):
             raise ConfigError(f"{key}: {path} has no config.json (expected an HF or megarl checkpoint)")
+    return sources
 
 
 def _check_reward(cfg) -> None:
@@ -108,7 +127,7 @@ def _check_reward(cfg) -> None:
         build_reward_function(cfg.reward.fn, cfg.reward.kwargs, cfg.reward.components)
 
 
-def write_run_files(cfg, run_dir: str, cfg_hash: str, world: int, dp: int) -> None:
+def write_run_files(cfg, run_dir: str, cfg_hash: str, world: int, dp: int, sources: dict | None = None) -> None:
     from omegaconf import OmegaConf
 
     os.makedirs(run_dir, exist_ok=True)
@@ -116,25 +135,48 @@ def write_run_files(cfg, run_dir: str, cfg_hash: str, world: int, dp: int) -> No
     info = {"config_hash": cfg_hash, "recipe": cfg.recipe, "run_id": cfg.trainer.run_id,
             "world_size": world, "tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp,
             "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "argv": sys.argv}
+    if sources:  # Hub ids the config named: id, revision and the commit the run loaded
+        info["sources"] = sources
     with open(os.path.join(run_dir, "run.json"), "w") as f:
         json.dump(info, f, indent=1)
 
 
 @cli_main
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, help="a YAML recipe (configs/*.yaml)")
-    p.add_argument("overrides", nargs="*", help="key=value overrides (omegaconf dotlist)")
-    args = p.parse_args(argv)
+    from megarl.cli import parse_args
 
-    from megarl.config import config_hash, default_run_dir, load_config, validate
+    args = parse_args(argv)
+    if args.print_config:
+        from megarl.cli import print_config
+
+        return print_config(args.config, args.overrides)
+
+    from megarl.config import config_hash, default_run_dir, load_config, require_installed, validate
 
     cfg = load_config(args.config, args.overrides)
+    if args.dry_run:
+        from megarl.dry_run import dry_run
+
+        return dry_run(cfg, world_size=args.world_size)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dp = validate(cfg, world)
+    require_installed(cfg)  # rollout.backend=sglang without sglang: the install command, now
+    from megarl.run_dir import check_start_paths, inspect_run_dir, start_decision
+
+    check_start_paths(cfg)  # an unwritable trainer.run_dir fails here, before any model loads
+    if cfg.trainer.run_dir:
+        finished = start_decision(cfg, inspect_run_dir(cfg.trainer.run_dir))
+        if finished:  # a finished run started again: said in one line, the run is left as it is
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"megarl.train: {finished}", flush=True)
+            return {"finished": True}
     _check_reward(cfg)
-    ensure_builtin_assets(cfg)
-    _check_model(cfg)
+    from megarl.data.fields_check import check_datasets_against_reward
+
+    ensure_builtin_task(cfg)
+    check_datasets_against_reward(cfg)  # every row carries what the reward reads (data.on_missing_fields)
+    ensure_builtin_model(cfg)
+    sources = _check_model(cfg)
 
     import torch
 
@@ -151,7 +193,7 @@ def main(argv=None) -> dict:
     cfg.trainer.run_id = cfg.trainer.run_id or os.path.basename(os.path.normpath(run_dir)).replace("/", "-")
     h = config_hash(cfg)
     if rt.is_main():
-        write_run_files(cfg, run_dir, h, world, dp)
+        write_run_files(cfg, run_dir, h, world, dp, sources=sources)
         print(f"megarl.train: recipe {cfg.recipe}, {cfg.algo.name} ({cfg.algo.advantage}), world {world} = "
               f"tp {cfg.parallel.tp} x pp {cfg.parallel.pp} x dp {dp}, run dir {run_dir}, config {h[:15]}", flush=True)
     tokenizer_dir = cfg.model.tokenizer or cfg.model.path

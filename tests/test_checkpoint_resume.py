@@ -3,8 +3,10 @@ tampered file, and a resume that would change the contract (refused, naming the 
 
 import json
 import os
+import shlex
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -157,7 +159,18 @@ def test_sigterm_and_stop_file_checkpoint_then_resume_the_same_run(assets, tmp_p
         assert rc == 0 and "stopping after" in text and "on a signal" in text, text[-2000:]
         assert start < _latest(d) < ITERS and not os.path.exists(os.path.join(d, "DONE"))
     stopped_at = _latest(d)
-    run_to_exit(cmd)
+    # the stop line prints the exact command that continues the run (trainer.run_dir named last)
+    printed = text.split("resume with: ", 1)[1].splitlines()[0]
+    args = shlex.split(printed)
+    run_dir_arg = f"trainer.run_dir={d}"
+    assert args[:3] == ["python", "-m", "megarl.train"] and args[-1] == run_dir_arg, printed
+    assert args[3:-1] == [a for a in cmd[3:] if a != run_dir_arg], printed
+    run_to_exit([sys.executable] + args[1:])  # the third start: the printed command, as printed
     assert os.path.isfile(os.path.join(d, "DONE"))
     check_same_run(ref, d, killed_at=stopped_at, resumes=2)
+    # a finished run started again says so in one line, exits 0, and leaves the run as it is
+    before = open(os.path.join(d, "metrics.jsonl")).read()
+    again = run_to_exit(cmd)
+    assert "holds a finished run" in again.stdout and "resumed from" not in again.stdout, again.stdout[-2000:]
+    assert open(os.path.join(d, "metrics.jsonl")).read() == before
 

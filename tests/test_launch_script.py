@@ -88,3 +88,45 @@ def test_finished_run_is_not_requeued_and_crashes_only_up_to_the_limit(tmp_path)
 def test_multinode_rejects_missing_config(tmp_path):
     proc = subprocess.run(["bash", SCRIPT, str(tmp_path / "nope.yaml")], capture_output=True, text=True)
     assert proc.returncode == 2 and "nope.yaml" in proc.stderr
+
+
+def _sbatch_directives(path):
+    """The #SBATCH options as sbatch reads them: from the lines after the shebang up to the first
+    line that is neither a comment nor blank (sbatch ignores any #SBATCH after that)."""
+    opts = {}
+    with open(path) as f:
+        lines = f.read().splitlines()[1:]
+    for line in lines:
+        stripped = line.strip()
+        if stripped and not stripped.startswith("#"):
+            break
+        if stripped.startswith("#SBATCH"):
+            key, _, value = stripped[len("#SBATCH"):].strip().partition("=")
+            opts[key] = value
+    return opts
+
+
+def test_slurm_log_opens_in_a_fresh_submit_directory(tmp_path):
+    """Slurm opens --output before the script runs: in a submit directory holding nothing, the
+    log's directory must already exist (a job whose log directory is missing fails with no log),
+    a requeued job (same id) appends to its log, and the script itself creates no log directory."""
+    opts = _sbatch_directives(SCRIPT)
+    assert opts.get("--requeue") == "" and opts.get("--open-mode") == "append", opts
+    submit = tmp_path / "submit"
+    submit.mkdir()
+    log = submit / opts["--output"].replace("%x", opts["--job-name"]).replace("%j", "77")
+    assert log.parent.is_dir(), f"--output={opts['--output']} needs {log.parent} before sbatch"
+    with open(log, "a"):                      # what slurmstepd does, then the script runs
+        pass
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _fake(bin_dir, "scontrol", 'printf "node-a\\n"\n')
+    _fake(bin_dir, "srun", 'if [[ "$*" == *hostname* ]]; then echo 10.9.8.7; fi\n')
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("a: 1\n")
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_NNODES="1",
+               SLURM_JOB_NODELIST="node-a", SLURM_JOB_ID="77")
+    proc = subprocess.run(["bash", SCRIPT, str(cfg)], env=env, capture_output=True, text=True, cwd=submit)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(os.listdir(submit)) == [log.name], os.listdir(submit)   # no logs/ of its own

@@ -138,3 +138,75 @@ def test_no_numeric_metrics(tmp_path):
     _assert_error(_run(tmp_path), "metrics.jsonl", "no numeric")
     (tmp_path / "metrics.jsonl").write_text("")
     _assert_error(_run(tmp_path), "no numeric")
+
+
+def _load_tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plot_metrics_tool", TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _two_runs(tmp_path):
+    """runs/tiny-a (30 iterations) and runs/tiny-b (20 iterations, eval elsewhere, its own
+    metric, approx_kl instead of kl_ref): what `runs/grpo_arith_tiny-*/` expands to."""
+    a, b = tmp_path / "runs" / "tiny-a", tmp_path / "runs" / "tiny-b"
+    a.mkdir(parents=True)
+    b.mkdir()
+    _write(a / "metrics.jsonl", _synthetic(30))
+    _write(b / "metrics.jsonl", [
+        {"iteration": it, "rollout/reward_mean": 0.5 - 0.01 * it, "update/approx_kl": 0.02 * it,
+         "update/only_b": float(it), **({"eval/accuracy": 0.9} if it % 4 == 0 else {})}
+        for it in range(20)])
+    return a, b
+
+
+def test_several_runs_are_overlaid_with_a_legend(tmp_path):
+    a, b = _two_runs(tmp_path)
+    proc = subprocess.run([sys.executable, TOOL, "runs/tiny-a/", "runs/tiny-b/"], capture_output=True,
+                          text=True, timeout=180, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "plots"                      # several runs: ./plots, no run's own plots/
+    want = {f"{s}.png" for s in ("rollout", "prep", "update", "e2e", "eval")} | {"summary.png"}
+    assert set(os.listdir(out)) == want and not (a / "plots").exists() and not (b / "plots").exists()
+    assert set(proc.stdout.split()) == {os.path.join("plots", name) for name in want}
+    for name in want:
+        _check_png(out / name)
+
+    # what the panels draw: each run's own values, one colour per run in every panel
+    tool = _load_tool()
+    runs = [(label, tool.read_metrics(str(d / "metrics.jsonl"))) for label, d in (("tiny-a", a), ("tiny-b", b))]
+    figs = tool.build_figures(runs, "2 runs")
+    assert set(figs) == {name[:-4] for name in want}
+
+    def curves(stem, title):
+        ax = next(ax for ax in figs[stem].axes if ax.get_visible() and ax.get_title() == title)
+        return {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata()), ln.get_color()) for ln in ax.lines}
+
+    reward = curves("rollout", "reward_mean")
+    assert reward["tiny-a"][:2] == (list(range(30)), [0.1 + 0.02 * it for it in range(30)])
+    assert reward["tiny-b"][:2] == (list(range(20)), [0.5 - 0.01 * it for it in range(20)])
+    assert reward["tiny-a"][2] != reward["tiny-b"][2]
+    assert set(curves("update", "only_b")) == {"tiny-b"}       # a metric of one run only
+    assert curves("update", "only_b")["tiny-b"][2] == reward["tiny-b"][2]
+    # summary: the KL panel takes each run's own KL (kl_ref for a, the approx_kl fallback for b)
+    kl = curves("summary", "KL to reference\nupdate/kl_ref")
+    assert kl["tiny-a"][1] == [0.001 * it for it in range(30)]
+    assert kl["tiny-b"][1] == [0.02 * it for it in range(20)]
+    acc = curves("summary", "accuracy (eval)\neval/accuracy")
+    assert acc["tiny-a"][0] == list(range(0, 30, 5)) and acc["tiny-b"][0] == list(range(0, 20, 4))
+    for fig in figs.values():                    # one figure legend naming both runs
+        assert [[t.get_text() for t in leg.get_texts()] for leg in fig.legends] == [["tiny-a", "tiny-b"]]
+
+    # a single run keeps its legend-free figures; bad input among several is still one error line
+    assert all(not fig.legends for fig in tool.build_figures(runs[:1], "tiny-a").values())
+    _assert_error(_run(a, tmp_path / "runs" / "nope"), "nope", "not found")
+    _assert_error(_run(a, a / "metrics.jsonl"), "given twice")
+
+
+def test_run_labels_tell_runs_apart():
+    tool = _load_tool()
+    assert tool.run_labels(["runs/x-1/", "runs/x-2"]) == ["x-1", "x-2"]
+    assert tool.run_labels(["/e/a/run1", "/e/b/run1"]) == ["a/run1", "b/run1"]

@@ -133,6 +133,10 @@ def test_math_verify_equivalence_wrong_and_invalid():
     assert_ok(mv(sample("so \\boxed{\\frac{1}{3}}", answer="0.5")), 0.0)
     assert_ok(mv(sample("I do not know", answer="0.5")), 0.0)
     assert_ok(mv(sample("$x^2$", answer="x^{2}")), 1.0)  # bare LaTeX ground truth parses via $...$
+    # a bare LaTeX tuple is the whole tuple, not its first number (bare, math-verify reads just 3)
+    tup = r"\left( 3, \frac{\pi}{2} \right)"
+    assert_ok(mv(sample(r"so \boxed{\left( 3, \frac{\pi}{2} \right)}", answer=tup)), 1.0)
+    assert_ok(mv(sample(r"so \boxed{3}", answer=tup)), 0.0)
     assert dict(mv(sample("0.5", answer="1/2")).components) == {"math_verify": 1.0}
     assert_failed(mv(sample("0.5", answer="")), RewardStatus.INVALID)
     assert_failed(mv(sample("0.5")), RewardStatus.INVALID)

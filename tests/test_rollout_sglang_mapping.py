@@ -24,7 +24,7 @@ REQ = GenerationRequest("r1", (2, 5, 6))
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is not None,
                     reason="checks the error for a missing sglang; sglang is installed here")
 def test_asking_for_sglang_without_it_names_package_and_extra(tmp_path):
-    with pytest.raises(BackendUnavailableError, match=r"'sglang'.*pip install megarl\[gpu\]"):
+    with pytest.raises(BackendUnavailableError, match=r"'sglang'.*pip install -e \"\.\[gpu\]\""):
         create_rollout_engine("sglang", tmp_path)
 
 

@@ -164,10 +164,15 @@ DENSE = ["reward.fn=tests.plugins.faulty_rewards:digit_count"]
 
 
 def test_grpo_single_process(assets, tmp_path):
+    """Also: ``python -m megarl.eval`` on export/iter_0 and the final export reproduces the run's
+    own held-out evaluations of those versions exactly (tests/test_eval.py)."""
+    from tests.test_eval import check_eval_reproduces_training
+
     run_dir = str(tmp_path / "grpo1")
-    run_train(assets, run_dir, GRPO, extra=DENSE)
+    run_train(assets, run_dir, GRPO, extra=[*DENSE, "eval.save_results=true"])
     check_structure(run_dir, "grpo", groups_per_publish=1)
     check_rung3(run_dir, assets)
+    check_eval_reproduces_training(run_dir, assets["heldout"], DENSE[0].split("=", 1)[1], tmp_path)
     # the audit trail and the curves, from the real run
     tools = os.path.join(ROOT, "tools")
     exp0 = os.path.join(run_dir, "experience", "iter_000000")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Plot a run's metrics: one PNG per stage plus a summary of the headline curves.
+"""Plot runs' metrics: one PNG per stage plus a summary of the headline curves.
 
-    tools/plot_metrics.py RUN_DIR [--out DIR]
+    tools/plot_metrics.py RUN_DIR [RUN_DIR ...] [--out DIR]
 
 Reads ``RUN_DIR/metrics.jsonl`` (RUN_DIR may also be the file itself): one JSON object per line
 with an integer ``"iteration"`` and numeric metrics named ``"<stage>/<name>"``
@@ -9,7 +9,11 @@ with an integer ``"iteration"`` and numeric metrics named ``"<stage>/<name>"``
 null on some lines (``eval/*`` every few iterations); other keys and non-numeric values are
 ignored; if an iteration is logged twice (a resumed run) the later value wins.
 
-Writes into ``--out`` (default ``RUN_DIR/plots/``):
+Several runs (``runs/grpo_arith_tiny-*/``) are overlaid: every panel draws one curve per run that
+has the metric, each run in the same colour in every panel, with a legend naming the runs by
+their directory.
+
+Writes into ``--out`` (default ``RUN_DIR/plots/`` for one run, ``./plots/`` for several):
 
 * ``<stage>.png``: a grid of small line plots, one per metric of that stage, x = iteration
   (with markers where a metric has few points);
@@ -103,12 +107,15 @@ def _points(values: dict):
     return xs, [values[x] for x in xs]
 
 
-def _draw(ax, values: dict, title: str) -> None:
+def _draw(ax, curves: list, title: str) -> None:
+    """One panel: ``curves`` is ``[(label, colour, {iteration: value}), ...]``, one per run."""
     from matplotlib.ticker import MaxNLocator
 
-    xs, ys = _points(values)
-    few = len(xs) <= MARKER_MAX_POINTS
-    ax.plot(xs, ys, linewidth=1.2, marker="o" if few else None, markersize=3 if few else 0)
+    for label, colour, values in curves:
+        xs, ys = _points(values)
+        few = len(xs) <= MARKER_MAX_POINTS
+        ax.plot(xs, ys, linewidth=1.2, marker="o" if few else None, markersize=3 if few else 0,
+                color=colour, label=label)
     ax.set_title(title, fontsize=9)
     ax.tick_params(labelsize=7)
     ax.grid(True, alpha=0.3)
@@ -142,7 +149,71 @@ def _file_stem(stage: str, taken: set) -> str:
     return stem
 
 
-def plot(series: dict, out_dir: str, title: str) -> list:
+def _colours(n: int) -> list:
+    """One colour per run, the same in every panel (matplotlib's default cycle, then tab20)."""
+    from matplotlib import colormaps, rcParams
+
+    cycle = rcParams["axes.prop_cycle"].by_key().get("color", [])
+    if n <= len(cycle):
+        return list(cycle[:n])
+    cmap = colormaps["tab20"]
+    return [cmap(i % 20) for i in range(n)]
+
+
+def _panel_figure(panels: list, runs: list, colours: list, cols: int, title: str):
+    """A figure of ``panels`` (``[(panel title, [metric keys to try in order]), ...]``); each
+    panel overlays the runs that have one of its keys (the first such key of each run)."""
+    fig, axes = _figure(len(panels), cols)
+    for ax, (panel_title, keys) in zip(axes, panels):
+        curves = []
+        for (label, series), colour in zip(runs, colours):
+            key = next((k for k in keys if k in series), None)
+            if key is not None:
+                curves.append((label, colour, series[key]))
+        _draw(ax, curves, panel_title)
+    if len(runs) > 1:
+        # one legend for the figure: every run, also one missing from the first panel
+        from matplotlib.lines import Line2D
+
+        handles = [Line2D([], [], color=c, linewidth=1.2) for c in colours]
+        fig.legend(handles, [label for label, _ in runs], loc="outside lower center",
+                   ncols=min(len(runs), 4), fontsize=8)
+    fig.suptitle(title, fontsize=11)
+    return fig
+
+
+def build_figures(runs: list, title: str) -> dict:
+    """``{file stem: matplotlib Figure}`` for ``runs`` = ``[(label, series), ...]`` (series as
+    :func:`read_metrics` returns them): one figure per stage present in any run, plus
+    ``summary`` when a headline metric is present."""
+    colours = _colours(len(runs))
+    keys = sorted(set().union(*(series for _, series in runs)))
+    by_stage: dict = defaultdict(list)
+    for key in keys:
+        stage, name = key.split("/", 1)
+        by_stage[stage].append((name, [key]))
+
+    figures, taken = {}, {"summary"}
+    for stage in sorted(by_stage):
+        figures[_file_stem(stage, taken)] = _panel_figure(by_stage[stage], runs, colours, GRID_COLS,
+                                                          f"{title}: {stage}")
+
+    headline = []
+    for label, candidates in HEADLINE:
+        # the panel is titled by the key the first run that has one uses (kl_ref before approx_kl)
+        present = [k for k in candidates if any(k in series for _, series in runs)]
+        if present:
+            headline.append((f"{label}\n{present[0]}", list(candidates)))
+    if headline:
+        figures["summary"] = _panel_figure(headline, runs, colours, 2, f"{title}: summary")
+    else:
+        wanted = ", ".join(c for _, cands in HEADLINE for c in cands)
+        print(f"note: no headline metric ({wanted}); summary.png not written", file=sys.stderr)
+    return figures
+
+
+def plot(runs: list, out_dir: str, title: str) -> list:
+    """Write :func:`build_figures` as ``<out_dir>/<stem>.png``; returns the paths written."""
     try:
         import matplotlib
 
@@ -150,62 +221,65 @@ def plot(series: dict, out_dir: str, title: str) -> list:
     except ImportError:
         raise MetricsError("matplotlib is required: pip install matplotlib") from None
 
+    figures = build_figures(runs, title)
     os.makedirs(out_dir, exist_ok=True)
-    by_stage: dict = defaultdict(list)
-    for key in sorted(series):
-        stage, name = key.split("/", 1)
-        by_stage[stage].append((name, key))
-
-    written, taken = [], {"summary"}
-    for stage in sorted(by_stage):
-        metrics = by_stage[stage]
-        fig, axes = _figure(len(metrics), GRID_COLS)
-        for ax, (name, key) in zip(axes, metrics):
-            _draw(ax, series[key], name)
-        fig.suptitle(f"{title}: {stage}", fontsize=11)
-        path = os.path.join(out_dir, _file_stem(stage, taken) + ".png")
+    written = []
+    for stem, fig in figures.items():
+        path = os.path.join(out_dir, stem + ".png")
         fig.savefig(path, dpi=100)
         written.append(path)
-
-    headline = []
-    for label, candidates in HEADLINE:
-        key = next((k for k in candidates if k in series), None)
-        if key is not None:
-            headline.append((f"{label}\n{key}", key))
-    if headline:
-        fig, axes = _figure(len(headline), 2)
-        for ax, (label, key) in zip(axes, headline):
-            _draw(ax, series[key], label)
-        fig.suptitle(f"{title}: summary", fontsize=11)
-        path = os.path.join(out_dir, "summary.png")
-        fig.savefig(path, dpi=100)
-        written.append(path)
-    else:
-        wanted = ", ".join(c for _, cands in HEADLINE for c in cands)
-        print(f"note: no headline metric ({wanted}); summary.png not written", file=sys.stderr)
     return written
+
+
+def _locate(arg: str):
+    """``(metrics.jsonl path, run directory)`` for a RUN_DIR argument (or the file itself)."""
+    if os.path.isfile(arg):
+        return arg, os.path.dirname(os.path.abspath(arg))
+    if not os.path.isdir(arg):
+        raise MetricsError(f"{arg}: run directory not found")
+    return os.path.join(arg, "metrics.jsonl"), arg
+
+
+def run_labels(run_dirs: list) -> list:
+    """A legend label per run: its directory name, with parent directories added until the
+    labels differ (two ``run1`` directories under different parents)."""
+    parts = [os.path.normpath(os.path.abspath(d)).split(os.sep) for d in run_dirs]
+    depth = 1
+    while True:
+        labels = ["/".join(p[-depth:]) for p in parts]
+        if len(set(labels)) == len(labels) or depth >= max(len(p) for p in parts):
+            return labels
+        depth += 1
 
 
 @cli_main
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir", help="run directory holding metrics.jsonl (or the metrics file itself)")
-    p.add_argument("--out", default=None, help="output directory (default RUN_DIR/plots/)")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                   help="run directory holding metrics.jsonl (or the metrics file itself); several are overlaid")
+    p.add_argument("--out", default=None,
+                   help="output directory (default RUN_DIR/plots/ for one run, ./plots/ for several)")
     args = p.parse_args(argv)
 
-    if os.path.isfile(args.run_dir):
-        metrics_path, run_dir = args.run_dir, os.path.dirname(os.path.abspath(args.run_dir))
+    located = [_locate(arg) for arg in args.run_dirs]
+    seen: dict = {}
+    for (metrics_path, _), arg in zip(located, args.run_dirs):
+        real = os.path.realpath(metrics_path)
+        if real in seen:
+            raise MetricsError(f"{arg}: the same run as {seen[real]}, given twice")
+        seen[real] = arg
+    if len(located) == 1:
+        default_out = os.path.join(located[0][1], "plots")
     else:
-        if not os.path.isdir(args.run_dir):
-            raise MetricsError(f"{args.run_dir}: run directory not found")
-        metrics_path, run_dir = os.path.join(args.run_dir, "metrics.jsonl"), args.run_dir
-    out_dir = args.out or os.path.join(run_dir, "plots")
+        default_out = "plots"
+    out_dir = args.out or default_out
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise MetricsError(f"{out_dir}: --out exists and is not a directory")
 
-    series = read_metrics(metrics_path)
-    title = os.path.basename(os.path.normpath(os.path.abspath(run_dir)))
-    for path in plot(series, out_dir, title):
+    labels = run_labels([run_dir for _, run_dir in located])
+    runs = [(label, read_metrics(metrics_path)) for label, (metrics_path, _) in zip(labels, located)]
+    title = labels[0] if len(runs) == 1 else f"{len(runs)} runs"
+    for path in plot(runs, out_dir, title):
         print(path)
 
 

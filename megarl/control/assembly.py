@@ -60,7 +60,7 @@ class EngineParts:
 
 def assemble(cfg, model_path: str, tokenizer_dir: str) -> Parts:
     from megarl.algo.kl import AdaptiveKLController, FixedKLController
-    from megarl.data.prompts import PromptSampler, load_prompt_dataset
+    from megarl.data.prompts import PromptSampler, load_configured_dataset
     from megarl.data.tokenizer import TokenizerContract
     from megarl.faults import FaultInjector
     from megarl.roles.actor import Actor
@@ -68,11 +68,12 @@ def assemble(cfg, model_path: str, tokenizer_dir: str) -> Parts:
     template = open(cfg.model.chat_template).read() if cfg.model.chat_template else None
     tok = TokenizerContract.from_pretrained(tokenizer_dir, chat_template=template)
     d = cfg.data
-    load = dict(prompt_field=d.prompt_field, messages_field=d.messages_field, id_field=d.id_field,
-                apply_chat_template=d.apply_chat_template, system_prompt=d.system_prompt,
-                max_prompt_tokens=d.max_prompt_tokens)
-    train_data = load_prompt_dataset(d.train_path, tok, **load)
-    heldout = load_prompt_dataset(d.heldout_path, tok, **load) if d.heldout_path else None
+    train_data = load_configured_dataset(d, tok, d.train_path, split=d.train_split, subset=d.train_subset)
+    heldout = (load_configured_dataset(d, tok, d.heldout_path, split=d.heldout_split, subset=d.heldout_subset)
+               if d.heldout_path else None)
+    from megarl.data.fields_check import drop_rows_missing_fields  # data.on_missing_fields=skip
+
+    train_data, heldout = drop_rows_missing_fields(cfg, train_data), drop_rows_missing_fields(cfg, heldout)
     sampler = PromptSampler(len(train_data), seed=cfg.trainer.seed, shuffle=d.shuffle)
 
     p, a = cfg.parallel, cfg.algo
@@ -132,18 +133,43 @@ def _rewards(cfg, injector, rank0: bool):
     return fn, runner, reward_model
 
 
+def make_scorer(cfg, tok, runner, reward_model, counters, quarantine_path: str, rank0: bool, *,
+                shape_overlong: bool):
+    """The run's sample scorer (training: with ``reward.overlong_buffer`` shaping; evaluation,
+    here and in ``python -m megarl.eval``: without)."""
+    from megarl.control.scoring import Scorer
+
+    return Scorer(cfg.reward, tok, runner, reward_model, counters, quarantine_path, rank0,
+                  max_new_tokens=cfg.rollout.max_new_tokens, shape_overlong=shape_overlong)
+
+
+def evaluation_scorer(cfg, tok, counters, quarantine_path: str):
+    """``(scorer, runner, reward function)`` for an evaluation outside a training run (one
+    process): the configured reward under its runner, scored like the held-out evaluation.
+    Close the runner after use."""
+    fn, runner, reward_model = _rewards(cfg, None, rank0=True)
+    scorer = make_scorer(cfg, tok, runner, reward_model, counters, quarantine_path, True, shape_overlong=False)
+    return scorer, runner, fn
+
+
+def eos_and_pad(tok, config_dir: str):
+    """The ids that end a response -- the contract's eos and the model dir's (config.json /
+    generation_config.json), which SGLang stops on regardless, so both backends end responses on
+    the same tokens -- and the padding id."""
+    from megarl.models.safetensors_io import model_dir_eos_token_ids
+
+    eos = list(dict.fromkeys(([tok.eos_token_id] if tok.eos_token_id is not None else [])
+                             + list(model_dir_eos_token_ids(config_dir))))
+    return eos, (tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0))
+
+
 def assemble_engine(cfg, tok, config_dir: str, injector) -> EngineParts:
     """The rollout engines, created on an HF config of the actor (``config_dir``; weights only
     ever arrive by stream), and the dtype weights are synced in."""
     from megarl.control.placement import create_engine, make_placement
-    from megarl.models.safetensors_io import model_dir_eos_token_ids
 
     placement = make_placement(cfg.rollout.backend, cfg.rollout.tp)
-    # the contract's eos and the model dir's (config.json / generation_config.json), which
-    # SGLang stops on regardless: both backends end responses on the same tokens
-    eos = list(dict.fromkeys(([tok.eos_token_id] if tok.eos_token_id is not None else [])
-                             + list(model_dir_eos_token_ids(config_dir))))
-    pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
+    eos, pad = eos_and_pad(tok, config_dir)
     engine = create_engine(cfg, placement, config_dir, eos, pad)
     if engine is not None and (cfg.faults.rollout_error_rate or cfg.faults.duplicate_result_rate):
         from megarl.faults import FaultyRolloutEngine
@@ -175,8 +201,8 @@ def wire_components(cfg, parts: Parts, eng: EngineParts, *, sm, progress, run_di
     time_slice = EngineTimeSlice(eng.engine, cfg.rollout.backend == "sglang" and cfg.rollout.enable_memory_saver)
 
     def scorer(shape_overlong: bool) -> Scorer:
-        return Scorer(cfg.reward, parts.tok, parts.reward_runner, parts.reward_model, counters, quarantine, rank0,
-                      max_new_tokens=cfg.rollout.max_new_tokens, shape_overlong=shape_overlong)
+        return make_scorer(cfg, parts.tok, parts.reward_runner, parts.reward_model, counters, quarantine, rank0,
+                           shape_overlong=shape_overlong)
 
     publisher = WeightPublisher(
         actor=parts.actor, critic=parts.critic, engine=eng.engine, placement=eng.placement, sm=sm,
@@ -200,5 +226,6 @@ def wire_components(cfg, parts: Parts, eng: EngineParts, *, sm, progress, run_di
                       dp=dp, sync_dtype=eng.sync_dtype, rank0=rank0, ckpt_root=ckpt_root)
     evaluator = Evaluator(cfg.eval, parts.heldout, engine=eng.engine, placement=eng.placement, scorer=scorer(False),
                           progress=progress, run_id=run_id, default_max_new_tokens=cfg.rollout.max_new_tokens,
-                          max_retries=cfg.rollout.max_retries)
+                          max_retries=cfg.rollout.max_retries, decode=parts.tok.decode,
+                          results_dir=os.path.join(run_dir, "eval") if cfg.eval.save_results and rank0 else None)
     return Components(publisher=publisher, producer=producer, preparer=preparer, learner=learner, evaluator=evaluator)

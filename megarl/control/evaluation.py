@@ -1,94 +1,92 @@
 """Evaluation on held-out prompts, and export of the actor as a HuggingFace checkpoint.
 
 The evaluation decodes greedily on the version the engines serve and scores with the training
-scorer; a prompt whose generation was lost after every retry counts as wrong.  The export is
+scorer, through the loop that ``python -m megarl.eval`` runs (:mod:`megarl.evaluation`): the
+accuracy is over the scored prompts, and a prompt whose generation was lost after every retry
+or whose scorer failed is counted as unscored, never as wrong.  The export is
 what a user loads elsewhere: the actor's weights in HF layout with its tokenizer and chat
 template; ``export/iter_0`` is the starting policy, the last one the final policy.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import time
-from collections import Counter
-from typing import Dict, List
+from typing import Dict, Optional
 
 import torch.distributed as dist
 
-from megarl.control.interfaces import RunProgress, Sample, SampleScorer
-from megarl.control.placement import Placement, generate_everywhere
-from megarl.experience.schema import RewardStatus
-from megarl.rollout.protocol import GenerationRequest, SamplingParams
+from megarl.control.interfaces import RunProgress, SampleScorer
+from megarl.control.placement import Placement
+from megarl.evaluation.core import evaluate_prompts
+from megarl.evaluation.estimators import accuracy_metrics, per_source_metrics, result_row
+from megarl.rollout.protocol import SamplingParams
 from megarl.versions import PolicyVersion
 
 
 class Evaluator:
     """Args: ``eval_cfg`` the ``eval`` section; ``heldout`` the held-out prompts (or None:
     evaluation is off); ``default_max_new_tokens`` when ``eval.max_new_tokens`` is unset;
-    ``max_retries`` regenerations of a lost result; ``progress`` receives the last accuracy."""
+    ``max_retries`` regenerations of a lost result; ``progress`` receives the last accuracy and
+    what went unscored; ``results_dir`` (rank 0, ``eval.save_results``) receives
+    ``iter_<k>.jsonl`` per evaluation, with responses decoded by ``decode``."""
 
     def __init__(self, eval_cfg, heldout, *, engine, placement: Placement, scorer: SampleScorer,
-                 progress: RunProgress, run_id: str, default_max_new_tokens: int, max_retries: int):
+                 progress: RunProgress, run_id: str, default_max_new_tokens: int, max_retries: int,
+                 results_dir: Optional[str] = None, decode=None):
         self.cfg, self.heldout, self.engine, self.placement, self.scorer = eval_cfg, heldout, engine, placement, scorer
         self.progress, self.run_id = progress, run_id
         self.default_max_new_tokens, self.max_retries = default_max_new_tokens, max_retries
+        self.results_dir, self.decode = results_dir, decode
 
     @property
     def enabled(self) -> bool:
         return self.heldout is not None
 
     def due(self, k: int) -> bool:
-        """Whether the periodic evaluation runs before iteration ``k``'s rollout."""
-        return self.enabled and bool(self.cfg.every) and k % self.cfg.every == 0
+        """Whether the periodic evaluation runs before iteration ``k``'s rollout: before the first
+        update with ``eval.before_train``, then every ``eval.every`` iterations (0: none until
+        the final evaluation)."""
+        if not self.enabled:
+            return False
+        if k == 0:
+            return bool(self.cfg.before_train)
+        return bool(self.cfg.every) and k % self.cfg.every == 0
 
     def evaluate(self, k: int, version: PolicyVersion) -> Dict[str, float]:
-        """Greedy decoding of the held-out prompts on the version the engines serve."""
+        """Greedy decoding of the held-out prompts on the version the engines serve; accuracy
+        over the scored prompts (megarl/evaluation/estimators.py)."""
         if self.heldout is None:
             return {}
         e = self.cfg
         recs = list(self.heldout.records[: e.n])
-        requests = [GenerationRequest(f"{self.run_id}/eval{k}/{i:04d}", tuple(r.prompt_ids)) for i, r in enumerate(recs)]
         greedy = SamplingParams(temperature=0.0, max_new_tokens=e.max_new_tokens or self.default_max_new_tokens, n=1)
         t0 = time.perf_counter()
-        by_req = self._generate_each(requests, greedy)
-        samples = [Sample(prompt_id=rec.prompt_id, group_id=req.request_id, sample_id=req.request_id,
-                          request_id=req.request_id, prompt_ids=req.prompt_ids,
-                          response_ids=by_req[req.request_id].response_ids,
-                          raw_log_probs=by_req[req.request_id].raw_log_probs,
-                          finish_reason=by_req[req.request_id].finish_reason,
-                          policy_version=by_req[req.request_id].policy_version, seed=None, prompt=rec)
-                   for rec, req in zip(recs, requests) if req.request_id in by_req]
-        self.scorer.score(samples)
-        ok = [s for s in samples if s.record.status is RewardStatus.OK]
-        succ = sum(1 for s in ok if s.record.total >= e.success_threshold)
-        acc = succ / len(recs)  # a prompt without an answer (lost after every retry) counts as wrong
-        self.progress.last_eval = acc
-        return {"eval/accuracy": acc, "eval/n": len(recs), "eval/generation_failures": len(recs) - len(samples),
-                "eval/reward_mean": sum(s.record.total for s in ok) / max(len(ok), 1),
-                "eval/scorer_failures": len(samples) - len(ok),
-                "eval/response_len_mean": sum(len(s.response_ids) for s in samples) / max(len(samples), 1),
-                "eval/policy_version_step": version.optimizer_step,
-                "eval/seconds": time.perf_counter() - t0}
-
-    def _generate_each(self, requests: List[GenerationRequest], sampling: SamplingParams) -> Dict[str, object]:
-        """One result per request (n=1), regenerating lost ones up to ``rollout.max_retries``
-        times; extra deliveries (duplicates, late results) are counted and ignored."""
-        counters: Counter = self.progress.counters
-        out: Dict[str, object] = {}
-        todo = list(requests)
-        for attempt in range(self.max_retries + 1):
-            if not todo:
-                break
-            wanted = {q.request_id for q in todo}
-            for r in generate_everywhere(self.engine, self.placement, todo, sampling):
-                if r.request_id in wanted and r.attempt == attempt and r.request_id not in out:
-                    out[r.request_id] = r
-                else:
-                    counters["results_ignored"] += 1
-            lost = [q for q in todo if q.request_id not in out]
-            counters["candidates_lost"] += len(lost)
-            todo = [GenerationRequest(q.request_id, q.prompt_ids, attempt=attempt + 1) for q in lost]
-        return out
+        decode = None
+        if self.results_dir is not None and self.decode is not None:
+            decode = lambda ids: self.decode(ids, skip_special_tokens=True)  # noqa: E731
+        outcomes = evaluate_prompts(recs, [f"{self.run_id}/eval{k}/{i:04d}" for i in range(len(recs))],
+                                    engine=self.engine, placement=self.placement, scorer=self.scorer, sampling=greedy,
+                                    max_retries=self.max_retries, counters=self.progress.counters, decode=decode,
+                                    source_field=e.source_field)
+        m = accuracy_metrics(outcomes, e.success_threshold)
+        m.update(per_source_metrics(outcomes, lambda ps, prefix: accuracy_metrics(ps, e.success_threshold, prefix)))
+        acc = m["eval/accuracy"]
+        self.progress.last_eval = None if math.isnan(acc) else acc
+        self.progress.last_eval_unscored = (len(recs) - m["eval/scored"], len(recs))
+        m.update({"eval/policy_version_step": version.optimizer_step, "eval/seconds": time.perf_counter() - t0})
+        dropped = (getattr(self.heldout, "stats", None) or {}).get("dropped_missing_fields")
+        if dropped:  # data.on_missing_fields=skip dropped held-out rows the reward could not score
+            m["eval/dropped_missing_fields"] = dropped
+        if self.results_dir is not None:
+            os.makedirs(self.results_dir, exist_ok=True)
+            with open(os.path.join(self.results_dir, f"iter_{k}.jsonl"), "w") as f:
+                for p in outcomes:
+                    f.write(json.dumps(result_row(p, e.success_threshold, iteration=k,
+                                                  policy_version=version.short_id)) + "\n")
+        return m
 
 
 class Exporter:

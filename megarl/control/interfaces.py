@@ -83,4 +83,6 @@ class RunProgress:
 
     counters: Counter = field(default_factory=Counter)
     parity_checked: bool = False
-    last_eval: Optional[float] = None
+    last_eval: Optional[float] = None  # None also when the last evaluation scored nothing
+    #: (unscored, prompts) of the last evaluation, for the progress line; not checkpointed
+    last_eval_unscored: Optional[tuple] = None

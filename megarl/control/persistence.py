@@ -14,6 +14,7 @@ generating again, after checking its version and every config hash.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -241,8 +242,9 @@ class RunPersistence:
         self.sampler.load_state_dict(side["sampler"])
         self.progress.counters.update(side["counters"])
         self.progress.parity_checked = side["parity_checked"]
-        if "eval/accuracy" in side["metrics"]:
-            self.progress.last_eval = side["metrics"]["eval/accuracy"]
+        if "eval/accuracy" in side["metrics"]:  # NaN (nothing scored) is no accuracy, as in the Evaluator
+            acc = side["metrics"]["eval/accuracy"]
+            self.progress.last_eval = None if acc is None or math.isnan(acc) else acc
         self.progress.counters["sealed_batches_reused"] += 1
         if self.rank0:
             print(f"iteration {k}: reusing the batch sealed before the restart ({batch.content_hash[:16]}, "

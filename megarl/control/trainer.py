@@ -38,7 +38,9 @@ from megarl.control.state_machine import IterationStateMachine, PhaseDeadlines, 
 from megarl.metrics import MetricsWriter, StageTimer, progress_line
 from megarl.profiling import IterationProfiler, span
 from megarl.rollout.weight_sync import actor_manifest, make_version
+from megarl.run_dir import resume_command
 from megarl.runtime.data_parallel import broadcast_object, dp_size, gather_objects
+from megarl.sample_log import SampleLogger
 
 
 class Trainer:
@@ -87,11 +89,16 @@ class Trainer:
                 raise RuntimeError(f"resume: the loaded actor's manifest {self.manifest.global_hash} is not the "
                                    f"checkpointed version's {saved}")
             self.persistence.truncate_metrics(self.start_iteration)
+            done_marker = os.path.join(run_dir, "DONE")
+            if self.rank0 and os.path.exists(done_marker):  # a finished run continued (trainer.iterations raised)
+                os.remove(done_marker)
         self.sm = IterationStateMachine(committed=self.version,
                                        deadlines=PhaseDeadlines.from_config(cfg.trainer.phase_timeout_s))
         self.pending = (self.persistence.load_pending(resume, self.version)
                         if resume is not None and cfg.trainer.resume_experience == "reuse" else None)
-        self.metrics = MetricsWriter(run_dir, enabled=self.rank0, tensorboard=cfg.trainer.tensorboard)
+        resumed_at = None if resume is None else self.start_iteration
+        self.metrics = MetricsWriter.for_run(cfg, run_dir, self.run_id, enabled=self.rank0, resumed_at=resumed_at)
+        self.samples = SampleLogger(cfg.trainer, run_dir, parts.tok, self.metrics, self.rank0, resumed_at)
 
         c = wire_components(cfg, parts, eng, sm=self.sm, progress=self.progress, run_dir=run_dir,
                             run_id=self.run_id, dp=self.dp, rank0=self.rank0, ckpt_root=self.persistence.ckpt_root)
@@ -140,12 +147,14 @@ class Trainer:
             final_eval_done = final_eval_done or outcome in ("final", "wall")
             if outcome == "signal":
                 if self.rank0:
-                    print(f"stopping after {it} iterations on a signal; resume with the same command", flush=True)
+                    print(f"stopping after {it} iterations on a signal; resume with: {resume_command(self.run_dir)}",
+                          flush=True)
                 self.metrics.close()
                 return {"iterations": it, "heldout_accuracy": self.progress.last_eval, "stopped": "signal"}
             if outcome == "wall":
                 if self.rank0:
-                    print(f"stopping after {it} iterations: trainer.max_wall_minutes reached", flush=True)
+                    print(f"stopping after {it} iterations: trainer.max_wall_minutes reached; resume with: "
+                          f"{resume_command(self.run_dir)}", flush=True)
                 break
         if bar is not None:
             bar.close()
@@ -177,7 +186,7 @@ class Trainer:
                 self.publisher.publish(self.version, self.manifest)  # the final policy, for the final evaluation
                 m.update(self.evaluator.evaluate(done, self.version))
         self.metrics.write(k, m)
-        line = progress_line(done, total, m, self.progress.last_eval)
+        line = progress_line(done, total, m, self.progress.last_eval, unscored=self.progress.last_eval_unscored)
         if bar is not None:
             bar.update(1)
             bar.write(line)
@@ -222,6 +231,7 @@ class Trainer:
             if self.cfg.trainer.resume_experience == "reuse":
                 with timer.stage("pending_write"):
                     self.persistence.write_pending(k, self.version, batch, m, self.counters - counters0)
+        self.samples.log(k, batch)  # trainer.log_samples_every: a table of the sealed batch
         m.update(self.learner.update_with_recovery(k, batch, self.version, self.manifest, timer))
         if not m.get("update/skipped_batch"):
             with timer.stage("commit"):

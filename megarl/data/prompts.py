@@ -14,6 +14,17 @@ A row carries either a plain-text prompt (``prompt_field``, default ``"prompt"``
 * Prompts longer than ``max_prompt_tokens`` are dropped (never cut) and counted in
   ``stats["dropped_overlong"]``.
 
+Sources (:func:`iter_rows`, the one row reader the loader and the start-up data check share):
+a ``.jsonl``/``.json`` or ``.parquet`` file (``where`` = ``file:line``); a directory of such
+files, read in name order (``file:line``); a ``datasets`` directory written by
+``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk`` (``split`` picks the split;
+``where`` = ``dir[split]#index``); a Hub dataset, ``org/name`` or ``hf://datasets/name``, read
+with ``datasets.load_dataset(name, subset, split=split)``, which honours ``HF_HUB_OFFLINE`` /
+``HF_DATASETS_OFFLINE`` (``where`` = ``hf://datasets/name[subset/split]#index``).  The last two
+need the optional ``datasets`` package.  ``stats["sha256"]`` is the file's bytes for a file,
+every file's name and bytes for a directory of files, and the rows themselves (canonical JSON,
+in order) for a ``datasets`` source: the same rows give the same hash.
+
 :class:`PromptSampler` draws dataset indices epoch by epoch; epoch ``e`` is the permutation
 ``numpy.random.default_rng([seed, e]).permutation(n)``, so the order depends only on
 ``(seed, epoch, cursor)``, which is all its state: a resumed run draws the same next prompts.
@@ -38,6 +49,11 @@ __all__ = [
     "PromptDatasetError",
     "PromptSampler",
     "load_prompt_dataset",
+    "load_configured_dataset",
+    "configured_sources",
+    "iter_rows",
+    "source_kind",
+    "check_source",
 ]
 
 JSONL_SUFFIXES = (".jsonl", ".json")
@@ -79,6 +95,9 @@ class PromptDataset:
 
 
 # ---- reading rows ----------------------------------------------------------------------------
+
+HUB_PREFIX = "hf://datasets/"
+_DATASETS_HINT = 'pip install -e ".[datasets]"'
 
 
 def _jsonl_rows(path: str, hasher) -> Iterator[tuple[int, dict]]:
@@ -123,6 +142,176 @@ def _parquet_rows(path: str, hasher) -> Iterator[tuple[int, dict]]:
         for row in batch.to_pylist():
             row_no += 1
             yield row_no, row
+
+
+def _is_hub_dataset(path: str) -> bool:
+    if path.startswith(HUB_PREFIX):
+        return True
+    from megarl.hub import is_hub_id
+
+    # "data/train.jsonl" (missing) is a file that is not there, not a repo named train.jsonl
+    return is_hub_id(path) and "@" not in path and not path.lower().endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES)
+
+
+def source_kind(path: str | os.PathLike) -> str:
+    """What ``path`` is: ``"jsonl"``, ``"parquet"``, ``"files"`` (a directory of them),
+    ``"datasets"`` (a save_to_disk directory) or ``"hub"`` (a Hub dataset name).  Raises
+    :class:`PromptDatasetError` for a path that is none of these."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        if any(os.path.isfile(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json")):
+            return "datasets"
+        if _dir_files(path):
+            return "files"
+        raise PromptDatasetError(
+            f"prompt directory {path} holds no {', '.join(JSONL_SUFFIXES + PARQUET_SUFFIXES)} files and is not a "
+            f"`datasets` save_to_disk directory (no dataset_dict.json / state.json)")
+    if os.path.exists(path):
+        lower = path.lower()
+        if lower.endswith(JSONL_SUFFIXES):
+            return "jsonl"
+        if lower.endswith(PARQUET_SUFFIXES):
+            return "parquet"
+        raise PromptDatasetError(
+            f"prompt file {path}: unknown format; expected one of {', '.join(JSONL_SUFFIXES + PARQUET_SUFFIXES)}, "
+            f"a directory of them, a `datasets` directory or a Hub dataset name")
+    if _is_hub_dataset(path):
+        return "hub"
+    raise PromptDatasetError(f"prompt file {path} does not exist")
+
+
+def check_source(path: str | os.PathLike) -> str:
+    """:func:`source_kind`, plus: the ``datasets`` package is there when the source needs it.
+    Reads no rows (a Hub dataset is not contacted): the cheap start-up check."""
+    kind = source_kind(path)
+    if kind in ("datasets", "hub"):
+        _import_datasets(os.fspath(path))
+    return kind
+
+
+def _dir_files(path: str) -> list[str]:
+    return sorted(f for f in os.listdir(path) if f.lower().endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES)
+                  and os.path.isfile(os.path.join(path, f)))
+
+
+def _import_datasets(path: str):
+    try:
+        import datasets
+    except ImportError:
+        raise PromptDatasetError(f"{path}: reading a `datasets` directory or a Hub dataset needs the datasets "
+                                 f"package: {_DATASETS_HINT}") from None
+    return datasets
+
+
+def _json_default(value):
+    if isinstance(value, (bytes, bytearray)):
+        return value.hex()
+    if hasattr(value, "isoformat"):  # dates and times from Arrow timestamp columns
+        return value.isoformat()
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"a {type(value).__name__} value")
+
+
+def _dataset_rows(ds, label: str, id_prefix: str, hasher) -> Iterator[tuple[str, str, dict]]:
+    for i, row in enumerate(ds):
+        where = f"{label}#{i}"
+        # Arrow has no "absent": a column a row does not use is null there; drop it, so the row
+        # carries the fields a JSONL line would (and a null never looks like a ground truth)
+        row = {k: v for k, v in row.items() if v is not None}
+        try:
+            hasher.update(json.dumps(row, sort_keys=True, ensure_ascii=False, default=_json_default).encode() + b"\n")
+        except TypeError as e:
+            raise PromptDatasetError(f"{where}: a field holds {e}, which a prompt row cannot carry") from None
+        yield where, f"{id_prefix}:{i}", row
+
+
+def _split_of(dsdict, path: str, split: str | None):
+    splits = sorted(dsdict)
+    if split is None and len(splits) == 1:
+        split = splits[0]
+    if split not in dsdict:
+        raise PromptDatasetError(f"{path}: has no split {split!r}; its splits are {splits} "
+                                 f"(choose one with data.train_split / data.heldout_split)")
+    return dsdict[split], split
+
+
+def _open_datasets_dir(path: str, split: str | None):
+    datasets = _import_datasets(path)
+    try:
+        ds = datasets.load_from_disk(path)
+    except Exception as e:  # FileNotFoundError / arrow errors from a damaged directory
+        raise PromptDatasetError(f"{path}: not a readable `datasets` directory ({type(e).__name__}: {e})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        ds, split = _split_of(ds, path, split)
+        return ds, f"{path}[{split}]", f"{os.path.basename(os.path.normpath(path))}/{split}"
+    return ds, path, os.path.basename(os.path.normpath(path))
+
+
+def _open_hub(path: str, split: str | None, subset: str | None):
+    datasets = _import_datasets(path)
+    name = path[len(HUB_PREFIX):] if path.startswith(HUB_PREFIX) else path
+    label = f"{HUB_PREFIX}{name}[{subset + '/' if subset else ''}{split}]"
+    try:
+        ds = datasets.load_dataset(name, subset, split=split)
+    except Exception as e:  # offline and not cached, unknown name, missing config name, no such split
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if "OfflineModeIsEnabled" in first:
+            raise PromptDatasetError(
+                f"{HUB_PREFIX}{name}: not in the local datasets cache, and HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is "
+                f"set; load it once online, or save it with Dataset.save_to_disk and give that directory") from None
+        hint = ""
+        if "config" in first.lower() and subset is None:
+            hint = " (set data.train_subset / data.heldout_subset to one of its configs)"
+        elif "split" in first.lower():
+            hint = " (choose another data.train_split / data.heldout_split)"
+        raise PromptDatasetError(f"{HUB_PREFIX}{name}: cannot load the Hub dataset: {first}{hint}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        ds, split = _split_of(ds, path, split)
+    return ds, label, f"{name}/{split}"
+
+
+def _source_rows(path: str, hasher, split: str | None = None,
+                 subset: str | None = None) -> Iterator[tuple[str, str, dict]]:
+    """``(where, default id, row)`` for every row of the source ``path`` (see the module doc);
+    feeds ``hasher`` what ``stats["sha256"]`` covers."""
+    kind = source_kind(path)
+    if kind in ("jsonl", "parquet"):
+        basename = os.path.basename(path)
+        reader = _jsonl_rows if kind == "jsonl" else _parquet_rows
+        for line_no, row in reader(path, hasher):
+            yield f"{path}:{line_no}", f"{basename}:{line_no}", row
+    elif kind == "files":
+        for name in _dir_files(path):
+            file = os.path.join(path, name)
+            hasher.update(name.encode() + b"\0")  # which bytes belong to which file
+            reader = _jsonl_rows if name.lower().endswith(JSONL_SUFFIXES) else _parquet_rows
+            for line_no, row in reader(file, hasher):
+                yield f"{file}:{line_no}", f"{name}:{line_no}", row
+    elif kind == "datasets":
+        ds, label, prefix = _open_datasets_dir(path, split)
+        yield from _dataset_rows(ds, label, prefix, hasher)
+    else:
+        ds, label, prefix = _open_hub(path, split, subset)
+        yield from _dataset_rows(ds, label, prefix, hasher)
+
+
+def iter_rows(path: str | os.PathLike, *, split: str | None = None, subset: str | None = None,
+              hasher=None) -> Iterator[tuple[str, dict]]:
+    """``(where, row)`` for every row of a prompt source, in order: the rows
+    :func:`load_prompt_dataset` reads, with ``where`` naming the row in error messages
+    (``file:line``, or ``name[split]#index`` for a ``datasets`` source).  ``split`` / ``subset``
+    apply to ``datasets`` directories and Hub datasets.  Raises :class:`PromptDatasetError` for
+    a missing path, an unknown format, a row that is not a JSON object, or a missing
+    ``datasets`` package."""
+    hasher = hasher if hasher is not None else hashlib.sha256()
+    try:
+        for where, _, row in _source_rows(os.fspath(path), hasher, split, subset):
+            yield where, row
+    except OSError as e:
+        raise PromptDatasetError(f"prompt file {os.fspath(path)} cannot be read: {e}") from e
 
 
 # ---- validating and encoding -----------------------------------------------------------------
@@ -170,8 +359,12 @@ def load_prompt_dataset(
     apply_chat_template: bool = True,
     system_prompt: str | None = None,
     max_prompt_tokens: int,
+    split: str | None = None,
+    subset: str | None = None,
 ) -> PromptDataset:
-    """Read, validate and encode a prompt file (``.jsonl``/``.json`` JSON lines, or ``.parquet``).
+    """Read, validate and encode a prompt source (a ``.jsonl``/``.json`` JSON-lines or
+    ``.parquet`` file, a directory of them, a ``datasets`` directory or a Hub dataset; ``split``
+    and ``subset`` apply to the last two, see :func:`iter_rows`).
 
     ``contract`` is the run's :class:`~megarl.data.tokenizer.TokenizerContract`.  Raises
     :class:`PromptDatasetError` naming ``path:line`` and the field for a bad row, naming both
@@ -186,32 +379,16 @@ def load_prompt_dataset(
         raise PromptDatasetError(
             f"{path}: apply_chat_template is set but the tokenizer ({getattr(contract, 'source', None)}) "
             f"has no chat template; give it one or set apply_chat_template=False")
-    if not os.path.exists(path):
-        raise PromptDatasetError(f"prompt file {path} does not exist")
-    if os.path.isdir(path):
-        raise PromptDatasetError(f"prompt file {path} is a directory; give a .jsonl or .parquet file")
-    lower = path.lower()
-    if lower.endswith(JSONL_SUFFIXES):
-        reader = _jsonl_rows
-    elif lower.endswith(PARQUET_SUFFIXES):
-        reader = _parquet_rows
-    else:
-        raise PromptDatasetError(
-            f"prompt file {path}: unknown format; expected one of "
-            f"{', '.join(JSONL_SUFFIXES + PARQUET_SUFFIXES)}")
-
-    basename = os.path.basename(path)
+    kind = source_kind(path)
     hasher = hashlib.sha256()
     records: list[PromptRecord] = []
     seen_ids: dict[str, str] = {}
     rows = dropped = longest = 0
     reserved = {prompt_field, messages_field, id_field}
     try:
-        row_iter = reader(path, hasher)
-        for line_no, row in row_iter:
+        for where, default_id, row in _source_rows(path, hasher, split, subset):
             rows += 1
-            where = f"{path}:{line_no}"
-            prompt_id = _row_id(row, id_field, where, f"{basename}:{line_no}")
+            prompt_id = _row_id(row, id_field, where, default_id)
             if prompt_id in seen_ids:
                 raise PromptDatasetError(
                     f"{where}: duplicate {id_field!r} {prompt_id!r} (first at {seen_ids[prompt_id]})")
@@ -273,11 +450,36 @@ def load_prompt_dataset(
         "path": path,
         "sha256": hasher.hexdigest(),
     }
+    if kind not in ("jsonl", "parquet"):  # files keep the stats they always had
+        stats["source"] = kind
+        if kind in ("datasets", "hub"):
+            stats.update(split=split, subset=subset)
     return PromptDataset(tuple(records), stats)
 
 
 # ---- sampling --------------------------------------------------------------------------------
 
+
+
+def configured_sources(data_cfg) -> list[tuple[str, str, str | None, str | None]]:
+    """``(key, path, split, subset)`` of the train and held-out sources the ``data`` section names
+    (the held-out one only when set)."""
+    d = data_cfg
+    out = [("data.train_path", d.train_path, d.train_split, d.train_subset)]
+    if d.heldout_path:
+        out.append(("data.heldout_path", d.heldout_path, d.heldout_split, d.heldout_subset))
+    return out
+
+
+def load_configured_dataset(data_cfg, contract, path: str, *, split: str | None = None,
+                            subset: str | None = None) -> PromptDataset:
+    """:func:`load_prompt_dataset` with the ``data`` section's fields, chat-template and length
+    settings: how training, ``--dry-run`` and ``python -m megarl.eval`` all read prompts."""
+    d = data_cfg
+    return load_prompt_dataset(path, contract, prompt_field=d.prompt_field, messages_field=d.messages_field,
+                               id_field=d.id_field, apply_chat_template=d.apply_chat_template,
+                               system_prompt=d.system_prompt, max_prompt_tokens=d.max_prompt_tokens,
+                               split=split, subset=subset)
 
 class PromptSampler:
     """Dataset indices, epoch after epoch, each epoch a permutation (every index exactly once).

@@ -94,7 +94,8 @@ def _build_user(spec: str, kwargs: dict, key: str) -> RewardFunction:
             pass
         fn, bound = obj, dict(kwargs)
         version = getattr(obj, "version", None) or f"user/{attr}({spec},kwargs={bound!r})"
-        return UserFunction(lambda sample: fn(sample, **bound), str(getattr(obj, "name", "") or attr), version)
+        return UserFunction(lambda sample: fn(sample, **bound), str(getattr(obj, "name", "") or attr), version,
+                            declared_by=obj)
     return UserFunction(obj, str(getattr(obj, "name", "") or attr), getattr(obj, "version", None) or f"user/{attr}({spec})")
 
 

@@ -265,6 +265,7 @@ class CodeExec:
         self.uid, self.gid = (None, None) if uid is None else (int(uid), int(gid))
         self.namespaces, self.strict = bool(namespaces), bool(strict)
         self.tests_key, self.asserts_key = str(tests_key), str(asserts_key)
+        self.required_fields = ((self.tests_key, self.asserts_key),)  # at least one of them
         if python is None:
             dropping = self.uid is not None and os.geteuid() == 0
             cands = [sys.executable] + [p for p in ("/usr/bin/python3", "/usr/local/bin/python3", "/bin/python3")]

@@ -51,6 +51,22 @@ class WeightedComposite:
         inner = ",".join(f"{p}*{w!r}={getattr(f, 'version', '?')}" for p, w, f in self.parts)
         self.version = f"composite/1[{inner}]"
 
+    @property
+    def required_fields(self):
+        """The union of the parts' declared ground-truth fields (None: no part declares any)."""
+        from megarl.rewards.declarations import required_fields, union_of
+
+        return union_of([required_fields(f) for _, _, f in self.parts])
+
+    def extract_answer(self, text: str):
+        """The answer of the first part that parses answers (else the normalised text)."""
+        from megarl.rewards.declarations import extract_answer, extractor, normalised_text
+
+        for _, _, f in self.parts:
+            if extractor(f) is not None:
+                return extract_answer(f, text)
+        return normalised_text(text)
+
     def __call__(self, sample: RewardSample) -> RewardRecord:
         terms: list[float] = []
         components: dict[str, float] = {}

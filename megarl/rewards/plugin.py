@@ -57,10 +57,18 @@ class UserFunction:
     Exceptions from ``fn`` propagate (the runner records them as ``error`` and retries).
     """
 
-    def __init__(self, fn: Callable[[RewardSample], Any], name: str, version: str | None = None):
+    def __init__(self, fn: Callable[[RewardSample], Any], name: str, version: str | None = None,
+                 declared_by: Any = None):
         if not callable(fn):
             raise RewardConfigError(f"user reward {name!r} is a {type(fn).__name__}, not a callable")
         self.fn, self.name = fn, str(name)
+        # what the plug-in declares about itself (megarl/rewards/declarations.py): the ground-truth
+        # fields it reads and its answer parser, read from ``declared_by`` (default: ``fn``)
+        owner = fn if declared_by is None else declared_by
+        self.required_fields = getattr(owner, "required_fields", None)
+        answer = getattr(owner, "extract_answer", None)
+        if callable(answer):
+            self.extract_answer = answer
         where = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
         self.version = version or str(getattr(fn, "version", "") or f"user/{self.name}({where})")
 

@@ -118,6 +118,12 @@ class ExactNumericMatch:
         self.tolerance = float(tolerance)
         self._tol = Fraction(repr(self.tolerance))
         self.version = f"exact_numeric/1(answer_key={self.answer_key!r},tolerance={self.tolerance!r})"
+        self.required_fields = (self.answer_key,)
+
+    def extract_answer(self, text: str) -> str | None:
+        """The last number of the response, exactly (``"42"``, ``"7/2"``), as compared."""
+        got = extract_last_number(text)
+        return None if got is None else str(got)
 
     def __call__(self, sample: RewardSample) -> RewardRecord:
         raw, bad = _answer(sample, self.answer_key, self.version)
@@ -161,9 +167,20 @@ class MathVerify:
         self._parse, self._verify = parse, verify
         self.answer_key = str(answer_key)
         self.version = f"math_verify/1(answer_key={self.answer_key!r},math-verify=={pkg})"
+        self.required_fields = (self.answer_key,)
+
+    def extract_answer(self, text: str) -> str | None:
+        """math-verify's parse of the response (its string form: the last ``\\boxed{}`` or
+        expression it found), None when nothing parses."""
+        pred = self._parse(text, parsing_timeout=None)
+        return str(pred[-1]) if pred else None
 
     def _parse_gold(self, text: str) -> list:
         # A bare "x^{2}" or "(1,2)" only parses inside math delimiters; "0.5" parses either way.
+        # LaTeX commands go inside the delimiters first: bare, "\left( 3, \frac{\pi}{2} \right)"
+        # parses as just 3, and a right answer would score 0.
+        if "$" not in text and "\\" in text:
+            return self._parse(f"${text}$", parsing_timeout=None) or self._parse(text, parsing_timeout=None)
         gold = self._parse(text, parsing_timeout=None)
         if not gold and "$" not in text:
             gold = self._parse(f"${text}$", parsing_timeout=None)
@@ -217,6 +234,7 @@ class RegexFormat:
         self.pattern, self.full_match, self.flags = pattern, bool(full_match), "".join(sorted(set(str(flags))))
         digest = hashlib.sha256(pattern.encode()).hexdigest()[:12]
         self.version = f"regex/1(sha256={digest},full_match={self.full_match},flags={self.flags!r})"
+        self.required_fields = ()  # reads the response only
 
     def __call__(self, sample: RewardSample) -> RewardRecord:
         text = sample.response_text
@@ -238,6 +256,16 @@ class Arithmetic:
         self._score = score
         self.answer_key = str(answer_key)
         self.version = f"arithmetic/1(answer_key={self.answer_key!r})"
+        self.required_fields = (self.answer_key,)
+
+    def extract_answer(self, text: str) -> str | None:
+        """The integer the response spells, normalised exactly as :func:`score` reads it (None
+        when the response is not one integer)."""
+        # score()'s own two steps (the task module keeps them private): drop special tokens and
+        # all whitespace, then read one integer without leading zeros
+        from megarl.data.tasks.arithmetic import _SPECIAL, _normalize_int
+
+        return _normalize_int("".join(_SPECIAL.sub(" ", text).split())) if isinstance(text, str) else None
 
     def __call__(self, sample: RewardSample) -> RewardRecord:
         raw, bad = _answer(sample, self.answer_key, self.version)

@@ -136,7 +136,7 @@ def import_sglang():
     except ImportError as e:
         raise BackendUnavailableError(
             "rollout backend 'sglang' needs the Python package 'sglang', which is not importable "
-            f"here ({e}); install the GPU extra: pip install megarl[gpu]"
+            f"here ({e}); install the GPU extra: pip install -e \".[gpu]\" (or use the Dockerfile)"
         ) from e
     return sglang
 

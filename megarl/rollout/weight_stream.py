@@ -529,7 +529,8 @@ def get_flattened_tensor_bucket_class():
     except ImportError as e:
         raise ImportError(
             "SGLang's FlattenedTensorBucket is not importable (sglang.srt.weight_sync.tensor_bucket); "
-            "flattened buckets for an engine must be built by the installed SGLang: pip install megarl[gpu]"
+            "flattened buckets for an engine must be built by the installed SGLang: "
+            'pip install -e ".[gpu]" (or use the Dockerfile)'
         ) from e
 
 

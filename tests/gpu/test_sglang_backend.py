@@ -47,7 +47,7 @@ SKIP_REASON = None
 if not torch.cuda.is_available():
     SKIP_REASON = "needs a CUDA GPU (the sglang backend runs SGLang schedulers on GPU)"
 elif importlib.util.find_spec("sglang") is None:
-    SKIP_REASON = "needs the 'sglang' package: pip install megarl[gpu] (or the Docker image)"
+    SKIP_REASON = "needs the 'sglang' package: pip install -e \".[gpu]\" (or the Docker image)"
 
 TOKENIZER_HASH = "sha256:" + "0" * 64  # the check has no tokenizer
 MAX_NEW = 16

@@ -1,0 +1,238 @@
+"""``python -m megarl.train --dry-run``: everything a start checks, and the plan, without training.
+
+It validates the config at the world size (``--world-size N`` simulates one; default
+``$WORLD_SIZE`` or 1), checks the run directory, builds the reward function, reads the model's
+config.json and fits it to TP/PP, loads the tokenizer, loads and encodes the datasets (counting
+rows), and prints the plan: the layout, the rollout's inference groups, the batch arithmetic and
+a memory estimate per role.  It never initialises torch.distributed, never builds the built-in
+tiny model or task files (it says it would), and writes nothing.
+
+When the world size is simulated (the machine that will run it is not this one), an optional
+package missing here (``rollout.backend=sglang``) is reported as "not checked here" instead of
+failing; without ``--world-size`` it fails exactly as a real start would.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+GiB = 1024 ** 3
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class ParamCount:
+    """Parameters of a model from its config.json: the whole model and the heaviest (TP, PP)
+    shard (the first / last pipeline stage carries the embedding / output layer)."""
+
+    total: int
+    per_shard: int
+    dtype_bytes: int
+
+
+def count_params(spec, vocab_multiple: int, tp: int, pp: int, value_head: bool = False) -> ParamCount:
+    h, d = spec.hidden_size, spec.head_dim
+    q, kv = spec.num_attention_heads * d, spec.num_query_groups * d
+    attn = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if spec.qkv_bias else 0) + (2 * d if spec.qk_norm else 0)
+    mlp = 3 * h * spec.ffn_hidden_size  # SwiGLU: gate, up, down
+    layer = attn + mlp + 2 * h  # two RMSNorms
+    vocab = spec.padded_vocab_size(vocab_multiple)
+    emb = vocab * h
+    head = h + (1 if spec.value_head_bias else 0) if value_head else (0 if spec.tie_word_embeddings else vocab * h)
+    total = spec.num_layers * layer + emb + head + h
+    stage_layers = spec.num_layers // pp * layer
+    # pp > 1: the first stage holds the embedding, the last the output layer (a copy of the
+    # embedding when tied)
+    ends = emb + head if pp == 1 else max(emb, head if (head or value_head) else emb)
+    per_shard = (stage_layers + ends) // tp + h
+    name = str(spec.raw_config.get("dtype") or spec.raw_config.get("torch_dtype") or "bfloat16").replace("torch.", "")
+    return ParamCount(total, per_shard, _DTYPE_BYTES.get(name, 2))
+
+
+def role_memory(n: ParamCount, *, trains: bool, optimizer: str, dp: int) -> Dict[str, float]:
+    """GiB per GPU on CUDA: weights in the checkpoint's dtype; for a trained role fp32 gradients
+    (megatron DDP, grad_reduce_in_fp32) and the distributed optimizer's state sharded over DP
+    (fp32 main weights when the weights are 16-bit, plus Adam's two moments)."""
+    out = {"weights": n.per_shard * n.dtype_bytes / GiB}
+    if trains:
+        out["grads"] = n.per_shard * 4 / GiB
+        state = (4 if n.dtype_bytes < 4 else 0) + (8 if optimizer == "adam" else 0)
+        out["optimizer"] = n.per_shard * state / dp / GiB
+    out["total"] = sum(out.values())
+    return out
+
+
+def batch_plan(cfg, dp: int) -> List[str]:
+    t, r, a = cfg.trainer, cfg.rollout, cfg.algo
+    samples = t.prompts_per_iteration * r.n
+    mini = samples // a.num_mini_batches
+    per_rank = mini // dp
+    micro = a.micro_batch_size or per_rank
+    fwd = a.forward_micro_batch_size or samples // dp
+    steps = a.ppo_epochs * a.num_mini_batches
+    lines = [f"batch: B={t.prompts_per_iteration} prompts x G={r.n} samples = {samples} samples per iteration",
+             f"  {a.num_mini_batches} mini-batch(es) of {mini} samples "
+             f"({t.prompts_per_iteration // a.num_mini_batches} prompts) -> {per_rank} per DP rank -> "
+             f"{per_rank // micro} micro-batch(es) of {micro} "
+             f"(algo.micro_batch_size={a.micro_batch_size})",
+             f"  forward-only passes (old/ref log-probs, values): {-(-(samples // dp) // fwd)} per DP rank of "
+             f"{fwd} rows (algo.forward_micro_batch_size={a.forward_micro_batch_size})",
+             f"  optimizer steps: {a.ppo_epochs} epoch(s) x {a.num_mini_batches} mini-batch(es) = {steps} per "
+             f"iteration, {steps * t.iterations} in total ({t.iterations} iterations)"]
+    if cfg.critic is not None:
+        cm = cfg.critic.micro_batch_size
+        lines.append(f"  critic: {per_rank // cm} micro-batch(es) of {cm} per DP rank; "
+                     f"{cfg.critic.warmup_iters} critic-only warm-up iteration(s)")
+    if a.dynamic_sampling.enabled:
+        lines.append(f"  dynamic sampling: zero-spread groups dropped, up to {a.dynamic_sampling.max_rounds} "
+                     "rounds of prompts per iteration")
+    return lines
+
+
+def _load_datasets(cfg, tok) -> List[str]:
+    """The datasets loaded and encoded as the run loads them."""
+    from megarl.data.prompts import configured_sources, load_configured_dataset
+
+    d = cfg.data
+    out = []
+    for key, path, split, subset in configured_sources(d):
+        s = load_configured_dataset(d, tok, path, split=split, subset=subset).stats
+        out.append(f"ok   {key}: {path}: {s['kept']} of {s['rows']} rows kept ({s['dropped_overlong']} longer "
+                   f"than data.max_prompt_tokens={d.max_prompt_tokens}; longest {s['max_prompt_tokens_seen']} tokens)")
+    return out
+
+
+def _gib(x: float) -> str:
+    return f"{x:.1f} GiB" if x >= 1 else f"{x * 1024:.1f} MiB"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+
+
+def _memory_lines(cfg, spec, dp: int) -> List[str]:
+    from megarl.models.hf_config import load_spec
+
+    p = cfg.parallel
+    actor = count_params(spec, cfg.model.vocab_multiple, p.tp, p.pp)
+    lines = [f"memory per GPU (CUDA; from config.json: {_count(actor.total)} parameters, "
+             f"{_count(actor.per_shard)} on the heaviest tp x pp shard, {actor.dtype_bytes}-byte weights):"]
+
+    def show(role: str, mem: Dict[str, float], note: str = "") -> None:
+        parts = " + ".join(f"{k} {_gib(v)}" for k, v in mem.items() if k != "total")
+        lines.append(f"  {role:<13}{parts} = {_gib(mem['total'])}{note}")
+
+    show("actor", role_memory(actor, trains=True, optimizer=cfg.actor.optim.optimizer, dp=dp),
+         " (on the host while the rollout generates: actor.offload)" if cfg.actor.offload else "")
+    if cfg.reference.enabled:
+        ref = actor if cfg.reference.path is None else count_params(load_spec(cfg.reference.path),
+                                                                    cfg.model.vocab_multiple, p.tp, p.pp)
+        show("reference", role_memory(ref, trains=False, optimizer="", dp=dp),
+             " (on the host between its forwards)" if cfg.reference.offload else "")
+    if cfg.critic is not None:
+        cspec = spec if cfg.critic.path is None else load_spec(cfg.critic.path)
+        crit = count_params(cspec, cfg.model.vocab_multiple, p.tp, p.pp, value_head=True)
+        show("critic", role_memory(crit, trains=True, optimizer=cfg.critic.optim.optimizer, dp=dp),
+             " (on the host while the rollout generates)" if cfg.critic.offload else "")
+    if cfg.reward.model.path:
+        rm = count_params(load_spec(cfg.reward.model.path), cfg.model.vocab_multiple, p.tp, p.pp, value_head=True)
+        show("reward model", role_memory(rm, trains=False, optimizer="", dp=dp),
+             " (on the host between its forwards)" if cfg.reward.model.offload else "")
+    r = cfg.rollout
+    if r.backend == "sglang":
+        lines.append(f"  {'rollout':<13}rollout.mem_fraction_static={r.mem_fraction_static} of each GPU (weights "
+                     f"{_gib(actor.total * actor.dtype_bytes / r.tp / GiB)} per rollout.tp={r.tp} shard + KV cache)")
+    else:
+        lines.append(f"  {'rollout':<13}hf engine: a full copy of the weights on each DP replica's leader "
+                     f"({_gib(actor.total * 4 / GiB)} in fp32)")
+    lines.append("  (activations come on top and depend on the sequence lengths and micro-batch sizes)")
+    return lines
+
+
+def dry_run(cfg, world_size: Optional[int] = None) -> dict:
+    """Check and plan; print one line per check; return the plan (for tests)."""
+    from megarl.config import missing_packages, validate, validate_model_fit
+    from megarl.run_dir import check_start_paths, inspect_run_dir, start_decision
+    from megarl.tinymodel import is_built
+    from megarl.train import _check_model, _check_reward
+
+    simulated = world_size is not None
+    world = world_size if simulated else int(os.environ.get("WORLD_SIZE", "1"))
+    dp = validate(cfg, world)
+    lines = [f"ok   config: recipe {cfg.recipe}, {cfg.algo.name} ({cfg.algo.advantage}), valid at world size {world}"
+             + (" (simulated: --world-size)" if simulated else "")]
+    not_checked = []
+    for key, msg in missing_packages(cfg):
+        if not simulated:
+            from megarl.config import ConfigError
+
+            raise ConfigError(f"{key}: {msg}")
+        not_checked.append(f"{key}: {msg.split(';')[0]}")
+    check_start_paths(cfg)
+    run_dir = cfg.trainer.run_dir
+    if run_dir:
+        state = inspect_run_dir(run_dir)
+        finished = start_decision(cfg, state, dry=True)
+        if finished:
+            what = finished
+        elif state.checkpoint and cfg.trainer.resume == "auto":
+            what = f"would resume from {state.checkpoint}"
+        else:
+            what = "would move the interrupted attempt aside and start over" if state.used else "would start a new run"
+        lines.append(f"ok   trainer.run_dir: {run_dir}: {what}")
+    else:
+        lines.append("ok   trainer.run_dir: runs/ is writable (default: runs/<recipe>-<timestamp>)")
+    _check_reward(cfg)
+    lines.append(f"ok   reward: {cfg.reward.fn or 'reward model only'} builds"
+                 + (f" (+ reward model {cfg.reward.model.path})" if cfg.reward.model.path else ""))
+
+    builds = []
+    if cfg.model.build_tiny and not is_built(cfg.model.path):
+        builds.append(f"would build the built-in tiny model at model.path={cfg.model.path} (model.tiny.*)")
+    if cfg.data.build_arithmetic:
+        paths = (("data.train_path", cfg.data.train_path), ("data.heldout_path", cfg.data.heldout_path))
+        builds += [f"would build the arithmetic task file {key}={path}" for key, path in paths
+                   if path and not os.path.exists(path)]
+    spec = None
+    if not builds:
+        from megarl.data.fields_check import check_datasets_against_reward
+        from megarl.data.tokenizer import TokenizerContract
+        from megarl.models.hf_config import load_spec
+
+        check_datasets_against_reward(cfg)
+        _check_model(cfg)  # also resolves Hub ids to their local snapshots, as a start does
+        spec = load_spec(cfg.model.path)
+        validate_model_fit(cfg, spec, where=os.path.join(cfg.model.path, "config.json"))
+        lines.append(f"ok   model.path: {cfg.model.path}: {spec.architecture}, {spec.num_layers} layers, hidden "
+                     f"{spec.hidden_size}, {spec.num_attention_heads} heads / {spec.num_query_groups} KV heads: "
+                     f"fits tp {cfg.parallel.tp} x pp {cfg.parallel.pp}")
+        tok_dir = cfg.model.tokenizer or cfg.model.path
+        template = open(cfg.model.chat_template).read() if cfg.model.chat_template else None
+        tok = TokenizerContract.from_pretrained(tok_dir, chat_template=template)
+        lines.append(f"ok   tokenizer: {tok_dir}: loads (contract {tok.hash[:12]})")
+        lines += _load_datasets(cfg, tok)
+    else:
+        lines += [f"--   {b}" for b in builds]
+        lines.append("--   model, tokenizer and datasets: checked once built (a real start builds them first)")
+
+    p, r = cfg.parallel, cfg.rollout
+    lines.append("")
+    lines.append(f"plan: world {world} = tp {p.tp} x pp {p.pp} x dp {dp} (actor, reference"
+                 f"{', critic' if cfg.critic is not None else ''}{', reward model' if cfg.reward.model.path else ''})")
+    if r.backend == "sglang":
+        lines.append(f"rollout: sglang, {world // r.tp} inference group(s) of rollout.tp={r.tp} GPUs")
+    else:
+        lines.append(f"rollout: hf, {dp} engine(s), one per data-parallel replica")
+    lines += batch_plan(cfg, dp)
+    if spec is not None:
+        lines += _memory_lines(cfg, spec, dp)
+    else:
+        lines.append("memory: not estimated (the model's config.json does not exist yet)")
+    for item in not_checked:
+        lines.append(f"not checked here: {item}")
+    lines.append("dry run: nothing was trained or written")
+    print("\n".join(lines), flush=True)
+    return {"dry_run": True, "world": world, "dp": dp, "lines": lines, "not_checked": not_checked,
+            "would_build": builds}

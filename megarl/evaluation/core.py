@@ -1,0 +1,101 @@
+"""The evaluation loop: prompts -> generations (lost candidates regenerated) -> scores -> outcomes.
+
+One code path for the held-out evaluation during training and for ``python -m megarl.eval``:
+requests go through :func:`megarl.control.placement.generate_everywhere` (collective under
+torch.distributed; a plain call in one process), the samples are scored by the run's scorer
+(:class:`megarl.control.interfaces.SampleScorer`), and each candidate becomes a
+:class:`~megarl.evaluation.estimators.Candidate` with its status.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from megarl.control.interfaces import Sample, SampleScorer
+from megarl.control.placement import Placement, generate_everywhere
+from megarl.evaluation.estimators import LOST, Candidate, PromptOutcome
+from megarl.experience.schema import RewardStatus
+from megarl.rollout.protocol import GenerationRequest, GenerationResult, SamplingParams
+
+__all__ = ["generate_candidates", "evaluate_prompts"]
+
+
+def generate_candidates(engine, placement: Placement, requests: Sequence[GenerationRequest], sampling: SamplingParams,
+                        max_retries: int, counters: Counter) -> Dict[Tuple[str, int], GenerationResult]:
+    """One result per (request, candidate), regenerating lost candidates (same request id, so
+    the same per-candidate seeds) up to ``max_retries`` times; extra deliveries (duplicates,
+    late results, foreign ids) are counted in ``results_ignored`` and dropped, candidates still
+    missing after an attempt in ``candidates_lost``."""
+    n = sampling.n
+    out: Dict[Tuple[str, int], GenerationResult] = {}
+    todo = list(requests)
+    for attempt in range(max_retries + 1):
+        if not todo:
+            break
+        wanted = {(q.request_id, c) for q in todo for c in q.candidates(n)}
+        for r in generate_everywhere(engine, placement, todo, sampling):
+            key = (r.request_id, r.candidate_index)
+            if key in wanted and r.attempt == attempt and key not in out:
+                out[key] = r
+            else:
+                counters["results_ignored"] += 1
+        retry = []
+        for q in todo:
+            lost = tuple(c for c in q.candidates(n) if (q.request_id, c) not in out)
+            counters["candidates_lost"] += len(lost)
+            if lost:
+                # the whole request again when every candidate is missing, else only the lost ones
+                idx = q.candidate_indices if len(lost) == len(q.candidates(n)) else lost
+                retry.append(GenerationRequest(q.request_id, q.prompt_ids, candidate_indices=idx, attempt=attempt + 1))
+        todo = retry
+    return out
+
+
+def _prompt_of(rec) -> object:
+    return rec.text if rec.text is not None else [dict(m) for m in rec.messages]
+
+
+def evaluate_prompts(records: Sequence, request_ids: Sequence[str], *, engine, placement: Placement,
+                     scorer: SampleScorer, sampling: SamplingParams, max_retries: int, counters: Counter,
+                     decode: Optional[Callable[[Sequence[int]], str]] = None,
+                     source_field: Optional[str] = None) -> List[PromptOutcome]:
+    """Generate ``sampling.n`` candidates for each prompt record, score them, and return one
+    :class:`PromptOutcome` per record (in order).  ``decode`` (the tokenizer contract's decode,
+    special tokens skipped) fills the response texts of the outcomes; ``source_field`` names the
+    ground-truth field that gives a prompt's source."""
+    requests = [GenerationRequest(rid, tuple(r.prompt_ids)) for r, rid in zip(records, request_ids)]
+    got = generate_candidates(engine, placement, requests, sampling, max_retries, counters)
+    samples: List[Sample] = []
+    for rec, req in zip(records, requests):
+        for c in range(sampling.n):
+            r = got.get((req.request_id, c))
+            if r is None:
+                continue
+            # n=1 keeps the request id as the sample id (what training's evaluation always used)
+            sid = req.request_id if sampling.n == 1 else f"{req.request_id}/c{c:02d}"
+            samples.append(Sample(prompt_id=rec.prompt_id, group_id=req.request_id, sample_id=sid,
+                                  request_id=req.request_id, prompt_ids=req.prompt_ids, response_ids=r.response_ids,
+                                  raw_log_probs=r.raw_log_probs, finish_reason=r.finish_reason,
+                                  policy_version=r.policy_version, seed=r.seed, prompt=rec))
+    scorer.score(samples)
+    scored = {(s.request_id, s.sample_id): s for s in samples}
+    outcomes = []
+    for i, (rec, req) in enumerate(zip(records, requests)):
+        cands = []
+        for c in range(sampling.n):
+            sid = req.request_id if sampling.n == 1 else f"{req.request_id}/c{c:02d}"
+            s = scored.get((req.request_id, sid))
+            if s is None:
+                cands.append(Candidate(index=c, status=LOST))
+                continue
+            rec_ = s.record
+            ok = rec_.status is RewardStatus.OK
+            cands.append(Candidate(index=c, status=rec_.status.value, reward=rec_.total if ok else None,
+                                   response_text=None if decode is None else decode(s.response_ids),
+                                   response_len=len(s.response_ids), finish_reason=s.finish_reason.value,
+                                   error=rec_.error, components=dict(rec_.components)))
+        source = rec.ground_truth.get(source_field) if source_field else None
+        outcomes.append(PromptOutcome(index=i, prompt_id=rec.prompt_id, prompt=_prompt_of(rec), source=source,
+                                      candidates=cands))
+    return outcomes
