@@ -15,7 +15,7 @@ What megarl expects of a plug-in (megarl/rewards/plugin.py):
   token ids ...), possibly from several threads or worker processes at once, so it keeps no
   mutable state;
 * it returns a number, or ``{"total": x, "components": {name: value}}`` (the components are
-  logged as ``reward/<name>`` metrics and in the sample tables), or a full ``RewardRecord``;
+  logged as ``prep/reward_component/<name>`` metrics and in the sample tables), or a full ``RewardRecord``;
 * it raises for a sample it cannot score (the sample is counted as a scorer failure, never as
   a wrong answer);
 * ``required_fields`` names the ground-truth fields it reads: megarl checks every train and

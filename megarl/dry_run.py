@@ -93,14 +93,18 @@ def batch_plan(cfg, dp: int) -> List[str]:
 
 def _load_datasets(cfg, tok) -> List[str]:
     """The datasets loaded and encoded as the run loads them."""
+    from megarl.data.fields_check import drop_rows_missing_fields
     from megarl.data.prompts import configured_sources, load_configured_dataset
 
     d = cfg.data
     out = []
     for key, path, split, subset in configured_sources(d):
-        s = load_configured_dataset(d, tok, path, split=split, subset=subset).stats
+        s = drop_rows_missing_fields(cfg, load_configured_dataset(d, tok, path, split=split, subset=subset)).stats
+        missing = s.get("dropped_missing_fields", 0)
         out.append(f"ok   {key}: {path}: {s['kept']} of {s['rows']} rows kept ({s['dropped_overlong']} longer "
-                   f"than data.max_prompt_tokens={d.max_prompt_tokens}; longest {s['max_prompt_tokens_seen']} tokens)")
+                   f"than data.max_prompt_tokens={d.max_prompt_tokens}; longest {s['max_prompt_tokens_seen']} tokens"
+                   + (f"; {missing} without a field the reward reads, data.on_missing_fields=skip" if missing else "")
+                   + ")")
     return out
 
 

@@ -31,6 +31,7 @@ import json
 import os
 import shlex
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -92,9 +93,13 @@ def check_writable(key: str, path: str) -> None:
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
         raise ConfigError(f"{key}: cannot create {path}: {probe} is a file, not a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
+    # try it rather than ask os.access, which says yes to root on read-only or virtual file
+    # systems (/proc, a read-only mount); the probe directory is removed at once
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".megarl-write-probe-", dir=probe))
+    except OSError as e:
         what = "is not writable" if probe == path else f"cannot be created: {probe} is not writable"
-        raise ConfigError(f"{key}: {path} {what}")
+        raise ConfigError(f"{key}: {path} {what} ({e.strerror or e})") from None
 
 
 def check_start_paths(cfg) -> None:

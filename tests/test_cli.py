@@ -202,6 +202,9 @@ def test_startup_errors_are_one_line_naming_the_key(tmp_path):
             assert str(ro) in line and not (tmp_path / "never_built").exists()
     finally:
         ro.chmod(0o700)
+    # a directory nobody can create in, root included (os.access would say yes to root)
+    line = _one_error(_cli(["--config", GRPO, *tiny, "trainer.run_dir=/proc/megarl-run"], tmp_path), "trainer.run_dir")
+    assert "/proc/megarl-run cannot be created" in line and not (tmp_path / "never_built").exists()
     (tmp_path / "file").write_text("x")
     line = _one_error(_cli(["--config", GRPO, *tiny, f"trainer.run_dir={tmp_path / 'file' / 'run'}"], tmp_path),
                       "trainer.run_dir")
