@@ -23,6 +23,7 @@ from megarl.errors import MegarlError
 from megarl.hashing import json_sha256
 
 ALGORITHMS = ("grpo", "ppo")
+ROUTING_REPLAY = ("none", "rollout")
 
 
 class ConfigError(MegarlError, ValueError):
@@ -67,6 +68,10 @@ class ParallelConfig:
 
     tp: int = 1  # tensor-parallel size of the actor, reference, critic and reward model
     pp: int = 1  # pipeline-parallel size; tp x pp x dp = the number of processes
+    #: expert-parallel size of a mixture-of-experts model: each layer's experts are spread over ep
+    #: ranks taken from the data-parallel ones (ep divides the number of experts and world / (etp x pp))
+    ep: int = 1
+    etp: Optional[int] = None  # expert tensor-parallel size (null: parallel.tp)
 
 
 @dataclass
@@ -189,6 +194,8 @@ class AlgoConfig:
     partial_groups: str = "drop"  # drop | allow_partial
     min_partial_size: Optional[int] = None  # allow_partial: the smallest group kept
     rollout_correction: RolloutCorrectionSettings = field(default_factory=RolloutCorrectionSettings)
+    #: MoE: none | rollout (the engine returns each sample's experts, sealed in the experience record)
+    routing_replay: str = "none"
 
 
 @dataclass
@@ -662,6 +669,7 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
     _choice(a.kl.placement, "algo.kl.placement", ("none", "loss", "reward"))
     _choice(a.kl.estimator, "algo.kl.estimator", KL_ESTIMATORS)
     _choice(a.partial_groups, "algo.partial_groups", ("drop", "allow_partial"))
+    _choice(a.routing_replay, "algo.routing_replay", ROUTING_REPLAY)
     _choice(r.backend, "rollout.backend", ("hf", "sglang"))
     _choice(cfg.reward.on_failure, "reward.on_failure", ("drop", "quarantine"))
     validate_eval_settings(cfg)
@@ -774,6 +782,12 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
           f"tp x pp = {p.tp} x {p.pp} = {mp} does not divide the world size {world_size} "
           f"(tp x pp x dp must equal the number of processes)")
     dp = world_size // mp
+    _need(p.ep >= 1, "parallel.ep", f"must be >= 1, got {p.ep}")
+    _need(p.etp is None or p.etp >= 1, "parallel.etp", f"must be >= 1 or null, got {p.etp}")
+    etp = p.tp if p.etp is None else p.etp
+    _need(world_size % (etp * p.ep * p.pp) == 0, "parallel.ep",
+          f"etp x ep x pp = {etp} x {p.ep} x {p.pp} does not divide the world size {world_size} "
+          "(megatron takes the expert-parallel ranks from the data-parallel ones)")
     # batch arithmetic: whole groups per mini-batch, equal micro-batches on every DP rank
     _need(t.prompts_per_iteration % a.num_mini_batches == 0, "algo.num_mini_batches",
           f"{a.num_mini_batches} does not divide trainer.prompts_per_iteration={t.prompts_per_iteration} "
@@ -816,13 +830,42 @@ def require_installed(cfg: TrainConfig) -> None:
 
 
 def validate_model_fit(cfg: TrainConfig, spec, where: str) -> None:
-    """Heads / KV heads / FFN / layers / vocab padding against TP and PP (config.json only)."""
-    from megarl.models.hf_config import ModelConfigError, check_parallel_fit
+    """Heads / KV heads / FFN / layers / vocab padding against TP and PP, experts against EP and
+    expert TP (config.json only)."""
+    from megarl.models.hf_config import ExpertFitError, ModelConfigError, check_expert_fit, check_parallel_fit
 
     p = cfg.parallel
     try:
-        check_parallel_fit(spec, p.tp, p.pp, where=where)
+        check_parallel_fit(spec, p.tp, p.pp, where=where, experts=False)
     except ModelConfigError as e:
         raise ConfigError(f"parallel.tp/parallel.pp: {e}") from None
+    try:
+        check_expert_fit(spec, p.tp, p.ep, p.etp, where=where)
+    except ExpertFitError as e:
+        raise ConfigError(f"parallel.{e.size}: {e}") from None
+    # megatron-core's MoELayer refuses to train at TP > 1 without sequence parallelism, which
+    # megarl does not enable: refused here instead of in the first update
+    _need(getattr(spec, "moe", None) is None or p.tp == 1, "parallel.tp",
+          f"={p.tp} with the mixture-of-experts model {where}: megatron-core trains MoE layers at tp > 1 only "
+          "with sequence parallelism, which megarl does not enable yet; use parallel.tp=1 with parallel.ep")
     _need(cfg.model.vocab_multiple % p.tp == 0, "model.vocab_multiple",
           f"{cfg.model.vocab_multiple} is not divisible by parallel.tp={p.tp} (the padded vocabulary is split over TP)")
+    if cfg.algo.routing_replay != "none":
+        _need(moe_num_experts(spec) is not None, "algo.routing_replay",
+              f"is {cfg.algo.routing_replay!r}, but {where} describes a dense model "
+              f"({spec.architecture}: no routed experts); use algo.routing_replay=none")
+
+
+def moe_num_experts(spec) -> Optional[int]:
+    """The number of routed experts of an MoE model spec, None for a dense one (the spec's
+    ``moe.num_experts`` when it has one, else config.json's ``num_experts`` / ``num_local_experts``
+    / ``n_routed_experts``)."""
+    moe = getattr(spec, "moe", None)
+    n = getattr(moe, "num_experts", None)
+    if n is None:
+        raw = getattr(spec, "raw_config", None) or {}
+        for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+            if raw.get(key):
+                n = raw[key]
+                break
+    return int(n) if n else None

@@ -90,7 +90,7 @@ RANGES = {
     "model.tiny.warmstart_steps": COUNT0, "model.tiny.warmstart_lr": POS, "model.tiny.warmstart_batch": COUNT,
     "model.tiny.seed": SEED,
     "model.vocab_multiple": COUNT,
-    "parallel.tp": COUNT, "parallel.pp": COUNT,
+    "parallel.tp": COUNT, "parallel.pp": COUNT, "parallel.ep": COUNT, "parallel.etp": Range(lo=1, null=True),
     "data.max_prompt_tokens": COUNT, "data.arithmetic_train_n": COUNT, "data.arithmetic_heldout_n": COUNT,
     "data.arithmetic_min_digits": COUNT, "data.arithmetic_max_digits": COUNT,
     "rollout.temperature": POS,

@@ -32,21 +32,36 @@ class ParamCount:
     dtype_bytes: int
 
 
-def count_params(spec, vocab_multiple: int, tp: int, pp: int, value_head: bool = False) -> ParamCount:
+def count_params(spec, vocab_multiple: int, tp: int, pp: int, value_head: bool = False, ep: int = 1,
+                 etp: Optional[int] = None) -> ParamCount:
+    """Parameters of ``spec``: the whole model, and the heaviest shard (routed experts split over
+    ``ep`` x ``etp``, everything else over ``tp``; the router is counted with the latter)."""
     h, d = spec.hidden_size, spec.head_dim
     q, kv = spec.num_attention_heads * d, spec.num_query_groups * d
     attn = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if spec.qkv_bias else 0) + (2 * d if spec.qk_norm else 0)
-    mlp = 3 * h * spec.ffn_hidden_size  # SwiGLU: gate, up, down
-    layer = attn + mlp + 2 * h  # two RMSNorms
+    dense_mlp = 3 * h * spec.ffn_hidden_size  # SwiGLU: gate, up, down
+    moe = getattr(spec, "moe", None)
+    etp = tp if etp is None else etp
+    # per layer: (parameters split over tp, routed-expert parameters split over ep x etp)
+    per_layer = []
+    for i in range(spec.num_layers):
+        if moe is not None and moe.moe_layers[i]:
+            shared = 3 * h * (moe.shared_expert_ffn_hidden_size or 0) + (h if moe.shared_expert_gate else 0)
+            routed = moe.num_experts * 3 * h * moe.ffn_hidden_size
+            per_layer.append((attn + 2 * h + moe.num_experts * h + shared, routed))
+        else:
+            per_layer.append((attn + 2 * h + dense_mlp, 0))
     vocab = spec.padded_vocab_size(vocab_multiple)
     emb = vocab * h
     head = h + (1 if spec.value_head_bias else 0) if value_head else (0 if spec.tie_word_embeddings else vocab * h)
-    total = spec.num_layers * layer + emb + head + h
-    stage_layers = spec.num_layers // pp * layer
+    total = sum(a + b for a, b in per_layer) + emb + head + h
+    per_stage = spec.num_layers // pp
+    stages = [tuple(map(sum, zip(*per_layer[k * per_stage:(k + 1) * per_stage]))) for k in range(pp)]
+    a, b = max(stages, key=lambda ab: ab[0] / tp + ab[1] / (ep * etp))
     # pp > 1: the first stage holds the embedding, the last the output layer (a copy of the
     # embedding when tied)
     ends = emb + head if pp == 1 else max(emb, head if (head or value_head) else emb)
-    per_shard = (stage_layers + ends) // tp + h
+    per_shard = (a + ends) // tp + b // (ep * etp) + h
     name = str(spec.raw_config.get("dtype") or spec.raw_config.get("torch_dtype") or "bfloat16").replace("torch.", "")
     return ParamCount(total, per_shard, _DTYPE_BYTES.get(name, 2))
 
@@ -120,7 +135,7 @@ def _memory_lines(cfg, spec, dp: int) -> List[str]:
     from megarl.models.hf_config import load_spec
 
     p = cfg.parallel
-    actor = count_params(spec, cfg.model.vocab_multiple, p.tp, p.pp)
+    actor = count_params(spec, cfg.model.vocab_multiple, p.tp, p.pp, ep=p.ep, etp=p.etp)
     lines = [f"memory per GPU (CUDA; from config.json: {_count(actor.total)} parameters, "
              f"{_count(actor.per_shard)} on the heaviest tp x pp shard, {actor.dtype_bytes}-byte weights):"]
 
@@ -132,7 +147,8 @@ def _memory_lines(cfg, spec, dp: int) -> List[str]:
          " (on the host while the rollout generates: actor.offload)" if cfg.actor.offload else "")
     if cfg.reference.enabled:
         ref = actor if cfg.reference.path is None else count_params(load_spec(cfg.reference.path),
-                                                                    cfg.model.vocab_multiple, p.tp, p.pp)
+                                                                    cfg.model.vocab_multiple, p.tp, p.pp,
+                                                                    ep=p.ep, etp=p.etp)
         show("reference", role_memory(ref, trains=False, optimizer="", dp=dp),
              " (on the host between its forwards)" if cfg.reference.offload else "")
     if cfg.critic is not None:
@@ -209,9 +225,13 @@ def dry_run(cfg, world_size: Optional[int] = None) -> dict:
         _check_model(cfg)  # also resolves Hub ids to their local snapshots, as a start does
         spec = load_spec(cfg.model.path)
         validate_model_fit(cfg, spec, where=os.path.join(cfg.model.path, "config.json"))
+        p = cfg.parallel
+        moe = getattr(spec, "moe", None)
+        experts = (f", {moe.num_experts} experts (top-{moe.top_k}) over ep {p.ep} x etp {p.etp or p.tp}"
+                   if moe is not None else "")
         lines.append(f"ok   model.path: {cfg.model.path}: {spec.architecture}, {spec.num_layers} layers, hidden "
                      f"{spec.hidden_size}, {spec.num_attention_heads} heads / {spec.num_query_groups} KV heads: "
-                     f"fits tp {cfg.parallel.tp} x pp {cfg.parallel.pp}")
+                     f"fits tp {p.tp} x pp {p.pp}{experts}")
         tok_dir = cfg.model.tokenizer or cfg.model.path
         template = open(cfg.model.chat_template).read() if cfg.model.chat_template else None
         tok = TokenizerContract.from_pretrained(tok_dir, chat_template=template)

@@ -187,7 +187,8 @@ def main(argv=None) -> dict:
     if cfg.trainer.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
     torch.manual_seed(cfg.trainer.seed)
-    rt.initialize(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.trainer.seed)
+    rt.initialize(tp=cfg.parallel.tp, pp=cfg.parallel.pp, ep=cfg.parallel.ep, etp=cfg.parallel.etp,
+                  seed=cfg.trainer.seed)
     run_dir = broadcast_object(cfg.trainer.run_dir or default_run_dir(cfg))
     cfg.trainer.run_dir = run_dir
     cfg.trainer.run_id = cfg.trainer.run_id or os.path.basename(os.path.normpath(run_dir)).replace("/", "-")

@@ -84,3 +84,27 @@ class HFActorStandIn:
         g = torch.Generator().manual_seed(seed)
         for _, p in hf_logical_tensors(self.model):
             p.add_(torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.dtype) * scale)
+
+
+def tiny_moe_config(family: str, vocab_size: int = 64, hidden: int = 32, layers: int = 2, experts: int = 4,
+                    top_k: int = 2, **overrides):
+    """A tiny random MoE config of ``family`` (qwen3_moe, qwen2_moe, mixtral): hidden 32, 2 layers,
+    4 experts, top-2 by default; a wide init so routing depends on the input."""
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    kw = dict(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+              num_key_value_heads=2, num_experts_per_tok=top_k, max_position_embeddings=256, bos_token_id=2,
+              eos_token_id=3, pad_token_id=0, tie_word_embeddings=False, initializer_range=0.3)
+    if family == "qwen3_moe":
+        kw.update(num_experts=experts, moe_intermediate_size=16, intermediate_size=64, head_dim=hidden // 4)
+        cls = Qwen3MoeConfig
+    elif family == "qwen2_moe":
+        kw.update(num_experts=experts, moe_intermediate_size=16, shared_expert_intermediate_size=16, intermediate_size=64)
+        cls = Qwen2MoeConfig
+    elif family == "mixtral":
+        kw.update(num_local_experts=experts, intermediate_size=16)
+        cls = MixtralConfig
+    else:
+        raise ValueError(f"unknown MoE family {family!r}")
+    kw.update(overrides)
+    return cls(**kw)

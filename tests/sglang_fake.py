@@ -264,6 +264,8 @@ class FakeEngine:
         with open(os.path.join(kwargs["model_path"], "config.json"), encoding="utf-8") as f:
             config = json.load(f)
         self.vocab_size = int(config["vocab_size"])
+        self.config = config
+        self.routed: list[torch.Tensor] = []  # what generate(return_routed_experts=True) returned
         self.model_eos = _eos_ids(config.get("eos_token_id"))
         gen = os.path.join(kwargs["model_path"], "generation_config.json")
         if os.path.isfile(gen) and "generation_config.json eos_token_id" in d["eos"]["engine_stops_on"]:
@@ -348,7 +350,8 @@ class FakeEngine:
 
     # -- generation --
 
-    def _generate(self, input_ids=None, sampling_params=None, return_logprob=None, **others):
+    def _generate(self, input_ids=None, sampling_params=None, return_logprob=None, return_routed_experts=None,
+                  **others):
         used = {k: v for k, v in others.items() if v is not None}
         if used:
             raise NotImplementedError(f"the fake does not emulate {sorted(used)}")
@@ -360,8 +363,32 @@ class FakeEngine:
             raise TypeError("one sampling_params dict per prompt")
         sp_cls = sys.modules["sglang.srt.sampling.sampling_params"].SamplingParams
         digest = self._weights_digest()
-        return [self._one(prompt, sp_cls(**params), params, digest, bool(return_logprob))
+        outs = [self._one(prompt, sp_cls(**params), params, digest, bool(return_logprob))
                 for prompt, params in zip(input_ids, sampling_params)]
+        # the capturer exists only on an engine started with the server flag; without it the
+        # request option returns nothing (managers/scheduler_components/batch_result_processor.py)
+        if return_routed_experts and self.kwargs.get(self._fake.desc["routed_experts"]["server_flag"] or "-"):
+            for prompt, out in zip(input_ids, outs):
+                out["meta_info"]["routed_experts"] = self._routing(prompt, out["output_ids"], digest)
+        return outs
+
+    def _routing(self, prompt, tokens, digest):
+        """Top-k ids of tokens [0, seqlen - 1) for every decoder layer (zeros in dense layers), int32,
+        encoded as the release's tokenizer manager hands it over with skip_tokenizer_init."""
+        from megarl.rollout.sglang_backend import moe_layout_from_config
+
+        spec = self._fake.desc["routed_experts"]
+        layout = moe_layout_from_config(self.config)
+        rows = len(prompt) + len(tokens) - 1
+        ids = torch.zeros(rows, layout.num_hidden_layers, layout.top_k, dtype=torch.int32)
+        for t in range(rows):
+            for layer in layout.moe_layers:
+                rng = random.Random(hashlib.sha256(digest + repr((prompt, tokens[:t], layer)).encode()).digest())
+                ids[t, layer] = torch.tensor(rng.sample(range(layout.num_experts), layout.top_k), dtype=torch.int32)
+        self.routed.append(ids)
+        if spec["encoding_with_skip_tokenizer_init"] == "base64":
+            return base64.b64encode(ids.numpy().tobytes()).decode("utf-8")
+        return ids
 
     def _weights_digest(self) -> bytes:
         if self.weights_state != "loaded":

@@ -1,6 +1,7 @@
 """The CPU accommodations for megatron-core (megarl/runtime/cpu_compat.py) are pinned to the
 megatron-core surface they patch: if an upgrade moves it, these tests fail loudly."""
 
+import importlib.util
 import inspect
 import subprocess
 import sys
@@ -43,6 +44,58 @@ def test_patched_surfaces_still_exist():
     from megatron.core.transformer import utils as transformer_utils
 
     assert 'device="cuda"' in inspect.getsource(transformer_utils.get_default_causal_mask)
+
+
+def test_moe_surfaces_still_need_the_accommodations():
+    """The two MoE accommodations: the router GEMM still reads a ``te_general_gemm`` that only the
+    transformer-engine import binds (else ``_patch_router_gemm`` can go), and the alltoall token
+    dispatcher still creates a CUDA stream (else CPU runs need not fall back to allgather)."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    src = inspect.getsource(moe_utils.RouterGatingLinearFunction.forward)
+    assert "te_general_gemm is not None" in src and "torch.mm(" in src
+    head = inspect.getsource(moe_utils).split("HAVE_TE = True", 1)[0]
+    assert "te_general_gemm," in head and "except ImportError" in inspect.getsource(moe_utils)
+    assert "torch.cuda.Stream()" in inspect.getsource(token_dispatcher.MoEAlltoAllTokenDispatcher.__init__)
+    if cpu_compat._INSTALLED:
+        assert "te_general_gemm" in vars(moe_utils)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None,
+                    reason="transformer-engine binds te_general_gemm itself")
+def test_router_gemm_fails_without_the_accommodation_and_runs_with_it():
+    """Without transformer-engine, megatron's router GEMM raises NameError until cpu_compat binds
+    the name; with it, the router logits are the fp32 ``x @ W.T``."""
+    code = (
+        "import torch\n"
+        "from megatron.core.transformer.moe import moe_utils\n"
+        "x, w = torch.randn(3, 8), torch.randn(4, 8)\n"
+        "try:\n"
+        "    moe_utils.router_gating_linear(x, w, None, torch.float32)\n"
+        "    print('no error')\n"
+        "except NameError as e:\n"
+        "    assert 'te_general_gemm' in str(e), e\n"
+        "    print('NameError')\n"
+        "from megarl.runtime import cpu_compat\n"
+        "cpu_compat.install()\n"
+        "y = moe_utils.router_gating_linear(x, w, None, torch.float32)\n"
+        "assert torch.equal(y, torch.mm(x, w.t()))\n"
+        "print('fixed')\n"
+    )
+    from tests._dist import subprocess_env
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(subprocess_env(), CUDA_VISIBLE_DEVICES=""))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["NameError", "fixed"], out.stdout
+
+
+def test_moe_dispatcher_choice():
+    """CPU: a mixture-of-experts config gets the allgather dispatcher; a dense one is untouched."""
+    dense = {"num_layers": 2}
+    assert "moe_token_dispatcher_type" not in cpu_compat.adjust_transformer_config(dense)
+    moe = cpu_compat.adjust_transformer_config({"num_moe_experts": 4, "moe_token_dispatcher_type": "alltoall"})
+    assert moe["moe_token_dispatcher_type"] == ("allgather" if cpu_compat.on_cpu() else "alltoall")
 
 
 def test_install_is_inert_when_cuda_is_present():
@@ -190,6 +243,7 @@ _NOT_ENTRY_POINTS = {
     "megatron.core.tensor_parallel.vocab_parallel_cross_entropy": "an entry point",
     "megatron.core.transformer.dot_product_attention.DotProductAttention": "isinstance checks; cpu_compat's wrapper",
     "megatron.core.transformer.enums.AttnMaskType": "an enum",
+    "megatron.core.transformer.moe.moe_utils": "patched by cpu_compat (the router GEMM)",
     "megatron.core.transformer.transformer_config.TransformerConfig": "configuration",
 }
 

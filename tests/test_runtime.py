@@ -10,11 +10,19 @@ from megarl.runtime.distributed import ParallelConfigError, ParallelLayout
 from tests._dist import ROOT
 
 
-def test_layout_rejects_context_and_expert_parallel_by_name():
+def test_layout_rejects_context_parallel_and_unfit_expert_parallel_by_name():
     with pytest.raises(ParallelConfigError, match=r"parallel\.cp=2"):
         ParallelLayout(cp=2).validate(4)
-    with pytest.raises(ParallelConfigError, match=r"parallel\.ep=2"):
-        ParallelLayout(ep=2).validate(4)
+    # expert parallelism: the EP groups come out of the data-parallel ranks (etp * ep * pp | world)
+    assert ParallelLayout(ep=2).validate(4) == 4
+    assert ParallelLayout(tp=2, ep=2).validate(4) == 2
+    assert ParallelLayout(tp=2, ep=2, etp=1).validate(2) == 1
+    with pytest.raises(ParallelConfigError, match=r"parallel\.ep=3"):
+        ParallelLayout(ep=3).validate(4)
+    with pytest.raises(ParallelConfigError, match=r"parallel\.ep=2.*etp\*ep\*pp"):
+        ParallelLayout(tp=2, ep=2).validate(2)
+    with pytest.raises(ParallelConfigError, match=r"parallel\.etp"):
+        ParallelLayout(etp=0).validate(2)
     with pytest.raises(ParallelConfigError, match="not divisible by tp\\*pp"):
         ParallelLayout(tp=2, pp=2).validate(6)
     assert ParallelLayout(tp=2, pp=1).validate(8) == 4

@@ -26,6 +26,7 @@ from megarl.rollout.protocol import (
     EngineAsleepError,
     FinishReason,
     GenerationRequest,
+    InvalidRequestError,
     NoActiveVersionError,
     RolloutError,
     SamplingParams,
@@ -413,3 +414,95 @@ def _tp2_worker(version: str) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     _tp2_worker(sys.argv[1])
+
+
+# ---- routed experts (MoE, algo.routing_replay=rollout) ---------------------------------------------
+
+
+def _has_routed_experts(desc):
+    return desc["routed_experts"]["request_option"] is not None
+
+
+def test_routed_experts_are_recorded_from_0_5_7_on(desc):
+    """The request option and the server flag exist together, from 0.5.7 (the recording of
+    0.5.7 is the first with them; 0.5.6.post2 has neither), with the layout the parser reads."""
+    re_ = desc["routed_experts"]
+    version = tuple(int(p) for p in desc["sglang_version"].split(".")[:3])
+    assert _has_routed_experts(desc) == (version >= (0, 5, 7))
+    if not _has_routed_experts(desc):
+        assert re_["server_flag"] is None and "return_routed_experts" not in desc["engine"]["methods"]["generate"]["params"]
+        return
+    assert re_["request_option"] in desc["engine"]["methods"]["generate"]["params"]
+    assert re_["server_flag"] == "enable_return_routed_experts" in desc["server_args"]["fields"]
+    assert (re_["meta_info_key"], re_["dtype"], re_["rows"], re_["layers"], re_["top_k"]) == (
+        "routed_experts", "int32", "[start, seqlen - 1)", "num_hidden_layers", "num_experts_per_tok")
+    assert re_["encoding_with_skip_tokenizer_init"] in ("base64", "tensor")
+    assert re_["capture"]["ids"] in ("logical", "physical")
+
+
+@pytest.fixture
+def moe_dir(tmp_path):
+    from tests._standins import tiny_moe_config
+
+    tiny_moe_config("qwen3_moe", layers=3, mlp_only_layers=[1], decoder_sparse_step=1,
+                    eos_token_id=CONTRACT_EOS).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_routed_experts_come_back_as_the_samples_routing(fake, desc, moe_dir):
+    from tests._standins import tiny_moe_config
+
+    if not _has_routed_experts(desc):
+        with pytest.raises(RolloutError, match="needs SGLang >= 0.5.7"):
+            make_engine(moe_dir, return_routed_experts=True)
+        return
+    moe_actor = HFActorStandIn.create(tiny_moe_config("qwen3_moe", layers=3, mlp_only_layers=[1], decoder_sparse_step=1,
+                                                      eos_token_id=CONTRACT_EOS), dtype=torch.bfloat16)
+    engine = make_engine(moe_dir, return_routed_experts=True)
+    assert fake.engine.kwargs["enable_return_routed_experts"] is True
+    load(engine, moe_actor, 0)
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=6, return_routed_experts=True)
+    prompts = [GenerationRequest(f"m{i}", (2, 10 + i, 11, 12 + i)) for i in range(3)]
+    results = engine.generate(prompts, sampling)
+    assert calls(fake.engine, "generate") and fake.engine.calls[-1][1]["return_routed_experts"] is True
+    for res, sent in zip(results, fake.engine.routed, strict=True):
+        r = res.routed_experts
+        assert r.backend == "sglang" and r.moe_layers == (0, 2) and r.num_experts == 4 and r.top_k == 2
+        assert r.experts.dtype == torch.uint8
+        assert r.experts.shape == (len(res.prompt_ids) + len(res.response_ids) - 1, 2, 2)
+        assert torch.equal(r.experts.long(), sent[:, [0, 2]].long())  # the dense layer 1 column dropped
+    # a plain request does not send the option (a release without it would refuse the name)
+    engine.generate(prompts[:1], GREEDY)
+    assert fake.engine.calls[-1][1].get("return_routed_experts") is None
+    # asking an engine that was not started for it
+    plain = make_engine(moe_dir)
+    load(plain, moe_actor, 0)
+    with pytest.raises(InvalidRequestError, match="not started with return_routed_experts"):
+        plain.generate(prompts[:1], sampling)
+    with pytest.raises(RolloutError, match="dense model"):
+        make_engine(model_dir_dense(moe_dir), return_routed_experts=True)
+
+
+def model_dir_dense(moe_dir):
+    d = os.path.join(moe_dir, "dense")
+    tiny_llama_config(eos_token_id=CONTRACT_EOS).save_pretrained(d)
+    return d
+
+
+def test_routed_experts_parser_reads_both_encodings_and_refuses_the_rest():
+    import base64
+
+    from megarl.rollout.sglang_backend import MoELayout, routed_experts_from_sglang_output
+
+    layout = MoELayout(num_hidden_layers=3, num_experts=4, top_k=2, moe_layers=(0, 2))
+    ids = torch.tensor([[[0, 1], [0, 0], [2, 3]], [[3, 2], [0, 0], [1, 0]]], dtype=torch.int32)
+    b64 = base64.b64encode(ids.numpy().tobytes()).decode()
+    for value in (b64, ids):  # 0.5.23: base64 of the int32 bytes; 0.5.7: the tensor
+        r = routed_experts_from_sglang_output({"routed_experts": value}, 2, layout, "req/0")
+        assert r.experts.tolist() == [[[0, 1], [2, 3]], [[3, 2], [1, 0]]] and r.experts.dtype == torch.uint8
+    with pytest.raises(RolloutError, match="no meta_info"):
+        routed_experts_from_sglang_output({}, 2, layout, "req/0")
+    with pytest.raises(RolloutError, match="expected 3 tokens"):
+        routed_experts_from_sglang_output({"routed_experts": b64}, 3, layout, "req/0")
+    with pytest.raises(RolloutError, match="outside"):
+        routed_experts_from_sglang_output({"routed_experts": ids * 3}, 2, layout, "req/0")

@@ -1,13 +1,15 @@
 #!/usr/bin/env python
 """Teacher-forced token log-probs of sequences under a model.
 
-    tools/score.py --model DIR --input IN.jsonl --out OUT.jsonl [--tp N --pp N]
+    tools/score.py --model DIR --input IN.jsonl --out OUT.jsonl [--tp N --pp N --ep N --etp N]
 
 DIR is an HF or a megarl (megatron) checkpoint.  Each input line is ``{"token_ids": [...]}``;
 the matching output line is ``{"token_logprobs": [...]}``: the log-prob of every token after
 the first given the tokens before it (``len(token_ids) - 1`` values).
 Run under ``torchrun --nproc-per-node TP*PP*DP``; lines are scored in length-sorted
-micro-batches and written in input order.
+micro-batches and written in input order.  With ``--ep`` (a mixture-of-experts model) the experts
+are spread over EP data-parallel ranks, which must run the same micro-batches together (the
+token dispatcher gathers over them): the batches are split over the expert-data-parallel groups.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ def main(argv=None) -> None:
     p.add_argument("--out", required=True, help='JSONL, one {"token_logprobs": [...]} per line')
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1, help="expert parallel size (mixture-of-experts models)")
+    p.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: --tp)")
     p.add_argument("--micro-batch-size", type=int, default=8)
     args = p.parse_args(argv)
 
@@ -67,13 +71,17 @@ def main(argv=None) -> None:
     from megarl.runtime import distributed as rt
 
     spec = load_spec(args.model)
-    check_parallel_fit(spec, args.tp, args.pp, where=os.path.join(args.model, "config.json"))
+    check_parallel_fit(spec, args.tp, args.pp, where=os.path.join(args.model, "config.json"), ep=args.ep,
+                       etp=args.etp)
     seqs = read_inputs(args.input, spec.vocab_size)
-    rt.initialize(tp=args.tp, pp=args.pp)
+    rt.initialize(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
     model = load_model(args.model, tp=args.tp, pp=args.pp)
     from megatron.core import parallel_state as ps
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    if spec.moe is not None and args.ep > 1:
+        # the ranks of one EP group (same expert-data-parallel rank) score the same batches together
+        dp, dp_rank = ps.get_expert_data_parallel_world_size(), ps.get_expert_data_parallel_rank()
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     batches = [order[i:i + args.micro_batch_size] for i in range(0, len(order), args.micro_batch_size)]
     mine = batches[dp_rank::dp]

@@ -26,7 +26,10 @@ What is recorded (paths relative to ``python/sglang/srt`` of the release):
 * ``raw_logprob_env``: the environment switch for log-probs before temperature;
 * ``parent_env_overrides``: environment variables ``Engine()`` sets in the calling process;
 * ``finish_reason``: the keys of ``meta_info["finish_reason"]``; ``eos``: where the ids SGLang
-  stops on come from; ``sampling_seed``: whether a per-request seed needs deterministic inference.
+  stops on come from; ``sampling_seed``: whether a per-request seed needs deterministic inference;
+* ``routed_experts``: the request option and server flag that return each request's routed
+  experts (0.5.7+), where the output puts them, in which encoding, dtype, rows and layers, and
+  whether the captured ids are logical or physical experts.
 """
 
 from __future__ import annotations
@@ -342,6 +345,65 @@ def record_eos(src: Source) -> dict:
     return {}
 
 
+def _capturer_file(src: Source) -> str | None:
+    for rel in ("state_capturer/routed_experts.py", "layers/moe/routed_experts_capturer.py"):
+        if src.exists(rel):
+            return rel
+    return None
+
+
+def _capture_site(src: Source) -> dict:
+    """Where top-k ids are captured in ``layers/moe/topk.py``, and whether that is before the
+    logical -> physical expert map (ids are then logical even with redundant experts / EPLB)."""
+    rel = "layers/moe/topk.py"
+    for fn in ast.walk(src.tree(rel)):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.name == "capture_routed_experts_if_allowed":
+            continue
+        calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and (
+            ast.unparse(n.func) in ("capture_routed_experts_if_allowed", "get_global_experts_capturer().capture"))]
+        if calls:
+            line = min(c.lineno for c in calls)
+            maps = [n.lineno for n in ast.walk(fn) if isinstance(n, ast.Call)
+                    and ast.unparse(n.func) == "topk_ids_logical_to_physical"]
+            ids = "logical" if any(m > line for m in maps) else "physical"
+            return {"source": f"{rel}:{line} ({fn.name})", "ids": ids}
+    return {"source": None, "ids": None}
+
+
+def record_routed_experts(src: Source, engine: dict, server_args: dict) -> dict:
+    """``Engine.generate(return_routed_experts=True)`` on an engine started with
+    ``enable_return_routed_experts``: ``meta_info["routed_experts"]`` holds the top-k ids of tokens
+    ``[start, seqlen - 1)`` (prompt + output; the last output token is never fed), every decoder
+    layer (``num_hidden_layers``) x ``num_experts_per_tok``, int32.  With ``skip_tokenizer_init``
+    (this backend) the tokenizer manager gets the scheduler's tensor: base64 of its bytes where it
+    encodes it, else the tensor itself."""
+    params = engine["methods"]["generate"]["params"]
+    option = "return_routed_experts" if "return_routed_experts" in params else None
+    out = {"request_option": option,
+           "start_len_option": "routed_experts_start_len" if "routed_experts_start_len" in params else None,
+           "server_flag": "enable_return_routed_experts" if "enable_return_routed_experts" in server_args["fields"] else None}
+    cap = _capturer_file(src)
+    if option is None or cap is None:
+        return out
+    tm = "managers/tokenizer_manager.py"
+    lines = src.text(tm).splitlines()
+    hits = [i for i, line in enumerate(lines) if 'meta_info["routed_experts"]' in line]
+    encoded = any("b64encode" in line for i in hits for line in lines[max(0, i - 6): i + 1])
+    text = src.text(cap)
+    out.update({
+        "meta_info_key": "routed_experts" if hits else None,
+        "meta_info_source": f"{tm}:{hits[0] + 1}" if hits else None,
+        "encoding_with_skip_tokenizer_init": "base64" if encoded else "tensor",
+        "dtype": "int32" if "dtype=torch.int32" in text or "dtype=torch.int32" in src.text("state_capturer/base.py" if src.exists("state_capturer/base.py") else cap) else None,
+        "rows": "[start, seqlen - 1)" if "seqlen - 1]" in text + (src.text("state_capturer/base.py") if src.exists("state_capturer/base.py") else "") else None,
+        "layers": "num_hidden_layers" if "hf_text_config.num_hidden_layers" in text else None,
+        "top_k": "num_experts_per_tok" if "hf_text_config.num_experts_per_tok" in text else None,
+        "capturer_source": cap,
+        "capture": _capture_site(src),
+    })
+    return out
+
+
 def record(src_root: str) -> dict:
     src = Source(src_root)
     version = _release_version(src)
@@ -362,6 +424,7 @@ def record(src_root: str) -> dict:
         "parent_env_overrides": record_parent_env(src),
         "sampling_seed": record_sampling_seed(src),
         "eos": record_eos(src),
+        "routed_experts": record_routed_experts(src, engine, record_server_args(src)),
     }
 
 

@@ -10,9 +10,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
+
+from megarl.experience.routing import collate_routing
+from megarl.experience.schema import RoutedExperts, SampleRouting
 
 
 @dataclass(frozen=True)
@@ -22,11 +25,14 @@ class Collated:
     attention_mask: torch.Tensor  # (bs, P + R)
     response_mask: torch.Tensor  # (bs, R)
     rollout_log_probs: torch.Tensor  # (bs, R) raw space, 0 on padding
+    routed_experts: Optional[RoutedExperts] = None  # (bs, P + R, layers, top_k), MoE with routing asked
 
 
 def collate(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-            raw_log_probs: Sequence[torch.Tensor], pad_id: int) -> Collated:
-    """Every response token is a sampled action (no tool output in these rollouts)."""
+            raw_log_probs: Sequence[torch.Tensor], pad_id: int,
+            routing: Optional[Sequence[SampleRouting]] = None, version: Optional[str] = None) -> Collated:
+    """Every response token is a sampled action (no tool output in these rollouts).  ``routing``
+    (one per sample, generated on ``version``) becomes the batch's routing record."""
     B = len(prompts)
     bad = [b for b, (r, l) in enumerate(zip(responses, raw_log_probs)) if l.numel() != len(r)]
     if bad:
@@ -46,7 +52,10 @@ def collate(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]
     if any(len(r) for r in responses):
         flat = torch.cat([l.reshape(-1).float() for l in raw_log_probs])
         lp[rm.bool()] = flat  # row-major order of the mask = each row's log-probs in turn
-    return Collated(prompt, resp, am, rm, lp)
+    routed = None
+    if routing is not None:
+        routed = collate_routing(routing, [len(p) for p in prompts], [len(r) for r in responses], P, R, version)
+    return Collated(prompt, resp, am, rm, lp, routed)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Protocol
 
 import torch
 
-from megarl.experience.schema import FinishReason, RewardRecord
+from megarl.experience.schema import FinishReason, RewardRecord, SampleRouting
 from megarl.metrics import StageTimer
 from megarl.versions import PolicyVersion
 
@@ -20,8 +20,8 @@ from megarl.versions import PolicyVersion
 @dataclass
 class Sample:
     """One candidate on its way to the experience record: what the engine generated for it
-    (ids, raw log-probs, finish reason, the version that generated it) and, once scored, its
-    reward record."""
+    (ids, raw log-probs, finish reason, the version that generated it, for an MoE model asked for
+    it the experts it was routed to) and, once scored, its reward record."""
 
     prompt_id: str
     group_id: str
@@ -35,6 +35,7 @@ class Sample:
     seed: Optional[int]
     record: Optional[RewardRecord] = None
     prompt: object = None  # the PromptRecord
+    routed_experts: Optional[SampleRouting] = None  # MoE: the engine's routing (algo.routing_replay=rollout)
 
 
 @dataclass

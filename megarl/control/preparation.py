@@ -23,6 +23,7 @@ from megarl.algo.kl import kl_k1, kl_k3
 from megarl.algo.registry import advantage_needs, get_advantage
 from megarl.algo.reward_shaping import kl_shaped_token_rewards, place_outcome_rewards
 from megarl.algo.rollout_correction import RolloutCorrectionConfig, rollout_correction
+from megarl.algo.routing import routing_load_metrics
 from megarl.control.batch import collate
 from megarl.control.interfaces import ProducedRollout, RunProgress
 from megarl.control.state_machine import IterationStateMachine, SealEvidence
@@ -67,8 +68,16 @@ class ExperiencePreparer:
         cfg, a = self.cfg, self.cfg.algo
         v = version.short_id
         samples = produced.samples
+        routing = None
+        if a.routing_replay == "rollout":
+            lacking = [s.sample_id for s in samples if s.routed_experts is None]
+            if lacking:
+                self.sm.fail("rollout samples without routed experts")
+                raise RuntimeError(f"algo.routing_replay=rollout, but the engine returned no routed experts for "
+                                   f"{len(lacking)} sample(s), e.g. {lacking[0]}")
+            routing = [s.routed_experts for s in samples]
         c = collate([s.prompt_ids for s in samples], [s.response_ids for s in samples],
-                    [s.raw_log_probs for s in samples], self.pad_id)
+                    [s.raw_log_probs for s in samples], self.pad_id, routing=routing, version=v)
         mbs, pack = a.forward_micro_batch_size, a.pack_sequences
         m: Dict[str, float] = {}
         self.time_slice.release()
@@ -139,7 +148,10 @@ class ExperiencePreparer:
             sampling=produced.sampling, request_id=tuple(s.request_id for s in samples),
             seed=tuple(s.seed for s in samples), rewards=tuple(s.record for s in samples),
             rollout_log_probs=rollout_lp, old_log_probs=old, ref_log_probs=ref, values=values,
-            critic_version=self.critic.version if self.critic is not None else None)
+            critic_version=self.critic.version if self.critic is not None else None,
+            routed_experts=c.routed_experts)
+        if c.routed_experts is not None:
+            m.update(routing_load_metrics(c.routed_experts, facts.attention_mask))
         sealed = seal(ExperienceBatch(facts))
         groups_complete = sum(1 for g, n in produced.real_sizes.items() if facts.group_id.count(g) == n)
         self.sm.seal_experience(SealEvidence(

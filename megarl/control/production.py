@@ -29,11 +29,12 @@ from megarl.runtime.data_parallel import all_ranks_agree
 from megarl.versions import PolicyVersion
 
 
-def training_sampling(rollout_cfg, seed: int, k: int, round_: int) -> SamplingParams:
-    """The sampling parameters of iteration ``k``'s round ``round_`` (the seed differs per round)."""
+def training_sampling(rollout_cfg, seed: int, k: int, round_: int, return_routed_experts: bool = False) -> SamplingParams:
+    """The sampling parameters of iteration ``k``'s round ``round_`` (the seed differs per round);
+    ``return_routed_experts``: ask the engine for each sample's routing (``algo.routing_replay``)."""
     r = rollout_cfg
     return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                          n=r.n, seed=seed * 1_000_003 + k * 101 + round_)
+                          n=r.n, seed=seed * 1_000_003 + k * 101 + round_, return_routed_experts=return_routed_experts)
 
 
 def _percentile(x: torch.Tensor, q: float) -> float:
@@ -83,7 +84,8 @@ class GroupRolloutProducer:
                 requests.append(GenerationRequest(gid, tuple(rec.prompt_ids)))
                 buffer.open_group(gid, rec.prompt_id, v, [f"{gid}/c{c:02d}" for c in range(G)])
             m["rollout/prompts"] += len(records)
-            sampling = training_sampling(cfg.rollout, cfg.trainer.seed, k, rnd)
+            sampling = training_sampling(cfg.rollout, cfg.trainer.seed, k, rnd,
+                                         return_routed_experts=a.routing_replay == "rollout")
             self._generate_groups(requests, by_group, buffer, sampling, v, timer, timing, m)
             for g in buffer.pop_released():
                 members = [payload for _, payload in g.samples]
@@ -154,7 +156,7 @@ class GroupRolloutProducer:
                               sample_id=f"{r.request_id}/c{r.candidate_index:02d}", request_id=r.request_id,
                               prompt_ids=r.prompt_ids, response_ids=r.response_ids, raw_log_probs=r.raw_log_probs,
                               finish_reason=r.finish_reason, policy_version=r.policy_version, seed=r.seed,
-                              prompt=by_group[r.request_id]) for r in fresh]
+                              prompt=by_group[r.request_id], routed_experts=r.routed_experts) for r in fresh]
             m["rollout/samples"] += len(samples)
             finished = [s for s in samples if s.finish_reason is not FinishReason.ABORT]
             t0 = time.perf_counter()

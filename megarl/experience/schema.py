@@ -10,8 +10,12 @@ Layout (the convention every layer follows):
 - every per-token tensor of the response (log-probs, values, advantages, ...) is
   ``(bs, response_len)`` aligned with ``response_ids``.
 
+- ``routed_experts`` (MoE, :class:`RoutedExperts`) ``(bs, prompt_len + response_len, layers, top_k)``
+  aligned with ``attention_mask``: the experts the rollout routed each token to.
+
 Facts (never change once sealed): ids, tokens, masks, finish reasons, versions, sampling
-config, seeds / request ids, rollout / old / reference log-probs, values, reward records.
+config, seeds / request ids, rollout / old / reference log-probs, values, reward records, the
+rollout's routing (MoE).
 Derived (recomputable under hyperparameters): shaped rewards, advantages, returns.
 """
 
@@ -234,6 +238,141 @@ class SamplingConfig:
         return cls(**{**d, "stop_token_ids": tuple(d["stop_token_ids"])})
 
 
+ROUTING_ROLES = ("rollout", "actor")
+
+
+def compact_expert_dtype(num_experts: int) -> torch.dtype:
+    """The smallest integer dtype that holds every expert id: uint8 up to 256 experts, int16 up to
+    32768, else int32.  Fixed by ``num_experts`` so that a record's bytes (and its hash) are too."""
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    if num_experts <= 256:
+        return torch.uint8
+    if num_experts <= 32768:
+        return torch.int16
+    return torch.int32
+
+
+@dataclass(frozen=True)
+class RoutingProducer:
+    """Who chose the experts: ``role`` ``rollout`` (the engine while generating; ``backend`` hf or
+    sglang) or ``actor`` (a trainer forward, for the mismatch metric); ``version`` the policy
+    version of the weights that routed."""
+
+    role: str
+    backend: str
+    version: str
+
+    def __post_init__(self) -> None:
+        if self.role not in ROUTING_ROLES:
+            raise ValueError(f"RoutingProducer.role {self.role!r} is not one of {ROUTING_ROLES}")
+        if not self.backend:
+            raise ValueError("RoutingProducer.backend must name the engine or model that routed")
+        if not self.version:
+            raise ValueError("RoutingProducer.version must be a non-empty version id")
+
+
+def _check_expert_ids(where: str, ids: torch.Tensor, num_experts: int, top_k: int) -> None:
+    if ids.dtype != compact_expert_dtype(num_experts):
+        raise ValueError(f"{where}: dtype {ids.dtype} is not the compact dtype "
+                         f"{compact_expert_dtype(num_experts)} of {num_experts} experts")
+    if ids.shape[-1] != top_k:
+        raise ValueError(f"{where}: last dimension {ids.shape[-1]} != top_k {top_k}")
+    if ids.numel() == 0:
+        return
+    wide = ids.to(torch.int64)
+    if int(wide.min()) < 0 or int(wide.max()) >= num_experts:
+        raise ValueError(f"{where}: expert ids outside [0, {num_experts})")
+    s = wide.sort(dim=-1).values
+    if top_k > 1 and bool((s[..., 1:] == s[..., :-1]).any()):
+        raise ValueError(f"{where}: an expert appears twice in one token's top-k")
+
+
+@dataclass(frozen=True)
+class SampleRouting:
+    """The experts one generated sample was routed to, as the engine returned them.
+
+    ``experts`` ``(len(prompt_ids) + len(response_ids) - 1, len(moe_layers), top_k)``: row t is
+    the top-k of token t of prompt + response, in every MoE layer (the top-k *set*: the order
+    within a row is the engine's).  The last response token is never fed through the model (the
+    engine stops after sampling it), so it has no row.  ``moe_layers`` are the indices, among the
+    model's decoder layers, of the MoE layers the columns stand for.  ``experts`` is in the
+    compact dtype of ``num_experts`` (:func:`compact_expert_dtype`).
+    """
+
+    experts: torch.Tensor
+    num_experts: int
+    moe_layers: tuple[int, ...]
+    backend: str  # the engine that routed (hf, sglang): the sealed record's producer backend
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "moe_layers", tuple(int(i) for i in self.moe_layers))
+        if not self.backend:
+            raise ValueError("SampleRouting.backend must name the engine that routed")
+        if not isinstance(self.experts, torch.Tensor) or self.experts.dim() != 3:
+            raise ValueError("SampleRouting.experts must be a (tokens, layers, top_k) tensor")
+        if self.experts.shape[1] != len(self.moe_layers) or not self.moe_layers:
+            raise ValueError(f"SampleRouting.experts has {self.experts.shape[1]} layers, moe_layers "
+                             f"{self.moe_layers}")
+        _check_expert_ids("SampleRouting.experts", self.experts, self.num_experts, self.experts.shape[-1])
+
+    @property
+    def top_k(self) -> int:
+        return int(self.experts.shape[-1])
+
+
+def routing_token_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``(bs, seq)`` bool: the positions whose routing a rollout records -- every real token
+    except each row's last one (never fed through the model while generating)."""
+    am = attention_mask != 0
+    last = am.int().cumsum(dim=1) == am.sum(dim=1, keepdim=True)
+    return am & ~last
+
+
+@dataclass(frozen=True)
+class RoutedExperts:
+    """The experts a batch was routed to: a behaviour fact of each sample, sealed with it.
+
+    ``experts`` ``(bs, prompt_len + response_len, len(moe_layers), top_k)`` in the compact dtype
+    of ``num_experts`` (:func:`compact_expert_dtype`), aligned with ``attention_mask``: position s
+    of row b is token s of ``cat([prompt_ids, response_ids], 1)``.  Recorded on
+    :func:`routing_token_mask` (every real token but the row's last); every other position
+    (padding, the last token) holds experts ``0 .. top_k-1``, a valid top-k that a replaying
+    forward may route to and that no metric counts.  ``moe_layers``: the decoder-layer index of
+    each column.  The top-k order within a row is the producer's; compare them as sets.
+    """
+
+    experts: torch.Tensor
+    producer: RoutingProducer
+    num_experts: int
+    moe_layers: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "moe_layers", tuple(int(i) for i in self.moe_layers))
+        if not isinstance(self.producer, RoutingProducer):
+            raise TypeError(f"RoutedExperts.producer must be a RoutingProducer, got {type(self.producer).__name__}")
+        if not isinstance(self.experts, torch.Tensor) or self.experts.dim() != 4:
+            raise ValueError("RoutedExperts.experts must be a (bs, seq, layers, top_k) tensor")
+        if not self.moe_layers or len(set(self.moe_layers)) != len(self.moe_layers):
+            raise ValueError(f"RoutedExperts.moe_layers must be distinct and non-empty, got {self.moe_layers}")
+        if self.experts.shape[2] != len(self.moe_layers):
+            raise ValueError(f"RoutedExperts.experts has {self.experts.shape[2]} layers, moe_layers {self.moe_layers}")
+        _check_expert_ids("RoutedExperts.experts", self.experts, self.num_experts, self.experts.shape[-1])
+
+    @property
+    def top_k(self) -> int:
+        return int(self.experts.shape[-1])
+
+    def metadata(self) -> dict:
+        """The non-tensor part (what the manifest and the content hash record)."""
+        return {"producer": dataclasses.asdict(self.producer), "num_experts": self.num_experts,
+                "moe_layers": list(self.moe_layers), "top_k": self.top_k}
+
+    def select(self, rows: torch.Tensor) -> "RoutedExperts":
+        """The rows ``rows`` of the batch (a mini-batch), same producer."""
+        return dataclasses.replace(self, experts=self.experts[rows])
+
+
 def _check_tensor(name: str, t: Any, shape: tuple[int, ...], *, floating: bool | None = None) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"ExperienceFacts.{name} must be a tensor, got {type(t).__name__}")
@@ -322,6 +461,7 @@ class ExperienceFacts:
     ref_log_probs: LogProbs | None = None
     values: torch.Tensor | None = None
     critic_version: str | None = None
+    routed_experts: RoutedExperts | None = None  # MoE only: the rollout's routing (algo.routing_replay)
 
     def __post_init__(self) -> None:
         bs = len(self.sample_id)
@@ -371,6 +511,19 @@ class ExperienceFacts:
             _check_tensor("values", self.values, (bs, R), floating=True)
             if not self.critic_version:
                 raise ValueError("ExperienceFacts.critic_version must name the critic that produced values")
+        if self.routed_experts is not None:
+            re_ = self.routed_experts
+            if not isinstance(re_, RoutedExperts):
+                raise TypeError(f"ExperienceFacts.routed_experts must be a RoutedExperts record, got {type(re_).__name__}")
+            if re_.producer.role != "rollout":
+                raise ValueError(f"routed_experts must be the rollout's routing (role 'rollout'), got role "
+                                 f"{re_.producer.role!r} (backend {re_.producer.backend!r})")
+            if versions != {re_.producer.version}:
+                raise ValueError(f"routed_experts version {re_.producer.version!r} != sample policy_version {sorted(versions)}")
+            want = (bs, P + R, len(re_.moe_layers), re_.top_k)
+            if tuple(re_.experts.shape) != want:
+                raise ValueError(f"ExperienceFacts.routed_experts.experts must have shape (bs, prompt_len + response_len, "
+                                 f"layers, top_k) = {want}, got {tuple(re_.experts.shape)}")
 
     @property
     def batch_size(self) -> int:
@@ -474,6 +627,8 @@ def batch_tensors(batch: ExperienceBatch) -> dict[str, torch.Tensor]:
         lp = getattr(f, name)
         if lp is not None:
             out[f"facts.{name}"] = lp.values
+    if f.routed_experts is not None:
+        out["facts.routed_experts"] = f.routed_experts.experts
     if batch.derived is not None:
         for name in ("advantages", "loss_mask", "returns", "shaped_rewards", "is_weights"):
             t = getattr(batch.derived, name)

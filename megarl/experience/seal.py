@@ -32,6 +32,8 @@ from megarl.experience.schema import (
     LogProbProducer,
     LogProbs,
     RewardRecord,
+    RoutedExperts,
+    RoutingProducer,
     SamplingConfig,
     batch_tensors,
 )
@@ -133,6 +135,8 @@ def _map_tensors(batch: ExperienceBatch, fn, content_hash: str | None) -> Experi
         rollout_log_probs=None if f.rollout_log_probs is None else LogProbs(fn(f.rollout_log_probs.values), f.rollout_log_probs.producer),
         old_log_probs=None if f.old_log_probs is None else LogProbs(fn(f.old_log_probs.values), f.old_log_probs.producer),
         ref_log_probs=None if f.ref_log_probs is None else LogProbs(fn(f.ref_log_probs.values), f.ref_log_probs.producer),
+        routed_experts=None if f.routed_experts is None else dataclasses.replace(
+            f.routed_experts, experts=fn(f.routed_experts.experts)),
     )
     derived = None
     if batch.derived is not None:
@@ -176,6 +180,8 @@ def _metadata(batch: ExperienceBatch) -> dict:
     }
     if batch.derived is not None:
         meta["derived"] = {"estimator": batch.derived.estimator, "hyperparameters": dict(batch.derived.hyperparameters)}
+    if f.routed_experts is not None:  # absent (not null) for dense models: their hashes stay as they were
+        meta["routed_experts"] = f.routed_experts.metadata()
     return meta
 
 
@@ -253,6 +259,17 @@ def save_sealed(batch: ExperienceBatch, directory: str | os.PathLike) -> Path:
     return d / MANIFEST_NAME
 
 
+def _routed_experts(meta: dict | None, experts: torch.Tensor | None, where) -> RoutedExperts | None:
+    if (meta is None) != (experts is None):
+        raise CorruptExperienceError(f"{where}: routed_experts metadata and tensor must be saved together "
+                                     f"(metadata {'present' if meta else 'absent'}, tensor "
+                                     f"{'present' if experts is not None else 'absent'})")
+    if meta is None:
+        return None
+    return RoutedExperts(experts=experts, producer=RoutingProducer(**meta["producer"]),
+                         num_experts=meta["num_experts"], moe_layers=tuple(meta["moe_layers"]))
+
+
 def load_sealed(directory: str | os.PathLike) -> ExperienceBatch:
     """Load a batch saved by :func:`save_sealed`, verifying the file hash and the content hash."""
     d = Path(directory)
@@ -296,6 +313,7 @@ def load_sealed(directory: str | os.PathLike) -> ExperienceBatch:
         ref_log_probs=lp("ref_log_probs"),
         values=tensors.get("facts.values"),
         critic_version=m["critic_version"],
+        routed_experts=_routed_experts(m.get("routed_experts"), tensors.get("facts.routed_experts"), tf),
     )
     derived = None
     if m["derived"] is not None:

@@ -5,6 +5,11 @@ the local (pure megatron-core) spec on CPU.  Both realise the same function; onl
 differ.  The value-head variant (critic, neural reward model) replaces the vocabulary
 projection by a replicated ``hidden -> 1`` linear so it maps to HF ``*ForTokenClassification``
 with ``num_labels=1``.
+
+A mixture-of-experts model (``spec.moe``) is built from megatron's decoder *block* spec, one
+layer spec per layer (MoE or dense: ``moe_layer_freq``), with ``SequentialMLP`` experts (one
+MLP per local expert; ``moe_grouped_gemm`` off, so the experts have the same names and layouts
+with and without transformer-engine) placed over the expert-parallel group.
 """
 
 from __future__ import annotations
@@ -34,6 +39,18 @@ class BuildOptions:
     #: False when the weights are loaded from a checkpoint right after: skips drawing random
     #: full-size master weights (with CPU init megatron builds the whole tensor, then slices).
     init_weights: bool = True
+    #: expert parallel size and expert tensor parallel size (None: ``tp``, megatron's default);
+    #: must match the initialised parallel state (mixture-of-experts models only)
+    ep: int = 1
+    etp: Optional[int] = None
+    #: the router's load-balancing (aux) loss and z-loss coefficients; RL fine-tuning keeps
+    #: both off by default (they are training-time regularisers, not part of the function)
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: Optional[float] = None
+
+    @property
+    def resolved_etp(self) -> int:
+        return self.tp if self.etp is None else self.etp
 
     def resolved_te(self) -> bool:
         if self.use_transformer_engine is None:
@@ -64,6 +81,7 @@ def transformer_config(spec: ModelSpec, opts: BuildOptions):
     bf16 = opts.params_dtype == torch.bfloat16
     fp16 = opts.params_dtype == torch.float16
     return TransformerConfig(**cpu_compat.adjust_transformer_config(dict(
+        **moe_transformer_config(spec, opts),
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         ffn_hidden_size=spec.ffn_hidden_size,
@@ -103,9 +121,49 @@ def transformer_config(spec: ModelSpec, opts: BuildOptions):
     )))
 
 
-def layer_spec(spec: ModelSpec, opts: BuildOptions):
+def moe_transformer_config(spec: ModelSpec, opts: BuildOptions) -> dict:
+    """The MoE fields of megatron's ``TransformerConfig`` for ``spec`` ({} for a dense model).
+
+    Routing: softmax scores in fp32 (``moe_router_dtype``), top-k, renormalised iff
+    ``norm_topk_prob`` (megatron: softmax after the top-k, ``moe_router_pre_softmax=False``).
+    Dense layers of a MoE model are ``0`` entries of ``moe_layer_freq``.  The token dispatcher
+    is alltoall (the one for EP on GPUs); ``cpu_compat`` replaces it on CPU."""
+    moe = spec.moe
+    if moe is None:
+        return {}
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.top_k,
+        moe_ffn_hidden_size=moe.ffn_hidden_size,
+        moe_layer_freq=[int(m) for m in moe.moe_layers],
+        moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size,
+        moe_shared_expert_gate=moe.shared_expert_gate,
+        moe_router_pre_softmax=not moe.norm_topk_prob,
+        moe_router_score_function=moe.score_function,
+        moe_router_num_groups=moe.num_groups,
+        moe_router_group_topk=moe.group_topk,
+        moe_router_topk_scaling_factor=moe.routed_scaling_factor,
+        moe_router_enable_expert_bias=moe.router_expert_bias,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=opts.moe_aux_loss_coeff,
+        moe_z_loss_coeff=opts.moe_z_loss_coeff,
+        moe_grouped_gemm=False,
+        moe_token_dispatcher_type="alltoall",
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+        expert_model_parallel_size=opts.ep,
+        expert_tensor_parallel_size=opts.resolved_etp,
+    )
+
+
+def layer_spec(spec: ModelSpec, opts: BuildOptions, config=None):
+    """The decoder's layer spec (dense) or block spec (MoE: ``config`` is its TransformerConfig)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    if spec.moe is not None:
+        return gpt_layer_specs.get_gpt_decoder_block_spec(
+            config, use_transformer_engine=opts.resolved_te(), normalization="RMSNorm")
     if opts.resolved_te():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             qk_layernorm=spec.qk_norm
@@ -165,14 +223,17 @@ def build_model(spec: ModelSpec, opts: BuildOptions, seed: int = 1234):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    check_parallel_fit(spec, opts.tp, opts.pp)
-    if parallel_state.get_tensor_model_parallel_world_size() != opts.tp or (
-        parallel_state.get_pipeline_model_parallel_world_size() != opts.pp
-    ):
+    check_parallel_fit(spec, opts.tp, opts.pp, ep=opts.ep, etp=opts.resolved_etp)
+    ps = parallel_state
+    want = (opts.tp, opts.pp, opts.ep, opts.resolved_etp)
+    have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+            ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size())
+    if spec.moe is None:  # a dense model has no experts to place: only TP and PP must agree
+        want, have = want[:2] + (1, opts.tp), have[:2] + (1, opts.tp)
+    if want != have:
         raise ModelConfigError(
-            f"build options tp={opts.tp} pp={opts.pp} disagree with the initialised parallel "
-            f"state tp={parallel_state.get_tensor_model_parallel_world_size()} "
-            f"pp={parallel_state.get_pipeline_model_parallel_world_size()}"
+            f"build options tp={want[0]} pp={want[1]} ep={want[2]} etp={want[3]} disagree with the "
+            f"initialised parallel state tp={have[0]} pp={have[1]} ep={have[2]} etp={have[3]}"
         )
     cpu_compat.seed_megatron_rng(seed)
     config = transformer_config(spec, opts)
@@ -180,7 +241,7 @@ def build_model(spec: ModelSpec, opts: BuildOptions, seed: int = 1234):
     post = parallel_state.is_pipeline_last_stage()
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(spec, opts),
+        transformer_layer_spec=layer_spec(spec, opts, config),
         vocab_size=padded_vocab_size(spec, opts),
         max_sequence_length=opts.seq_length or spec.max_sequence_length,
         pre_process=pre,

@@ -1,7 +1,9 @@
 """HuggingFace ``config.json`` -> :class:`ModelSpec`, the one description megarl builds from.
 
 Only the decoder families whose every config field we understand are accepted: Llama,
-Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm) and Mistral.  A field we do not understand,
+Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm) and Mistral, and the mixture-of-experts
+families Qwen3-MoE, Qwen2-MoE (a shared expert behind a sigmoid gate) and Mixtral, whose
+routed experts are described by :class:`MoESpec`.  A field we do not understand,
 or a value we cannot realise exactly (another activation, another RoPE scaling type, sliding
 window attention shorter than the sequences we run), is rejected *by name*: training on a
 silently different model is worse than not starting.
@@ -31,8 +33,19 @@ ARCHITECTURES = {
     "Qwen2ForTokenClassification": ("qwen2", "value"),
     "Qwen3ForTokenClassification": ("qwen3", "value"),
     "MistralForTokenClassification": ("mistral", "value"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "lm"),
+    "Qwen2MoeForCausalLM": ("qwen2_moe", "lm"),
+    "MixtralForCausalLM": ("mixtral", "lm"),
 }
-MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
+MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral"}
+#: model_type -> the architecture a config without ``architectures`` gets
+_DEFAULT_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+#: mixture-of-experts family -> the dense family whose attention it shares, and the HF tensor
+#: naming of its MoE block (:data:`megarl.models.mapping.MOE_HF_NAMES`)
+MOE_FAMILIES = {"qwen3_moe": ("qwen3", "qwen_moe"), "qwen2_moe": ("qwen2", "qwen_moe"),
+                "mixtral": ("mistral", "mixtral")}
 
 # Keys that describe bookkeeping, generation defaults or HF runtime switches: they do not
 # change the function the network computes, so they are accepted and carried along.
@@ -57,6 +70,17 @@ _SEMANTIC_KEYS = {
     "tie_word_embeddings", "attention_bias", "mlp_bias", "sliding_window",
     "use_sliding_window", "partial_rotary_factor", "token_classification_bias",
 }
+# Keys of the mixture-of-experts families (accepted only there).  ``router_aux_loss_coef`` and
+# ``output_router_logits`` are training switches of transformers' own loss: megarl's aux loss
+# is its own setting (0 by default in RL), so they do not change the function and are carried.
+_MOE_BENIGN_KEYS = {"router_aux_loss_coef", "output_router_logits"}
+_MOE_SEMANTIC_KEYS = {
+    "qwen3_moe": {"num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                  "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"},
+    "qwen2_moe": {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                  "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size", "qkv_bias"},
+    "mixtral": {"num_local_experts", "num_experts_per_tok", "router_jitter_noise"},
+}
 
 
 @dataclass(frozen=True)
@@ -65,6 +89,42 @@ class Llama3RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The routed experts of a mixture-of-experts model (megatron-core's MoE layer realises it).
+
+    Routing, as every supported family computes it: ``scores = softmax(router(x))`` over all
+    experts in fp32, the ``top_k`` largest are chosen, and their weights are the chosen scores,
+    renormalised to sum 1 when ``norm_topk_prob``.  megatron-core expresses the same with
+    ``moe_router_pre_softmax = not norm_topk_prob``: softmax over the top-k logits (= the
+    renormalised scores) or softmax first, then top-k (the raw scores).
+
+    The DeepSeek-V3 knobs (``score_function="sigmoid"``, ``num_groups`` / ``group_topk``,
+    ``routed_scaling_factor``, ``router_expert_bias``) have their megatron-core counterparts
+    in :func:`megarl.models.builder.transformer_config` already; no config maps to them yet.
+    """
+
+    num_experts: int
+    top_k: int
+    ffn_hidden_size: int  # each routed expert's intermediate size
+    norm_topk_prob: bool
+    #: per decoder layer: True where the MLP is the MoE block, False where it is a dense MLP
+    #: (Qwen's ``mlp_only_layers`` / ``decoder_sparse_step``; DeepSeek's ``first_k_dense_replace``)
+    moe_layers: tuple
+    shared_expert_ffn_hidden_size: Optional[int] = None  # None: no shared expert
+    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(gate(x)) scales the shared expert
+    hf_layout: str = "qwen_moe"  # the HF tensor names of the block (mapping.MOE_HF_NAMES)
+    score_function: str = "softmax"
+    num_groups: Optional[int] = None  # group-limited routing (DeepSeek-V3 n_group)
+    group_topk: Optional[int] = None  # (DeepSeek-V3 topk_group)
+    routed_scaling_factor: Optional[float] = None
+    router_expert_bias: bool = False  # DeepSeek-V3 e_score_correction_bias
+
+    @property
+    def moe_layer_indices(self) -> tuple:
+        return tuple(i for i, m in enumerate(self.moe_layers) if m)
 
 
 @dataclass(frozen=True)
@@ -91,6 +151,7 @@ class ModelSpec:
     sliding_window: Optional[int] = None
     value_head: bool = False
     value_head_bias: bool = False  # HF *ForTokenClassification: token_classification_bias
+    moe: Optional[MoESpec] = None  # mixture-of-experts families; None: every layer is dense
     raw_config: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -188,14 +249,17 @@ def spec_from_hf_config(cfg: dict, where: str = "config.json") -> ModelSpec:
                 f"{sorted(MODEL_TYPES)}"
             )
         family, head = model_type, "lm"
-        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}[family]
+        arch = _DEFAULT_ARCH[family]
     if model_type is not None and model_type != family:
         raise ModelConfigError(
             f"{where}: model_type='{model_type}' disagrees with architectures entry '{arch}'"
         )
 
-    unknown = sorted(k for k in cfg if k not in _BENIGN_KEYS and k not in _SEMANTIC_KEYS)
+    moe_family = family in MOE_FAMILIES
+    known = _BENIGN_KEYS | _SEMANTIC_KEYS | ((_MOE_BENIGN_KEYS | _MOE_SEMANTIC_KEYS[family]) if moe_family else set())
+    # the attention of an MoE family is its dense sibling's
+    attn_family = MOE_FAMILIES[family][0] if moe_family else family
+    unknown = sorted(k for k in cfg if k not in known)
     if unknown:
         raise ModelConfigError(
             f"{where}: config key(s) {unknown} are not understood by megarl's {family} "
@@ -223,8 +287,14 @@ def spec_from_hf_config(cfg: dict, where: str = "config.json") -> ModelSpec:
 
     attention_bias = bool(cfg.get("attention_bias", False))
     mlp_bias = bool(cfg.get("mlp_bias", False))
-    if family == "qwen2":
-        qkv_bias, linear_bias = True, False
+    if attn_family == "qwen2":
+        qkv_bias, linear_bias = bool(cfg.get("qkv_bias", True)), False
+    elif moe_family and (attention_bias or mlp_bias):
+        key = "attention_bias" if attention_bias else "mlp_bias"
+        raise ModelConfigError(
+            f"{where}: {key}=true is not supported for {family} (megatron's experts and shared "
+            "experts take no bias with expert tensor parallelism)"
+        )
     else:
         if attention_bias != mlp_bias:
             raise ModelConfigError(
@@ -234,7 +304,7 @@ def spec_from_hf_config(cfg: dict, where: str = "config.json") -> ModelSpec:
         qkv_bias = linear_bias = attention_bias
 
     sliding_window = cfg.get("sliding_window")
-    if family == "qwen2" or family == "qwen3":
+    if attn_family == "qwen2" or attn_family == "qwen3":
         if cfg.get("use_sliding_window", False):
             raise ModelConfigError(
                 f"{where}: use_sliding_window=true is not supported (sliding window attention)"
@@ -244,13 +314,19 @@ def spec_from_hf_config(cfg: dict, where: str = "config.json") -> ModelSpec:
     if rope_scaling is not None and family != "llama":
         raise ModelConfigError(f"{where}: llama3 rope scaling on family '{family}' is unexpected")
 
+    intermediate = int(_require(cfg, "intermediate_size", where))
+    num_layers = int(_require(cfg, "num_hidden_layers", where))
+    moe = _moe_spec(cfg, family, num_layers, intermediate, where) if moe_family else None
+    if moe is not None and head != "lm":
+        raise ModelConfigError(f"{where}: {arch}: value heads on mixture-of-experts models are not supported")
+
     return ModelSpec(
         family=family,
         architecture=arch,
         vocab_size=int(_require(cfg, "vocab_size", where)),
         hidden_size=hidden,
-        ffn_hidden_size=int(_require(cfg, "intermediate_size", where)),
-        num_layers=int(_require(cfg, "num_hidden_layers", where)),
+        ffn_hidden_size=intermediate,
+        num_layers=num_layers,
         num_attention_heads=heads,
         num_query_groups=groups,
         head_dim=int(head_dim),
@@ -260,13 +336,62 @@ def spec_from_hf_config(cfg: dict, where: str = "config.json") -> ModelSpec:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         linear_bias=linear_bias,
-        qk_norm=(family == "qwen3"),
+        qk_norm=(attn_family == "qwen3"),
         rope_scaling=rope_scaling,
         sliding_window=int(sliding_window) if sliding_window else None,
         value_head=(head == "value"),
         value_head_bias=(head == "value") and bool(cfg.get("token_classification_bias", True)),
+        moe=moe,
         raw_config=dict(cfg),
     )
+
+
+def _moe_spec(cfg: dict, family: str, num_layers: int, intermediate: int, where: str) -> MoESpec:
+    """The :class:`MoESpec` of a Qwen3-MoE, Qwen2-MoE or Mixtral config (keys named on refusal)."""
+    layout = MOE_FAMILIES[family][1]
+    if family == "mixtral":
+        experts = int(_require(cfg, "num_local_experts", where))
+        expert_ffn = intermediate  # Mixtral's intermediate_size is each expert's
+        norm_topk = True  # transformers' Mixtral always renormalises the chosen weights
+        moe_layers = (True,) * num_layers
+        shared = None
+        jitter = float(cfg.get("router_jitter_noise") or 0.0)
+        if jitter:
+            raise ModelConfigError(
+                f"{where}: router_jitter_noise={jitter} is not supported (transformers scales the "
+                "experts' input by the noise too; megatron's moe_input_jitter_eps only the router's)"
+            )
+    else:
+        key = "num_experts" if "num_experts" in cfg else "num_local_experts"
+        experts = int(_require(cfg, key, where))
+        expert_ffn = int(_require(cfg, "moe_intermediate_size", where))
+        norm_topk = bool(cfg.get("norm_topk_prob", False))
+        step = int(cfg.get("decoder_sparse_step", 1) or 1)
+        only_dense = set(cfg.get("mlp_only_layers") or [])
+        bad = sorted(i for i in only_dense if not (isinstance(i, int) and 0 <= i < num_layers))
+        if bad:
+            raise ModelConfigError(f"{where}: mlp_only_layers names layers {bad} outside [0, {num_layers})")
+        # transformers: layer i is sparse iff i is not in mlp_only_layers and (i + 1) % step == 0
+        moe_layers = tuple(experts > 0 and i not in only_dense and (i + 1) % step == 0 for i in range(num_layers))
+        shared = cfg.get("shared_expert_intermediate_size") if family == "qwen2_moe" else None
+        shared = int(shared) if shared else None
+    top_k = int(_require(cfg, "num_experts_per_tok", where))
+    if experts < 1:
+        raise ModelConfigError(f"{where}: num_experts={experts}: a mixture-of-experts model needs >= 1 expert")
+    if not 1 <= top_k <= experts:
+        raise ModelConfigError(f"{where}: num_experts_per_tok={top_k} must be in [1, {experts}]")
+    if top_k == 1 and norm_topk:
+        # every chosen weight would be 1; megatron refuses top-1 softmax-after-top-k (zero gradient)
+        raise ModelConfigError(
+            f"{where}: num_experts_per_tok=1 with norm_topk_prob=true is not supported "
+            "(megatron-core's top-1 routing needs the softmax before the top-k)"
+        )
+    if not any(moe_layers):
+        raise ModelConfigError(f"{where}: no layer is a mixture-of-experts layer "
+                               "(mlp_only_layers / decoder_sparse_step leave none)")
+    return MoESpec(num_experts=experts, top_k=top_k, ffn_hidden_size=expert_ffn, norm_topk_prob=norm_topk,
+                   moe_layers=moe_layers, shared_expert_ffn_hidden_size=shared,
+                   shared_expert_gate=shared is not None, hf_layout=layout)
 
 
 def load_spec(model_dir: str) -> ModelSpec:
@@ -282,8 +407,10 @@ def load_spec(model_dir: str) -> ModelSpec:
     return spec_from_hf_config(cfg, where=path)
 
 
-def check_parallel_fit(spec: ModelSpec, tp: int, pp: int, where: str = "config.json") -> None:
-    """Raise a named error if the model cannot be split at this TP/PP."""
+def check_parallel_fit(spec: ModelSpec, tp: int, pp: int, where: str = "config.json", ep: int = 1,
+                       etp: Optional[int] = None, experts: bool = True) -> None:
+    """Raise a named error if the model cannot be split at this TP/PP (and, with ``experts``,
+    its experts placed at this EP / expert TP: :func:`check_expert_fit`)."""
     if spec.num_attention_heads % tp:
         raise ModelConfigError(
             f"{where}: num_attention_heads={spec.num_attention_heads} is not divisible by "
@@ -294,7 +421,8 @@ def check_parallel_fit(spec: ModelSpec, tp: int, pp: int, where: str = "config.j
             f"{where}: num_key_value_heads={spec.num_query_groups} is not divisible by "
             f"tensor parallel size tp={tp}"
         )
-    if spec.ffn_hidden_size % tp:
+    moe = spec.moe
+    if (moe is None or not all(moe.moe_layers)) and spec.ffn_hidden_size % tp:
         raise ModelConfigError(
             f"{where}: intermediate_size={spec.ffn_hidden_size} is not divisible by tp={tp}"
         )
@@ -303,3 +431,40 @@ def check_parallel_fit(spec: ModelSpec, tp: int, pp: int, where: str = "config.j
             f"{where}: num_hidden_layers={spec.num_layers} is not divisible by pipeline "
             f"parallel size pp={pp}"
         )
+    if experts:
+        check_expert_fit(spec, tp, ep, etp, where)
+
+
+class ExpertFitError(ModelConfigError):
+    """The experts cannot be placed; ``size`` names the parallel size at fault (ep, etp or tp)."""
+
+    def __init__(self, message: str, size: str):
+        super().__init__(message)
+        self.size = size
+
+
+def check_expert_fit(spec: ModelSpec, tp: int, ep: int = 1, etp: Optional[int] = None,
+                     where: str = "config.json") -> None:
+    """Raise :class:`ExpertFitError` if the experts cannot be placed at this EP / expert TP
+    (``etp`` None: ``tp``); a dense model takes only ep=1 and etp=tp."""
+    moe = spec.moe
+    if moe is None:
+        if ep != 1 or (etp is not None and etp != tp):
+            raise ExpertFitError(
+                f"{where}: expert parallelism (ep={ep}, etp={etp}) needs a mixture-of-experts model; "
+                f"{spec.architecture} is dense", "ep" if ep != 1 else "etp")
+        return
+    etp = tp if etp is None else etp
+    if moe.num_experts % ep:
+        raise ExpertFitError(
+            f"{where}: the number of experts ({moe.num_experts}) is not divisible by expert parallel "
+            f"size ep={ep}", "ep")
+    key = "intermediate_size" if spec.family == "mixtral" else "moe_intermediate_size"
+    if moe.ffn_hidden_size % etp:
+        raise ExpertFitError(
+            f"{where}: {key}={moe.ffn_hidden_size} is not divisible by expert tensor parallel size "
+            f"etp={etp}", "etp")
+    if moe.shared_expert_ffn_hidden_size and moe.shared_expert_ffn_hidden_size % tp:
+        raise ExpertFitError(
+            f"{where}: shared_expert_intermediate_size={moe.shared_expert_ffn_hidden_size} is not "
+            f"divisible by tp={tp}", "tp")

@@ -18,6 +18,15 @@ Layouts (megatron-core ``attention.py`` / ``mlp.py``; Megatron-Bridge ``param_ma
   split over TP along dim 0, and the padding is dropped on export.
 * Tied embeddings: only ``embedding.word_embeddings.weight`` is mapped; HF ``lm_head.weight``
   is absent (or ignored on import when it equals the embedding).
+* Mixture-of-experts layers (megatron-core ``MoELayer`` with ``SequentialMLP`` experts):
+  ``mlp.router.weight`` is the HF router (``gate``) weight, replicated; routed expert e is
+  ``mlp.experts.local_experts.{e}.linear_fc1/fc2`` with the same gate/up and row layouts as a
+  dense MLP, split over the *expert* tensor-parallel group (``expert_tensor_parallel_size``);
+  the shared expert ``mlp.shared_experts.linear_fc1/fc2`` is split over the ordinary TP group and
+  its sigmoid gate ``mlp.shared_experts.gate_weight`` is replicated.  Expert names here carry
+  the *global* expert index: EP rank r holds experts ``[r * E / ep, (r + 1) * E / ep)`` as its
+  local experts 0.. (:func:`canonical_name` adds the offset).  The HF names of the block are
+  one entry of :data:`MOE_HF_NAMES` per family layout.
 * Layer names are global (``decoder.layers.{global}``); a PP stage's local index is offset by
   the layer's ``layer_number``.  The transformer-engine spec fuses the pre-attention and
   pre-MLP norms into ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``:
@@ -47,6 +56,40 @@ _TE_ALIASES = {
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
 }
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_LOCAL_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+
+#: Which tensor-parallel group splits a parameter: the ordinary one, or the experts' own.
+TP_GROUP = "tp"
+EXPERT_TP_GROUP = "etp"
+
+
+@dataclass(frozen=True)
+class MoEHFNames:
+    """The HF tensor names of one MoE block, relative to ``model.layers.{i}.``.
+
+    ``expert`` is formatted with the global expert index ``e``; ``gate`` / ``up`` / ``down`` are
+    the expert MLP's projections (also the shared expert's, under ``shared``)."""
+
+    block: str  # the module holding the router and the experts
+    router: str
+    expert: str
+    gate: str
+    up: str
+    down: str
+    shared: Optional[str] = None  # the shared expert MLP
+    shared_gate: Optional[str] = None  # its sigmoid gate (Qwen2-MoE)
+
+
+#: MoESpec.hf_layout -> the HF names of that family's MoE block.  DeepSeek-V3 would be one more
+#: entry (``mlp.gate.weight``, ``mlp.experts.{e}.*``, ``mlp.shared_experts.*`` without a gate, plus
+#: the router's ``e_score_correction_bias``).
+MOE_HF_NAMES = {
+    "qwen_moe": MoEHFNames(block="mlp", router="gate.weight", expert="experts.{e}", gate="gate_proj",
+                           up="up_proj", down="down_proj", shared="shared_expert",
+                           shared_gate="shared_expert_gate.weight"),
+    "mixtral": MoEHFNames(block="block_sparse_moe", router="gate.weight", expert="experts.{e}", gate="w1",
+                          up="w3", down="w2"),
+}
 
 
 class MappingError(MegarlError, ValueError):
@@ -62,6 +105,11 @@ class ParamRule:
     kind: str
     layer: Optional[int] = None  # global layer index; None for embedding / final / output
     where: str = "layer"  # "first" stage, "last" stage or the stage owning ``layer``
+    #: the intermediate size of the MLP a GATE_UP / ROW rule belongs to, when it is not the dense
+    #: ``ffn_hidden_size`` (routed and shared experts)
+    ffn: Optional[int] = None
+    expert: Optional[int] = None  # global index of the routed expert; None: not an expert
+    tp_group: str = TP_GROUP  # the group that splits it (EXPERT_TP_GROUP for routed experts)
 
 
 def rules(spec: ModelSpec) -> List[ParamRule]:
@@ -87,6 +135,10 @@ def rules(spec: ModelSpec) -> List[ParamRule]:
         if spec.linear_bias:
             r.append(ParamRule(f"{m}.self_attention.linear_proj.bias", (f"{attn}.o_proj.bias",), REPLICATED, i))
         r.append(ParamRule(f"{m}.pre_mlp_layernorm.weight", (f"{h}.post_attention_layernorm.weight",), REPLICATED, i))
+        if spec.moe is not None and spec.moe.moe_layers[i]:
+            r.extend(_moe_rules(spec, i))
+            out.extend(r)
+            continue
         r.append(ParamRule(f"{m}.mlp.linear_fc1.weight", (f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"), GATE_UP, i))
         if spec.linear_bias:
             r.append(ParamRule(f"{m}.mlp.linear_fc1.bias", (f"{mlp}.gate_proj.bias", f"{mlp}.up_proj.bias"), GATE_UP, i))
@@ -101,6 +153,30 @@ def rules(spec: ModelSpec) -> List[ParamRule]:
             out.append(ParamRule("output_layer.bias", ("score.bias",), REPLICATED, where="last"))
     elif not spec.tie_word_embeddings:
         out.append(ParamRule("output_layer.weight", ("lm_head.weight",), VOCAB, where="last"))
+    return out
+
+
+def _moe_rules(spec: ModelSpec, i: int) -> List[ParamRule]:
+    """The rules of MoE layer ``i``: router, routed experts in global order, shared expert."""
+    moe = spec.moe
+    names = MOE_HF_NAMES[moe.hf_layout]
+    m, blk = f"decoder.layers.{i}.mlp", f"model.layers.{i}.{names.block}"
+    out = [ParamRule(f"{m}.router.weight", (f"{blk}.{names.router}",), REPLICATED, i)]
+    F = moe.ffn_hidden_size
+    for e in range(moe.num_experts):
+        x, hx = f"{m}.experts.local_experts.{e}", f"{blk}.{names.expert.format(e=e)}"
+        out.append(ParamRule(f"{x}.linear_fc1.weight", (f"{hx}.{names.gate}.weight", f"{hx}.{names.up}.weight"),
+                             GATE_UP, i, ffn=F, expert=e, tp_group=EXPERT_TP_GROUP))
+        out.append(ParamRule(f"{x}.linear_fc2.weight", (f"{hx}.{names.down}.weight",), ROW, i, ffn=F, expert=e,
+                             tp_group=EXPERT_TP_GROUP))
+    S = moe.shared_expert_ffn_hidden_size
+    if S:
+        sx, hs = f"{m}.shared_experts", f"{blk}.{names.shared}"
+        out.append(ParamRule(f"{sx}.linear_fc1.weight", (f"{hs}.{names.gate}.weight", f"{hs}.{names.up}.weight"),
+                             GATE_UP, i, ffn=S))
+        out.append(ParamRule(f"{sx}.linear_fc2.weight", (f"{hs}.{names.down}.weight",), ROW, i, ffn=S))
+        if moe.shared_expert_gate:
+            out.append(ParamRule(f"{sx}.gate_weight", (f"{blk}.{names.shared_gate}",), REPLICATED, i))
     return out
 
 
@@ -121,9 +197,18 @@ def hf_shapes(spec: ModelSpec) -> Dict[str, Tuple[int, ...]]:
         shapes.update({
             f"{h}.input_layernorm.weight": (H,), f"{h}.post_attention_layernorm.weight": (H,),
             f"{a}.q_proj.weight": (q, H), f"{a}.k_proj.weight": (kv, H), f"{a}.v_proj.weight": (kv, H),
-            f"{a}.o_proj.weight": (H, q), f"{m}.gate_proj.weight": (F, H),
-            f"{m}.up_proj.weight": (F, H), f"{m}.down_proj.weight": (H, F),
+            f"{a}.o_proj.weight": (H, q),
         })
+        if spec.moe is not None and spec.moe.moe_layers[i]:
+            for rule in _moe_rules(spec, i):
+                if rule.kind == REPLICATED:  # the router [experts, H]; the shared expert's gate [1, H]
+                    rows = spec.moe.num_experts if rule.megatron_name.endswith("router.weight") else 1
+                    shapes[rule.hf_names[0]] = (rows, H)
+                for name in rule.hf_names if rule.kind != REPLICATED else ():
+                    shapes[name] = (rule.ffn, H) if rule.kind == GATE_UP else (H, rule.ffn)
+        else:
+            shapes.update({f"{m}.gate_proj.weight": (F, H), f"{m}.up_proj.weight": (F, H),
+                           f"{m}.down_proj.weight": (H, F)})
         if spec.qkv_bias:
             shapes.update({f"{a}.q_proj.bias": (q,), f"{a}.k_proj.bias": (kv,), f"{a}.v_proj.bias": (kv,)})
         if spec.qk_norm:
@@ -134,25 +219,48 @@ def hf_shapes(spec: ModelSpec) -> Dict[str, Tuple[int, ...]]:
     return shapes
 
 
-def canonical_name(local_name: str, layer_numbers: Sequence[int]) -> str:
+def canonical_name(local_name: str, layer_numbers: Sequence[int], expert_offset: int = 0) -> str:
     """Map a parameter name of one PP stage (local layer index, TE or local spec) to the
     canonical global name.  ``layer_numbers[i]`` is the 1-based global ``layer_number`` of
-    local layer ``i``."""
+    local layer ``i``; ``expert_offset`` is the global index of this EP rank's local expert 0."""
     m = _LAYER_RE.match(local_name)
     if not m:
         return local_name
     local, rest = int(m.group(1)), m.group(2)
     rest = _TE_ALIASES.get(rest, rest)
+    x = _LOCAL_EXPERT_RE.match(rest)
+    if x:
+        rest = f"mlp.experts.local_experts.{int(x.group(1)) + expert_offset}.{x.group(2)}"
     return f"decoder.layers.{layer_numbers[local] - 1}.{rest}"
 
 
+def expert_offset(model) -> int:
+    """Global index of this EP rank's first local expert (0 for a dense model)."""
+    spec = getattr(model, "megarl_spec", None)
+    if spec is None or spec.moe is None:
+        return 0
+    from megatron.core import parallel_state as ps
+
+    ep, rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
+    return rank * (spec.moe.num_experts // ep)
+
+
+def expert_owner(rule: ParamRule, spec: ModelSpec, ep: int) -> Optional[int]:
+    """The EP rank holding ``rule``'s routed expert (None: not an expert, every EP rank has it)."""
+    if rule.expert is None:
+        return None
+    return rule.expert // (spec.moe.num_experts // ep)
+
+
 def stage_param_names(model) -> Dict[str, str]:
-    """``{canonical name: local name}`` for the parameters of this PP stage's model chunk."""
+    """``{canonical name: local name}`` for the parameters of this PP stage's model chunk (and this
+    EP rank's experts, named by their global index)."""
     layers = getattr(getattr(model, "decoder", None), "layers", [])
     numbers = [layer.layer_number for layer in layers]
+    offset = expert_offset(model)
     out = {}
     for local_name, _ in model.named_parameters():
-        out[canonical_name(local_name, numbers)] = local_name
+        out[canonical_name(local_name, numbers, offset)] = local_name
     return out
 
 
@@ -173,13 +281,14 @@ def _chunk(n: int, tp: int, rank: int, what: str) -> Tuple[int, int]:
 
 def shard_from_hf(rule: ParamRule, read: SliceReader, spec: ModelSpec, tp_rank: int, tp: int,
                   padded_vocab: int) -> torch.Tensor:
-    """Build TP rank ``tp_rank``'s shard of ``rule`` reading only the HF slices it owns."""
+    """Build TP rank ``tp_rank``'s shard of ``rule`` reading only the HF slices it owns (for a
+    routed expert, ``tp_rank`` / ``tp`` are the expert tensor-parallel rank and size)."""
     if rule.kind == REPLICATED:
         return read(rule.hf_names[0], None, 0, 0)
     if rule.kind == ROW:
         name = rule.hf_names[0]
-        full = {"o_proj": spec.num_attention_heads * spec.head_dim,
-                "down_proj": spec.ffn_hidden_size}[name.split(".")[-2]]
+        full = rule.ffn if rule.ffn is not None else {"o_proj": spec.num_attention_heads * spec.head_dim,
+                                                      "down_proj": spec.ffn_hidden_size}[name.split(".")[-2]]
         a, b = _chunk(full, tp, tp_rank, rule.megatron_name)
         return read(name, 1, a, b)
     if rule.kind == VOCAB:
@@ -194,7 +303,7 @@ def shard_from_hf(rule: ParamRule, read: SliceReader, spec: ModelSpec, tp_rank: 
             parts.append(torch.zeros((pad_rows,) + tuple(ref.shape[1:]), dtype=ref.dtype))
         return torch.cat(parts, 0)
     if rule.kind == GATE_UP:
-        a, b = _chunk(spec.ffn_hidden_size, tp, tp_rank, rule.megatron_name)
+        a, b = _chunk(spec.ffn_hidden_size if rule.ffn is None else rule.ffn, tp, tp_rank, rule.megatron_name)
         return torch.cat([read(rule.hf_names[0], 0, a, b), read(rule.hf_names[1], 0, a, b)], 0)
     if rule.kind == QKV:
         ng, hd = spec.num_query_groups, spec.head_dim
@@ -274,7 +383,8 @@ def hf_from_shards(rule: ParamRule, shards: Sequence[torch.Tensor], spec: ModelS
 
 
 def shard_shape(rule: ParamRule, spec: ModelSpec, tp: int, padded_vocab: int) -> Tuple[int, ...]:
-    """Shape of one TP shard of ``rule`` (known on every rank without communication)."""
+    """Shape of one TP shard of ``rule`` (known on every rank without communication); ``tp`` is
+    the size of ``rule.tp_group``."""
     H, F = spec.hidden_size, spec.ffn_hidden_size
     q, kv = spec.num_attention_heads * spec.head_dim, spec.num_query_groups * spec.head_dim
     shapes = hf_shapes(spec)
@@ -286,7 +396,7 @@ def shard_shape(rule: ParamRule, spec: ModelSpec, tp: int, padded_vocab: int) ->
     if rule.kind == VOCAB:
         return (padded_vocab // tp, H)
     if rule.kind == GATE_UP:
-        return (2 * F // tp,) + shapes[rule.hf_names[0]][1:]
+        return (2 * (F if rule.ffn is None else rule.ffn) // tp,) + shapes[rule.hf_names[0]][1:]
     if rule.kind == QKV:
         return ((q + 2 * kv) // tp,) + shapes[rule.hf_names[0]][1:]
     raise MappingError(f"{rule.megatron_name}: unknown layout kind {rule.kind!r}")

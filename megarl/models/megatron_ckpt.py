@@ -73,6 +73,8 @@ def save_megatron_checkpoint(model, out_dir: str, tokenizer_dir: Optional[str] =
             "vocab_multiple": opts.vocab_multiple,
             "dtype": str(next(inner.parameters()).dtype).replace("torch.", ""),
         }
+        if spec.moe is not None:  # the expert layout it was saved at (it loads at any EP / ETP)
+            meta.update(saved_ep=opts.ep, saved_etp=opts.resolved_etp)
         # Written last: its presence marks a complete checkpoint.
         with open(os.path.join(out_dir, META_NAME), "w") as f:
             json.dump(meta, f, indent=2)
@@ -97,12 +99,21 @@ def load_megatron_checkpoint(model, ckpt_dir: str) -> None:
 
 
 def load_model(path: str, tp: int = 1, pp: int = 1, dtype: Optional[torch.dtype] = None,
-               vocab_multiple: Optional[int] = None, show_progress: bool = False):
-    """Build the megatron model for ``path`` (HF or megarl checkpoint) at this TP/PP and load it.
+               vocab_multiple: Optional[int] = None, show_progress: bool = False,
+               ep: Optional[int] = None, etp: Optional[int] = None):
+    """Build the megatron model for ``path`` (HF or megarl checkpoint) at this TP/PP/EP and load it.
 
-    megatron parallel state must already be initialised at ``tp``/``pp``.
+    megatron parallel state must already be initialised at ``tp``/``pp`` (and ``ep`` / ``etp``;
+    None: the sizes the parallel state holds, used by a mixture-of-experts model only).
     """
+    from megatron.core import parallel_state as ps
+
     spec = load_spec(path)
+    if spec.moe is not None:
+        ep = ps.get_expert_model_parallel_world_size() if ep is None else ep
+        etp = ps.get_expert_tensor_parallel_world_size() if etp is None else etp
+    else:
+        ep, etp = 1, None
     meta = read_meta(path) if is_megatron_checkpoint(path) else None
     if dtype is None:
         # CPU: fp32 only (megatron's half-precision paths need CUDA); GPU: what the checkpoint says
@@ -111,12 +122,12 @@ def load_model(path: str, tp: int = 1, pp: int = 1, dtype: Optional[torch.dtype]
     if meta is not None:
         opts = BuildOptions(tp=tp, pp=pp, params_dtype=dtype,
                             vocab_multiple=vocab_multiple or meta["vocab_multiple"],
-                            init_weights=False)
+                            init_weights=False, ep=ep, etp=etp)
         model = build_model(spec, opts)
         load_megatron_checkpoint(model, path)
     else:
         opts = BuildOptions(tp=tp, pp=pp, params_dtype=dtype,
-                            vocab_multiple=vocab_multiple or 128, init_weights=False)
+                            vocab_multiple=vocab_multiple or 128, init_weights=False, ep=ep, etp=etp)
         model = build_model(spec, opts)
         load_hf_weights(model, path, spec, show_progress=show_progress)
     return model

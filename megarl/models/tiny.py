@@ -12,6 +12,10 @@ from typing import Optional
 import torch
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+#: the mixture-of-experts families (4 experts, top-2 by default): Qwen3-MoE (q/k norm, top-k
+#: renormalised), Qwen2-MoE (q/k/v bias, a shared expert behind a sigmoid gate, raw top-k
+#: weights) and Mixtral (block_sparse_moe w1/w2/w3)
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 
 def tiny_hf_config(family: str, vocab_size: int = 300, hidden_size: int = 64, num_layers: int = 2,
@@ -38,8 +42,25 @@ def tiny_hf_config(family: str, vocab_size: int = 300, hidden_size: int = 64, nu
     elif family == "mistral":
         cfg = transformers.MistralConfig(**common, sliding_window=None,
                                          tie_word_embeddings=bool(tie_word_embeddings), **extra)
+    elif family in MOE_FAMILIES:
+        moe = dict(num_experts_per_tok=extra.pop("num_experts_per_tok", 2))
+        experts = extra.pop("num_experts", 4)
+        tie = bool(tie_word_embeddings)
+        if family == "mixtral":
+            cfg = transformers.MixtralConfig(**common, num_local_experts=experts, sliding_window=None,
+                                             tie_word_embeddings=tie, **moe, **extra)
+        else:
+            moe.update(num_experts=experts,
+                       moe_intermediate_size=extra.pop("moe_intermediate_size", intermediate_size // 2),
+                       norm_topk_prob=extra.pop("norm_topk_prob", family == "qwen3_moe"))
+            if family == "qwen3_moe":
+                cfg = transformers.Qwen3MoeConfig(**common, head_dim=hidden_size // num_heads,
+                                                  tie_word_embeddings=tie, **moe, **extra)
+            else:
+                moe["shared_expert_intermediate_size"] = extra.pop("shared_expert_intermediate_size", intermediate_size)
+                cfg = transformers.Qwen2MoeConfig(**common, tie_word_embeddings=tie, **moe, **extra)
     else:
-        raise ValueError(f"unknown tiny family {family!r}; choose from {FAMILIES}")
+        raise ValueError(f"unknown tiny family {family!r}; choose from {FAMILIES + MOE_FAMILIES}")
     return cfg
 
 
@@ -65,6 +86,9 @@ def make_tiny_hf_checkpoint(out_dir: str, family: str = "llama", seed: int = 0,
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.05 * torch.randn_like(p))
+            elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight")):
+                # routers (and the shared expert's gate): decisive, far from ties between experts
+                p.copy_(torch.randn_like(p))
     model = model.to(dtype)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)

@@ -1,4 +1,4 @@
-"""Moving weights into and out of megatron shards, for any TP x PP layout.
+"""Moving weights into and out of megatron shards, for any TP x PP (x EP x ETP) layout.
 
 * :func:`load_hf_weights` fills this rank's shards from an HF safetensors checkpoint, reading
   only the slices this rank owns.
@@ -6,6 +6,12 @@
   shards (gather over TP, broadcast over PP), one tensor at a time so the whole model is
   never materialised on one rank.  Export and the hybrid-engine weight sync both use it.
 * :func:`export_hf` writes that stream as an HF checkpoint.
+
+Routed experts of a mixture-of-experts model live on one EP rank each (``mapping.expert_owner``)
+and are split over the expert tensor-parallel group: the owner EP rank gathers its ETP shards,
+and for the stream every rank needs the tensor, so it is broadcast over the EP group (then over
+PP, like everything else).  Every expert therefore appears in the stream exactly once, in the
+canonical (global expert) order, whatever the layout.
 
 All layout knowledge comes from :mod:`megarl.models.mapping`.
 """
@@ -44,6 +50,25 @@ def _pp_tp():
 
     return (ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size(),
             ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
+
+
+def _ep_etp():
+    """``(ep rank, ep size, expert tp rank, expert tp size)``."""
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size(),
+            ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
+
+
+def _split_group(rule: mapping.ParamRule):
+    """``(rank, size, process group)`` of the tensor-parallel group that splits ``rule``."""
+    from megatron.core import parallel_state as ps
+
+    if rule.tp_group == mapping.EXPERT_TP_GROUP:
+        _, _, etp_rank, etp = _ep_etp()
+        return etp_rank, etp, ps.get_expert_tensor_parallel_group()
+    _, _, tp_rank, tp = _pp_tp()
+    return tp_rank, tp, ps.get_tensor_model_parallel_group()
 
 
 @torch.no_grad()
@@ -90,7 +115,9 @@ def load_hf_weights(model, hf_dir: str, spec: Optional[ModelSpec] = None, show_p
 
         it = tqdm(items, desc=f"load {os.path.basename(os.path.normpath(hf_dir))}", unit="tensor")
     for canon, local_name in it:
-        shard = mapping.shard_from_hf(rules[canon], read, spec, tp_rank, tp, padded)
+        rule = rules[canon]
+        r, n = (tp_rank, tp) if rule.tp_group == mapping.TP_GROUP else _split_group(rule)[:2]
+        shard = mapping.shard_from_hf(rule, read, spec, r, n, padded)
         p = params[local_name]
         if tuple(shard.shape) != tuple(p.shape):
             raise mapping.MappingError(
@@ -107,29 +134,32 @@ def _stage_params(model) -> Dict[str, torch.Tensor]:
 
 
 def _merged_rules(model, spec: ModelSpec, merge):
-    """Collective over the TP group: ``(rule, owner stage, merge(rule, TP shards) or None)`` for
-    every rule in canonical order; the merge runs on the owner stage only."""
-    from megatron.core import parallel_state as ps
-
-    pp_rank, pp, tp_rank, tp = _pp_tp()
+    """Collective over the TP group (the expert TP group for a routed expert):
+    ``(rule, owner stage, owner EP rank, merge(rule, TP shards) or None)`` for every rule in
+    canonical order; the merge runs on the owner stage only, and for a routed expert only on
+    its owner EP rank (``owner EP rank`` is None for everything else: every EP rank holds it)."""
+    pp_rank, pp, _, _ = _pp_tp()
+    ep_rank, ep, _, _ = _ep_etp()
     mine = _stage_params(model)
-    tp_group = ps.get_tensor_model_parallel_group()
     for rule in mapping.rules(spec):
         owner = _owner_stage(rule, spec, pp)
-        if owner != pp_rank:
-            yield rule, owner, None
+        ep_owner = mapping.expert_owner(rule, spec, ep)
+        if owner != pp_rank or (ep_owner is not None and ep_owner != ep_rank):
+            yield rule, owner, ep_owner, None
             continue
         p = mine.get(rule.megatron_name)
         if p is None:
             raise mapping.MappingError(
-                f"{rule.megatron_name}: expected on pipeline stage {pp_rank}, not found")
+                f"{rule.megatron_name}: expected on pipeline stage {pp_rank}"
+                + (f", expert-parallel rank {ep_rank}" if ep_owner is not None else "") + ", not found")
         shard = p.detach().contiguous()
-        if tp > 1 and rule.kind != mapping.REPLICATED:
-            shards = [torch.empty_like(shard) for _ in range(tp)]
-            dist.all_gather(shards, shard, group=tp_group)
+        _, n, group = _split_group(rule)
+        if n > 1 and rule.kind != mapping.REPLICATED:
+            shards = [torch.empty_like(shard) for _ in range(n)]
+            dist.all_gather(shards, shard, group=group)
         else:
             shards = [shard]
-        yield rule, owner, merge(rule, shards)
+        yield rule, owner, ep_owner, merge(rule, shards)
 
 
 @torch.no_grad()
@@ -138,12 +168,13 @@ def iter_hf_views(model, spec: Optional[ModelSpec] = None,
     """Collective over the TP group: ``(hf_name, shape, view)`` for each logical tensor this
     rank's PP stage owns, in canonical order (see :func:`megarl.models.mapping.hf_views_from_shards`).
 
-    Nothing is copied beyond the TP gather and nothing crosses PP stages: for readers of the
-    weights in place (the manifest's checksums), which combine the stages' results themselves.
+    Nothing is copied beyond the TP gather and nothing crosses PP stages or EP ranks: for readers
+    of the weights in place (the manifest's checksums), which combine the stages' results
+    themselves.  A routed expert is yielded only on its owner EP rank (its ETP shards gathered).
     """
     model = unwrap(model)
     spec = spec or model.megarl_spec
-    for _rule, _owner, views in _merged_rules(
+    for _rule, _owner, _ep_owner, views in _merged_rules(
             model, spec, lambda rule, shards: mapping.hf_views_from_shards(rule, shards, spec)):
         for name, (shape, view) in (views or {}).items():
             yield name, shape, view
@@ -169,21 +200,26 @@ def iter_hf_tensors(model, spec: Optional[ModelSpec] = None, dtype: Optional[tor
     model = unwrap(model)
     spec = spec or model.megarl_spec
     pp_rank, pp, _, _ = _pp_tp()
+    ep_rank, ep, _, _ = _ep_etp()
     shapes = mapping.hf_shapes(spec)
     pp_group = ps.get_pipeline_model_parallel_group()
+    ep_group = ps.get_expert_model_parallel_group() if ep > 1 else None
     param_dtype = next(model.parameters()).dtype
     dev = next(model.parameters()).device
-    for rule, owner, merged in _merged_rules(
+    for rule, owner, ep_owner, merged in _merged_rules(
             model, spec, lambda rule, shards: mapping.hf_from_shards(rule, shards, spec, out=out)):
         for name in rule.hf_names:
+            t = merged[name] if merged is not None else None
+            if ep_owner is not None and ep > 1 and owner == pp_rank:
+                # a routed expert: from its EP rank to the other EP ranks of the owner stage
+                t = t.contiguous() if ep_owner == ep_rank else torch.empty(shapes[name], dtype=param_dtype, device=dev)
+                dist.broadcast(t, src=dist.get_global_rank(ep_group, ep_owner), group=ep_group)
             if pp > 1:
                 if owner == pp_rank:
-                    t = merged[name].contiguous()
+                    t = t.contiguous()
                 else:
                     t = torch.empty(shapes[name], dtype=param_dtype, device=dev)
                 dist.broadcast(t, src=dist.get_global_rank(pp_group, owner), group=pp_group)
-            else:
-                t = merged[name]
             t = t.to(device=device or t.device, dtype=dtype or t.dtype)
             yield name, t
         del merged

@@ -14,12 +14,20 @@ records the raw logits' normaliser, the last one draws the token with a per-cand
 records its processed log-prob, then hands transformers a one-hot score so its greedy argmax
 takes that token.  Per-candidate generators make a candidate's tokens independent of what else
 is in the batch; recording inside the processors avoids keeping (steps x batch x vocab) scores.
+
+Routed experts (MoE, ``SamplingParams.return_routed_experts``): a forward pre-hook on every MoE
+layer's experts module (``model.layers.<i>.mlp.experts`` in Qwen2-MoE, Qwen3-MoE and Mixtral:
+``experts(hidden_states, top_k_index, top_k_weights)``) records ``top_k_index`` as it is handed to
+the experts, so what is recorded is what was dispatched, whatever the router's softmax / top-k
+order and ties.  With the KV cache the prefill call gives the prompt's routing and each decode
+call one token's; the last sampled token is never fed, so it has none (as in SGLang).
 """
 
 from __future__ import annotations
 
 import copy
 import os
+import re
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -37,10 +45,12 @@ from megarl.rollout.protocol import (
     LoadReport,
     NoActiveVersionError,
     RolloutBusyError,
+    RolloutError,
     SamplingParams,
     VersionNotStagedError,
     candidate_seed,
 )
+from megarl.experience.schema import SampleRouting, compact_expert_dtype
 from megarl.rollout.weight_stream import ManifestMismatchError, TensorManifest
 from megarl.splitmix import shr, splitmix64
 from megarl.versions import PolicyVersion
@@ -130,6 +140,61 @@ class _SeededTokenChooser:
         out = torch.full_like(scores, float("-inf"))
         out.scatter_(1, tokens, 0.0)
         return out
+
+
+_EXPERTS_MODULE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts$")
+
+
+def moe_experts_modules(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
+    """``(decoder layer index, experts module)`` of every MoE layer, in layer order (empty for a
+    dense model).  The experts module is the one a sparse MoE block hands
+    ``(hidden_states, top_k_index, top_k_weights)`` to (transformers 5 Qwen2-MoE, Qwen3-MoE,
+    Mixtral)."""
+    found = []
+    for name, module in model.named_modules():
+        m = _EXPERTS_MODULE.search(name)
+        if m is not None and hasattr(module, "num_experts"):
+            found.append((int(m.group(1)), module))
+    return sorted(found, key=lambda x: x[0])
+
+
+class _RoutingRecorder:
+    """Forward pre-hooks on the experts modules: the ``top_k_index`` of every call, per layer."""
+
+    def __init__(self, layers: list[tuple[int, torch.nn.Module]]):
+        self.layers = layers
+        self.calls: list[list[torch.Tensor]] = [[] for _ in layers]
+        self._handles = []
+
+    def __enter__(self):
+        for j, (_, module) in enumerate(self.layers):
+            def hook(mod, args, kwargs, j=j):
+                idx = args[1] if len(args) > 1 else kwargs["top_k_index"]
+                self.calls[j].append(idx.detach().to("cpu", copy=True))
+            self._handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def per_position(self, batch: int, width: int, generated: int) -> torch.Tensor:
+        """``(batch, width + generated - 1, layers, top_k)`` int64: the prefill's ``width`` positions,
+        then one per decode call.  Raises if the calls are not one prefill plus ``generated - 1``
+        single-token steps (a generation strategy this recorder does not know)."""
+        out = []
+        for j, calls in enumerate(self.calls):
+            if len(calls) != generated:
+                raise RolloutError(f"routing recorder: layer {self.layers[j][0]} saw {len(calls)} forward calls, "
+                                   f"expected 1 prefill + {generated - 1} decode steps")
+            k = calls[0].shape[-1]
+            steps = [c.reshape(batch, -1, k) for c in calls]
+            if steps[0].shape[1] != width or any(t.shape[1] != 1 for t in steps[1:]):
+                raise RolloutError(f"routing recorder: layer {self.layers[j][0]} calls have token counts "
+                                   f"{[t.shape[1] for t in steps]}, expected [{width}, 1, 1, ...]")
+            out.append(torch.cat(steps, dim=1))
+        return torch.stack(out, dim=2)
 
 
 class HFRolloutEngine:
@@ -414,7 +479,12 @@ class HFRolloutEngine:
             eos_token_id=list(terminal) if terminal else None,
             pad_token_id=self.pad_token_id,
         )
-        with torch.no_grad():
+        moe = moe_experts_modules(slot.model) if sampling.return_routed_experts else []
+        if sampling.return_routed_experts and not moe:
+            raise InvalidRequestError(
+                f"return_routed_experts: the engine's model ({type(slot.model).__name__}) has no MoE layers")
+        recorder = _RoutingRecorder(moe)
+        with torch.no_grad(), recorder:
             out = slot.model.generate(
                 input_ids=input_ids.to(self.device),
                 attention_mask=attention.to(self.device),
@@ -422,6 +492,12 @@ class HFRolloutEngine:
                 logits_processor=LogitsProcessorList(processors),
             )
         generated = out[:, width:].cpu()
+        routing = None
+        if moe:
+            routing = recorder.per_position(len(rows), width, generated.shape[1])
+            num_experts = int(moe[0][1].num_experts)
+            routing = routing.to(compact_expert_dtype(num_experts))
+            moe_layers = tuple(i for i, _ in moe)
         raw = torch.stack(chooser.raw_steps, dim=1).float().cpu()
         processed = (
             torch.stack(chooser.processed_steps, dim=1).float().cpu()
@@ -453,6 +529,11 @@ class HFRolloutEngine:
                     policy_version=slot.version.short_id,
                     seed=None if sampling.greedy else seeds[i],
                     attempt=r.attempt,
+                    routed_experts=None if routing is None else SampleRouting(
+                        # prompt tokens (the prefill's last len(prompt) positions), then response
+                        # tokens 0 .. length-2 (decode calls 1 .. length-1)
+                        routing[i, width - len(r.prompt_ids): width + length - 1].clone(),
+                        num_experts, moe_layers, "hf"),
                 )
             )
         return results

@@ -47,7 +47,7 @@ __all__ = [
 # here never emit TOOL).  SamplingParams is the engine-side view of the schema's SamplingConfig
 # plus what an engine needs and a sealed batch does not: the seed and greedy decoding (T=0, for
 # evaluation and tests); convert with from_config()/to_config().
-from megarl.experience.schema import FinishReason, SamplingConfig  # noqa: E402
+from megarl.experience.schema import FinishReason, SampleRouting, SamplingConfig  # noqa: E402
 
 
 class RolloutError(RuntimeError):
@@ -91,6 +91,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1
     seed: int = 0
+    #: MoE: return each sample's routing (``GenerationResult.routed_experts``); an engine that
+    #: cannot (a dense model, a backend release without it) refuses with InvalidRequestError
+    return_routed_experts: bool = False
 
     def __post_init__(self):
         if not (self.temperature >= 0.0):
@@ -192,9 +195,22 @@ class GenerationResult:
     policy_version: str  # PolicyVersion.short_id of the weights that generated it
     seed: int | None = None  # the per-candidate seed actually used
     attempt: int = 0  # the request's attempt this result answers
+    #: MoE, when ``SamplingParams.return_routed_experts``: the top-k experts of every prompt token
+    #: (from the prefill) and every response token but the last, ``(len(prompt_ids) +
+    #: len(response_ids) - 1, layers, top_k)``
+    routed_experts: SampleRouting | None = None
 
     def __post_init__(self):
         n = len(self.response_ids)
+        if self.routed_experts is not None:
+            rows = len(self.prompt_ids) + n - 1
+            if not isinstance(self.routed_experts, SampleRouting):
+                raise TypeError(f"{self.request_id}/{self.candidate_index}: routed_experts must be a SampleRouting")
+            if self.routed_experts.experts.shape[0] != rows:
+                raise ValueError(
+                    f"{self.request_id}/{self.candidate_index}: routed_experts has "
+                    f"{self.routed_experts.experts.shape[0]} token rows, expected len(prompt_ids) + "
+                    f"len(response_ids) - 1 = {rows}")
         if self.raw_log_probs.shape != (n,):
             raise ValueError(
                 f"{self.request_id}/{self.candidate_index}: raw_log_probs shape "

@@ -58,6 +58,21 @@ records.  Paths below are relative to ``python/sglang/srt`` of the release named
   communicator is created, so they are restored once the schedulers have started
   (:data:`TRAINER_ENV_VARS`).
 
+* Routed experts (MoE): ``Engine.generate(return_routed_experts=True)`` on an engine started with
+  ``enable_return_routed_experts`` (both from 0.5.7; absent up to 0.5.6.post2).  ``meta_info[
+  "routed_experts"]`` holds the top-k ids of tokens ``[0, seqlen - 1)`` (prompt + output; the last
+  output token is never fed), for every decoder layer (``num_hidden_layers``, zeros in dense
+  layers) x ``num_experts_per_tok``, int32 (0.5.23 ``state_capturer/base.py`` ``get_topk``);
+  with ``skip_tokenizer_init`` (this backend) it is base64 of those bytes in 0.5.23
+  (``managers/tokenizer_manager.py:2609``) and the tensor itself in 0.5.7
+  (``managers/tokenizer_manager.py:1505``): :func:`routed_experts_from_sglang_output` takes both.
+  An engine started without the flag returns no routing (its capturer is None), which the parser
+  refuses.  The ids are logical in 0.5.23 (captured before ``topk_ids_logical_to_physical``,
+  ``layers/moe/topk.py:2574``) and physical in 0.5.7 (``layers/moe/topk.py:984``), which equal
+  logical ones unless redundant experts / EPLB are on: this backend refuses
+  ``ep_num_redundant_experts`` there.  Recorded per release: ``routed_experts`` in
+  ``docker/sglang_api/sglang-<v>.json``.
+
 Differences from the hf backend, stated rather than hidden: SGLang updates weights in place (no
 second copy of the model fits next to the KV cache), so once the first bucket of v+1 has been
 handed over, v is gone.  Every tensor is checked against the expected manifest *before* it is
@@ -68,6 +83,7 @@ must reload a version) unless nothing had been handed over yet, in which case it
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -89,6 +105,7 @@ from megarl.rollout.protocol import (
     VersionNotStagedError,
     candidate_seed,
 )
+from megarl.experience.schema import SampleRouting, compact_expert_dtype
 from megarl.models.safetensors_io import model_dir_eos_token_ids
 from megarl.rollout.weight_stream import (
     ManifestMismatchError,
@@ -106,6 +123,9 @@ __all__ = [
     "sglang_sampling_params",
     "stop_token_ids_sent",
     "result_from_sglang_output",
+    "routed_experts_from_sglang_output",
+    "moe_layout_from_config",
+    "MoELayout",
     "model_dir_eos_token_ids",
     "TRAINER_ENV_VARS",
 ]
@@ -167,6 +187,27 @@ def _supports_sampling_seed() -> bool:
 
         fields = tuple(inspect.signature(SglSP.__init__).parameters)
     return "sampling_seed" in fields
+
+
+def _generate_accepts(option: str) -> bool:
+    """The installed release's ``Engine.generate`` takes ``option`` (``return_routed_experts``: 0.5.7+)."""
+    import inspect
+
+    from sglang.srt.entrypoints.engine import Engine
+
+    return option in inspect.signature(Engine.generate).parameters
+
+
+def _captures_logical_ids() -> bool:
+    """Whether routed-expert ids are captured before the logical -> physical map (0.5.23:
+    ``sglang.srt.state_capturer``; 0.5.7 captures after it, in ``layers/moe/topk.py``)."""
+    import importlib
+
+    try:
+        importlib.import_module("sglang.srt.state_capturer.routed_experts")
+    except ImportError:
+        return False
+    return True
 
 
 def _success(out, call: str) -> tuple[bool, str]:
@@ -277,6 +318,74 @@ def result_from_sglang_output(
     )
 
 
+class MoELayout:
+    """What the routing output of one model looks like: ``num_hidden_layers`` columns (SGLang's),
+    of which ``moe_layers`` are MoE, ``top_k`` ids each among ``num_experts``."""
+
+    def __init__(self, num_hidden_layers: int, num_experts: int, top_k: int, moe_layers: tuple[int, ...]):
+        self.num_hidden_layers, self.num_experts, self.top_k = num_hidden_layers, num_experts, top_k
+        self.moe_layers = tuple(moe_layers)
+
+    def __repr__(self):
+        return (f"MoELayout(layers={self.num_hidden_layers}, experts={self.num_experts}, top_k={self.top_k}, "
+                f"moe_layers={self.moe_layers})")
+
+
+def moe_layout_from_config(config: dict) -> MoELayout | None:
+    """The MoE layout of an HF ``config.json`` (None for a dense model): Mixtral (every layer),
+    Qwen2-MoE / Qwen3-MoE (``mlp_only_layers``, ``decoder_sparse_step``), DeepSeek-style
+    (``first_k_dense_replace``, ``moe_layer_freq``)."""
+    text = config.get("text_config") or config
+    n_layers = int(text["num_hidden_layers"])
+    experts = text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts")
+    if not experts:
+        return None
+    top_k = int(text["num_experts_per_tok"])
+    if "first_k_dense_replace" in text or "moe_layer_freq" in text:  # DeepSeek-style
+        first, freq = int(text.get("first_k_dense_replace", 0)), int(text.get("moe_layer_freq", 1))
+        layers = tuple(i for i in range(n_layers) if i >= first and i % freq == 0)
+    elif "mlp_only_layers" not in text and "decoder_sparse_step" not in text:  # Mixtral: every layer
+        layers = tuple(range(n_layers))
+    else:  # Qwen2-MoE / Qwen3-MoE (transformers 5 writes their num_experts as num_local_experts)
+        only = set(text.get("mlp_only_layers") or ())
+        step = int(text.get("decoder_sparse_step", 1))
+        layers = tuple(i for i in range(n_layers) if i not in only and (i + 1) % step == 0)
+    return MoELayout(n_layers, int(experts), top_k, layers)
+
+
+def routed_experts_from_sglang_output(meta: dict, rows: int, layout: MoELayout, where: str) -> SampleRouting:
+    """``meta_info["routed_experts"]`` -> the sample's routing on its MoE layers.
+
+    The value is base64 of int32 bytes (0.5.23) or the int32 tensor itself (0.5.7), laid out
+    ``(rows, num_hidden_layers, top_k)`` with ``rows = prompt + output tokens - 1``.  Anything
+    else (absent, another size, ids outside the experts) is an error naming the request.
+    """
+    import base64
+
+    import numpy as np
+
+    value = meta.get("routed_experts")
+    if value is None:
+        raise RolloutError(f"{where}: SGLang output has no meta_info['routed_experts'] (engine started without "
+                           "enable_return_routed_experts, or a model SGLang does not capture?)")
+    if isinstance(value, str):
+        flat = torch.from_numpy(np.frombuffer(base64.b64decode(value), dtype=np.int32).copy())
+    elif isinstance(value, torch.Tensor):
+        flat = value.detach().to("cpu", torch.int32).reshape(-1)
+    else:
+        flat = torch.as_tensor(np.asarray(value, dtype=np.int32)).reshape(-1)
+    want = rows * layout.num_hidden_layers * layout.top_k
+    if flat.numel() != want:
+        raise RolloutError(f"{where}: SGLang routed_experts has {flat.numel()} ids, expected {rows} tokens x "
+                           f"{layout.num_hidden_layers} layers x top-{layout.top_k} = {want}")
+    ids = flat.reshape(rows, layout.num_hidden_layers, layout.top_k)[:, list(layout.moe_layers)]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= layout.num_experts):
+        raise RolloutError(f"{where}: SGLang routed_experts ids outside [0, {layout.num_experts}) "
+                           f"(physical ids of redundant experts?)")
+    return SampleRouting(ids.to(compact_expert_dtype(layout.num_experts)), layout.num_experts, layout.moe_layers,
+                         "sglang")
+
+
 def _torch_dtype(dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -325,6 +434,7 @@ class SGLangRolloutEngine:
         deterministic_inference: bool = False,
         device: str | torch.device | None = None,
         engine_kwargs: dict | None = None,
+        return_routed_experts: bool = False,
     ):
         sglang = import_sglang()
         import torch.distributed as dist
@@ -358,6 +468,21 @@ class SGLangRolloutEngine:
         if deterministic_inference:
             kwargs["enable_deterministic_inference"] = True
         kwargs.update(engine_kwargs or {})
+        self.moe_layout: MoELayout | None = None
+        if return_routed_experts:
+            import json
+
+            if not _generate_accepts("return_routed_experts"):
+                raise RolloutError(f"sglang backend: return_routed_experts needs SGLang >= 0.5.7 (Engine.generate "
+                                   f"takes return_routed_experts); installed: {getattr(sglang, '__version__', '?')}")
+            with open(os.path.join(os.fspath(model_path), "config.json"), encoding="utf-8") as f:
+                self.moe_layout = moe_layout_from_config(json.load(f))
+            if self.moe_layout is None:
+                raise RolloutError(f"sglang backend: return_routed_experts, but {model_path} is a dense model")
+            if kwargs.get("ep_num_redundant_experts") and not _captures_logical_ids():
+                raise RolloutError("sglang backend: this SGLang release records physical expert ids; with "
+                                   "ep_num_redundant_experts they are not the model's experts")
+            kwargs["enable_return_routed_experts"] = True
         self.deterministic = bool(kwargs.get("enable_deterministic_inference")) or kwargs.get("rl_on_policy_target") is not None
         self._engine, error, status = None, None, (True, "", False)
         if self.rank_in_group == 0:
@@ -612,23 +737,33 @@ class SGLangRolloutEngine:
         ids = [r.request_id for r in requests]
         if len(set(ids)) != len(ids):
             raise InvalidRequestError(f"duplicate request_id in one generate call: {sorted(ids)}")
+        if sampling.return_routed_experts and self.moe_layout is None:
+            raise InvalidRequestError("return_routed_experts: the engine was not started with "
+                                      "return_routed_experts=True (SGLang's enable_return_routed_experts)")
         version_id = self._active.short_id
         rows = [(r, c) for r in requests for c in r.candidates(sampling.n)]
         seeds = [candidate_seed(sampling.seed, r.request_id, c) for r, c in rows]
         results, failure, error = None, None, None
         if self.rank_in_group == 0 and rows:
             try:
+                extra = {"return_routed_experts": True} if sampling.return_routed_experts else {}
                 outs = self._engine.generate(
                     input_ids=[list(r.prompt_ids) for r, _ in rows],
                     sampling_params=[sglang_sampling_params(sampling, s, self._with_seed, self.eos_token_ids)
                                      for s in seeds],
                     return_logprob=True,
+                    **extra,
                 )
                 honoured = self._with_seed and not sampling.greedy
                 results = [
                     result_from_sglang_output(o, r, c, sampling, self.eos_token_ids, version_id, s if honoured else None)
                     for o, (r, c), s in zip(outs, rows, seeds, strict=True)
                 ]
+                if sampling.return_routed_experts:
+                    results = [dataclasses.replace(res, routed_experts=routed_experts_from_sglang_output(
+                        o["meta_info"], len(res.prompt_ids) + len(res.response_ids) - 1, self.moe_layout,
+                        f"{res.request_id}/{res.candidate_index}"))
+                        if res.finish_reason is not FinishReason.ABORT else res for o, res in zip(outs, results)]
             except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks know
                 error, failure = e, f"{type(e).__name__}: {e}"
         results, failure = self._broadcast((results, failure))

@@ -27,6 +27,11 @@ What is patched, and why (observed on megatron-core 0.16.1):
 * The CUDA RNG tracker that megatron requires is replaced by megatron's own tracker initialised
   in inference mode (dropout is 0 in RL fine-tuning; the tracker is never forked on CPU):
   :func:`seed_megatron_rng`.
+* The MoE router's GEMM: ``moe_utils.RouterGatingLinearFunction`` tests
+  ``te_general_gemm is not None``, but that name is bound only by the transformer-engine import
+  at the top of ``moe_utils``; without TE every router forward raises ``NameError``.
+  :func:`install` binds it to ``None`` when TE is absent, so the router takes megatron's own
+  ``torch.mm`` path in ``moe_router_dtype`` (fp32).
 * Packed (THD) sequences: megatron's local ``DotProductAttention`` (the only attention without
   transformer-engine) asserts ``packed_seq_params is None``; the rest of megatron (RoPE restarting
   at every ``cu_seqlens`` boundary, the ``[t, 1, h]`` layout) already handles THD in pure torch.
@@ -42,7 +47,9 @@ unconditionally (on CUDA it returns the CUDA behaviour):
 * :func:`params_dtype_problem`: float32 only (megatron's bf16/fp16 paths type-check CUDA tensors);
   :func:`model_dtype`: a model loaded without an explicit dtype is built in float32.
 * :func:`adjust_transformer_config`: ``use_cpu_initialization=True`` (no CUDA RNG / device for
-  the initialisers), ``batch_p2p_sync=False`` (it synchronises CUDA streams).
+  the initialisers), ``batch_p2p_sync=False`` (it synchronises CUDA streams), and for a
+  mixture-of-experts model the allgather token dispatcher (the alltoall one creates a
+  ``torch.cuda.Stream`` in its constructor).
 * :func:`model_to_device`: the model stays where megatron built it (``.cuda()`` on CUDA).
 * :func:`use_distributed_optimizer`: megatron's distributed optimizer type-checks CUDA tensors;
   off on CPU, and an explicit request for it is an error.
@@ -281,6 +288,7 @@ def install() -> bool:
     _wrap_entry_points()
     _patch_grad_clipping()
     _patch_local_attention_thd()
+    _patch_router_gemm()
     _INSTALLED = True
     return True
 
@@ -304,6 +312,15 @@ def _patch_grad_clipping() -> None:
 
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32_cpu
     optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32_cpu
+
+
+def _patch_router_gemm() -> None:
+    """Bind ``moe_utils.te_general_gemm`` to None when transformer-engine did not bind it (the
+    router's ``te_general_gemm is not None`` test then picks megatron's ``torch.mm`` path)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if "te_general_gemm" not in vars(moe_utils):
+        moe_utils.te_general_gemm = None
 
 
 #: How :func:`thd_core_attention` computes a packed micro-batch on CPU.  "repad": scatter the
@@ -427,11 +444,17 @@ def adjust_transformer_config(kwargs: dict) -> dict:
     """megatron ``TransformerConfig`` keyword arguments for this machine.
 
     CUDA: ``kwargs`` unchanged.  CPU: ``use_cpu_initialization=True`` (megatron's device
-    initialisers draw from the CUDA RNG tracker on a CUDA device) and ``batch_p2p_sync=False``
-    (it synchronises CUDA streams around batched p2p)."""
+    initialisers draw from the CUDA RNG tracker on a CUDA device), ``batch_p2p_sync=False``
+    (it synchronises CUDA streams around batched p2p) and, for a mixture-of-experts model,
+    ``moe_token_dispatcher_type="allgather"`` (the alltoall dispatcher creates a
+    ``torch.cuda.Stream``; allgather gathers the tokens over the TP x EP group instead, the
+    same function)."""
     if not on_cpu():
         return kwargs
-    return dict(kwargs, use_cpu_initialization=True, batch_p2p_sync=False)
+    out = dict(kwargs, use_cpu_initialization=True, batch_p2p_sync=False)
+    if out.get("num_moe_experts"):
+        out["moe_token_dispatcher_type"] = "allgather"
+    return out
 
 
 def model_to_device(model):

@@ -1,5 +1,11 @@
 """Process-group bring-up: ``torch.distributed`` from the torchrun environment, then
-megatron-core ``parallel_state`` with TP, PP and DP.
+megatron-core ``parallel_state`` with TP, PP and DP, and for mixture-of-experts models EP
+(expert parallel) and ETP (expert tensor parallel).
+
+Expert parallelism is megatron's: the EP groups are carved out of the data-parallel ranks
+(order ``tp-cp-ep-dp-pp``), so the experts of one layer are spread over ``ep`` ranks that hold
+the same attention shards of different data; the expert layers are split over TP by their own
+``etp`` (default: ``tp``).  The world must be divisible by ``tp * pp`` and by ``etp * ep * pp``.
 
 Every megarl entry point (train, tools, tests' worker scripts) calls :func:`initialize` once.
 Under ``torchrun`` the world comes from ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``;
@@ -12,6 +18,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -32,24 +39,34 @@ class ParallelLayout:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    etp: Optional[int] = None  # expert tensor parallel size; None: tp
+
+    @property
+    def resolved_etp(self) -> int:
+        return self.tp if self.etp is None else self.etp
 
     def validate(self, world_size: int) -> int:
         """Return the data-parallel size, or raise naming the offending key."""
         for key in ("tp", "pp", "cp", "ep"):
             if getattr(self, key) < 1:
                 raise ParallelConfigError(f"parallel.{key} must be >= 1, got {getattr(self, key)}")
+        if self.etp is not None and self.etp < 1:
+            raise ParallelConfigError(f"parallel.etp must be >= 1 or null, got {self.etp}")
         if self.cp != 1:
             raise ParallelConfigError(
                 f"parallel.cp={self.cp}: context parallelism is not supported yet; set it to 1"
-            )
-        if self.ep != 1:
-            raise ParallelConfigError(
-                f"parallel.ep={self.ep}: expert parallelism is not supported yet; set it to 1"
             )
         mp = self.tp * self.pp
         if world_size % mp != 0:
             raise ParallelConfigError(
                 f"world size {world_size} is not divisible by tp*pp = {self.tp}*{self.pp} = {mp}"
+            )
+        emp = self.resolved_etp * self.ep * self.pp
+        if world_size % emp != 0:
+            raise ParallelConfigError(
+                f"parallel.ep={self.ep}: world size {world_size} is not divisible by etp*ep*pp = "
+                f"{self.resolved_etp}*{self.ep}*{self.pp} = {emp} (megatron carves the expert-parallel "
+                "groups out of the data-parallel ranks)"
             )
         return world_size // mp
 
@@ -81,13 +98,15 @@ def initialize(
     ep: int = 1,
     seed: int = 1234,
     timeout_minutes: int = 30,
+    etp: Optional[int] = None,
 ) -> ParallelLayout:
     """Bring up torch.distributed and megatron-core parallel state; seed every rank.
 
-    Raises :class:`ParallelConfigError` (before touching any process group) when the layout
-    does not fit the world size, or context/expert parallelism is requested.
+    ``ep`` / ``etp``: megatron's expert-parallel and expert-tensor-parallel sizes (``etp`` None:
+    ``tp``).  Raises :class:`ParallelConfigError` (before touching any process group) when the
+    layout does not fit the world size, or context parallelism is requested.
     """
-    layout = ParallelLayout(tp=tp, pp=pp, cp=cp, ep=ep)
+    layout = ParallelLayout(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     layout.validate(world)
     cpu_compat.install()
@@ -100,6 +119,8 @@ def initialize(
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=layout.resolved_etp,
         distributed_timeout_minutes=timeout_minutes,
         create_gloo_process_groups=cpu_compat.on_cpu(),
     )

@@ -1,0 +1,108 @@
+"""MoE routing statistics: rollout-vs-trainer mismatch and per-expert load.  Pure torch.
+
+Routing tensors are ``(..., tokens, layers, top_k)`` integer expert ids (the layout of
+:class:`megarl.experience.schema.RoutedExperts`, padded ``(bs, seq, layers, k)`` or packed
+``(total, layers, k)``); a token's routing in a layer is the *set* of its top-k ids, so two
+producers that list the same experts in another order agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict
+
+import torch
+
+from megarl.experience.schema import RoutedExperts, routing_token_mask
+
+
+@dataclass(frozen=True)
+class RoutingMismatch:
+    """token_share: share of counted tokens whose top-k set differs in at least one layer;
+    per_layer ``(layers,)``: share of counted tokens whose set differs in that layer;
+    router_share: share of (token, layer) pairs that differ (the mean of ``per_layer``);
+    tokens: how many tokens were counted."""
+
+    token_share: float
+    per_layer: torch.Tensor
+    router_share: float
+    tokens: int
+
+
+def _sets_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``(..., tokens, layers)`` bool: the top-k sets of ``a`` and ``b`` differ."""
+    if a.shape != b.shape:
+        raise ValueError(f"routing shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
+    sa = a.to(torch.int64).sort(dim=-1).values
+    sb = b.to(torch.int64).sort(dim=-1).values
+    return (sa != sb).any(dim=-1)
+
+
+def routing_mismatch(rollout: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor) -> RoutingMismatch:
+    """How often the trainer routes a token elsewhere than the rollout did.
+
+    Args:
+        rollout: ``(..., tokens, layers, top_k)`` the rollout's expert ids.
+        trainer: the same shape, the trainer's (a forward with replay off).
+        mask: ``(..., tokens)`` 1 / True on the tokens to count (e.g.
+            :func:`~megarl.experience.schema.routing_token_mask`).
+    Returns:
+        :class:`RoutingMismatch` (zeros when no token is counted).
+    """
+    diff = _sets_differ(rollout, trainer)  # (..., tokens, layers)
+    keep = mask.to(torch.bool)
+    if tuple(keep.shape) != tuple(diff.shape[:-1]):
+        raise ValueError(f"mask shape {tuple(keep.shape)} != routing token shape {tuple(diff.shape[:-1])}")
+    d = diff[keep]  # (n, layers)
+    n = d.shape[0]
+    if n == 0:
+        return RoutingMismatch(0.0, torch.zeros(diff.shape[-1], dtype=torch.float64), 0.0, 0)
+    per_layer = d.to(torch.float64).mean(dim=0)
+    return RoutingMismatch(float(d.any(dim=1).to(torch.float64).mean()), per_layer, float(per_layer.mean()), n)
+
+
+@dataclass(frozen=True)
+class ExpertLoad:
+    """counts ``(layers, num_experts)``: token slots routed to each expert; max_over_mean and cv
+    ``(layers,)``: each layer's max load / mean load and coefficient of variation (std / mean,
+    population std); 1 and 0 for a perfectly balanced layer."""
+
+    counts: torch.Tensor
+    max_over_mean: torch.Tensor
+    cv: torch.Tensor
+
+
+def expert_load(experts: torch.Tensor, mask: torch.Tensor, num_experts: int) -> ExpertLoad:
+    """Per-expert load of a routing tensor.
+
+    Args:
+        experts: ``(..., tokens, layers, top_k)`` expert ids.
+        mask: ``(..., tokens)`` the tokens to count.
+        num_experts: the number of routed experts (ids are in ``[0, num_experts)``).
+    """
+    keep = mask.to(torch.bool)
+    if tuple(keep.shape) != tuple(experts.shape[:-2]):
+        raise ValueError(f"mask shape {tuple(keep.shape)} != routing token shape {tuple(experts.shape[:-2])}")
+    e = experts[keep].to(torch.int64)  # (n, layers, k)
+    L = experts.shape[-2]
+    counts = torch.zeros(L, num_experts, dtype=torch.float64)
+    if e.numel():
+        layer = torch.arange(L).view(1, L, 1).expand_as(e)
+        counts.index_put_((layer.reshape(-1), e.reshape(-1)), torch.ones(e.numel(), dtype=torch.float64),
+                          accumulate=True)
+    mean = counts.mean(dim=1)
+    safe = torch.where(mean > 0, mean, torch.ones_like(mean))
+    max_over_mean = torch.where(mean > 0, counts.max(dim=1).values / safe, torch.zeros_like(mean))
+    cv = torch.where(mean > 0, counts.std(dim=1, unbiased=False) / safe, torch.zeros_like(mean))
+    return ExpertLoad(counts, max_over_mean, cv)
+
+
+def routing_load_metrics(routed: RoutedExperts, attention_mask: torch.Tensor, prefix: str = "prep/routing") -> Dict[str, float]:
+    """The load metrics of a sealed batch's routing on the tokens it records: the worst layer's
+    max/mean load and the mean over layers of max/mean and of the cv."""
+    load = expert_load(routed.experts, routing_token_mask(attention_mask), routed.num_experts)
+    return {
+        f"{prefix}/load_max_over_mean_worst_layer": float(load.max_over_mean.max()),
+        f"{prefix}/load_max_over_mean": float(load.max_over_mean.mean()),
+        f"{prefix}/load_cv": float(load.cv.mean()),
+    }
