@@ -122,9 +122,9 @@ def _check_model(cfg) -> dict:
 def _check_reward(cfg) -> None:
     """Build the reward function once, before any model: a bad ``reward.*`` fails fast."""
     if cfg.reward.fn:
-        from megarl.rewards import build_reward_function
+        from megarl.data.fields_check import configured_reward
 
-        build_reward_function(cfg.reward.fn, cfg.reward.kwargs, cfg.reward.components)
+        configured_reward(cfg)  # the start-up data check reads its field declaration from this object
 
 
 def write_run_files(cfg, run_dir: str, cfg_hash: str, world: int, dp: int, sources: dict | None = None) -> None:

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from megarl.models.tiny import make_tiny_hf_checkpoint
 from tests._dist import ROOT, torchrun
+from tests._hf_tensors import assert_bitwise, load_all
 
 TOOL = os.path.join(ROOT, "tools", "convert_checkpoint.py")
 
@@ -20,24 +21,6 @@ CASES = {
     "untied_llama_v300": dict(family="llama", vocab_size=300, tie_word_embeddings=False),
     "tied_qwen2_v257": dict(family="qwen2", vocab_size=257, tie_word_embeddings=True),
 }
-
-
-def _load_all(d):
-    if os.path.exists(os.path.join(d, "model.safetensors")):
-        return load_file(os.path.join(d, "model.safetensors"))
-    with open(os.path.join(d, "model.safetensors.index.json")) as f:
-        files = sorted(set(json.load(f)["weight_map"].values()))
-    out = {}
-    for fn in files:
-        out.update(load_file(os.path.join(d, fn)))
-    return out
-
-
-def _assert_bitwise(a, b, what):
-    assert set(a) == set(b), f"{what}: tensor names differ: {set(a) ^ set(b)}"
-    for k in a:
-        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, f"{what}: {k}"
-        assert torch.equal(a[k], b[k]), f"{what}: {k} differs"
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -53,7 +36,7 @@ def test_roundtrip_bitwise(tmp_path, case):
 
     back22 = str(tmp_path / "back22")
     torchrun(TOOL, 4, "megatron-to-hf", "--megatron", meg, "--out", back22, "--tp", "2", "--pp", "2")
-    _assert_bitwise(src, _load_all(back22), "tp2pp2 -> tp2pp2")
+    assert_bitwise(src, load_all(back22), "tp2pp2 -> tp2pp2")
 
     # reshard on load: the same dist checkpoint at TP=1/PP=1, as a plain process, sharded output
     back11 = str(tmp_path / "back11")
@@ -61,7 +44,7 @@ def test_roundtrip_bitwise(tmp_path, case):
                            "--max-shard-gb", str(20e3 / 1024**3)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert os.path.isfile(os.path.join(back11, "model.safetensors.index.json"))
-    _assert_bitwise(src, _load_all(back11), "tp2pp2 -> tp1pp1")
+    assert_bitwise(src, load_all(back11), "tp2pp2 -> tp1pp1")
     with open(os.path.join(hf, "config.json")) as f:
         c0 = json.load(f)
     with open(os.path.join(back11, "config.json")) as f:
@@ -84,4 +67,4 @@ def test_bf16_checkpoint_roundtrip_on_cpu(tmp_path, megatron_world):
     save_megatron_checkpoint(model, str(tmp_path / "meg"), tokenizer_dir=hf)
     again = load_model(str(tmp_path / "meg"))
     export_hf(again, str(tmp_path / "back"), tokenizer_dir=str(tmp_path / "meg"))
-    _assert_bitwise(src, _load_all(str(tmp_path / "back")), "bf16 round trip")
+    assert_bitwise(src, load_all(str(tmp_path / "back")), "bf16 round trip")

@@ -196,7 +196,11 @@ def test_startup_errors_are_one_line_naming_the_key(tmp_path):
     ro.mkdir()
     ro.chmod(0o500)
     try:
-        if not os.access(str(ro), os.W_OK):  # root writes anywhere: nothing to check then
+        if os.access(str(ro), os.W_OK):  # root: a mode-500 directory is writable, so it is accepted
+            from megarl.run_dir import check_writable
+
+            check_writable("trainer.run_dir", str(ro / "run"))
+        else:
             line = _one_error(_cli(["--config", GRPO, *tiny, f"trainer.run_dir={ro / 'run'}"], tmp_path),
                               "trainer.run_dir")
             assert str(ro) in line and not (tmp_path / "never_built").exists()
@@ -211,11 +215,15 @@ def test_startup_errors_are_one_line_naming_the_key(tmp_path):
     assert "is a file" in line and not (tmp_path / "never_built").exists()
     for ov, key in (("eval.every=-1", "eval.every"), ("rollout.top_p=1.5", "rollout.top_p")):
         _one_error(_cli(["--config", GRPO, *tiny, ov], tmp_path), key)
+    sglang = ["rollout.backend=sglang", "rollout.reuse_rollout_log_probs=false"]
     if importlib_find("sglang") is None:
-        sglang = ["rollout.backend=sglang", "rollout.reuse_rollout_log_probs=false"]
         line = _one_error(_cli(["--config", GRPO, *tiny, *sglang], tmp_path), "rollout.backend")
         assert line == ("error: rollout.backend: 'sglang' is not installed here; install the GPU extra: "
                         'pip install -e ".[gpu]" (or use the Dockerfile)')
+    else:  # a GPU image with sglang: nothing is missing
+        from megarl.config import load_config, missing_packages
+
+        assert missing_packages(load_config(GRPO, [*tiny, *sglang])) == []
     # the run directory, read before anything is built: an interrupted run without a checkpoint
     # is refused naming trainer.run_dir; a finished one says so and exits 0, untouched
     run = tmp_path / "run"

@@ -224,7 +224,7 @@ def test_parquet_rows_are_named_by_their_1_based_row_number(tmp_path):
 
 
 def test_a_datasets_directory_is_checked_through_the_same_reader(tmp_path):
-    datasets = pytest.importorskip("datasets")
+    import datasets  # a declared dev dependency: missing, this fails instead of skipping
     from megarl.data.fields_check import check_datasets_against_reward
     from megarl.data.prompts import PromptDatasetError
 

@@ -24,17 +24,27 @@ from typing import List, Mapping, Optional, Tuple
 
 from megarl.data.prompts import PromptDatasetError, configured_sources, iter_rows, source_kind
 
-__all__ = ["FieldCheck", "reward_requirements", "first_missing", "check_file", "check_datasets_against_reward",
+__all__ = ["FieldCheck", "configured_reward", "reward_requirements", "first_missing", "check_file", "check_datasets_against_reward",
            "drop_rows_missing_fields"]
 
 _CACHE: dict = {}
 
 
+def configured_reward(cfg):
+    """The reward function ``reward.fn`` names, built once per process and spec (start-up builds
+    it to fail fast on a bad ``reward.*``, and reads its field declaration from the same object)."""
+    r = cfg.reward
+    key = json.dumps([r.fn, dict(r.kwargs or {}), list(r.components or [])], sort_keys=True, default=str)
+    if key not in _CACHE:
+        from megarl.rewards import build_reward_function
+
+        _CACHE[key] = build_reward_function(r.fn, r.kwargs, r.components)
+    return _CACHE[key]
+
+
 def reward_requirements(cfg) -> Tuple[tuple, str]:
     """``(requirements, what)``: the fields the configured reward reads, and a phrase naming
-    where that came from (for the error text).  Builds the reward function once per process
-    and spec (it is cheap for the builtins; a plug-in class is constructed as ``_check_reward``
-    does)."""
+    where that came from (for the error text)."""
     r = cfg.reward
     if r.required_fields is not None:
         from megarl.rewards.declarations import normalise_requirements
@@ -42,13 +52,9 @@ def reward_requirements(cfg) -> Tuple[tuple, str]:
         return normalise_requirements(list(r.required_fields), "reward.required_fields"), "reward.required_fields"
     if not r.fn:
         return (), "reward.model (reads no fields)"
-    key = json.dumps([r.fn, dict(r.kwargs or {}), list(r.components or [])], sort_keys=True, default=str)
-    if key not in _CACHE:
-        from megarl.rewards import build_reward_function
-        from megarl.rewards.declarations import required_fields
+    from megarl.rewards.declarations import required_fields
 
-        _CACHE[key] = required_fields(build_reward_function(r.fn, r.kwargs, r.components)) or ()
-    return _CACHE[key], f"reward.fn {r.fn!r}"
+    return required_fields(configured_reward(cfg)) or (), f"reward.fn {r.fn!r}"
 
 
 def first_missing(ground_truth: Mapping, requirements) -> Optional[object]:
