@@ -23,7 +23,7 @@ from megarl.errors import MegarlError
 from megarl.hashing import json_sha256
 
 ALGORITHMS = ("grpo", "ppo")
-ROUTING_REPLAY = ("none", "rollout")
+ROUTING_REPLAY = ("none", "measure", "rollout")
 
 
 class ConfigError(MegarlError, ValueError):
@@ -194,7 +194,9 @@ class AlgoConfig:
     partial_groups: str = "drop"  # drop | allow_partial
     min_partial_size: Optional[int] = None  # allow_partial: the smallest group kept
     rollout_correction: RolloutCorrectionSettings = field(default_factory=RolloutCorrectionSettings)
-    #: MoE: none | rollout (the engine returns each sample's experts, sealed in the experience record)
+    #: MoE: none | measure | rollout.  measure: the engine returns each sample's experts (sealed in
+    #: the experience record) and the old-log-prob forward reports how often the trainer's own
+    #: routing differs; rollout: also replays them in every policy forward (old log-probs, update)
     routing_replay: str = "none"
 
 

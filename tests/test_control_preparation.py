@@ -37,9 +37,11 @@ class FakeLogProbRole:
     def __init__(self, truth, mask, shift, version="ref-0"):
         self.truth, self.mask, self.shift, self.version = truth, mask, shift, version
         self.calls = Counter()
+        self.routings = []  # the MoE routing each call was given (None: the router's own)
 
-    def log_probs(self, prompt_ids, response_ids, attention_mask, mbs, pack=False):
+    def log_probs(self, prompt_ids, response_ids, attention_mask, mbs, pack=False, routing=None):
         self.calls["log_probs"] += 1
+        self.routings.append(routing)
         assert prompt_ids.shape[0] == self.truth.shape[0] and mbs == 0 and pack is False  # the config's
         return self.truth + self.shift * self.mask
 

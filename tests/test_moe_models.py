@@ -1,7 +1,8 @@
 """Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE with its gated shared expert, Mixtral):
 the HF config mapped to megatron-core's MoE layer, HF <-> megatron conversion bitwise at every
 layout (experts placed over EP ranks, split over expert TP), and log-probs equal to
-transformers' within 1e-4 (fp32).
+transformers' within 1e-4 (fp32), and routing replay at every layout (a forced routing dispatched
+on every token and layer, the log-probs those of one process replaying it).
 
 One torchrun launch per layout proves all three families at once (tests/workers/moe_worker.py).
 TP=2, EP=2, TP=2 x EP=2 (4 processes) and TP=2 x EP=2 with expert TP 1 run in CI; PP=2 and
@@ -19,6 +20,7 @@ from megarl.models.hf_config import ModelConfigError, check_parallel_fit, spec_f
 from megarl.models.tiny import MOE_FAMILIES, make_tiny_hf_checkpoint, tiny_hf_config
 from tests._dist import torchrun
 from tests._hf_tensors import assert_bitwise, load_all
+from tests._routing import forced_routing, moe_layer_indices
 
 #: tiny shapes: hidden 32, 2 layers, 4 experts, top-2; one vocabulary needing padding, one tied
 OVERRIDES = {
@@ -177,6 +179,19 @@ LAYOUTS = [  # (tp, pp, ep, etp, processes)
 ]
 
 
+def replayed_reference(hf_dir, tokens, lengths):
+    """Log-probs of one process (TP = EP = 1) replaying the worker's forced routing."""
+    from megarl.models.forward import Routing, teacher_forced_log_probs
+    from megarl.models.megatron_ckpt import load_model
+
+    model = load_model(str(hf_dir))
+    moe = model.megarl_spec.moe
+    forced = forced_routing(tokens.shape[0], tokens.shape[1], moe_layer_indices(model), moe.top_k, moe.num_experts,
+                            lengths)
+    return teacher_forced_log_probs(model, tokens, micro_batch_size=2, lengths=lengths,
+                                    routing=Routing(forced, replay=True))
+
+
 def _check_layout(moe_dirs, out, tp, pp, ep, etp, nproc):
     root, tokens, refs = moe_dirs
     torchrun("moe_worker.py", nproc, "--tp", str(tp), "--pp", str(pp), "--ep", str(ep),
@@ -191,6 +206,13 @@ def _check_layout(moe_dirs, out, tp, pp, ep, etp, nproc):
         valid = torch.arange(18)[None, :] < (lengths - 1)[:, None]
         r_err = ((got["ragged_log_probs"] - refs[fam]) * valid).abs().max().item()
         assert r_err < 1e-4, f"{fam} {tag}: ragged rows differ by {r_err}"
+        # routing replay at this layout: the forced experts dispatched on every token and layer,
+        # the log-probs those of one process replaying the same routing
+        assert got["replay"]["replay_differs"] == 0.0 and got["replay"]["tokens"] == float(valid.sum()), got["replay"]
+        want = replayed_reference(root / fam, tokens, lengths)
+        rp_err = ((got["replayed_log_probs"] - want) * valid).abs().max().item()
+        assert rp_err < 1e-5, f"{fam} {tag}: replayed log-probs differ from one process by {rp_err}"
+        assert ((got["replayed_log_probs"] - got["ragged_log_probs"]) * valid).abs().max() > 1e-3
         src = load_file(str(root / fam / "model.safetensors"))
         assert_bitwise(src, load_all(str(out / f"{fam}_{tag}_export")), f"{fam} {tag}: HF -> shards -> HF")
         assert_bitwise(src, load_all(str(out / f"{fam}_{tag}_back")), f"{fam} {tag}: HF -> dist ckpt -> HF")

@@ -204,6 +204,11 @@ def test_preparation_seals_the_samples_routing(tmp_path, monkeypatch):
     mask = routing_token_mask(batch.facts.attention_mask)
     assert torch.equal(r.experts[0][mask[0]], samples[0].routed_experts.experts)
     assert m["prep/routing/load_max_over_mean"] >= 1.0
+    # the old log-probs replay the sealed routing; the reference routes by itself
+    (given,) = prep.actor.routings
+    assert given.replay and given.moe_layers == (0, 3) and torch.equal(given.experts, r.experts)
+    assert given.real_rows.all() and given.stats is not None and "prep/routing/mismatch_tokens" in m
+    assert prep.reference.routings == [None]
     back = load_sealed(tmp_path / "iter_000007")
     assert back.content_hash == batch.content_hash and torch.equal(back.facts.routed_experts.experts, r.experts)
 

@@ -31,6 +31,7 @@ from megarl.errors import MegarlError
 from megarl.experience.schema import ExperienceBatch, LogProbs
 from megarl.metrics import StageTimer
 from megarl.models.forward import gather_response, token_log_probs_from_logits, vocab_parallel_entropy
+from megarl.models.router_replay import record_to_rows
 from megarl.rollout.weight_stream import TensorManifest
 from megarl.rollout.weight_sync import actor_manifest
 from megarl.roles.common import sequence_length, step_tensors
@@ -157,6 +158,13 @@ class Learner:
         if self.critic is not None:
             full["old_values"] = f.values
             full["returns"] = d.returns
+        replay_layers = None
+        if a.routing_replay == "rollout":  # every update forward dispatches as the rollout did
+            routed = f.routed_experts
+            rows = record_to_rows(routed.experts, f.attention_mask, f.prompt_ids.shape[1], routed.moe_layers, L)
+            full["routing"], full["routing_valid"] = rows.experts, rows.valid
+            replay_layers = routed.moe_layers
+        replay = {} if replay_layers is None else {"replay_layers": replay_layers}
         gen = torch.Generator().manual_seed(cfg.trainer.seed * 7919 + k)
         actor_metrics: List[Dict[str, float]] = []
         critic_metrics: List[Dict[str, float]] = []
@@ -174,7 +182,7 @@ class Learner:
                 if train_actor:
                     loss_fn = self._actor_loss_fn(batch, version, norm, kl_beta, kl_in_loss)
                     mbs = _micro_batches(local, a.micro_batch_size, rows.numel())
-                    res = self._guarded_step("actor", lambda: self.actor.train_step(mbs, loss_fn))
+                    res = self._guarded_step("actor", lambda: self.actor.train_step(mbs, loss_fn, **replay))
                     grad_norms.append(res.grad_norm)
                     skipped += 0 if res.update_successful else 1
                     actor_metrics.append(self._reduce_step_metrics(res.metrics))

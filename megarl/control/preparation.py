@@ -32,7 +32,9 @@ from megarl.experience.groups import group_index
 from megarl.experience.schema import DerivedTensors, ExperienceBatch, ExperienceFacts, LogProbProducer, LogProbs
 from megarl.experience.seal import save_sealed, seal, with_derived
 from megarl.metrics import StageTimer
-from megarl.runtime.data_parallel import gather_objects, map_rows
+from megarl.models.router_replay import RecordRouting, RoutingStats
+from megarl.runtime import data_parallel
+from megarl.runtime.data_parallel import gather_objects, local_rows, map_rows
 from megarl.versions import PolicyVersion
 
 
@@ -69,11 +71,11 @@ class ExperiencePreparer:
         v = version.short_id
         samples = produced.samples
         routing = None
-        if a.routing_replay == "rollout":
+        if a.routing_replay != "none":
             lacking = [s.sample_id for s in samples if s.routed_experts is None]
             if lacking:
                 self.sm.fail("rollout samples without routed experts")
-                raise RuntimeError(f"algo.routing_replay=rollout, but the engine returned no routed experts for "
+                raise RuntimeError(f"algo.routing_replay={a.routing_replay}, but the engine returned no routed experts for "
                                    f"{len(lacking)} sample(s), e.g. {lacking[0]}")
             routing = [s.routed_experts for s in samples]
         c = collate([s.prompt_ids for s in samples], [s.response_ids for s in samples],
@@ -92,6 +94,10 @@ class ExperiencePreparer:
             t0 = time.perf_counter()
             if reuse:
                 old = rollout_lp
+            elif c.routed_experts is not None:
+                vals, routing_m = self._old_log_probs_routed(c, mbs, pack)
+                old = LogProbs(vals, LogProbProducer("actor", v, "raw"))
+                m.update(routing_m)
             else:
                 vals = map_rows(lambda *t: self.actor.log_probs(*t, mbs, pack=pack), c.prompt_ids,
                                 c.response_ids, c.attention_mask).cpu()
@@ -168,6 +174,26 @@ class ExperiencePreparer:
         if self.save_dir is not None:
             save_sealed(batch, os.path.join(self.save_dir, f"iter_{k:06d}"))
         return batch, m
+
+    def _old_log_probs_routed(self, c, mbs: int, pack: bool):
+        """The old log-probs of an MoE batch with its recorded routing: replayed under
+        ``algo.routing_replay=rollout``; in both modes the trainer's own top-k is compared with
+        the record (``prep/routing/mismatch_*``: the rollout / trainer routing mismatch replay
+        removes; ``prep/routing/replay_differs``: dispatched vs recorded, 0 under replay)."""
+        routed = c.routed_experts
+        stats = RoutingStats(routed.moe_layers)
+        n = c.prompt_ids.shape[0]
+        rows = local_rows(n)
+
+        def fn(prompt_ids, response_ids, attention_mask, experts):
+            real = torch.arange(rows.start, rows.start + prompt_ids.shape[0]) < n
+            routing = RecordRouting(experts, routed.moe_layers, replay=self.cfg.algo.routing_replay == "rollout",
+                                    stats=stats, real_rows=real)
+            return self.actor.log_probs(prompt_ids, response_ids, attention_mask, mbs, pack=pack, routing=routing)
+
+        vals = map_rows(fn, c.prompt_ids, c.response_ids, c.attention_mask, routed.experts).cpu()
+        group = data_parallel.dp_group() if data_parallel.dp_size() > 1 else None
+        return vals, {f"prep/routing/{k}": v for k, v in stats.reduce(group).items()}
 
     def advantages(self, facts: ExperienceFacts, real_sizes: Dict[str, int], bootstrap):
         """The estimator's derived tensors over the sealed facts, and the ``prep/adv*`` metrics."""

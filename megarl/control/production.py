@@ -85,7 +85,7 @@ class GroupRolloutProducer:
                 buffer.open_group(gid, rec.prompt_id, v, [f"{gid}/c{c:02d}" for c in range(G)])
             m["rollout/prompts"] += len(records)
             sampling = training_sampling(cfg.rollout, cfg.trainer.seed, k, rnd,
-                                         return_routed_experts=a.routing_replay == "rollout")
+                                         return_routed_experts=a.routing_replay != "none")
             self._generate_groups(requests, by_group, buffer, sampling, v, timer, timing, m)
             for g in buffer.pop_released():
                 members = [payload for _, payload in g.samples]

@@ -152,6 +152,8 @@ def moe_transformer_config(spec: ModelSpec, opts: BuildOptions) -> dict:
         moe_token_dispatcher_type="alltoall",
         moe_permute_fusion=False,
         moe_router_fusion=False,
+        # megatron's router replay (megarl.models.router_replay): inert until an action is set
+        moe_enable_routing_replay=True,
         expert_model_parallel_size=opts.ep,
         expert_tensor_parallel_size=opts.resolved_etp,
     )

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 from megarl.experience.packing import PackedLayout, pack, pack_layout, unpack
+from megarl.models.router_replay import (RecordRouting, RouterTargets, RoutingStats, RowRouting, record_to_rows,
+                                         routed)
 from megarl.models.weights import unwrap
 
 
@@ -118,6 +120,22 @@ class PackedMicroBatch:
 MicroBatch = Union[torch.Tensor, PackedMicroBatch]
 
 
+@dataclass(frozen=True)
+class Routing:
+    """MoE routing for a forward pass (``algo.routing_replay``): ``rows`` on the pass's token
+    grid; ``replay`` dispatches to the recorded experts; ``stats`` compares with the record."""
+
+    rows: RowRouting
+    replay: bool
+    stats: Optional[RoutingStats] = None
+
+    def targets(self, mb: MicroBatch, rows_idx, width: int) -> RouterTargets:
+        part = self.rows.rows(rows_idx, width)
+        if isinstance(mb, PackedMicroBatch):
+            return RouterTargets.for_packed(part, mb.layout)
+        return RouterTargets.for_padded(part)
+
+
 def packing_unsupported_reason() -> Optional[str]:
     """None when this process can run packed (THD) forwards, else why not (for start-up checks).
 
@@ -147,10 +165,11 @@ def _check_packable(model) -> None:
                          "transformer-engine or run padded")
 
 
-def _call(model, mb: MicroBatch):
-    if isinstance(mb, PackedMicroBatch):
-        return model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
-    return model(mb, position_ids_for(mb), None)
+def _call(model, mb: MicroBatch, targets: Optional[RouterTargets] = None, routing: Optional[Routing] = None):
+    with routed(model, targets, routing is not None and routing.replay, routing.stats if routing else None):
+        if isinstance(mb, PackedMicroBatch):
+            return model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
+        return model(mb, position_ids_for(mb), None)
 
 
 def _tokens(mb: MicroBatch) -> torch.Tensor:
@@ -158,9 +177,12 @@ def _tokens(mb: MicroBatch) -> torch.Tensor:
 
 
 def forward_only(model, micro_batches: List[MicroBatch],
-                 on_output: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> List[torch.Tensor]:
+                 on_output: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 targets: Optional[List[RouterTargets]] = None, routing: Optional[Routing] = None,
+                 ) -> List[torch.Tensor]:
     """Run ``micro_batches`` (each ``(b, s)`` token ids, same ``s`` within a micro-batch, or a
-    :class:`PackedMicroBatch`) through the pipeline without gradients.
+    :class:`PackedMicroBatch`) through the pipeline without gradients.  MoE: ``targets`` (one
+    per micro-batch) and ``routing`` replay / observe each micro-batch's routing.
 
     ``on_output(model_output, tokens)`` runs on the last stage on every TP rank and must
     return a tensor whose shape is a function of ``tokens.shape`` only; its results are
@@ -174,21 +196,22 @@ def forward_only(model, micro_batches: List[MicroBatch],
     pp = ps.get_pipeline_model_parallel_world_size()
     dev = next(inner.parameters()).device
     results: List[Optional[torch.Tensor]] = []
+    targets = targets if targets is not None else [None] * len(micro_batches)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             if pp == 1:
-                for mb in micro_batches:
+                for mb, tg in zip(micro_batches, targets):
                     mb = mb.to(dev)
-                    out = _call(model, mb)
+                    out = _call(model, mb, tg, routing)
                     results.append(on_output(out, _tokens(mb)))
                 return results
-            it = iter([mb.to(dev) for mb in micro_batches])
+            it = iter([(mb.to(dev), tg) for mb, tg in zip(micro_batches, targets)])
 
             def step(data_iterator, m):
-                mb = next(data_iterator)
-                out = _call(m, mb)
+                mb, tg = next(data_iterator)
+                out = _call(m, mb, tg, routing)
 
                 def loss_func(output):
                     res = on_output(output, _tokens(mb))
@@ -241,7 +264,7 @@ def full_logits(model, tokens: torch.Tensor, micro_batch_size: int = 0) -> torch
 
 def _by_length(model, tokens: torch.Tensor, lengths: Optional[torch.Tensor], micro_batch_size: int,
                on_output: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], trim: int,
-               pack: bool = False) -> torch.Tensor:
+               pack: bool = False, routing: Optional[Routing] = None) -> torch.Tensor:
     """``forward_only`` over micro-batches of rows of similar length, each cut to its longest row.
 
     Rows are right-padded and attention is causal, so the padding after a row's last token never
@@ -255,15 +278,23 @@ def _by_length(model, tokens: torch.Tensor, lengths: Optional[torch.Tensor], mic
     tokens (:class:`PackedMicroBatch`); ``on_output`` sees the ``(1, total)`` packed tokens and
     its ``(1, total - trim, ...)`` result is unpacked to the rows (entries that straddle two
     rows land past a row's ``length - trim`` and are zeroed like the padding).
+
+    ``routing``: each micro-batch takes its rows' routing (same cut).
     """
     if pack:
-        return _packed(model, tokens, lengths, micro_batch_size, on_output, trim)
+        return _packed(model, tokens, lengths, micro_batch_size, on_output, trim, routing)
     if lengths is None:
-        return torch.cat(forward_only(model, _micro_batches(tokens, micro_batch_size), on_output), 0)
+        mbs = _micro_batches(tokens, micro_batch_size)
+        step = micro_batch_size or tokens.shape[0]
+        tg = None if routing is None else [
+            routing.targets(mb, slice(i * step, i * step + mb.shape[0]), mb.shape[1]) for i, mb in enumerate(mbs)]
+        return torch.cat(forward_only(model, mbs, on_output, tg, routing), 0)
     order = torch.argsort(lengths.cpu(), descending=True, stable=True)
     groups = list(order.split(micro_batch_size or tokens.shape[0]))
     widths = [max(int(lengths[g].max()), trim + 1) for g in groups]
-    results = forward_only(model, [tokens[g, :w] for g, w in zip(groups, widths)], on_output)
+    mbs = [tokens[g, :w] for g, w in zip(groups, widths)]
+    tg = None if routing is None else [routing.targets(mb, g, w) for mb, g, w in zip(mbs, groups, widths)]
+    results = forward_only(model, mbs, on_output, tg, routing)
     first = results[0]
     out = first.new_zeros((tokens.shape[0], tokens.shape[1] - trim) + tuple(first.shape[2:]))
     for g, w, res in zip(groups, widths, results):
@@ -273,7 +304,8 @@ def _by_length(model, tokens: torch.Tensor, lengths: Optional[torch.Tensor], mic
 
 
 def _packed(model, tokens: torch.Tensor, lengths: Optional[torch.Tensor], micro_batch_size: int,
-            on_output: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], trim: int) -> torch.Tensor:
+            on_output: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], trim: int,
+            routing: Optional[Routing] = None) -> torch.Tensor:
     """:func:`_by_length` with every micro-batch packed (same rows per micro-batch)."""
     _check_packable(model)
     B, S = tokens.shape
@@ -288,7 +320,8 @@ def _packed(model, tokens: torch.Tensor, lengths: Optional[torch.Tensor], micro_
     groups = list(order.split(micro_batch_size or B))
     widths = [int(real[g].max()) for g in groups]
     items = [PackedMicroBatch.from_rows(tokens[g, :w], real[g]) for g, w in zip(groups, widths)]
-    results = forward_only(model, items, on_output)
+    tg = None if routing is None else [routing.targets(it, g, w) for it, g, w in zip(items, groups, widths)]
+    results = forward_only(model, items, on_output, tg, routing)
     out = None
     for g, w, item, res in zip(groups, widths, items, results):
         per_token = res[0]  # (total - trim, ...): entry k belongs to packed token k
@@ -305,18 +338,19 @@ def _packed(model, tokens: torch.Tensor, lengths: Optional[torch.Tensor], micro_
 
 def teacher_forced_log_probs(model, tokens: torch.Tensor, micro_batch_size: int = 0,
                              temperature: float = 1.0, lengths: Optional[torch.Tensor] = None,
-                             pack: bool = False) -> torch.Tensor:
+                             pack: bool = False, routing: Optional[Routing] = None) -> torch.Tensor:
     """``(b, s-1)``: log-prob of ``tokens[:, t+1]`` given ``tokens[:, :t+1]`` on every rank.
 
     With ``lengths`` (each row's real tokens; right padding after them), micro-batches group
     rows of similar length and skip the padding; positions past a row's length are 0.
-    ``pack=True``: each micro-batch runs as one packed (THD) sequence (see the module doc)."""
+    ``pack=True``: each micro-batch runs as one packed (THD) sequence (see the module doc).
+    ``routing`` (MoE): the rows' routing, replayed and / or compared (:class:`Routing`)."""
     V = unwrap(model).megarl_spec.vocab_size
 
     def on_output(out, toks):
         return token_log_probs_from_logits(out[:, :-1], toks[:, 1:], V, temperature).float()
 
-    return _by_length(model, tokens, lengths, micro_batch_size, on_output, trim=1, pack=pack)
+    return _by_length(model, tokens, lengths, micro_batch_size, on_output, trim=1, pack=pack, routing=routing)
 
 
 def scalar_values(model, tokens: torch.Tensor, micro_batch_size: int = 0,
@@ -375,12 +409,20 @@ def gather_response(per_position: torch.Tensor, prompt_lens: torch.Tensor, respo
 
 def response_log_probs(model, prompt_ids: torch.Tensor, response_ids: torch.Tensor,
                        attention_mask: torch.Tensor, micro_batch_size: int = 0,
-                       temperature: float = 1.0, pack: bool = False) -> torch.Tensor:
+                       temperature: float = 1.0, pack: bool = False,
+                       routing: Optional[RecordRouting] = None) -> torch.Tensor:
     """Teacher-forced log-prob of every response token, ``(b, R)`` aligned with
     ``response_ids`` (0 at padding), from experience-layout tensors.  Collective over the
-    model-parallel group; same result on every rank.  ``pack``: packed (THD) micro-batches."""
+    model-parallel group; same result on every rank.  ``pack``: packed (THD) micro-batches.
+    ``routing`` (MoE): the record's routing of these rows, replayed and / or compared."""
     tokens, plen, rlen = right_align(prompt_ids, response_ids, attention_mask)
-    lp = teacher_forced_log_probs(model, tokens, micro_batch_size, temperature, lengths=plen + rlen, pack=pack)
+    rt = None
+    if routing is not None:
+        rows = record_to_rows(routing.experts, attention_mask.cpu(), prompt_ids.shape[1], routing.moe_layers,
+                              tokens.shape[1], routing.real_rows)
+        rt = Routing(rows, routing.replay, routing.stats)
+    lp = teacher_forced_log_probs(model, tokens, micro_batch_size, temperature, lengths=plen + rlen, pack=pack,
+                                  routing=rt)
     return gather_response(lp, plen, rlen, response_ids.shape[1])
 
 

@@ -99,16 +99,22 @@ class StepResult:
 
 
 def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Tensor]],
-               loss_fn: LossFn) -> StepResult:
+               loss_fn: LossFn, replay_layers: Optional[Tuple[int, ...]] = None) -> StepResult:
     """One optimizer step over ``micro_batches`` (this DP rank's part of the global batch).
 
     Each micro-batch is a dict with at least ``tokens`` ``(b, s)``; all micro-batches of a
     step must share ``s`` (pad to a common length; padding is masked out by ``loss_fn``).
     ``loss_fn`` returns ``sum(terms) / global_normaliser`` for its micro-batch.
+
+    ``replay_layers`` (MoE routing replay): every micro-batch also holds ``routing`` ``(b, s,
+    layers, k)`` and ``routing_valid`` ``(b, s)`` on its token grid
+    (:func:`megarl.models.router_replay.record_to_rows`; columns: these decoder layers), and
+    each forward dispatches its tokens to those experts.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megarl.models.forward import position_ids_for
+    from megarl.models.router_replay import RouterTargets, RowRouting, routed
 
     if not micro_batches:
         raise ValueError("train_step needs at least one micro-batch")
@@ -123,7 +129,11 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
 
     def step(data_iterator, model):
         mb = next(data_iterator)
-        out = model(mb["tokens"], position_ids_for(mb["tokens"]), None)
+        targets = None
+        if replay_layers is not None:
+            targets = RouterTargets.for_padded(RowRouting(mb["routing"], mb["routing_valid"], replay_layers))
+        with routed(model, targets, replay=True):
+            out = model(mb["tokens"], position_ids_for(mb["tokens"]), None)
 
         def loss_func(output):
             loss, metrics = loss_fn(output, mb)

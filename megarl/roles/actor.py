@@ -9,13 +9,14 @@ control loop owns those.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
 from megarl.models.forward import response_log_probs
 from megarl.models.megatron_ckpt import load_model
 from megarl.models.optim import StepResult, train_step, wrap_for_training
+from megarl.models.router_replay import RecordRouting
 from megarl.models.weights import export_hf, unwrap
 from megarl.roles.common import HostOffload, lr_scheduler
 
@@ -44,18 +45,22 @@ class Actor(HostOffload):
         return self.spec.vocab_size
 
     def log_probs(self, prompt_ids: torch.Tensor, response_ids: torch.Tensor, attention_mask: torch.Tensor,
-                  micro_batch_size: int, pack: bool = False) -> torch.Tensor:
+                  micro_batch_size: int, pack: bool = False, routing: Optional[RecordRouting] = None) -> torch.Tensor:
         """``(b, R)`` raw-space log-probs of the response tokens under the current weights
         (collective over the model-parallel group, eval mode, no grad); ``pack``: each
-        micro-batch as one packed sequence (``algo.pack_sequences``)."""
-        return response_log_probs(self.ddp, prompt_ids, response_ids, attention_mask, micro_batch_size, pack=pack)
+        micro-batch as one packed sequence (``algo.pack_sequences``); ``routing`` (MoE): the
+        rows' recorded routing, replayed and / or compared."""
+        return response_log_probs(self.ddp, prompt_ids, response_ids, attention_mask, micro_batch_size, pack=pack,
+                                  routing=routing)
 
     def train_step(self, micro_batches: Sequence[Dict[str, torch.Tensor]],
-                   loss_fn: Callable, after_optimizer_step: Optional[Callable[[], None]] = None) -> StepResult:
+                   loss_fn: Callable, after_optimizer_step: Optional[Callable[[], None]] = None,
+                   replay_layers: Optional[Tuple[int, ...]] = None) -> StepResult:
         """One optimizer step; the LR schedule advances only when the step was applied.
         ``after_optimizer_step`` runs once the optimizer changed the weights, before the schedule
-        advances (the fault-injection point of ``faults.fail_optimizer_step_at``)."""
-        result = train_step(self.ddp, self.optimizer, micro_batches, loss_fn)
+        advances (the fault-injection point of ``faults.fail_optimizer_step_at``).  ``replay_layers``:
+        the micro-batches carry recorded routing for these MoE layers, replayed in every forward."""
+        result = train_step(self.ddp, self.optimizer, micro_batches, loss_fn, replay_layers=replay_layers)
         if after_optimizer_step is not None:
             after_optimizer_step()
         if result.update_successful:

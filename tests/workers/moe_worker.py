@@ -18,10 +18,12 @@ import time
 
 import torch
 
-from megarl.models.forward import teacher_forced_log_probs
+from megarl.models.forward import Routing, teacher_forced_log_probs
+from megarl.models.router_replay import RoutingStats
 from megarl.models.megatron_ckpt import load_model, save_megatron_checkpoint
 from megarl.models.weights import export_hf
 from megarl.runtime import distributed as rt
+from tests._routing import forced_routing, moe_layer_indices
 
 
 def main():
@@ -66,8 +68,17 @@ def main():
             model.eval()
         lp = teacher_forced_log_probs(model, tokens, micro_batch_size=3)
         ragged = teacher_forced_log_probs(model, tokens, micro_batch_size=2, lengths=lengths)
+        # routing replay: a forced routing (not the router's choice) dispatched at this layout
+        spec_moe = model.megarl_spec.moe
+        forced = forced_routing(tokens.shape[0], tokens.shape[1], moe_layer_indices(model), spec_moe.top_k,
+                                spec_moe.num_experts, lengths)
+        stats = RoutingStats(forced.moe_layers)
+        replayed = teacher_forced_log_probs(model, tokens, micro_batch_size=2, lengths=lengths,
+                                            routing=Routing(forced, replay=True, stats=stats))
+        replay_m = stats.reduce()  # every rank ran the same rows: no data-parallel sum
         if rt.is_main():
-            torch.save({"log_probs": lp, "ragged_log_probs": ragged}, os.path.join(a.out, f"{fam}_{tag}.pt"))
+            torch.save({"log_probs": lp, "ragged_log_probs": ragged, "replayed_log_probs": replayed,
+                        "replay": replay_m}, os.path.join(a.out, f"{fam}_{tag}.pt"))
         export_hf(model, os.path.join(a.out, f"{fam}_{tag}_export"))
         meg = os.path.join(a.out, f"{fam}_{tag}_meg")
         save_megatron_checkpoint(model, meg, tokenizer_dir=hf_dir)
