@@ -135,3 +135,44 @@ def test_train_entry_point_at_ep2(launch):
     assert set(end) == set(start)
     changed = [k for k in start if ".experts." in k and not torch.equal(start[k], end[k])]
     assert len(changed) == 2 * 4 * 3  # every expert of both EP ranks trained and exported once
+
+
+# ---- in process -------------------------------------------------------------------------------
+
+
+def test_packing_is_refused_at_ep2_naming_the_key():
+    """Packed sequences have a different token count on each EP rank, which the allgather token
+    dispatcher cannot gather (its all-gather needs equal sizes): refused at start-up."""
+    from megarl.config import ConfigError, load_config, validate
+
+    recipe = os.path.join(ROOT, "configs", "grpo_arith_tiny.yaml")
+    assert validate(load_config(recipe, ["parallel.ep=2"]), 2) == 2
+    assert validate(load_config(recipe, ["algo.pack_sequences=true"]), 2) == 2
+    with pytest.raises(ConfigError, match=r"algo\.pack_sequences: is true with parallel\.ep=2"):
+        validate(load_config(recipe, ["parallel.ep=2", "algo.pack_sequences=true"]), 2)
+
+
+def test_engine_names_fused_experts_as_the_checkpoint(tmp_path):
+    """transformers 5 fuses each layer's experts (``gate_up_proj`` [E, 2F, H], ``down_proj``
+    [E, H, F]; Mixtral's block also renamed): the tensors an engine holds, named per expert, are
+    bitwise the checkpoint's, for every family; and the exported config names the experts for
+    transformers 4 too (SGLang 0.5.7 reads ``num_experts`` only)."""
+    import transformers
+
+    from megarl.models.tiny import MOE_FAMILIES
+    from megarl.models.weights import hf_config_for_export
+    from megarl.rollout.weight_stream import hf_logical_tensors
+
+    for fam in MOE_FAMILIES:
+        d = make_tiny_hf_checkpoint(str(tmp_path / fam), fam, seed=3, vocab_size=64, **SMALL)
+        src = load_file(os.path.join(d, "model.safetensors"))
+        model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)  # transformers' own fusing
+        assert any(n.endswith("experts.gate_up_proj") for n, _ in model.named_parameters()), fam
+        held = dict(hf_logical_tensors(model))
+        assert sorted(held) == sorted(src), fam
+        for name, t in src.items():
+            assert torch.equal(held[name], t) and held[name].is_contiguous(), (fam, name)
+        with open(os.path.join(d, "config.json")) as f:
+            cfg = hf_config_for_export(spec_from_hf_config(json.load(f)), torch.float32)
+        key = "num_local_experts" if fam == "mixtral" else "num_experts"
+        assert cfg[key] == 4, fam
