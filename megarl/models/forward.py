@@ -278,7 +278,8 @@ def _moe_dispatch_group(model):
     model has routed experts spread over EP > 1 ranks; else None."""
     from megatron.core import parallel_state as ps
 
-    if getattr(getattr(unwrap(model), "megarl_spec", None), "moe", None) is None or ps.get_expert_model_parallel_world_size() == 1:
+    spec = getattr(unwrap(model), "megarl_spec", None)
+    if getattr(spec, "moe", None) is None or ps.get_expert_model_parallel_world_size() == 1:
         return None
     return ps.get_expert_tensor_and_model_parallel_group()
 
