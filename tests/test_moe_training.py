@@ -118,6 +118,10 @@ def test_hf_engine_on_every_rank_loads_the_ep2_stream(launch):
         every = ep2[f"load{k}"]
         assert [r["num_tensors"] for r in every] == [len(manifest)] * 2
         assert len({r["manifest_hash"] for r in every}) == 1 and all(r["num_buckets"] > 1 for r in every)
+        # bucket order is deterministic: the canonical order cut into buckets, the same on every rank
+        # and at EP=1 (experts broadcast from their EP rank in place in the stream)
+        assert [n for b in every[0]["buckets"] for n in b] == list(manifest)
+        assert every[0]["buckets"] == every[1]["buckets"] == res["ep1"][f"load{k}"][0]["buckets"]
         # what each engine serves, named as the checkpoint (experts as views of the fused tensors)
         assert ep2[f"served{k}_every_rank"] == [manifest, manifest], f"v{k}"
 

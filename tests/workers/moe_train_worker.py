@@ -55,13 +55,19 @@ def grpo_advantages(rewards, response_mask):
 
 
 def sync_and_read(actor_ddp, engine, version, manifest):
-    """Sync ``version`` into this rank's engine, activate it, and return (load report fields,
-    ``{name: checksum}`` of what the engine serves)."""
-    report = sync_actor_to_engine(actor_ddp, engine, version, manifest, bucket_bytes=16 * 1024)
+    """Sync ``version`` into this rank's engine, activate it, and return (load report fields with
+    the names of every bucket in stream order, ``{name: checksum}`` of what the engine serves)."""
+    buckets = []
+
+    def record(bucket):  # the transport hook: sees each bucket on its way into the engine
+        buckets.append([name for name, _ in bucket])
+        return bucket
+
+    report = sync_actor_to_engine(actor_ddp, engine, version, manifest, bucket_bytes=16 * 1024, transport=record)
     engine.activate(version)
     served = TensorManifest.from_named_tensors(engine._active.targets().items())
     return {"num_tensors": report.num_tensors, "manifest_hash": report.manifest_hash,
-            "num_buckets": report.num_buckets}, {n: e.checksum for n, e in served.entries.items()}
+            "num_buckets": report.num_buckets, "buckets": buckets}, {n: e.checksum for n, e in served.entries.items()}
 
 
 def train_layout(a, ep):
