@@ -59,9 +59,11 @@ def launch(assets, tmp_path_factory):
              "data.build_arithmetic=false", f"trainer.run_dir={run_dir}", "trainer.iterations=2",
              "trainer.prompts_per_iteration=4", "rollout.n=4", "eval.n=8", "eval.every=2", "parallel.ep=2",
              "reward.fn=tests.plugins.faulty_rewards:digit_count", "algo.num_mini_batches=2",
-             "algo.micro_batch_size=2", "algo.forward_micro_batch_size=3", "rollout.reuse_rollout_log_probs=false"]
-    torchrun("moe_train_worker.py", 2, "--hf", hf, "--out", str(root), "--train", *train)
-    res = {tag: torch.load(root / f"{tag}.pt") for tag in ("ep1", "ep2", "tp2", "pp2")}
+             "algo.micro_batch_size=2", "algo.forward_micro_batch_size=3", "rollout.reuse_rollout_log_probs=false",
+             "trainer.checkpoint_every=2"]
+    proc = torchrun("moe_train_worker.py", 2, "--hf", hf, "--out", str(root), "--train", *train)
+    res = {tag: torch.load(root / f"{tag}.pt") for tag in ("ep1", "ep2", "tp2", "pp2", "resume_ep1")}
+    res["stderr"] = proc.stderr
     return hf, res, run_dir, moe
 
 
@@ -127,7 +129,7 @@ def test_hf_engine_on_every_rank_loads_the_ep2_stream(launch):
 
 
 def test_train_entry_point_at_ep2(launch):
-    _, _, run_dir, moe = launch
+    _, res, run_dir, moe = launch
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     assert [r["iteration"] for r in rows] == [0, 1]
     for r in rows:
@@ -139,6 +141,15 @@ def test_train_entry_point_at_ep2(launch):
     assert set(end) == set(start)
     changed = [k for k in start if ".experts." in k and not torch.equal(start[k], end[k])]
     assert len(changed) == 2 * 4 * 3  # every expert of both EP ranks trained and exported once
+
+
+def test_resume_at_another_ep_is_refused(launch):
+    """The EP=2 run's checkpoint resumed at parallel.ep=1: one line naming both sizes, exit 2 (the
+    optimizer state of an MoE model is two optimizers at EP > 1, one at EP = 1), nothing trained."""
+    _, res, run_dir, _ = launch
+    assert res["resume_ep1"]["exit_code"] == 2
+    assert "error: resume from" in res["stderr"] and "saved at parallel.ep=2, resumed at parallel.ep=1" in res["stderr"]
+    assert [json.loads(line)["iteration"] for line in open(run_dir / "metrics.jsonl")] == [0, 1]
 
 
 # ---- in process -------------------------------------------------------------------------------
@@ -180,3 +191,4 @@ def test_engine_names_fused_experts_as_the_checkpoint(tmp_path):
             cfg = hf_config_for_export(spec_from_hf_config(json.load(f)), torch.float32)
         key = "num_local_experts" if fam == "mixtral" else "num_experts"
         assert cfg[key] == 4, fam
+

@@ -15,7 +15,9 @@ Layouts, one after the other in the same processes (``rt.initialize`` rebuilds m
 
 Rank 0 saves one file per layout for the test to judge; ranks exchange what the test needs from
 rank 1 (its engine's load reports and served tensors' checksums).  With ``--train ARGS``, the
-same processes then run ``megarl.train``'s ``main(ARGS)`` (a short GRPO run at ``parallel.ep=2``).
+same processes then run ``megarl.train``'s ``main(ARGS)`` (a short GRPO run at ``parallel.ep=2``),
+and again with ``trainer.iterations=3 parallel.ep=1``: its resume from the EP=2 checkpoint must be
+refused (the exit code is saved).
 """
 
 import argparse
@@ -148,7 +150,19 @@ def main():
         # start-up of torch, megatron and transformers: it brings up its own layout (parallel.ep=2)
         from megarl.train import main as train_main
 
-        train_main(a.train)
+        shutdown, rt.shutdown = rt.shutdown, lambda: None  # keep the process group for the second run
+        try:
+            train_main(a.train)
+        finally:
+            rt.shutdown = shutdown
+        # the same run resumed at parallel.ep=1: refused in one line (exit 2), nothing trained
+        try:
+            train_main(a.train + ["trainer.iterations=3", "parallel.ep=1"])
+            code = 0
+        except SystemExit as e:
+            code = e.code
+        if rt.is_main():
+            torch.save({"exit_code": code}, os.path.join(a.out, "resume_ep1.pt"))
     rt.shutdown()
 
 
