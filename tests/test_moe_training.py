@@ -12,7 +12,9 @@
   engine on each rank loads the EP=2 stream verified by it and serves exactly it (experts into
   transformers' fused ``gate_up_proj`` / ``down_proj``);
 * end to end: ``megarl.train``'s entry point runs 2 GRPO iterations at ``parallel.ep=2``, the
-  rollout engines' log-probs equal the EP=2 actor's, and the update moves the experts.
+  rollout engines' log-probs equal the EP=2 actor's, and the update moves the experts; a failed
+  optimizer step is rolled back on both EP ranks and a corrupted weight load is refused; the run's
+  checkpoint resumed at ``parallel.ep=1`` is refused in one line.
 """
 
 import json
@@ -60,7 +62,10 @@ def launch(assets, tmp_path_factory):
              "trainer.prompts_per_iteration=4", "rollout.n=4", "eval.n=8", "eval.every=2", "parallel.ep=2",
              "reward.fn=tests.plugins.faulty_rewards:digit_count", "algo.num_mini_batches=2",
              "algo.micro_batch_size=2", "algo.forward_micro_batch_size=3", "rollout.reuse_rollout_log_probs=false",
-             "trainer.checkpoint_every=2"]
+             "trainer.checkpoint_every=2",
+             # iteration 1: the last rank's optimizer step fails once (rolled back on every rank, proven by
+             # the EP-gathered manifest, retried) and the first load of v1 is corrupted (both engines refuse it)
+             "faults.fail_optimizer_step_at=[1]", "faults.corrupt_weight_sync_at=[1]"]
     proc = torchrun("moe_train_worker.py", 2, "--hf", hf, "--out", str(root), "--train", *train)
     res = {tag: torch.load(root / f"{tag}.pt") for tag in ("ep1", "ep2", "tp2", "pp2", "resume_ep1")}
     res["stderr"] = proc.stderr
@@ -136,6 +141,9 @@ def test_train_entry_point_at_ep2(launch):
         assert r["update/optimizer_steps"] == 2 and r["update/grad_norm"] > 0, r["iteration"]
     # the engines (one per rank, loaded from the EP=2 stream) and the EP=2 actor agree token by token
     assert rows[0]["prep/rollout_actor_logprob_max_abs_err"] < 1e-4
+    last = rows[1]
+    assert (last["e2e/count/update_failures"], last["e2e/count/update_rollbacks"], last["e2e/count/update_retries"],
+            last["e2e/count/weight_load_failures"]) == (1, 1, 1, 1)
     start = load_file(os.path.join(moe, "model.safetensors"))
     end = load_file(os.path.join(run_dir, "export", "iter_2", "model.safetensors"))
     assert set(end) == set(start)
