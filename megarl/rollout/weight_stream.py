@@ -443,7 +443,7 @@ def hf_logical_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tens
             yield name, b.detach()
 
 
-_FUSED_EXPERTS = re.compile(r"^(?P<layer>(?:.*\.)?layers\.\d+)\.mlp\.(?P<rest>.+)$")
+_LAYER_MLP = re.compile(r"^(?P<layer>(?:.*\.)?layers\.\d+)\.mlp\.(?P<rest>.+)$")
 
 
 def _per_expert_views(model: torch.nn.Module, name: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
@@ -454,7 +454,7 @@ def _per_expert_views(model: torch.nn.Module, name: str, t: torch.Tensor) -> Ite
     expert e's gate is ``gate_up_proj[e, :F]``, its up ``gate_up_proj[e, F:]``, its down
     ``down_proj[e]``, each a contiguous view, named as :data:`megarl.models.mapping.MOE_HF_NAMES`
     (the checkpoint's names, which the megatron mapping uses too)."""
-    m = _FUSED_EXPERTS.match(name)
+    m = _LAYER_MLP.match(name)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if m is None or model_type not in ("qwen2_moe", "qwen3_moe", "mixtral"):
         yield name, t
