@@ -112,11 +112,15 @@ def optimizer_digests(optimizer) -> Dict[str, str]:
     """sha256 per (parameter index, state key) of this rank's optimizer state, in a stable order."""
     out: Dict[str, str] = {}
     sd = optimizer.state_dict()
-    state = sd.get("state", sd.get("optimizer", {}).get("state", {}))
-    for pid in sorted(state, key=lambda x: (str(type(x)), x)):
-        for key, v in sorted(state[pid].items()):
-            if torch.is_tensor(v):
-                out[f"{pid}.{key}"] = tensor_digest(v)
+    # megatron's ChainedOptimizer (an MoE model at EP > 1: the dense and the expert parameters have
+    # optimizers of their own) gives one state dict per optimizer: keyed "<i>/<pid>.<key>"
+    parts = [("", sd)] if isinstance(sd, dict) else [(f"{i}/", d) for i, d in enumerate(sd)]
+    for prefix, part in parts:
+        state = part.get("state", part.get("optimizer", {}).get("state", {}))
+        for pid in sorted(state, key=lambda x: (str(type(x)), x)):
+            for key, v in sorted(state[pid].items()):
+                if torch.is_tensor(v):
+                    out[f"{prefix}{pid}.{key}"] = tensor_digest(v)
     return out
 
 

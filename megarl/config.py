@@ -802,6 +802,11 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
 
         why = packing_unsupported_reason()
         _need(why is None, "algo.pack_sequences", f"is true, but {why}")
+        # megatron's allgather token dispatcher all-gathers equal token counts over the EP group;
+        # each rank's packed sequence has its own
+        _need(p.ep == 1, "algo.pack_sequences",
+              f"is true with parallel.ep={p.ep}: packed sequences have a different token count on each "
+              "expert-parallel rank, which the MoE token dispatcher cannot gather; set algo.pack_sequences=false")
     mini = t.prompts_per_iteration * r.n // a.num_mini_batches
     _need(a.micro_batch_size == 0 or mini % (dp * a.micro_batch_size) == 0, "algo.micro_batch_size",
           f"a mini-batch of {t.prompts_per_iteration} prompts x {r.n} samples / {a.num_mini_batches} = {mini} "

@@ -134,6 +134,13 @@ class RunPersistence:
             state["run_id"] = f"{state['run_id']}-forced{state['iteration']}"
             counters["forced_resumes"] += 1
         saved = state["layout"]
+        if saved.get("ep", 1) != self.layout.get("ep", 1):
+            # megatron keeps an MoE model's optimizer state in two optimizers at EP > 1 (dense and
+            # expert parameters), in one at EP = 1: the sharded state does not map across
+            raise checkpoint.CheckpointError(
+                f"resume from {path}: saved at parallel.ep={saved.get('ep', 1)}, resumed at "
+                f"parallel.ep={self.layout.get('ep', 1)}; the optimizer state is not resharded across expert-parallel "
+                "sizes: resume at the saved parallel.ep (or start a new run from the exported weights)")
         same = (saved["tp"], saved["pp"], saved["world"]) == (self.layout["tp"], self.layout["pp"], self.layout["world"])
         checkpoint.load_roles(path, self._roles(bool(state["reference"] and state["reference"]["refreshes"])))
         self.actor.scheduler.load_state_dict(state["actor"]["scheduler"])

@@ -66,7 +66,8 @@ class Trainer:
             cfg, run_dir, actor=parts.actor, critic=parts.critic, reference=parts.reference, sampler=parts.sampler,
             kl_ctl=parts.kl_ctl, progress=self.progress, tok=parts.tok, train_data=parts.train_data,
             reward_fn=parts.reward_fn, reward_model=parts.reward_model,
-            layout={"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": self.dp, "world": self.world},
+            layout={"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": self.dp, "world": self.world,
+                    "ep": cfg.parallel.ep},
             rank0=self.rank0)
         resume = self.persistence.resume() if cfg.trainer.resume == "auto" else None
         self.start_iteration = 0 if resume is None else resume["iteration"]

@@ -292,15 +292,57 @@ def _by_length(model, tokens: torch.Tensor, lengths: Optional[torch.Tensor], mic
     order = torch.argsort(lengths.cpu(), descending=True, stable=True)
     groups = list(order.split(micro_batch_size or tokens.shape[0]))
     widths = [max(int(lengths[g].max()), trim + 1) for g in groups]
-    mbs = [tokens[g, :w] for g, w in zip(groups, widths)]
-    tg = None if routing is None else [routing.targets(mb, g, w) for mb, g, w in zip(mbs, groups, widths)]
+    run = _ep_common_widths(model, groups, widths)
+    mbs = [_pad_columns(tokens[g, :w], r) for g, w, r in zip(groups, widths, run)]
+    # a widened micro-batch replays the filler routing (0 .. k-1) on its extra columns
+    tg = None if routing is None else [routing.targets(mb, g, mb.shape[1]) for mb, g in zip(mbs, groups)]
     results = forward_only(model, mbs, on_output, tg, routing)
     first = results[0]
     out = first.new_zeros((tokens.shape[0], tokens.shape[1] - trim) + tuple(first.shape[2:]))
     for g, w, res in zip(groups, widths, results):
-        out[g.to(out.device), : w - trim] = res
+        out[g.to(out.device), : w - trim] = res[:, : w - trim]
     past = torch.arange(out.shape[1], device=out.device)[None, :] >= (lengths.to(out.device) - trim)[:, None]
     return out.masked_fill_(past.reshape(past.shape + (1,) * (out.dim() - 2)), 0)
+
+
+def _moe_dispatch_group(model):
+    """The group megatron's allgather token dispatcher gathers over (expert TP x EP) when the
+    model has routed experts spread over EP > 1 ranks; else None."""
+    from megatron.core import parallel_state as ps
+
+    spec = getattr(unwrap(model), "megarl_spec", None)
+    if getattr(spec, "moe", None) is None or ps.get_expert_model_parallel_world_size() == 1:
+        return None
+    return ps.get_expert_tensor_and_model_parallel_group()
+
+
+def _ep_common_widths(model, groups: List[torch.Tensor], widths: List[int]) -> List[int]:
+    """The width each micro-batch runs at: its own, except for an MoE model at EP > 1.
+
+    There the allgather token dispatcher (megatron-core ``MoEAllGatherTokenDispatcher``) gathers
+    every micro-batch's tokens over the expert TP x EP group with one equal-sized all-gather, so
+    the ranks of that group, which hold different rows (they are data-parallel ranks for
+    everything but the experts), must run the same number of micro-batches of the same shape:
+    each is widened to the widest among them.  The extra columns are right padding, which causal
+    attention never lets reach a row's real positions.  Collective over that group."""
+    group = _moe_dispatch_group(model)
+    if group is None:
+        return widths
+    mine = ([len(g) for g in groups], widths)
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    if any(rows != mine[0] for rows, _ in every):
+        raise ValueError("MoE at expert parallel size > 1: the ranks of an expert-parallel group must run the same "
+                         f"number of micro-batches with the same rows each (the token dispatcher gathers them); got "
+                         f"{[rows for rows, _ in every]}")
+    return [max(ws) for ws in zip(*(w for _, w in every))]
+
+
+def _pad_columns(tokens: torch.Tensor, width: int) -> torch.Tensor:
+    """``tokens`` right-padded with id 0 to ``width`` columns (unchanged when it has them)."""
+    if tokens.shape[1] >= width:
+        return tokens
+    return torch.cat([tokens, tokens.new_zeros((tokens.shape[0], width - tokens.shape[1]))], 1)
 
 
 def _packed(model, tokens: torch.Tensor, lengths: Optional[torch.Tensor], micro_batch_size: int,
@@ -308,6 +350,10 @@ def _packed(model, tokens: torch.Tensor, lengths: Optional[torch.Tensor], micro_
             routing: Optional[Routing] = None) -> torch.Tensor:
     """:func:`_by_length` with every micro-batch packed (same rows per micro-batch)."""
     _check_packable(model)
+    if _moe_dispatch_group(model) is not None:
+        # each rank's packed sequence has its own token count; the dispatcher's all-gather needs equal ones
+        raise ValueError("pack=True (algo.pack_sequences) with an MoE model at expert parallel size > 1: the "
+                         "allgather token dispatcher needs the same token count on every EP rank; run padded")
     B, S = tokens.shape
     if lengths is None:
         lengths = torch.full((B,), S, dtype=torch.long)

@@ -156,6 +156,12 @@ def rules(spec: ModelSpec) -> List[ParamRule]:
     return out
 
 
+def hf_names_in_order(spec: ModelSpec) -> List[str]:
+    """Every HF tensor name of ``spec`` once, in the canonical order of :func:`rules` (the order of
+    the weight stream and of a weight manifest's entries, whatever the layout)."""
+    return [name for rule in rules(spec) for name in rule.hf_names]
+
+
 def _moe_rules(spec: ModelSpec, i: int) -> List[ParamRule]:
     """The rules of MoE layer ``i``: router, routed experts in global order, shared expert."""
     moe = spec.moe

@@ -54,6 +54,11 @@ class RowRouting:
         e, v = self.experts[idx], self.valid[idx]
         if width is not None:
             e, v = e[:, :width], v[:, :width]
+            if width > e.shape[1]:  # right padding past the grid: filler experts, never valid
+                extra = width - e.shape[1]
+                fill = torch.arange(e.shape[-1], dtype=e.dtype).expand(e.shape[0], extra, *e.shape[2:])
+                e = torch.cat([e, fill], 1)
+                v = torch.cat([v, v.new_zeros(v.shape[0], extra)], 1)
         return RowRouting(e, v, self.moe_layers)
 
 

@@ -232,6 +232,10 @@ def hf_config_for_export(spec: ModelSpec, dtype: torch.dtype) -> dict:
     cfg["tie_word_embeddings"] = spec.tie_word_embeddings
     cfg["torch_dtype"] = str(dtype).replace("torch.", "")
     cfg.pop("dtype", None)
+    if spec.family in ("qwen2_moe", "qwen3_moe") and "num_experts" not in cfg and "num_local_experts" in cfg:
+        # transformers 5 writes these families' num_experts as num_local_experts (its attribute_map);
+        # transformers 4 (SGLang before 0.5.23) reads only num_experts, else builds its default 128/60
+        cfg["num_experts"] = cfg["num_local_experts"]
     if spec.value_head:
         cfg["num_labels"] = 1
     return cfg

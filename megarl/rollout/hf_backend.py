@@ -5,7 +5,10 @@ the *active* one serves generate(), the *standby* one receives the next version'
 load_weights() writes into the standby and verifies the manifest; activate() swaps the two
 pointers under a lock (write, synchronise, verify the manifest, and only then switch the
 active version atomically).  A bad stream therefore never touches what is being served: the
-engine stays on v.
+engine stays on v.  The standby's tensors are looked up by their checkpoint names
+(``weight_stream.hf_logical_tensors``): a mixture-of-experts layer's routed experts, which
+transformers 5 holds fused, are per-expert views into the fused tensors, so the megatron stream
+(one tensor per expert, from whichever EP rank holds it) lands in place and is checksummed there.
 
 Generation reuses transformers ``generate`` (KV cache, EOS bookkeeping, padding) and its own
 logits warpers (Temperature/TopK/TopP); megarl only adds two logits processors around them: one

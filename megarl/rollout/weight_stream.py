@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -418,22 +419,63 @@ def iter_buckets(
 
 
 def hf_logical_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The logical tensors of a transformers model in HF naming, each exactly once.
+    """The logical tensors of a transformers model in HF *checkpoint* naming, each exactly once.
 
     ``named_parameters()`` already drops tied duplicates (``lm_head.weight`` when
     ``tie_word_embeddings``), which is what the engine must receive: the tie is re-made by
     the engine's own model, sending both would be a second, possibly diverging, copy.
     Persistent buffers that are in the state_dict are included; non-persistent ones (rotary
     ``inv_freq``) are computed from the config and are not part of the weights.
+
+    Mixture-of-experts models: transformers 5 holds each layer's routed experts fused
+    (``mlp.experts.gate_up_proj`` ``[E, 2F, H]``, ``mlp.experts.down_proj`` ``[E, H, F]``) but
+    checkpoints, megatron's stream and SGLang's loaders name them per expert; they are yielded as
+    per-expert views into the fused parameters (:func:`_per_expert_views`), so what an engine
+    receives and what it holds are named alike.
     """
     seen: set[int] = set()
     for name, p in model.named_parameters():
         seen.add(id(p))
-        yield name, p.detach()
+        yield from _per_expert_views(model, name, p.detach())
     persistent = set(model.state_dict().keys())
     for name, b in model.named_buffers():
         if name in persistent and id(b) not in seen:
             yield name, b.detach()
+
+
+_LAYER_MLP = re.compile(r"^(?P<layer>(?:.*\.)?layers\.\d+)\.mlp\.(?P<rest>.+)$")
+
+
+def _per_expert_views(model: torch.nn.Module, name: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(checkpoint name, tensor)`` for one parameter of a transformers model: itself, except in
+    the MoE block of a Qwen2-MoE / Qwen3-MoE / Mixtral layer.  There, the inverse of transformers'
+    load-time conversion (``transformers/conversion_mapping.py``: ``MergeModulelist(dim=0)`` then
+    ``Concatenate(dim=1)`` of gate and up; Mixtral also renames ``block_sparse_moe`` to ``mlp``):
+    expert e's gate is ``gate_up_proj[e, :F]``, its up ``gate_up_proj[e, F:]``, its down
+    ``down_proj[e]``, each a contiguous view, named as :data:`megarl.models.mapping.MOE_HF_NAMES`
+    (the checkpoint's names, which the megatron mapping uses too)."""
+    m = _LAYER_MLP.match(name)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if m is None or model_type not in ("qwen2_moe", "qwen3_moe", "mixtral"):
+        yield name, t
+        return
+    from megarl.models.mapping import MOE_HF_NAMES
+
+    names = MOE_HF_NAMES["mixtral" if model_type == "mixtral" else "qwen_moe"]
+    block, rest = f"{m['layer']}.{names.block}", m["rest"]
+    if rest not in ("experts.gate_up_proj", "experts.down_proj"):
+        yield f"{block}.{rest}", t  # the router, the shared expert and its gate: renamed only
+        return
+    if t.dim() != 3:
+        raise ValueError(f"{name}: fused experts of shape {list(t.shape)}, expected [experts, out, in]")
+    half = t.shape[1] // 2
+    for e in range(t.shape[0]):
+        x = f"{block}.{names.expert.format(e=e)}"
+        if rest == "experts.gate_up_proj":
+            yield f"{x}.{names.gate}.weight", t[e, :half]
+            yield f"{x}.{names.up}.weight", t[e, half:]
+        else:
+            yield f"{x}.{names.down}.weight", t[e]
 
 
 # ---------------------------------------------------------------------------------------------

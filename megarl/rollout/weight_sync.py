@@ -12,8 +12,9 @@ at a time, names and layouts from the mapping module):
    (``megarl.models.weights.iter_hf_tensors``, broadcast over PP), which checksums what landed
    and activates only if it equals that manifest.
 
-The manifest is layout-independent (it describes logical HF tensors), so a run resumed at
-another TP/PP proves its loaded weights against the checkpointed version with it.
+The manifest is layout-independent (it describes logical HF tensors, each exactly once, in the
+canonical order of :func:`megarl.models.mapping.hf_names_in_order`), so a run resumed at another
+TP/PP/EP proves its loaded weights against the checkpointed version with it.
 
 Every rank of the model-parallel group runs both passes; only ranks holding an engine (one per
 inference group) consume the stream, the others drain it.  If the engine rejects a bucket, the
@@ -28,9 +29,10 @@ import torch
 import torch.distributed as dist
 
 from megarl.hashing import json_sha256
+from megarl.models import mapping
 from megarl.models.weights import iter_hf_views, iter_hf_tensors, unwrap
 from megarl.rollout.protocol import LoadReport
-from megarl.rollout.weight_stream import TensorManifest, iter_buckets
+from megarl.rollout.weight_stream import ManifestMismatchError, TensorEntry, TensorManifest, iter_buckets
 from megarl.versions import PolicyVersion
 
 Bucket = List[Tuple[str, torch.Tensor]]
@@ -38,27 +40,49 @@ Bucket = List[Tuple[str, torch.Tensor]]
 
 def actor_manifest(actor_model, dtype: Optional[torch.dtype] = None) -> TensorManifest:
     """Collective: the manifest (name, shape, dtype, checksum) of the actor's logical tensors,
-    identical on every rank.
+    identical on every rank, its entries in the canonical mapping order whatever the layout.
 
     Each pipeline stage checksums the tensors it owns where they lie, on the device they were
     gathered on: a Q, K or V is read in place inside megatron's fused QKV (no de-interleaving
-    copy), and the stages exchange their entries, never the tensors.  With ``dtype`` the
-    checksums are of the tensors cast to it (what an engine in that dtype receives)."""
+    copy), and the stages exchange their entries, never the tensors.  A routed expert of a
+    mixture-of-experts model is checksummed on its owner EP rank only and the EP ranks exchange
+    entries the same way, so every expert appears exactly once (:func:`_union_over`).  With
+    ``dtype`` the checksums are of the tensors cast to it (what an engine in that dtype receives)."""
     from megatron.core import parallel_state as ps
 
     own = TensorManifest()
     for name, shape, view in iter_hf_views(actor_model):
         own.add_view(name, shape, view if dtype is None else view.to(dtype))
-    if ps.get_pipeline_model_parallel_world_size() == 1:
-        return own
-    group = ps.get_pipeline_model_parallel_group()
-    stages: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(stages, list(own.entries.values()), group=group)
+    ep, pp = ps.get_expert_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    if ep == 1 and pp == 1:
+        return own  # complete, and in canonical order already
+    entries = list(own.entries.values())
+    if ep > 1:  # within a stage first: its EP ranks hold its dense tensors alike and their own experts
+        entries = _union_over(entries, ps.get_expert_model_parallel_group(), "expert-parallel")
+    if pp > 1:
+        entries = _union_over(entries, ps.get_pipeline_model_parallel_group(), "pipeline")
+    order = {name: i for i, name in enumerate(mapping.hf_names_in_order(unwrap(actor_model).megarl_spec))}
     manifest = TensorManifest()
-    for entries in stages:
-        for entry in entries:
-            manifest.add_entry(entry)
+    for entry in sorted(entries, key=lambda e: order[e.name]):
+        manifest.add_entry(entry)
     return manifest
+
+
+def _union_over(entries: List[TensorEntry], group, what: str) -> List[TensorEntry]:
+    """Collective over ``group``: every rank's entries, each name once.  A name several ranks
+    hold (an EP group's ranks are data-parallel replicas of everything but their experts) must
+    have the same entry on all of them, else the ranks disagree about the weights: refused by name."""
+    parts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, entries, group=group)
+    seen: dict = {}
+    for rank, part in enumerate(parts):
+        for e in part:
+            first = seen.setdefault(e.name, (rank, e))
+            if first[1] != e:
+                raise ManifestMismatchError(
+                    f"{e.name}: {what} ranks {first[0]} and {rank} hold different weights "
+                    f"({first[1].checksum} vs {e.checksum}); replicas must be identical")
+    return [e for _, e in seen.values()]
 
 
 def model_config_hash(actor_model) -> str:

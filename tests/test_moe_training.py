@@ -1,0 +1,202 @@
+"""Mixture-of-experts training and weight sync at expert parallelism 2, in one torchrun launch
+(tests/workers/moe_train_worker.py, 2 processes):
+
+* layout equivalence: one GRPO update (the real Learner: two mini-batches with pad rows, AdamW,
+  clipping) at EP=2 gives the weights of EP=1 within 1e-6, and the same grad norms; megatron's DDP
+  reduces the experts' gradients over the expert-data-parallel group (size 1 at EP=2: each
+  expert's gradient already holds every rank's tokens), the dense ones over DP;
+* the old log-probs of ragged rows split over the DP ranks are the same at EP=2 (the EP ranks run
+  different rows: the MoE micro-batches are widened alike, else the token dispatcher aborts);
+* weight sync: the manifest is identical on every rank, every expert appears in it exactly once,
+  in the canonical mapping order, and its hash at EP=2 equals EP=1's, TP=2's and PP=2's; the hf
+  engine on each rank loads the EP=2 stream verified by it and serves exactly it (experts into
+  transformers' fused ``gate_up_proj`` / ``down_proj``);
+* end to end: ``megarl.train``'s entry point runs 2 GRPO iterations at ``parallel.ep=2``, the
+  rollout engines' log-probs equal the EP=2 actor's, and the update moves the experts; a failed
+  optimizer step is rolled back on both EP ranks and a corrupted weight load is refused; the run's
+  checkpoint resumed at ``parallel.ep=1`` is refused in one line.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megarl.models import mapping
+from megarl.models.hf_config import spec_from_hf_config
+from megarl.models.tiny import make_tiny_hf_checkpoint
+from megarl.rollout.weight_stream import TensorManifest
+from tests._dist import ROOT, torchrun
+
+SMALL = dict(hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2)
+
+
+def _moe_with_tokenizer(out, tokenizer_dir):
+    """A tiny Qwen3-MoE (4 experts, top-2) that speaks the tiny tokenizer of ``tokenizer_dir``."""
+    with open(os.path.join(tokenizer_dir, "config.json")) as f:
+        dense = json.load(f)
+    make_tiny_hf_checkpoint(out, "qwen3_moe", seed=5, vocab_size=dense["vocab_size"], tokenizer_dir=tokenizer_dir,
+                            **SMALL)
+    path = os.path.join(out, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg.update({k: dense[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def launch(assets, tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_train")
+    # qwen2_moe for the layout comparison: its shared expert and sigmoid gate are dense parameters
+    # inside the MoE layer (replicated over EP, reduced over DP) next to the routed experts
+    hf = make_tiny_hf_checkpoint(str(root / "qwen2_moe"), "qwen2_moe", seed=11, vocab_size=64, **SMALL)
+    moe = _moe_with_tokenizer(str(root / "qwen3_moe"), assets["model"])
+    run_dir = root / "run"
+    train = ["--config", os.path.join(ROOT, "configs", "grpo_arith_tiny.yaml"), f"model.path={moe}",
+             "model.build_tiny=false", f"data.train_path={assets['train']}", f"data.heldout_path={assets['heldout']}",
+             "data.build_arithmetic=false", f"trainer.run_dir={run_dir}", "trainer.iterations=2",
+             "trainer.prompts_per_iteration=4", "rollout.n=4", "eval.n=8", "eval.every=2", "parallel.ep=2",
+             "reward.fn=tests.plugins.faulty_rewards:digit_count", "algo.num_mini_batches=2",
+             "algo.micro_batch_size=2", "algo.forward_micro_batch_size=3", "rollout.reuse_rollout_log_probs=false",
+             "trainer.checkpoint_every=2",
+             # iteration 1: the last rank's optimizer step fails once (rolled back on every rank, proven by
+             # the EP-gathered manifest, retried) and the first load of v1 is corrupted (both engines refuse it)
+             "faults.fail_optimizer_step_at=[1]", "faults.corrupt_weight_sync_at=[1]"]
+    proc = torchrun("moe_train_worker.py", 2, "--hf", hf, "--out", str(root), "--train", *train)
+    res = {tag: torch.load(root / f"{tag}.pt") for tag in ("ep1", "ep2", "tp2", "pp2", "resume_ep1")}
+    res["stderr"] = proc.stderr
+    return hf, res, run_dir, moe
+
+
+def test_grpo_update_at_ep2_equals_ep1(launch):
+    hf, res, _, _ = launch
+    ep1, ep2 = res["ep1"], res["ep2"]
+    assert (ep1["ep"], ep1["dp"], ep1["edp"]) == (1, 2, 2) and (ep2["ep"], ep2["dp"], ep2["edp"]) == (2, 2, 1)
+    assert ep1["held_experts"] == [[0, 1, 2, 3]] * 2 and ep2["held_experts"] == [[0, 1], [2, 3]]
+    # megatron DDP: expert grads in their own buffer reduced over expert-DP (size 1 at EP=2), dense over DP
+    assert ep2["expert_buffer_groups"] == [1] and ep2["dense_buffer_groups"] == [2]
+    assert ep1["expert_buffer_groups"] == [] and ep1["dense_buffer_groups"] == [2]  # ep=1: experts are dense params
+    # the old log-probs of ragged rows over the DP ranks: bitwise the same forward at EP=2
+    assert torch.equal(ep1["old_log_probs"], ep2["old_log_probs"])
+    assert int((ep1["old_log_probs"] < 0).sum()) >= 24  # 12 rows of 1-3 response tokens, none left at 0
+    initial = load_file(os.path.join(hf, "model.safetensors"))
+    assert set(ep2["weights"]) == set(initial)
+    assert ep1["metrics"]["update/optimizer_steps"] == ep2["metrics"]["update/optimizer_steps"] == 2
+    experts = [k for k in initial if ".experts." in k]
+    assert len(experts) == 2 * 4 * 3  # 2 layers x 4 experts x (gate, up, down)
+    for name in experts:  # every expert moved (the comparison is not vacuous for any of them)
+        assert (ep1["weights"][name] - initial[name]).abs().max() > 1e-5, name
+    moved = max((ep1["weights"][k] - initial[k]).abs().max().item() for k in initial)
+    assert moved > 1e-3
+    for k in initial:
+        err = (ep2["weights"][k] - ep1["weights"][k]).abs().max().item()
+        assert err < 1e-6, f"{k}: EP=2 differs from EP=1 by {err} after one GRPO update"
+    # clipping was active (clip_grad=0.1 below both steps' norms): the global norm is layout-invariant too
+    assert min(ep1["metrics"]["update/grad_norm"], ep1["metrics"]["update/grad_norm_max"]) > 0.1
+    for key in ("update/grad_norm", "update/grad_norm_max", "update/pg_loss"):
+        assert ep2["metrics"][key] == pytest.approx(ep1["metrics"][key], rel=1e-6), key
+
+
+def test_manifest_at_ep2_is_every_expert_once_in_canonical_order(launch):
+    hf, res, _, _ = launch
+    with open(os.path.join(hf, "config.json")) as f:
+        canonical = mapping.hf_names_in_order(spec_from_hf_config(json.load(f)))
+    initial = TensorManifest.from_named_tensors(load_file(os.path.join(hf, "model.safetensors")).items())
+    for tag in ("ep1", "ep2", "tp2", "pp2"):
+        r = res[tag]
+        assert [n for n, _ in r["manifest0"]] == canonical, tag  # each name once, canonical order
+        assert r["manifest0_every_rank"] == [initial.global_hash] * 2, tag  # identical on every rank
+        assert dict(r["manifest0"]) == {n: e.checksum for n, e in initial.entries.items()}, tag
+    ep2 = res["ep2"]
+    assert [n for n, _ in ep2["manifest1"]] == canonical
+    after = TensorManifest.from_named_tensors(ep2["weights"].items())  # what iter_hf_tensors streamed
+    assert ep2["manifest1_every_rank"] == [after.global_hash] * 2
+    assert dict(ep2["manifest1"]) == {n: e.checksum for n, e in after.entries.items()}
+
+
+def test_hf_engine_on_every_rank_loads_the_ep2_stream(launch):
+    _, res, _, _ = launch
+    ep2 = res["ep2"]
+    for k, manifest in (("0", dict(ep2["manifest0"])), ("1", dict(ep2["manifest1"]))):
+        every = ep2[f"load{k}"]
+        assert [r["num_tensors"] for r in every] == [len(manifest)] * 2
+        assert len({r["manifest_hash"] for r in every}) == 1 and all(r["num_buckets"] > 1 for r in every)
+        # bucket order is deterministic: the canonical order cut into buckets, the same on every rank
+        # and at EP=1 (experts broadcast from their EP rank in place in the stream)
+        assert [n for b in every[0]["buckets"] for n in b] == list(manifest)
+        assert every[0]["buckets"] == every[1]["buckets"] == res["ep1"][f"load{k}"][0]["buckets"]
+        # what each engine serves, named as the checkpoint (experts as views of the fused tensors)
+        assert ep2[f"served{k}_every_rank"] == [manifest, manifest], f"v{k}"
+
+
+def test_train_entry_point_at_ep2(launch):
+    _, res, run_dir, moe = launch
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert [r["iteration"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["update/optimizer_steps"] == 2 and r["update/grad_norm"] > 0, r["iteration"]
+    # the engines (one per rank, loaded from the EP=2 stream) and the EP=2 actor agree token by token
+    assert rows[0]["prep/rollout_actor_logprob_max_abs_err"] < 1e-4
+    last = rows[1]
+    assert (last["e2e/count/update_failures"], last["e2e/count/update_rollbacks"], last["e2e/count/update_retries"],
+            last["e2e/count/weight_load_failures"]) == (1, 1, 1, 1)
+    start = load_file(os.path.join(moe, "model.safetensors"))
+    end = load_file(os.path.join(run_dir, "export", "iter_2", "model.safetensors"))
+    assert set(end) == set(start)
+    changed = [k for k in start if ".experts." in k and not torch.equal(start[k], end[k])]
+    assert len(changed) == 2 * 4 * 3  # every expert of both EP ranks trained and exported once
+
+
+def test_resume_at_another_ep_is_refused(launch):
+    """The EP=2 run's checkpoint resumed at parallel.ep=1: one line naming both sizes, exit 2 (the
+    optimizer state of an MoE model is two optimizers at EP > 1, one at EP = 1), nothing trained."""
+    _, res, run_dir, _ = launch
+    assert res["resume_ep1"]["exit_code"] == 2
+    assert "error: resume from" in res["stderr"] and "saved at parallel.ep=2, resumed at parallel.ep=1" in res["stderr"]
+    assert [json.loads(line)["iteration"] for line in open(run_dir / "metrics.jsonl")] == [0, 1]
+
+
+# ---- in process -------------------------------------------------------------------------------
+
+
+def test_packing_is_refused_at_ep2_naming_the_key():
+    """Packed sequences have a different token count on each EP rank, which the allgather token
+    dispatcher cannot gather (its all-gather needs equal sizes): refused at start-up."""
+    from megarl.config import ConfigError, load_config, validate
+
+    recipe = os.path.join(ROOT, "configs", "grpo_arith_tiny.yaml")
+    assert validate(load_config(recipe, ["parallel.ep=2"]), 2) == 2
+    assert validate(load_config(recipe, ["algo.pack_sequences=true"]), 2) == 2
+    with pytest.raises(ConfigError, match=r"algo\.pack_sequences: is true with parallel\.ep=2"):
+        validate(load_config(recipe, ["parallel.ep=2", "algo.pack_sequences=true"]), 2)
+
+
+def test_engine_names_fused_experts_as_the_checkpoint(tmp_path):
+    """transformers 5 fuses each layer's experts (``gate_up_proj`` [E, 2F, H], ``down_proj``
+    [E, H, F]; Mixtral's block also renamed): the tensors an engine holds, named per expert, are
+    bitwise the checkpoint's, for every family; and the exported config names the experts for
+    transformers 4 too (SGLang 0.5.7 reads ``num_experts`` only)."""
+    import transformers
+
+    from megarl.models.tiny import MOE_FAMILIES
+    from megarl.models.weights import hf_config_for_export
+    from megarl.rollout.weight_stream import hf_logical_tensors
+
+    for fam in MOE_FAMILIES:
+        d = make_tiny_hf_checkpoint(str(tmp_path / fam), fam, seed=3, vocab_size=64, **SMALL)
+        src = load_file(os.path.join(d, "model.safetensors"))
+        model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)  # transformers' own fusing
+        assert any(n.endswith("experts.gate_up_proj") for n, _ in model.named_parameters()), fam
+        held = dict(hf_logical_tensors(model))
+        assert sorted(held) == sorted(src), fam
+        for name, t in src.items():
+            assert torch.equal(held[name], t) and held[name].is_contiguous(), (fam, name)
+        with open(os.path.join(d, "config.json")) as f:
+            cfg = hf_config_for_export(spec_from_hf_config(json.load(f)), torch.float32)
+        key = "num_local_experts" if fam == "mixtral" else "num_experts"
+        assert cfg[key] == 4, fam
+
