@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 
+from megarl.models.hf_config import load_spec
 from tests._dist import ROOT, subprocess_env
 from tests._train_runs import batches, metrics
 
@@ -37,8 +38,9 @@ def test_moe_tiny_recipe_builds_and_trains_with_router_losses(tmp_path):
     model = cache / "tiny_arith_qwen3_moe"
     with open(model / "config.json") as f:
         hf = json.load(f)
-    assert hf["architectures"] == ["Qwen3MoeForCausalLM"] and hf["num_experts"] == 4
-    assert hf["num_experts_per_tok"] == 2 and hf["moe_intermediate_size"] == 32 and hf["norm_topk_prob"]
+    spec = load_spec(str(model))  # transformers 5 writes num_experts as num_local_experts
+    assert hf["architectures"] == ["Qwen3MoeForCausalLM"] and spec.moe.num_experts == 4 and spec.moe.top_k == 2
+    assert spec.moe.ffn_hidden_size == 32 and spec.moe.norm_topk_prob and all(spec.moe.moe_layers)
     with open(model / "tiny_model.json") as f:
         info = json.load(f)
     assert info["family"] == "qwen3_moe" and info["moe"] == {"num_experts": 4, "top_k": 2, "moe_intermediate_size": 32}
