@@ -24,6 +24,7 @@ from megarl.hashing import json_sha256
 
 ALGORITHMS = ("grpo", "ppo")
 ROUTING_REPLAY = ("none", "measure", "rollout")
+TINY_FAMILIES = ("llama", "qwen3_moe")  # what megarl.tinymodel builds (its FAMILIES)
 
 
 class ConfigError(MegarlError, ValueError):
@@ -46,6 +47,12 @@ class TinyModelConfig:
     warmstart_lr: float = 2.0e-3  # the warm start's learning rate
     warmstart_batch: int = 64  # the warm start's batch size
     seed: int = 0  # of its initialisation and warm-start data
+    #: llama (the dense default) | qwen3_moe (a Qwen3-MoE: every layer routes each token to
+    #: top_k of num_experts experts; intermediate_size unused)
+    family: str = "llama"
+    num_experts: int = 8  # qwen3_moe: routed experts per layer
+    top_k: int = 2  # qwen3_moe: experts per token (<= num_experts)
+    moe_intermediate_size: int = 128  # qwen3_moe: each expert's SwiGLU width
 
 
 @dataclass
@@ -126,6 +133,9 @@ class RolloutConfig:
     max_retries: int = 2
     # sglang (GPU) settings
     tp: int = 1  # inference TP size
+    #: inference expert-parallel size of a mixture-of-experts model (SGLang's ep_size): each
+    #: inference group's rollout.tp GPUs hold 1/ep of every layer's experts; divides rollout.tp
+    ep: int = 1
     mem_fraction_static: float = 0.6  # SGLang's share of GPU memory (weights + KV cache)
     enable_memory_saver: bool = True  # SGLang releases its KV cache and weights while the actor trains
     #: SGLang's enable_deterministic_inference: per-candidate seeds are honoured (and recorded in
@@ -222,6 +232,10 @@ class ActorConfig:
 
     optim: OptimSettings = field(default_factory=OptimSettings)
     offload: bool = False  # params/grads/optimizer to host while the rollout engine runs (GPU)
+    #: mixture-of-experts models: the router's load-balancing loss coefficient (megatron's
+    #: aux_loss, Switch-Transformer style); 0 = off, the RL default (it is a pre-training regulariser)
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: Optional[float] = None  # mixture-of-experts models: the router z-loss coefficient (ST-MoE); null = off
 
 
 @dataclass
@@ -642,6 +656,10 @@ def _validate_ranges(cfg: TrainConfig) -> None:
     d = cfg.data
     _need(d.arithmetic_min_digits <= d.arithmetic_max_digits, "data.arithmetic_min_digits",
           f"{d.arithmetic_min_digits} is above data.arithmetic_max_digits={d.arithmetic_max_digits}")
+    tiny = cfg.model.tiny
+    _choice(tiny.family, "model.tiny.family", TINY_FAMILIES)
+    _need(tiny.family == "llama" or tiny.top_k <= tiny.num_experts, "model.tiny.top_k",
+          f"{tiny.top_k} is above model.tiny.num_experts={tiny.num_experts}")
 
 
 def _validate_rollout_groups(cfg: TrainConfig, world_size: int) -> None:
@@ -649,6 +667,9 @@ def _validate_rollout_groups(cfg: TrainConfig, world_size: int) -> None:
     r = cfg.rollout
     _need(r.backend != "sglang" or world_size % r.tp == 0, "rollout.tp",
           f"{r.tp} does not divide the world size {world_size} (inference groups of rollout.tp GPUs tile the world)")
+    _need(r.ep == 1 or (r.backend == "sglang" and r.tp % r.ep == 0), "rollout.ep",
+          f"{r.ep} needs rollout.backend=sglang with rollout.ep dividing rollout.tp={r.tp} (SGLang splits each "
+          "inference group's TP ranks into expert-parallel ones)")
 
 
 def validate(cfg: TrainConfig, world_size: int) -> int:
@@ -857,6 +878,14 @@ def validate_model_fit(cfg: TrainConfig, spec, where: str) -> None:
           "with sequence parallelism, which megarl does not enable yet; use parallel.tp=1 with parallel.ep")
     _need(cfg.model.vocab_multiple % p.tp == 0, "model.vocab_multiple",
           f"{cfg.model.vocab_multiple} is not divisible by parallel.tp={p.tp} (the padded vocabulary is split over TP)")
+    experts = moe_num_experts(spec)
+    _need(cfg.rollout.ep == 1 or (experts is not None and experts % cfg.rollout.ep == 0), "rollout.ep",
+          f"{cfg.rollout.ep} must divide the number of routed experts of {where} "
+          f"({experts if experts is not None else f'none: {spec.architecture} is dense'})")
+    for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        _need(getattr(cfg.actor, key) in (None, 0.0) or moe_num_experts(spec) is not None, f"actor.{key}",
+              f"is {getattr(cfg.actor, key)}, but {where} describes a dense model ({spec.architecture}: no router "
+              f"to regularise); use actor.{key}={'null' if key == 'moe_z_loss_coeff' else '0'}")
     if cfg.algo.routing_replay != "none":
         _need(moe_num_experts(spec) is not None, "algo.routing_replay",
               f"is {cfg.algo.routing_replay!r}, but {where} describes a dense model "

@@ -30,6 +30,9 @@ class ParamCount:
     total: int
     per_shard: int
     dtype_bytes: int
+    #: the routed-expert parameters of ``per_shard`` (mixture-of-experts models): the distributed
+    #: optimizer shards their state over the expert data-parallel group, not the whole DP group
+    per_shard_experts: int = 0
 
 
 def count_params(spec, vocab_multiple: int, tp: int, pp: int, value_head: bool = False, ep: int = 1,
@@ -63,18 +66,22 @@ def count_params(spec, vocab_multiple: int, tp: int, pp: int, value_head: bool =
     ends = emb + head if pp == 1 else max(emb, head if (head or value_head) else emb)
     per_shard = (a + ends) // tp + b // (ep * etp) + h
     name = str(spec.raw_config.get("dtype") or spec.raw_config.get("torch_dtype") or "bfloat16").replace("torch.", "")
-    return ParamCount(total, per_shard, _DTYPE_BYTES.get(name, 2))
+    return ParamCount(total, per_shard, _DTYPE_BYTES.get(name, 2), b // (ep * etp))
 
 
-def role_memory(n: ParamCount, *, trains: bool, optimizer: str, dp: int) -> Dict[str, float]:
+def role_memory(n: ParamCount, *, trains: bool, optimizer: str, dp: int,
+                expert_dp: Optional[int] = None) -> Dict[str, float]:
     """GiB per GPU on CUDA: weights in the checkpoint's dtype; for a trained role fp32 gradients
     (megatron DDP, grad_reduce_in_fp32) and the distributed optimizer's state sharded over DP
-    (fp32 main weights when the weights are 16-bit, plus Adam's two moments)."""
+    (fp32 main weights when the weights are 16-bit, plus Adam's two moments); a mixture-of-experts
+    model's routed experts shard theirs over the expert data-parallel group (``expert_dp`` =
+    world / (ep x etp x pp); None: ``dp``)."""
     out = {"weights": n.per_shard * n.dtype_bytes / GiB}
     if trains:
         out["grads"] = n.per_shard * 4 / GiB
         state = (4 if n.dtype_bytes < 4 else 0) + (8 if optimizer == "adam" else 0)
-        out["optimizer"] = n.per_shard * state / dp / GiB
+        experts = n.per_shard_experts
+        out["optimizer"] = ((n.per_shard - experts) / dp + experts / (expert_dp or dp)) * state / GiB
     out["total"] = sum(out.values())
     return out
 
@@ -143,7 +150,8 @@ def _memory_lines(cfg, spec, dp: int) -> List[str]:
         parts = " + ".join(f"{k} {_gib(v)}" for k, v in mem.items() if k != "total")
         lines.append(f"  {role:<13}{parts} = {_gib(mem['total'])}{note}")
 
-    show("actor", role_memory(actor, trains=True, optimizer=cfg.actor.optim.optimizer, dp=dp),
+    expert_dp = dp * p.tp // (p.ep * (p.tp if p.etp is None else p.etp))  # world / (ep x etp x pp)
+    show("actor", role_memory(actor, trains=True, optimizer=cfg.actor.optim.optimizer, dp=dp, expert_dp=expert_dp),
          " (on the host while the rollout generates: actor.offload)" if cfg.actor.offload else "")
     if cfg.reference.enabled:
         ref = actor if cfg.reference.path is None else count_params(load_spec(cfg.reference.path),

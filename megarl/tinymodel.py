@@ -1,10 +1,13 @@
 """The built-in tiny model of the embedded default: tokenizer, Llama-family model, warm start.
 
     python -m megarl.tinymodel --out DIR [--steps 470 --lr 2e-3 --batch 64 --max-digits 2 ...]
+    python -m megarl.tinymodel --out DIR --family qwen3_moe --num-experts 8 --top-k 2 ...
     (or tools/make_tiny_model.py, the same program)
 
 1. writes the built-in word-level tokenizer (digits are single tokens) with its chat template;
-2. builds a small random ``LlamaForCausalLM`` with transformers;
+2. builds a small random ``LlamaForCausalLM`` with transformers (``--family qwen3_moe``: a
+   ``Qwen3MoeForCausalLM`` whose every layer routes each token to ``top_k`` of ``num_experts``
+   SwiGLU experts of width ``moe_intermediate_size``, the tiny model of ``grpo_moe_tiny``);
 3. warm-starts it with a short supervised run *through the megatron actor* (megatron model +
    megatron DDP + optimizer, the same code path RL training uses) on the arithmetic task's
    train split: chat-templated prompt, then the answer digits and EOS, loss on the answer;
@@ -69,10 +72,21 @@ def heldout_accuracy(model_dir: str, n: int = 200, seed: int = 1, digits=(1, 2),
     return good / len(probs)
 
 
+#: the families the tiny model can be built in: the dense default and one mixture-of-experts
+FAMILIES = ("llama", "qwen3_moe")
+
+
 def build(out_dir: str, *, hidden_size: int = 128, num_layers: int = 4, num_heads: int = 4, num_kv_heads: int = 2,
           intermediate_size: int = 256, steps: int = 470, lr: float = 2e-3, batch: int = 64, seed: int = 0,
-          digits=(1, 2), ops=("plus",), log_every: int = 50) -> dict:
-    """Build the tiny model into ``out_dir`` (must not hold a finished build); return its info."""
+          digits=(1, 2), ops=("plus",), log_every: int = 50, family: str = "llama", num_experts: int = 8,
+          top_k: int = 2, moe_intermediate_size: int = 128) -> dict:
+    """Build the tiny model into ``out_dir`` (must not hold a finished build); return its info.
+
+    ``family="qwen3_moe"`` builds a Qwen3-MoE instead (``num_experts``, ``top_k``,
+    ``moe_intermediate_size``; ``intermediate_size`` unused there: every layer is an MoE layer);
+    the warm start is the same code (megatron's MoE layer with aux and z losses off)."""
+    if family not in FAMILIES:
+        raise MegarlError(f"tiny model family {family!r}: choose from {', '.join(FAMILIES)}")
     import torch
 
     from megarl.config import OptimSettings
@@ -92,9 +106,13 @@ def build(out_dir: str, *, hidden_size: int = 128, num_layers: int = 4, num_head
     tok_dir, random_dir = os.path.join(work, "tokenizer"), os.path.join(work, "random")
     hf_tok = build_tiny_tokenizer(tok_dir)
     vocab = -(-len(hf_tok) // 16) * 16
-    make_tiny_hf_checkpoint(random_dir, "llama", seed=seed, vocab_size=vocab, hidden_size=hidden_size,
+    # the dense build's call is exactly what it was before the MoE family existed (its cached
+    # model and numbers must not move); the MoE one only adds the expert sizes
+    moe = (dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_intermediate_size)
+           if family != "llama" else {})
+    make_tiny_hf_checkpoint(random_dir, family, seed=seed, vocab_size=vocab, hidden_size=hidden_size,
                             num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                            intermediate_size=intermediate_size, tokenizer_dir=tok_dir)
+                            intermediate_size=intermediate_size, tokenizer_dir=tok_dir, **moe)
     cfg_path = os.path.join(random_dir, "config.json")
     with open(cfg_path) as f:
         hf_cfg = json.load(f)
@@ -136,12 +154,14 @@ def build(out_dir: str, *, hidden_size: int = 128, num_layers: int = 4, num_head
     export_hf(ddp, staged, tokenizer_dir=tok_dir)
     rt.shutdown()
     acc = heldout_accuracy(staged, digits=digits, ops=ops)
-    info = {"family": "llama", "hidden_size": hidden_size, "num_layers": num_layers, "num_heads": num_heads,
+    info = {"family": family, "hidden_size": hidden_size, "num_layers": num_layers, "num_heads": num_heads,
             "num_kv_heads": num_kv_heads, "intermediate_size": intermediate_size, "vocab_size": vocab,
             "warmstart": {"steps": steps, "lr": lr, "batch": batch, "seed": seed, "final_nll": losses[-1] if losses else None},
             "task": {"name": "arithmetic", "digits": list(digits), "ops": list(ops)},
             "heldout_accuracy_greedy": acc, "seconds": time.time() - t_start,
             "tokenizer_hash": tok.hash}
+    if moe:
+        info["moe"] = {"num_experts": num_experts, "top_k": top_k, "moe_intermediate_size": moe_intermediate_size}
     with open(os.path.join(staged, MARKER), "w") as f:
         json.dump(info, f, indent=1)
     if os.path.exists(out_dir):
@@ -168,6 +188,10 @@ def main(argv=None) -> None:
     p.add_argument("--min-digits", type=int, default=1)
     p.add_argument("--max-digits", type=int, default=2)
     p.add_argument("--ops", default="plus")
+    p.add_argument("--family", default="llama", choices=FAMILIES)
+    p.add_argument("--num-experts", type=int, default=8, help="qwen3_moe: routed experts per layer")
+    p.add_argument("--top-k", type=int, default=2, help="qwen3_moe: experts per token")
+    p.add_argument("--moe-intermediate-size", type=int, default=128, help="qwen3_moe: each expert's SwiGLU width")
     p.add_argument("--overwrite", action="store_true")
     a = p.parse_args(argv)
     if is_built(a.out) and not a.overwrite:
@@ -176,10 +200,14 @@ def main(argv=None) -> None:
         raise MegarlError(f"--out {a.out}: exists and is not a tiny model build; refusing to overwrite")
     if a.steps < 0 or a.batch < 1:
         raise MegarlError("--steps must be >= 0 and --batch >= 1")
+    if a.family != "llama" and not 1 <= a.top_k <= a.num_experts:
+        raise MegarlError(f"--top-k {a.top_k}: must be between 1 and --num-experts {a.num_experts}")
     print(f"building the tiny model in {a.out} (warm start: {a.steps} steps through the megatron actor)", flush=True)
     info = build(a.out, hidden_size=a.hidden_size, num_layers=a.num_layers, num_heads=a.num_heads,
                  num_kv_heads=a.num_kv_heads, intermediate_size=a.intermediate_size, steps=a.steps, lr=a.lr,
-                 batch=a.batch, seed=a.seed, digits=(a.min_digits, a.max_digits), ops=tuple(a.ops.split(",")))
+                 batch=a.batch, seed=a.seed, digits=(a.min_digits, a.max_digits), ops=tuple(a.ops.split(",")),
+                 family=a.family, num_experts=a.num_experts, top_k=a.top_k,
+                 moe_intermediate_size=a.moe_intermediate_size)
     print(f"tiny model ready in {a.out}: held-out greedy accuracy {info['heldout_accuracy_greedy']:.3f} "
           f"after {a.steps} warm-start steps ({info['seconds']:.0f}s)", flush=True)
 

@@ -77,6 +77,9 @@ def ensure_builtin_model(cfg) -> None:
                    "--steps", str(t.warmstart_steps), "--lr", str(t.warmstart_lr), "--batch", str(t.warmstart_batch),
                    "--seed", str(t.seed), "--min-digits", str(d.arithmetic_min_digits),
                    "--max-digits", str(d.arithmetic_max_digits), "--overwrite"]
+            if t.family != "llama":  # the dense build's command stays what it was
+                cmd += ["--family", t.family, "--num-experts", str(t.num_experts), "--top-k", str(t.top_k),
+                        "--moe-intermediate-size", str(t.moe_intermediate_size)]
             env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
             print(f"model.path {m.path} is missing: building the built-in tiny model (cached for later runs)",
                   flush=True)

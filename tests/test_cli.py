@@ -267,8 +267,13 @@ def _recipes(tmp_path):
     llama = _fake_hf(tmp_path / "llama3_8b", LLAMA3_8B)
     rm_config = dict(LLAMA3_8B, architectures=["LlamaForTokenClassification"], num_labels=1)
     rm = _fake_hf(tmp_path / "llama3_8b_rm", rm_config)
-    out = {"grpo_arith_tiny.yaml": (1, []), "ppo_arith_tiny.yaml": (1, []),
+    from tests.test_moe_models import QWEN3_30B_A3B
+
+    qwen3_moe = _fake_hf(tmp_path / "qwen3_30b_a3b", QWEN3_30B_A3B)
+    out = {"grpo_arith_tiny.yaml": (1, []), "ppo_arith_tiny.yaml": (1, []), "grpo_moe_tiny.yaml": (1, []),
            "grpo_qwen2_7b.yaml": (8, [f"model.path={qwen}", f"data.train_path={data}"]),
+           # the recipe names the Hub id; without network the test points it at config.json only
+           "grpo_qwen3_30b_a3b.yaml": (8, [f"model.path={qwen3_moe}", f"data.train_path={data}"]),
            "ppo_llama3_8b.yaml": (8, [f"model.path={llama}", f"data.train_path={data}", f"reward.model.path={rm}"])}
     train_recipes = sorted(n for n in os.listdir(CONFIGS) if n.endswith(".yaml") and n != "quickstart_tiny.yaml")
     assert sorted(out) == train_recipes  # quickstart_tiny.yaml is megarl.quickstart's, not a training recipe
@@ -278,6 +283,7 @@ def _recipes(tmp_path):
 def test_print_config_and_dry_run_on_every_recipe(tmp_path):
     recipes = _recipes(tmp_path)
     cache = tmp_path / "empty_cache"
+    dry_outs = {}
     for name, (world, overrides) in recipes.items():
         path = os.path.join(CONFIGS, name)
         proc = _cli(["--config", path, "--print-config", *overrides, "trainer.iterations=7"], tmp_path,
@@ -288,11 +294,13 @@ def test_print_config_and_dry_run_on_every_recipe(tmp_path):
         printed = yaml.safe_load(proc.stdout)
         assert printed["trainer"]["iterations"] == 7 and printed["recipe"] == name[:-5]
         if name.endswith("_tiny.yaml"):
-            assert printed["model"]["path"] == f"{cache}/tiny_arith_llama"  # resolved
+            family = "qwen3_moe" if name == "grpo_moe_tiny.yaml" else "llama"
+            assert printed["model"]["path"] == f"{cache}/tiny_arith_{family}"  # resolved
+            assert printed["model"]["tiny"]["family"] == family
         args = ["--config", path, "--dry-run", *overrides] + (["--world-size", str(world)] if world > 1 else [])
         proc = _cli(args, tmp_path, env={"MEGARL_CACHE": str(cache)})
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        out = proc.stdout
+        out = dry_outs[name] = proc.stdout
         assert "dry run: nothing was trained or written" in out
         cfg = load_config(path, overrides)
         tp, pp = cfg.parallel.tp, cfg.parallel.pp
@@ -305,9 +313,7 @@ def test_print_config_and_dry_run_on_every_recipe(tmp_path):
                 assert "not checked here: rollout.backend: 'sglang' is not installed here" in out
     assert not (tmp_path / "runs").exists()
     # the plan's numbers for the Qwen2-7B recipe at 8 GPUs (tp 2 x dp 4)
-    world, overrides = recipes["grpo_qwen2_7b.yaml"]
-    out = _cli(["--config", os.path.join(CONFIGS, "grpo_qwen2_7b.yaml"), "--dry-run", "--world-size", "8",
-                *overrides], tmp_path).stdout
+    out = dry_outs["grpo_qwen2_7b.yaml"]
     assert "B=128 prompts x G=8 samples = 1024 samples per iteration" in out
     assert "4 mini-batch(es) of 256 samples (32 prompts) -> 64 per DP rank -> 32 micro-batch(es) of 2" in out
     assert "= 4 per iteration, 2000 in total (500 iterations)" in out
@@ -315,6 +321,13 @@ def test_print_config_and_dry_run_on_every_recipe(tmp_path):
     assert "7.62 B parameters, 3.81 B on the heaviest tp x pp shard" in out
     # 3.81e9 params: bf16 weights 7.1 GiB, fp32 grads 14.2 GiB, fp32 main + Adam m, v over dp 4: 10.6 GiB
     assert "actor        weights 7.1 GiB + grads 14.2 GiB + optimizer 10.6 GiB = 31.9 GiB" in out
+    # Qwen3-30B-A3B at ep 8 on 8 GPUs: 16 experts of each layer per GPU, replicated attention
+    out = dry_outs["grpo_qwen3_30b_a3b.yaml"]
+    assert "128 experts (top-8) over ep 8 x etp 1" in out and "sglang, 2 inference group(s) of rollout.tp=4" in out
+    assert "30.53 B parameters, 5.16 B on the heaviest tp x pp shard" in out
+    # 5.16e9 params of which 3.62e9 experts: the dense 1.54e9's fp32 main + Adam over dp 8 (2.1 GiB), the
+    # experts' over the expert data-parallel group of 8 / ep 8 = 1 (40.5 GiB)
+    assert "actor        weights 9.6 GiB + grads 19.2 GiB + optimizer 42.7 GiB = 71.5 GiB" in out
 
 
 def test_param_count_matches_the_published_sizes():

@@ -142,7 +142,8 @@ def test_engine_methods_and_arguments_the_backend_uses_exist(desc):
 def test_server_args_sampling_params_and_switches_the_backend_sends_exist(desc):
     fields = set(desc["server_args"]["fields"])
     sent = {"model_path", "tp_size", "base_gpu_id", "enable_memory_saver", "skip_tokenizer_init", "load_format",
-            "dtype", "mem_fraction_static", "random_seed", "log_level", "enable_deterministic_inference"}
+            "dtype", "mem_fraction_static", "random_seed", "log_level", "enable_deterministic_inference",
+            "ep_size"}  # ep_size: rollout.ep > 1 (megarl/control/placement.py)
     assert sent <= fields, sent - fields
     sp = sglang_sampling_params(SamplingParams(temperature=0.7, stop_token_ids=(STOP,)), 1, True, (CONTRACT_EOS,))
     assert set(sp) <= set(desc["sampling_params"]["fields"]), set(sp) - set(desc["sampling_params"]["fields"])

@@ -79,7 +79,8 @@ def assemble(cfg, model_path: str, tokenizer_dir: str) -> Parts:
     p, a = cfg.parallel, cfg.algo
     total_steps = cfg.trainer.iterations * a.ppo_epochs * a.num_mini_batches
     actor = Actor(model_path, p.tp, p.pp, cfg.actor.optim, total_steps, vocab_multiple=cfg.model.vocab_multiple,
-                  offload=cfg.actor.offload)
+                  offload=cfg.actor.offload, moe_aux_loss_coeff=cfg.actor.moe_aux_loss_coeff,
+                  moe_z_loss_coeff=cfg.actor.moe_z_loss_coeff)
     reference = None
     if cfg.reference.enabled:
         from megarl.roles.reference import Reference

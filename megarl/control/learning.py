@@ -186,6 +186,8 @@ class Learner:
                     grad_norms.append(res.grad_norm)
                     skipped += 0 if res.update_successful else 1
                     actor_metrics.append(self._reduce_step_metrics(res.metrics))
+                    # update/moe_aux_loss, update/moe_z_loss (enabled MoE router losses; stand-ins have none)
+                    actor_metrics[-1].update(getattr(res, "moe_losses", None) or {})
                     lag += 1
                 if self.critic is not None:
                     vloss = self._value_loss_fn(f.response_len, norm)

@@ -68,7 +68,8 @@ def create_engine(cfg, placement: Placement, config_dir: str, eos_token_ids: Seq
         "sglang", config_dir, tp_size=r.tp, group=placement.process_group, eos_token_ids=list(eos_token_ids),
         mem_fraction_static=r.mem_fraction_static, seed=cfg.trainer.seed,
         deterministic_inference=r.deterministic_inference,
-        engine_kwargs={"enable_memory_saver": r.enable_memory_saver})
+        engine_kwargs={"enable_memory_saver": r.enable_memory_saver,
+                       **({"ep_size": r.ep} if r.ep > 1 else {})})  # SGLang's expert parallelism (MoE)
 
 
 def shares(n: int, parts: int) -> List[slice]:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.models.builder import BuildOptions, build_model
-from megarl.models.hf_config import load_spec
+from megarl.models.hf_config import ModelConfigError, load_spec
 from megarl.models.safetensors_io import CheckpointError, copy_tokenizer_files, read_format_json
 from megarl.models.weights import load_hf_weights, unwrap
 from megarl.runtime import cpu_compat
@@ -100,11 +100,14 @@ def load_megatron_checkpoint(model, ckpt_dir: str) -> None:
 
 def load_model(path: str, tp: int = 1, pp: int = 1, dtype: Optional[torch.dtype] = None,
                vocab_multiple: Optional[int] = None, show_progress: bool = False,
-               ep: Optional[int] = None, etp: Optional[int] = None):
+               ep: Optional[int] = None, etp: Optional[int] = None, moe_aux_loss_coeff: float = 0.0,
+               moe_z_loss_coeff: Optional[float] = None):
     """Build the megatron model for ``path`` (HF or megarl checkpoint) at this TP/PP/EP and load it.
 
     megatron parallel state must already be initialised at ``tp``/``pp`` (and ``ep`` / ``etp``;
     None: the sizes the parallel state holds, used by a mixture-of-experts model only).
+    ``moe_aux_loss_coeff`` / ``moe_z_loss_coeff``: the router's training losses (a trained
+    mixture-of-experts model only; refused on a dense one, megarl/models/moe_losses.py).
     """
     from megatron.core import parallel_state as ps
 
@@ -114,6 +117,10 @@ def load_model(path: str, tp: int = 1, pp: int = 1, dtype: Optional[torch.dtype]
         etp = ps.get_expert_tensor_parallel_world_size() if etp is None else etp
     else:
         ep, etp = 1, None
+        if moe_aux_loss_coeff or moe_z_loss_coeff is not None:
+            raise ModelConfigError(f"{path} is a dense model ({spec.architecture}): it has no router for "
+                                   "moe_aux_loss_coeff / moe_z_loss_coeff")
+    moe_losses = dict(moe_aux_loss_coeff=moe_aux_loss_coeff, moe_z_loss_coeff=moe_z_loss_coeff)
     meta = read_meta(path) if is_megatron_checkpoint(path) else None
     if dtype is None:
         # CPU: fp32 only (megatron's half-precision paths need CUDA); GPU: what the checkpoint says
@@ -122,12 +129,13 @@ def load_model(path: str, tp: int = 1, pp: int = 1, dtype: Optional[torch.dtype]
     if meta is not None:
         opts = BuildOptions(tp=tp, pp=pp, params_dtype=dtype,
                             vocab_multiple=vocab_multiple or meta["vocab_multiple"],
-                            init_weights=False, ep=ep, etp=etp)
+                            init_weights=False, ep=ep, etp=etp, **moe_losses)
         model = build_model(spec, opts)
         load_megatron_checkpoint(model, path)
     else:
         opts = BuildOptions(tp=tp, pp=pp, params_dtype=dtype,
-                            vocab_multiple=vocab_multiple or 128, init_weights=False, ep=ep, etp=etp)
+                            vocab_multiple=vocab_multiple or 128, init_weights=False, ep=ep, etp=etp,
+                            **moe_losses)
         model = build_model(spec, opts)
         load_hf_weights(model, path, spec, show_progress=show_progress)
     return model

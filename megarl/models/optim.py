@@ -12,7 +12,7 @@ does not divide by the micro-batch count) and finalize gradients without megatro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -96,6 +96,9 @@ class StepResult:
     update_successful: bool
     grad_norm: float
     metrics: List[Dict[str, float]]
+    #: ``moe_aux_loss`` / ``moe_z_loss`` when enabled (megarl/models/moe_losses.py), already
+    #: reduced over micro-batches, MoE layers and DP ranks; empty otherwise
+    moe_losses: Dict[str, float] = field(default_factory=dict)
 
 
 def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Tensor]],
@@ -145,10 +148,14 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
     ddp_model.train()
     ddp_model.zero_grad_buffer()
     optimizer.zero_grad()
-    metrics = get_forward_backward_func()(
-        forward_step_func=step, data_iterator=it, model=[ddp_model],
-        num_microbatches=len(micro_batches), seq_length=seq, micro_batch_size=mbs,
-        forward_only=False,
-    )
+    from megarl.models import moe_losses
+
+    # the router's aux / z losses at the coefficient's scale (inert for dense models)
+    with moe_losses.step_scope(ddp_model, len(micro_batches)) as moe:
+        metrics = get_forward_backward_func()(
+            forward_step_func=step, data_iterator=it, model=[ddp_model],
+            num_microbatches=len(micro_batches), seq_length=seq, micro_batch_size=mbs,
+            forward_only=False,
+        )
     ok, grad_norm, _ = optimizer.step()
-    return StepResult(bool(ok), float(grad_norm or 0.0), list(metrics))
+    return StepResult(bool(ok), float(grad_norm or 0.0), list(metrics), moe)

@@ -23,12 +23,14 @@ from megarl.roles.common import HostOffload, lr_scheduler
 
 class Actor(HostOffload):
     """Args: ``path`` HF or megarl checkpoint; ``optim`` an OptimSettings section;
-    ``total_steps`` optimizer steps of the run (for LR decay)."""
+    ``total_steps`` optimizer steps of the run (for LR decay); ``moe_aux_loss_coeff`` /
+    ``moe_z_loss_coeff`` the router's losses of a mixture-of-experts policy (``actor.*``)."""
 
     def __init__(self, path: str, tp: int, pp: int, optim, total_steps: int, vocab_multiple: int = 128,
-                 offload: bool = False):
+                 offload: bool = False, moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: Optional[float] = None):
         self.path = path
-        self.model = load_model(path, tp=tp, pp=pp, vocab_multiple=vocab_multiple)
+        self.model = load_model(path, tp=tp, pp=pp, vocab_multiple=vocab_multiple,
+                                moe_aux_loss_coeff=moe_aux_loss_coeff, moe_z_loss_coeff=moe_z_loss_coeff)
         self.ddp, self.optimizer = wrap_for_training(self.model, optim)
         self.scheduler = lr_scheduler(self.optimizer, optim, total_steps)
         self.spec = unwrap(self.model).megarl_spec

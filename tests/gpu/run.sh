@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # The GPU check: one program on one GPU, under 8 minutes, ending in a table (one row per check:
-# the sglang backend against the megatron actor, weight sync, sleep/wake, offload, bf16, GB/s).
-# Exit status 0 only if every row passed.  Run it in the Docker image (see Dockerfile):
+# the sglang backend against the megatron actor, weight sync, sleep/wake, offload, bf16, GB/s),
+# then the mixture-of-experts program (tests/gpu/test_moe_sglang.py, its own table, under 5
+# minutes): SGLang's routed experts returned and replayed in the actor on one GPU, and EP=2
+# weight sync into SGLang on two GPUs (a SKIP row, not a failure, when only one is present).
+# Exit status 0 only if every row passed (or was skipped).  Run it in the Docker image (see Dockerfile):
 #
 #   docker run --gpus all --ipc=host --shm-size=16g megarl:gpu bash tests/gpu/run.sh
 #
 # MEGARL_GPU_CHECK_JSON=path also writes the rows as JSON (default: $OUT/gpu_check.json if $OUT
-# is set); MEGARL_GPU_CHECK_TIMEOUT (seconds, default 470) bounds the whole run.
+# is set); MEGARL_GPU_CHECK_TIMEOUT (seconds, default 470) bounds the dense program,
+# MEGARL_GPU_MOE_TIMEOUT (default 300) the MoE one (its rows: $OUT/gpu_moe_check.json);
+# MEGARL_GPU_EP_DEVICES (default 0,1 when two GPUs are visible) the GPUs of the EP=2 row.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -23,4 +28,18 @@ rc=$?
 if [ "$rc" -eq 124 ]; then
     echo "GPU check: timed out after ${MEGARL_GPU_CHECK_TIMEOUT:-470} s (rows printed above finished)"
 fi
+moe_json="${MEGARL_GPU_CHECK_JSON:+${MEGARL_GPU_CHECK_JSON%.json}_moe.json}"
+moe_json="${moe_json:-${OUT:+$OUT/gpu_moe_check.json}}"
+moe_args=()
+[ -n "$moe_json" ] && moe_args+=(--json "$moe_json")
+if [ -z "${MEGARL_GPU_EP_DEVICES:-}" ] && [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
+    export MEGARL_GPU_EP_DEVICES=0,1
+fi
+timeout --signal=TERM --kill-after=20 "${MEGARL_GPU_MOE_TIMEOUT:-300}" \
+    python3 tests/gpu/test_moe_sglang.py "${moe_args[@]}"
+moe_rc=$?
+if [ "$moe_rc" -eq 124 ]; then
+    echo "MoE GPU check: timed out after ${MEGARL_GPU_MOE_TIMEOUT:-300} s (rows printed above finished)"
+fi
+[ "$rc" -eq 0 ] && rc=$moe_rc
 exit "$rc"
