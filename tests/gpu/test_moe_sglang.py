@@ -15,17 +15,17 @@ cannot run -- too few GPUs -- is "skip" with the reason and does not fail the ta
    teacher-forcing the same tokens chooses the same top-k *set* on most (token, layer) pairs
    (bf16 kernels on both sides: the share that differs is reported -- the routing mismatch
    replay exists for);
-3. routed experts replayed: the actor's forward with megatron-core's router replay
-   (``RouterReplayAction.REPLAY_FORWARD`` fed with SGLang's ids) dispatches every token of every
-   layer to exactly SGLang's experts (read from the routers' routing maps), and its log-probs
-   are no further from the engine's than without replay;
+3. routed experts replayed: the samples collated into the experience layout and teacher-forced
+   through megarl's trainer-side replay (``megarl.models.router_replay``: megatron-core's
+   ``REPLAY_FORWARD`` fed with SGLang's ids) dispatch every recorded token of every layer to
+   exactly SGLang's experts (read from the routers' routing maps), and the log-probs are no
+   further from the engine's than without replay;
 4. EP=2 weight sync to SGLang (2 GPUs, ``torchrun --nproc-per-node 2``): the actor at EP=2 (each
    rank holds 4 of each layer's 8 experts) streams every expert exactly once into an SGLang
    engine with ``tp_size=2, ep_size=2``; the engine's greedy tokens equal the EP=2 actor's
    (a divergence accepted only at a near-tie of the actor's logits).
 
-Rows 2-3 use megatron-core's ``RouterReplay`` directly (what megarl's trainer-side replay drives);
-they do not go through megarl's own replay path.
+Row 2 reads the actor's own routing with a forward hook on megatron-core's routers.
 """
 
 from __future__ import annotations
@@ -88,32 +88,19 @@ def routers(model):
     return [layer.mlp.router for layer in unwrap(model).decoder.layers]
 
 
-def actor_forward_routing(model, ids: list[int], replay=None):
+def actor_forward_routing(model, ids: list[int]):
     """Teacher-forced forward of one sequence: (raw log-probs of tokens 1.., the experts each
-    router dispatched every token to as sets ``[T][layer] -> frozenset``).  ``replay``: per-layer
-    ``(T, k)`` ids for megatron-core's REPLAY_FORWARD."""
-    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
-
+    router dispatched every token to as sets ``[T][layer] -> frozenset``)."""
     from megarl.models.forward import full_logits
 
     rs = routers(model)
     maps, hooks = [], [r.register_forward_hook(lambda mod, args, out: maps.append(out[1].detach())) for r in rs]
-    if replay is not None:
-        for r, target in zip(rs, replay):
-            if r.router_replay is None:
-                r.router_replay = RouterReplay()  # the instance moe_enable_routing_replay would create
-            r.router_replay.set_target_indices(target.to("cuda", torch.long))
-            r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
     try:
         with torch.no_grad():
             logits = full_logits(model, torch.tensor([ids], device="cuda"))[0].float()
     finally:
         for h in hooks:
             h.remove()
-        for r in rs:
-            if r.router_replay is not None:
-                r.router_replay.clear_indices()
-                r.router_replay.clear_router_replay_action()
     lp = torch.log_softmax(logits, dim=-1)[:-1].gather(1, torch.tensor(ids[1:], device="cuda")[:, None])[:, 0]
     sets = [[frozenset(m[t].nonzero()[:, 0].tolist()) for m in maps] for t in range(len(ids))]
     return lp.cpu(), sets
@@ -205,26 +192,30 @@ def check_routed_experts(ctx):
 
 
 def check_replay(ctx):
-    differs = 0
-    err_free = err_replay = 0.0
-    for r in ctx.samples:
-        ids = list(r.prompt_ids) + list(r.response_ids)
-        e = r.routed_experts.experts.long()
-        # the last token has no recorded routing (never fed through the engine): any valid top-k
-        full = torch.cat([e, torch.arange(K).expand(1, e.shape[1], K)], 0)
-        replay = [full[:, j] for j in range(full.shape[1])]
-        lp_free, _ = actor_forward_routing(ctx.model, ids)
-        lp_rep, dispatched = actor_forward_routing(ctx.model, ids, replay=replay)
-        theirs = engine_sets(r.routed_experts)
-        differs += sum(dispatched[t][j] != theirs[t][j] for t in range(len(theirs)) for j in range(len(theirs[t])))
-        start = len(r.prompt_ids) - 1
-        eng = torch.as_tensor(r.raw_log_probs, dtype=torch.float32)
-        err_free = max(err_free, float((lp_free[start:] - eng).abs().max()))
-        err_replay = max(err_replay, float((lp_rep[start:] - eng).abs().max()))
-    assert differs == 0, f"{differs} (token, layer) pairs dispatched elsewhere than SGLang's experts under replay"
+    """megarl's trainer-side replay (``megarl.models.router_replay`` through ``response_log_probs``,
+    what the old-log-prob forward runs) on the collated SGLang samples: every recorded token of
+    every layer dispatched to SGLang's experts, log-probs no further from the engine's."""
+    from megarl.control.batch import collate
+    from megarl.models.forward import response_log_probs
+    from megarl.models.router_replay import RecordRouting, RoutingStats
+
+    s = ctx.samples
+    c = collate([r.prompt_ids for r in s], [r.response_ids for r in s], [r.raw_log_probs for r in s], 0,
+                routing=[r.routed_experts for r in s], version="v0")
+    routed = c.routed_experts
+    out = {}
+    for replay in (False, True):
+        stats = RoutingStats(routed.moe_layers)
+        lp = response_log_probs(ctx.model, c.prompt_ids, c.response_ids, c.attention_mask, 4,
+                                routing=RecordRouting(routed.experts, routed.moe_layers, replay=replay, stats=stats))
+        keep = c.response_mask.bool()
+        out[replay] = (float((lp.cpu() - c.rollout_log_probs)[keep].abs().max()), stats.reduce())
+    (err_free, free), (err_replay, rep) = out[False], out[True]
+    assert rep["replay_differs"] == 0.0, f"{rep['replay_differs']:.4f} of (token, layer) pairs dispatched elsewhere"
     assert err_replay <= max(err_free, RAW_ATOL), f"replayed log-probs {err_replay:.4f} vs free {err_free:.4f}"
     return (f"every token and layer dispatched to SGLang's experts; max |actor - engine| log-prob "
-            f"{err_free:.4f} free, {err_replay:.4f} replayed (natural mismatch {ctx.natural_mismatch:.2%})")
+            f"{err_free:.4f} free, {err_replay:.4f} replayed; mismatch without replay {free['mismatch_tokens']:.2%} "
+            f"of tokens ({free['mismatch_router']:.2%} of routers)")
 
 
 # ---- two GPUs: row 4, under torchrun ---------------------------------------------------------------
