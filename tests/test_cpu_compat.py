@@ -244,6 +244,10 @@ _NOT_ENTRY_POINTS = {
     "megatron.core.transformer.dot_product_attention.DotProductAttention": "isinstance checks; cpu_compat's wrapper",
     "megatron.core.transformer.enums.AttnMaskType": "an enum",
     "megatron.core.transformer.moe.moe_utils": "patched by cpu_compat (the router GEMM)",
+    "megatron.core.transformer.moe.moe_utils.clear_aux_losses_tracker": "empties megatron's aux-loss dict",
+    "megatron.core.transformer.moe.moe_utils.get_moe_layer_wise_logging_tracker": "reads megatron's aux-loss dict",
+    "megatron.core.transformer.moe.router.Router": "isinstance checks",
+    "megatron.core.transformer.moe.router_replay.RouterReplayAction": "an enum (the replay runs inside the forward)",
     "megatron.core.transformer.transformer_config.TransformerConfig": "configuration",
 }
 
