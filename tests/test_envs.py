@@ -179,6 +179,7 @@ def test_pool_runs_calculators_concurrently_in_order():
         assert pool.refused(4) is None and pool.step([4], ["1 0 4"])[0].outcome.reward_components == {"correct": 1.0}
         m = pool.metrics()
         assert m["env/calculator/calls"] == 9 and m["env/calculator/errors"] == 0
+        assert m["env/calculator/tool_calls"] == 1.0 and m["env/calculator/tool_errors"] == 0.0  # from info
         assert m["env/calculator/latency_p99_s"] >= m["env/calculator/latency_p50_s"] >= 0
         assert pool.metrics()["env/calculator/calls"] == 0  # a window
     with pytest.raises(EnvPoolError, match="closed"):

@@ -39,7 +39,7 @@ from typing import Sequence, Union
 from megarl.data.tokenizer import TokenizerMismatchError
 from megarl.envs.protocol import Message, check_messages
 
-__all__ = ["EnvTurnRenderer", "TemplateReport", "RenderedConversation", "check_template",
+__all__ = ["EnvTurnRenderer", "EnvRenderError", "TemplateReport", "RenderedConversation", "check_template",
            "session_matches_template", "render_conversation", "PROBE_Q", "PROBE_A"]
 
 PROBE_Q = "megarl probe question"
@@ -48,6 +48,10 @@ PROBE_A = "megarl probe answer"
 #: a policy turn in :func:`session_matches_template`: the assistant message (or its text), or
 #: the ids the engine generated (decoded only to build the template's side of the comparison)
 PolicyTurn = Union[Message, str, Sequence[int]]
+
+
+class EnvRenderError(ValueError):
+    """Environment messages that cannot be rendered safely (a special token in their text)."""
 
 
 class EnvTurnRenderer:
@@ -73,6 +77,9 @@ class EnvTurnRenderer:
                 f"content (prompt {gen[-40:]!r}, turn {turn[-80:]!r}); megarl cannot tell what the policy generates")
         rest = turn[at + len(PROBE_A):]
         specials = sorted({str(t) for t in self.tokenizer.all_special_tokens}, key=len, reverse=True)
+        # every token matched before pre-tokenization (special or merely added, like Qwen's <tool_call>)
+        added = {str(getattr(t, "content", t)) for t in getattr(self.tokenizer, "added_tokens_decoder", {}).values()}
+        self._specials = tuple(sorted({t for t in specials if t} | {t for t in added if t}, key=len, reverse=True))
         hits = [(rest.find(t), t) for t in specials if t and rest.find(t) >= 0]
         if not hits:
             raise TokenizerMismatchError(
@@ -112,8 +119,21 @@ class EnvTurnRenderer:
 
     def render(self, messages: Sequence[Message]) -> list[int]:
         """The ids to append after a finished policy turn: ``messages`` (all in one template
-        call) and the generation prompt of the next assistant turn."""
-        return self.encode(self.render_text(messages, True))
+        call) and the generation prompt of the next assistant turn.
+
+        A message whose content holds a special token's text (``<|im_end|>``, ``<|end|>``, ...)
+        raises :class:`EnvRenderError`: encoded, it would become that control token and could end
+        or forge a turn (an environment echoing policy text, a hostile tool); the session treats
+        it as an ``invalid`` environment step.
+        """
+        msgs = check_messages(messages, "environment messages")
+        for k, m in enumerate(msgs):
+            found = [(m.content.find(t), t) for t in self._specials if t in m.content]
+            if found:
+                hit = min(found)[1]  # the first in the text
+                raise EnvRenderError(f"environment message {k} ({m.role}) contains the special token {hit!r}; "
+                                     "it would be encoded as that control token")
+        return self.encode(self._after_probe(msgs, True))
 
     def assistant_turn_ids(self, history: Sequence[Message], message: Message | str) -> list[int]:
         """The ids a policy that speaks the template generates for ``message`` after ``history``

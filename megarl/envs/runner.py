@@ -20,7 +20,7 @@ runs.
 
 ``counters`` accumulate ``calls`` / ``ok`` / ``error`` / ``timeout`` / ``invalid`` over resets and
 steps; :meth:`EnvironmentPool.metrics` gives ``env/<name>/...`` floats per window, with latency
-p50 / p99 (like :mod:`megarl.rewards.telemetry`).
+p50 / p99 (like :mod:`megarl.rewards.telemetry`) and the summed ``info`` counts of the steps.
 """
 
 from __future__ import annotations
@@ -100,6 +100,7 @@ class EnvironmentPool:
         self._lock = threading.Lock()  # one reset / step at a time per pool
         self.counters: Counter = Counter()
         self._latencies: list[float] = []
+        self._info: Counter = Counter()
         self._last: dict[str, float] = {}
 
     # ---- the calls --------------------------------------------------------------------------
@@ -141,7 +142,9 @@ class EnvironmentPool:
             for i, r in zip(indices, results):
                 if r.status is not EnvStatus.OK:
                     self._fail(i, r)
-                elif r.outcome.done:
+                else:
+                    self._info.update(r.outcome.info)  # tool_calls, tool_errors, ... summed per window
+                if r.status is EnvStatus.OK and r.outcome.done:
                     self._states[i] = _State.DONE
                     self._why[i] = "its episode ended (terminated)" if r.outcome.terminated else \
                         "its episode ended (truncated)"
@@ -174,13 +177,16 @@ class EnvironmentPool:
 
     def metrics(self) -> dict:
         """``env/<name>/{calls, errors, timeouts, invalid, latency_p50_s, latency_p99_s}`` since the
-        last call (latencies of the calls that answered)."""
+        last call (latencies of the calls that answered), and the sums of the ok steps' ``info``
+        counts (``env/calculator/tool_calls``)."""
         now = {"calls": float(self.counters["calls"]), "errors": float(self.counters[EnvStatus.ERROR.value]),
                "timeouts": float(self.counters[EnvStatus.TIMEOUT.value]),
                "invalid": float(self.counters[EnvStatus.INVALID.value])}
         lat, self._latencies = self._latencies, []
+        info, self._info = self._info, Counter()
         p = f"env/{self.name}/"
         out = {p + k: v - self._last.get(k, 0.0) for k, v in now.items()}
+        out.update({p + k: float(v) for k, v in sorted(info.items())})
         self._last = now
         if lat:
             out[p + "latency_p50_s"] = percentile(lat, 50)
