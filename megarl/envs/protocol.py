@@ -15,7 +15,25 @@ step ``invalid``; an exception makes it ``error``, an overrun ``timeout`` -- a s
 reason, never a reward (the same rule as :mod:`megarl.rewards.runner`).
 
 :func:`load_environment` turns ``rollout.agent.env`` (a built-in name or ``"pkg.mod:Class"``)
-and ``rollout.agent.env_args`` into a factory; errors name those keys.
+and ``rollout.agent.env_args`` into a factory; errors name those keys.  A user environment::
+
+    # mypkg/envs.py; rollout.agent: {env: "mypkg.envs:Countdown", env_args: {turns: 3}}
+    class Countdown:
+        def __init__(self, turns: int = 3):
+            self.turns = turns
+        def reset(self, row):
+            self.left, self.answer = self.turns, row["answer"]
+            return ()
+        def step(self, action):
+            self.left -= 1
+            if self.answer in action or self.left == 0:
+                return StepOutcome((), {"correct": float(self.answer in action)}, terminated=True, truncated=False)
+            return StepOutcome((Message("user", "try again"),), {}, terminated=False, truncated=False)
+
+How the session maps an outcome: ``terminated`` -> finish reason ``environment``, ``truncated``
+-> ``env_truncated``; a failed call (``error`` / ``timeout`` / ``invalid``) ends the trajectory
+with that status and no reward.  An observation given with ``terminated`` / ``truncated`` is
+kept in the outcome but never shown to the policy.
 """
 
 from __future__ import annotations
