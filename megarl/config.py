@@ -112,6 +112,22 @@ class DataConfig:
 
 
 @dataclass
+class AgentConfig:
+    """Multi-turn agent rollouts: the environment a trajectory talks to, and its limits."""
+
+    #: the environment: "" (no agent: single-turn rollouts) | calculator | two_turn | "pkg.mod:Class"
+    #: (a user environment, see megarl/envs/protocol.py)
+    env: str = ""
+    env_args: dict = field(default_factory=dict)  # keyword arguments of the environment's constructor
+    max_turns: int = 4  # policy turns per trajectory; reaching it ends it (finish reason max_turns)
+    #: tokens per trajectory after the prompt, policy and environment tokens together (finish reason length)
+    max_total_tokens: int = 1024
+    #: the limit of one environment call (reset or step), in seconds; an overrun is status timeout
+    step_timeout_s: float = 10.0
+    max_workers: int = 8  # environment calls run concurrently on this many threads
+
+
+@dataclass
 class RolloutConfig:
     """Generation: the engine, sampling parameters, samples per prompt, weight sync."""
 
@@ -141,6 +157,8 @@ class RolloutConfig:
     #: SGLang's enable_deterministic_inference: per-candidate seeds are honoured (and recorded in
     #: the experience) only with it; batch-invariant kernels make decoding slower
     deterministic_inference: bool = False
+    #: multi-turn agent rollouts (rollout.agent.env: "" = none)
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
 
 @dataclass
@@ -672,6 +690,28 @@ def _validate_rollout_groups(cfg: TrainConfig, world_size: int) -> None:
           "inference group's TP ranks into expert-parallel ones)")
 
 
+def validate_agent_settings(cfg: TrainConfig) -> None:
+    """``rollout.agent``: the environment loads with its arguments (a misspelt argument or an
+    unimportable plug-in fails here, naming the key), and an agent has a chat template to render
+    the environment's messages with."""
+    ag = cfg.rollout.agent
+    _need(isinstance(ag.env_args, dict) and all(isinstance(k, str) for k in ag.env_args), "rollout.agent.env_args",
+          f"must be a mapping of argument names to values, got {ag.env_args!r}")
+    if not ag.env:
+        _need(not ag.env_args, "rollout.agent.env_args",
+              f"is set ({sorted(ag.env_args)}) but rollout.agent.env is empty (no agent)")
+        return
+    from megarl.envs.protocol import EnvConfigError, load_environment
+
+    try:
+        load_environment(ag.env, **ag.env_args)
+    except EnvConfigError as e:
+        raise ConfigError(str(e)) from None
+    _need(cfg.data.apply_chat_template, "data.apply_chat_template",
+          f"is false, but rollout.agent.env={ag.env!r} renders the environment's messages with the chat template "
+          "(the prompt must be templated by the same one)")
+
+
 def validate(cfg: TrainConfig, world_size: int) -> int:
     """Check everything a type cannot; return the data-parallel size.  Reads no model weights."""
     from megarl.algo.aggregation import AGG_MODES
@@ -683,6 +723,7 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
 
     _validate_ranges(cfg)
     _validate_rollout_groups(cfg, world_size)
+    validate_agent_settings(cfg)
     a, r, t, p = cfg.algo, cfg.rollout, cfg.trainer, cfg.parallel
     _choice(a.name, "algo.name", ALGORITHMS)
     _choice(a.advantage, "algo.advantage", advantage_names())

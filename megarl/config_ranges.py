@@ -101,6 +101,8 @@ RANGES = {
     "rollout.log_prob_parity_tol": POS, "rollout.log_prob_parity_every": COUNT0,
     "rollout.bucket_mb": COUNT, "rollout.max_retries": COUNT0, "rollout.tp": COUNT, "rollout.ep": COUNT,
     "rollout.mem_fraction_static": Range(lo=0, hi=1, lo_open=True, hi_open=True),
+    "rollout.agent.max_turns": COUNT, "rollout.agent.max_total_tokens": COUNT,
+    "rollout.agent.step_timeout_s": POS, "rollout.agent.max_workers": COUNT,
     "algo.gamma": Range(lo=0, hi=1), "algo.lam": Range(lo=0, hi=1),
     "algo.std_eps": POS,
     "algo.clip_low": Range(lo=0, hi=1, hi_open=True),  # the ratio's floor 1 - clip_low stays > 0

@@ -1,0 +1,57 @@
+"""A user environment, loaded by dotted path, that fails by design: the row's ``mode`` says how.
+
+``ok`` echoes the action as a tool message and ends after two steps; ``raise`` raises in step;
+``hang`` blocks in step until :data:`RELEASE` is set (the test sets it when done, so abandoned
+threads exit); ``sleep`` takes ``row["sleep_s"]`` then answers; ``nan`` / ``wrong_type`` /
+``bad_message`` / ``bool_flag`` return garbage; ``reset_raise`` / ``reset_hang`` fail in reset;
+``close_hang`` hangs in ``close()``, which the others record in :data:`CLOSED`.
+"""
+
+import threading
+import time
+
+from megarl.envs.protocol import Message, StepOutcome
+
+RELEASE = threading.Event()
+CLOSED = []  # tags of the instances whose close() returned
+
+
+class FaultyEnv:
+    def __init__(self, tag: str = "faulty"):
+        self.tag = tag
+        self.mode = None
+        self.steps = 0
+
+    def reset(self, row):
+        self.mode, self.sleep_s = row["mode"], row.get("sleep_s", 0.0)
+        if self.mode == "reset_raise":
+            raise ConnectionError("sandbox refused the connection (injected)")
+        if self.mode == "reset_hang":
+            RELEASE.wait(30)
+        return (Message("system", f"{self.tag} ready"),)
+
+    def step(self, action):
+        self.steps += 1
+        m = self.mode
+        if m == "raise":
+            raise RuntimeError("environment crashed (injected)")
+        if m == "hang":
+            RELEASE.wait(30)
+        if m == "sleep":
+            time.sleep(self.sleep_s)
+        if m == "nan":
+            return StepOutcome((), {"correct": float("nan")}, True, False)
+        if m == "wrong_type":
+            return {"observation": "text"}
+        if m == "bad_message":
+            return StepOutcome(("just a string",), {}, False, False)
+        if m == "bool_flag":
+            return StepOutcome((), {}, "yes", False)
+        done = self.steps >= 2
+        return StepOutcome(() if done else (Message("tool", action.upper()),), {"steps": float(self.steps)},
+                           terminated=done, truncated=False)
+
+    def close(self):
+        if self.mode == "close_hang":
+            RELEASE.wait(30)
+        CLOSED.append(self.tag)
