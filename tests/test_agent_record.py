@@ -18,7 +18,7 @@ from megarl.algo.advantages import AdvantageConfig, AdvantageInputs, discounted_
 from megarl.algo.aggregation import global_normaliser
 from megarl.algo.objective import actor_loss
 from megarl.algo.policy_loss import PolicyLossConfig
-from megarl.algo.reward_shaping import place_outcome_rewards, turn_rewards
+from megarl.algo.reward_shaping import kl_shaped_token_rewards, place_outcome_rewards, turn_rewards
 from megarl.control.batch import collate, collate_trajectories
 from megarl.experience.origins import TokenOrigins, collate_origins
 from megarl.experience.schema import (
@@ -349,6 +349,16 @@ def test_grpo_and_the_actor_loss_never_touch_environment_tokens():
                                                  group_index=torch.zeros(3, dtype=torch.long)), AdvantageConfig())
     assert res.advantages.tolist() == [[1, 0, 0, 1, 0, 1], [-1, 0, -1, -1, 0, 0], [0, 0, 0, 0, 0, 0]]
     assert torch.equal(res.loss_mask, mask) and not res.loss_mask[f.token_origins.environment_mask()].any()
+    # KL in the reward: -beta * k1 on policy tokens only, the outcome on the last one
+    g = torch.Generator().manual_seed(1)
+    old_lp, ref_lp = -torch.rand(3, 6, generator=g), -torch.rand(3, 6, generator=g)
+    shaped, k1 = kl_shaped_token_rewards(torch.tensor([1.0, 0.0, 0.5]), mask,
+                                         LogProbs(old_lp, LogProbProducer("actor", "v2")),
+                                         LogProbs(ref_lp, LogProbProducer("reference", "ref")), 0.1)
+    env = f.token_origins.environment_mask()
+    assert not shaped[env].any() and not k1[env].any()
+    assert torch.allclose(shaped[0], torch.where(mask[0] != 0, -0.1 * (old_lp[0] - ref_lp[0]), 0.0)
+                          + torch.tensor([0, 0, 0, 0, 0, 1.0]))
 
     g = torch.Generator().manual_seed(0)
     old = -torch.rand(3, 6, generator=g, dtype=torch.float64)
