@@ -14,7 +14,8 @@ import os
 import pytest
 import torch
 
-from megarl.algo.advantages import AdvantageConfig, AdvantageInputs, discounted_gae, gae_advantage, grpo_outcome_advantage
+from megarl.algo.advantages import (AdvantageConfig, AdvantageInputs, discounted_gae, gae_advantage,
+                                   grpo_outcome_advantage)
 from megarl.algo.aggregation import global_normaliser
 from megarl.algo.objective import actor_loss
 from megarl.algo.policy_loss import PolicyLossConfig
@@ -32,7 +33,8 @@ from megarl.experience.schema import (
     RewardRecord,
     SamplingConfig,
 )
-from megarl.experience.seal import CorruptExperienceError, SealedWriteError, load_sealed, save_sealed, seal, with_derived
+from megarl.experience.seal import (CorruptExperienceError, SealedWriteError, load_sealed, save_sealed, seal,
+                                   with_derived)
 
 # three trajectories after their prompts.  A: policy turn 0 (v1), two environment tokens, turn 1
 # (v1), one environment token, turn 2 (v2: the weights changed between turns), ended by the
@@ -180,7 +182,7 @@ def test_facts_tie_the_origins_to_the_record():
     o = c.token_origins
     rm = c.response_mask.clone()
     rm[0, 1] = 1  # an environment token in the response mask ...
-    with pytest.raises(ValueError, match=r"sample 'r/it1/p0/c00', response position 1: response_mask must be 1 exactly"):
+    with pytest.raises(ValueError, match=r"sample 'r/it1/p0/c00', response position 1: response_mask must be 1"):
         agent_facts(response_mask=rm)
     lp = c.rollout_log_probs.clone()
     lp[1, 1] = -0.1  # ... a rollout log-prob on one
