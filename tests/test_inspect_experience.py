@@ -23,6 +23,7 @@ from megarl.experience.schema import (
     RewardStatus,
     SamplingConfig,
 )
+from megarl.experience.origins import collate_origins
 from megarl.experience.seal import save_sealed, seal, with_derived
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,8 +52,17 @@ def _build(tok) -> ExperienceBatch:
         attn[b, P - len(p): P + len(r)] = 1
         rmask[b, : len(r)] = 1
     rmask[1, 1] = 0  # a non-action token inside sample 1's response
+    # ... which makes sample 1 a multi-turn trajectory: token 1 is environment output between
+    # two policy turns (sealing refuses it without token origins; its rollout log-prob is 0)
+    sources = [[1] * len(r) for r in responses]
+    sources[1][1] = 2
+    turns = [[0] * len(r) for r in responses]
+    turns[1] = [0, 0] + [1] * (len(responses[1]) - 2)
+    origins = collate_origins(sources, turns, [[None if x == 2 else VERSION for x in row] for row in sources], R)
     g = torch.Generator().manual_seed(0)
     lp = lambda: -torch.rand(bs, R, generator=g)  # noqa: E731
+    rollout = lp()
+    rollout[1, 1] = 0.0
     facts = ExperienceFacts(
         run_id="runX",
         iteration=5,
@@ -74,11 +84,12 @@ def _build(tok) -> ExperienceBatch:
             RewardRecord(total=None, scorer_version="rule-v2", status=RewardStatus.TIMEOUT,
                          error="verifier timed out after 5s"),
         ),
-        rollout_log_probs=LogProbs(lp(), LogProbProducer("rollout", VERSION, "processed")),
+        rollout_log_probs=LogProbs(rollout, LogProbProducer("rollout", VERSION, "processed")),
         old_log_probs=LogProbs(lp(), LogProbProducer("actor", VERSION, "raw")),
         ref_log_probs=LogProbs(lp(), LogProbProducer("reference", "ref-0", "raw")),
         values=torch.randn(bs, R, generator=g),
         critic_version="critic-9",
+        token_origins=origins,
     )
     sealed = seal(ExperienceBatch(facts))
     adv = torch.zeros(bs, R)

@@ -22,7 +22,8 @@ from megarl.experience.schema import (
     compact_expert_dtype,
     routing_token_mask,
 )
-from megarl.experience.seal import CorruptExperienceError, SealedWriteError, load_sealed, save_sealed, seal
+from megarl.experience.seal import (CorruptExperienceError, SealedWriteError, content_hash, load_sealed, save_sealed,
+                                   seal)
 
 #: content hashes of make_facts(seed) sealed before routing existed (megarl at caf431e): a dense
 #: batch hashes exactly as it did
@@ -40,8 +41,14 @@ def routing_for(facts, num_experts=4, k=2, layers=(0, 1), seed=0, version="v7", 
 
 def test_dense_batches_hash_as_before():
     for s, h in DENSE_HASHES.items():
-        b = seal(ExperienceBatch(make_facts(seed=s)))
-        assert b.facts.routed_experts is None and b.content_hash == h
+        facts = make_facts(seed=s)
+        assert facts.routed_experts is None and facts.token_origins is None
+        assert content_hash(ExperienceBatch(facts)) == h
+    assert seal(ExperienceBatch(make_facts(seed=0))).content_hash == DENSE_HASHES[0]
+    # make_facts(seed=1) has real tokens outside response_mask inside responses: a multi-turn
+    # record, which sealing refuses without token_origins (tests/test_agent_record.py)
+    with pytest.raises(ValueError, match="no token_origins"):
+        seal(ExperienceBatch(make_facts(seed=1)))
 
 
 def test_routing_is_hashed_sealed_and_survives_save_and_load(tmp_path):

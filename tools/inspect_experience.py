@@ -13,7 +13,10 @@ names the run's tokenizer directory; token ids always), a table with one row per
 response token (position, token id, token text, response_mask, loss_mask, rollout / old /
 reference log-probs, value, advantage, return, and is_weight / shaped_reward when present;
 columns the batch does not hold are left out), then the reward record and the batch's
-content hash.  ``--list`` prints one line per sample instead.
+content hash.  For a multi-turn trajectory (a record with ``token_origins``) a table of its
+turns comes before the per-token table: one row per run of policy or environment tokens, with
+the turn, the source, the response positions, the response / loss mask counts, the policy
+version(s) and the tokens.  ``--list`` prints one line per sample instead.
 """
 
 from __future__ import annotations
@@ -128,6 +131,44 @@ def _reward_total(r) -> str:
     return "-" if r.total is None else f"{r.total:g}"
 
 
+def turns_table(batch, i: int, tok=None) -> list[str]:
+    """The turns of multi-turn sample ``i``: one row per maximal run of tokens with the same
+    turn and source (a policy turn, then the environment output that follows it)."""
+    f, d = batch.facts, batch.derived
+    o = f.token_origins
+    src, turn, versions = o.source[i].tolist(), o.turn[i].tolist(), o.token_versions(i)
+    ids, rmask = f.response_ids[i].tolist(), f.response_mask[i].tolist()
+    lmask = d.loss_mask[i].tolist() if d is not None else None
+    runs: list[list[int]] = []
+    for t, s in enumerate(src):
+        if s == 0:
+            break  # padding only at the end
+        if runs and (src[runs[-1][0]], turn[runs[-1][0]]) == (s, turn[t]):
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+    header = ["turn", "source", "positions", "tokens", "response_mask"] + (["loss_mask"] if lmask else []) + \
+        ["version"] + (["text"] if tok is not None else []) + ["ids"]
+    rows = []
+    for run in runs:
+        n, a, b = len(run), run[0], run[-1]
+        vs = sorted({versions[t] for t in run if versions[t] is not None})
+        row = [str(turn[a]), "policy" if src[a] == 1 else "environment", f"{a}..{b}", str(n),
+               f"{sum(rmask[t] != 0 for t in run)}/{n}"]
+        if lmask:
+            row.append(f"{sum(lmask[t] != 0 for t in run)}/{n}")
+        row.append(",".join(vs) if vs else "-")
+        if tok is not None:
+            row.append(_q(_decode(tok, [ids[t] for t in run])))
+        row.append(str([ids[t] for t in run]))
+        rows.append(row)
+    n_pol = sum(1 for s in src if s == 1)
+    n_env = sum(1 for s in src if s == 2)
+    return ["", f"turns: {int(o.num_turns()[i])} policy turns; {n_pol} policy tokens, {n_env} environment tokens "
+                f"(loss mask 0); versions in this batch: {', '.join(o.versions) or '-'}"] + \
+        _table(header, rows, left=("source", "version", "text", "ids"))
+
+
 def describe(batch, i: int, directory: str, tok=None) -> list[str]:
     f, d = batch.facts, batch.derived
     P = f.prompt_len
@@ -169,6 +210,8 @@ def describe(batch, i: int, directory: str, tok=None) -> list[str]:
     if tok is not None:
         out += ["  text:"] + _block(_decode(tok, [response_ids[t] for t in resp_real]))
     out.append(f"  ids: {[response_ids[t] for t in resp_real]}")
+    if f.token_origins is not None:
+        out += turns_table(batch, i, tok)
 
     # Columns: name, header, per-token values (None when the batch does not hold it).
     lps = [("rollout_lp", "rollout", f.rollout_log_probs), ("old_lp", "old", f.old_log_probs),

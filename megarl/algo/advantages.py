@@ -328,8 +328,11 @@ def discounted_gae(
         delta_T = r_{t_T} + gamma * (1 - d) * V_boot - V_{t_T}
         A_k     = delta_k + gamma * lam * A_{k+1},  A_{T+1} = 0;     returns_k = A_k + V_{t_k}
 
-    with d = 1 for a terminated sample (eos / stop: nothing follows) and d = 0 for a truncated
-    one, which bootstraps from V_boot = V(s_T), the value of the state after its last action.
+    with d = 1 for a terminated sample (eos / stop / environment: nothing follows) and d = 0 for a
+    truncated one (length, tool, env_truncated, max_turns), which bootstraps from V_boot = V(s_T),
+    the value of the state after its last action.  In a multi-turn trajectory the environment
+    tokens between turns have response_mask 0: they are skipped, so the discount runs over the
+    policy tokens only (the last action of turn k is followed directly by the first of turn k+1).
 
     Args:
         token_rewards: ``(bs, R)``; values: ``(bs, R)``; response_mask: ``(bs, R)``;
@@ -343,7 +346,8 @@ def discounted_gae(
     r, v = token_rewards.to(dtype), values.to(dtype)
     if bootstrap_values is None:
         if not bool(terminated.all()):
-            raise ValueError("bootstrap_values is required: some samples are truncated (finish_reason length/tool)")
+            raise ValueError("bootstrap_values is required: some samples are truncated "
+                             "(finish_reason length / tool / env_truncated / max_turns)")
         boot = torch.zeros(bs, dtype=dtype, device=r.device)
     else:
         boot = bootstrap_values.to(dtype)

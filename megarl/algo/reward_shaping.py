@@ -15,7 +15,7 @@ import math
 import torch
 
 from megarl.algo.kl import kl_k1
-from megarl.experience.schema import LogProbs, RewardRecord, RewardStatus, expect_producer
+from megarl.experience.schema import LogProbs, RewardRecord, RewardStatus, TokenOrigins, expect_producer
 
 
 def last_action_index(response_mask: torch.Tensor) -> torch.Tensor:
@@ -53,6 +53,46 @@ def place_outcome_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> 
         raise ValueError(f"place_outcome_rewards: rows {rows} have no action token in response_mask")
     out = torch.zeros(response_mask.shape, dtype=scores.dtype, device=scores.device)
     out.scatter_(1, last.unsqueeze(1), scores.unsqueeze(1))
+    return out
+
+
+def turn_rewards(rewards: torch.Tensor, origins: TokenOrigins) -> torch.Tensor:
+    """Per-turn rewards of multi-turn trajectories as token rewards: r_{i,t} = rewards[i, k] if t
+    is the last policy token of turn k of sample i, else 0.
+
+    Optional (an outcome-only run uses :func:`place_outcome_rewards`); the two add up, and the
+    last turn's reward lands on the same token as the outcome.
+
+    Args:
+        rewards: ``(bs, K)`` finite, K >= every sample's number of turns; entries of turns a
+            sample does not have must be 0 (a reward for a turn that never happened is refused).
+        origins: the record's :class:`~megarl.experience.origins.TokenOrigins` ``(bs, R)``.
+    Returns:
+        ``(bs, R)`` token rewards, dtype of ``rewards``, 0 off the policy tokens.
+    """
+    bs, R = origins.source.shape
+    if rewards.dim() != 2 or rewards.shape[0] != bs:
+        raise ValueError(f"turn_rewards: rewards must be (bs={bs}, turns), got {tuple(rewards.shape)}")
+    if not torch.isfinite(rewards).all():
+        raise ValueError("turn_rewards: rewards contain a non-finite value; a failed reward must be a status")
+    K = rewards.shape[1]
+    n = origins.num_turns()
+    if bool((n > K).any()):
+        b = int((n > K).nonzero()[0])
+        raise ValueError(f"turn_rewards: row {b} has {int(n[b])} turns, rewards only {K} columns")
+    absent = torch.arange(K)[None, :] >= n[:, None]
+    if bool((absent & (rewards != 0)).any()):
+        b, k = (absent & (rewards != 0)).nonzero()[0].tolist()
+        raise ValueError(f"turn_rewards: row {b} has {int(n[b])} turns but a non-zero reward for turn {k}")
+    policy = origins.policy_mask()
+    pos = torch.arange(R).expand(bs, R)
+    # last policy position of each (row, turn): scatter-max of the positions by turn index
+    last = torch.full((bs, max(K, 1)), -1, dtype=torch.long)
+    last.scatter_reduce_(1, origins.turn.long().clamp(min=0), torch.where(policy, pos, -1), reduce="amax")
+    out = torch.zeros((bs, R), dtype=rewards.dtype)
+    has = last[:, :K] >= 0
+    rows = torch.arange(bs)[:, None].expand(bs, K)
+    out[rows[has], last[:, :K][has]] = rewards[has]
     return out
 
 

@@ -2,6 +2,9 @@
 
 * :func:`collate` -- accepted samples (in group order) to left-padded prompts, right-padded
   responses and their masks (the experience layout of ``megarl.experience.schema``).
+* :func:`collate_trajectories` -- the same for multi-turn agent trajectories: each response is
+  the whole token list after the prompt (policy and environment tokens interleaved), with the
+  per-token origins (``token_origins``: source, turn, policy version).
 * :func:`plan_mini_batches` -- a seeded shuffle of whole groups into mini-batches (a GRPO
   group is never split across mini-batches), each padded to equal micro-batches on every DP
   rank with rows whose loss mask is 0 (they contribute exactly nothing to loss or gradient).
@@ -9,11 +12,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
+from megarl.experience.origins import TokenOrigins, TokenSource, collate_origins
 from megarl.experience.routing import collate_routing
 from megarl.experience.schema import RoutedExperts, SampleRouting
 
@@ -26,6 +31,7 @@ class Collated:
     response_mask: torch.Tensor  # (bs, R)
     rollout_log_probs: torch.Tensor  # (bs, R) raw space, 0 on padding
     routed_experts: Optional[RoutedExperts] = None  # (bs, P + R, layers, top_k), MoE with routing asked
+    token_origins: Optional[TokenOrigins] = None  # (bs, R) source / turn / version, multi-turn trajectories
 
 
 def collate(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
@@ -56,6 +62,44 @@ def collate(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]
     if routing is not None:
         routed = collate_routing(routing, [len(p) for p in prompts], [len(r) for r in responses], P, R, version)
     return Collated(prompt, resp, am, rm, lp, routed)
+
+
+def collate_trajectories(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                         raw_log_probs: Sequence[torch.Tensor], sources: Sequence[Sequence[int]],
+                         turns: Sequence[Sequence[int]], token_versions: Sequence[Sequence[Optional[str]]],
+                         pad_id: int, routing: Optional[Sequence[SampleRouting]] = None,
+                         version: Optional[str] = None) -> Collated:
+    """Multi-turn trajectories to the experience layout.
+
+    Args:
+        prompts: per sample, the prompt token ids.
+        responses: per sample, every token after the prompt: policy turns and the rendered
+            environment output between them, in order.  A trajectory starts and ends with a
+            policy token (environment output after the last turn was never shown to the policy).
+        raw_log_probs: per sample, one rollout log-prob per response token, 0.0 on environment
+            tokens (the policy did not sample them).
+        sources: per sample, 1 (policy) or 2 (environment) per response token.
+        turns: per sample, the 0-based turn per response token (environment output shares the
+            index of the policy turn before it).
+        token_versions: per sample, the policy version ``short_id`` per policy token, None per
+            environment token.
+        pad_id: the padding token id.
+        routing / version: as for :func:`collate` (MoE).
+    Returns:
+        :class:`Collated` with ``response_mask`` 1 exactly on policy tokens and ``token_origins``.
+    """
+    for b, (r, s) in enumerate(zip(responses, sources, strict=True)):
+        if len(s) != len(r):
+            raise ValueError(f"collate_trajectories: row {b} has {len(r)} response tokens but {len(s)} sources")
+    base = collate(prompts, responses, raw_log_probs, pad_id, routing, version)  # checks the log-prob counts
+    for b, (l, s) in enumerate(zip(raw_log_probs, sources)):
+        flat = l.reshape(-1).tolist()
+        bad = [t for t, x in enumerate(s) if x == TokenSource.ENVIRONMENT and flat[t] != 0.0]
+        if bad:
+            raise ValueError(f"collate_trajectories: row {b}, response position {bad[0]}: rollout log-prob "
+                             f"{flat[bad[0]]} on an environment token (must be 0.0: the policy did not sample it)")
+    origins = collate_origins(sources, turns, token_versions, base.response_ids.shape[1])
+    return dataclasses.replace(base, response_mask=origins.policy_mask().long(), token_origins=origins)
 
 
 @dataclass(frozen=True)

@@ -155,7 +155,7 @@ class ExperiencePreparer:
             seed=tuple(s.seed for s in samples), rewards=tuple(s.record for s in samples),
             rollout_log_probs=rollout_lp, old_log_probs=old, ref_log_probs=ref, values=values,
             critic_version=self.critic.version if self.critic is not None else None,
-            routed_experts=c.routed_experts)
+            routed_experts=c.routed_experts, token_origins=c.token_origins)
         if c.routed_experts is not None:
             m.update(routing_load_metrics(c.routed_experts, facts.attention_mask))
         sealed = seal(ExperienceBatch(facts))

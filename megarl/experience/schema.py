@@ -12,6 +12,10 @@ Layout (the convention every layer follows):
 
 - ``routed_experts`` (MoE, :class:`RoutedExperts`) ``(bs, prompt_len + response_len, layers, top_k)``
   aligned with ``attention_mask``: the experts the rollout routed each token to.
+- ``token_origins`` (multi-turn agent trajectories, :class:`~megarl.experience.origins.TokenOrigins`)
+  ``(bs, response_len)``: each response token's source (policy / environment), turn and policy
+  version.  A record with an environment token (response_mask 0 between real response tokens)
+  or a multi-turn finish reason cannot be sealed without it.
 
 Facts (never change once sealed): ids, tokens, masks, finish reasons, versions, sampling
 config, seeds / request ids, rollout / old / reference log-probs, values, reward records, the
@@ -30,6 +34,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from megarl.experience.origins import TokenOrigins, TokenSource, first_bad
+
 
 class FinishReason(str, Enum):
     """Why generation of one response stopped."""
@@ -39,13 +45,22 @@ class FinishReason(str, Enum):
     LENGTH = "length"  # max_new_tokens or context limit: truncated, the state could continue
     TOOL = "tool"  # the policy handed over to a tool: the episode continues, not terminal
     ABORT = "abort"  # the request was aborted (worker failure, preemption): not trainable
+    # multi-turn (agent) trajectories: why the whole trajectory ended
+    ENVIRONMENT = "environment"  # the environment ended the episode (terminated): terminal
+    ENV_TRUNCATED = "env_truncated"  # the environment truncated it: not terminal, GAE bootstraps
+    MAX_TURNS = "max_turns"  # rollout.agent.max_turns reached: not terminal, GAE bootstraps
 
     @property
     def terminated(self) -> bool:
         """True when the episode really ended after the last action (GAE d_T = 1)."""
         if self is FinishReason.ABORT:
             raise ValueError("finish_reason 'abort' has no termination semantics: aborted samples must be retried, not trained")
-        return self in (FinishReason.EOS, FinishReason.STOP)
+        return self in (FinishReason.EOS, FinishReason.STOP, FinishReason.ENVIRONMENT)
+
+
+#: finish reasons only a multi-turn trajectory has: a record with one needs ``token_origins``
+MULTI_TURN_FINISH_REASONS = frozenset(
+    {FinishReason.ENVIRONMENT, FinishReason.ENV_TRUNCATED, FinishReason.MAX_TURNS, FinishReason.TOOL})
 
 
 class RewardStatus(str, Enum):
@@ -462,6 +477,7 @@ class ExperienceFacts:
     values: torch.Tensor | None = None
     critic_version: str | None = None
     routed_experts: RoutedExperts | None = None  # MoE only: the rollout's routing (algo.routing_replay)
+    token_origins: TokenOrigins | None = None  # multi-turn only: source / turn / version per response token
 
     def __post_init__(self) -> None:
         bs = len(self.sample_id)
@@ -524,6 +540,45 @@ class ExperienceFacts:
             if tuple(re_.experts.shape) != want:
                 raise ValueError(f"ExperienceFacts.routed_experts.experts must have shape (bs, prompt_len + response_len, "
                                  f"layers, top_k) = {want}, got {tuple(re_.experts.shape)}")
+        if self.token_origins is not None:
+            self._check_token_origins()
+
+    def _check_token_origins(self) -> None:
+        """The rules tying ``token_origins`` to the rest of the record (its own rules are checked
+        when it is built); a failure names the sample and the response position."""
+        o = self.token_origins
+        if not isinstance(o, TokenOrigins):
+            raise TypeError(f"ExperienceFacts.token_origins must be a TokenOrigins record, got {type(o).__name__}")
+        bs, P, R = self.batch_size, self.prompt_len, self.response_len
+        if tuple(o.source.shape) != (bs, R):
+            raise ValueError(f"ExperienceFacts.token_origins must have shape (bs, response_len) = {(bs, R)}, "
+                             f"got {tuple(o.source.shape)}")
+
+        def fail(rule: str, bad: torch.Tensor) -> None:
+            at = first_bad(bad)
+            if at is not None:
+                raise ValueError(f"ExperienceFacts.token_origins: sample {self.sample_id[at[0]]!r}, response "
+                                 f"position {at[1]}: {rule}")
+
+        policy, env = o.policy_mask(), o.environment_mask()
+        fail("response_mask must be 1 exactly on policy tokens (source 1)", (self.response_mask != 0) != policy)
+        fail("padding (source 0) must be exactly where attention_mask is 0",
+             (o.source == TokenSource.PAD) != (self.attention_mask[:, P:] == 0))
+        if self.rollout_log_probs is not None:
+            fail("rollout_log_probs must be 0 on an environment token (the policy did not sample it)",
+                 env & (self.rollout_log_probs.values != 0))
+        for b, v in enumerate(o.last_policy_versions()):
+            if v is not None and v != self.policy_version[b]:
+                raise ValueError(f"ExperienceFacts.token_origins: sample {self.sample_id[b]!r}: policy_version "
+                                 f"{self.policy_version[b]!r} must be the version of its last policy token, {v!r}")
+
+    def multi_turn(self) -> torch.Tensor:
+        """``(bs,)`` bool: the samples that are multi-turn trajectories -- an environment token
+        (response_mask 0 on a real response token; the mask layout puts policy tokens at both
+        ends) or a finish reason in :data:`MULTI_TURN_FINISH_REASONS`."""
+        env = ((self.attention_mask[:, self.prompt_len:] != 0) & (self.response_mask == 0)).any(dim=1)
+        reason = torch.tensor([f in MULTI_TURN_FINISH_REASONS for f in self.finish_reason], dtype=torch.bool)
+        return env | reason
 
     @property
     def batch_size(self) -> int:
@@ -542,7 +597,7 @@ class ExperienceFacts:
         return torch.cat([self.prompt_ids, self.response_ids], dim=1)
 
     def terminated(self) -> torch.Tensor:
-        """``(bs,)`` bool: the episode ended after the last action (eos / stop)."""
+        """``(bs,)`` bool: the episode ended after the last action (eos / stop / environment)."""
         return torch.tensor([f.terminated for f in self.finish_reason], dtype=torch.bool)
 
     def response_lengths(self) -> torch.Tensor:
@@ -629,6 +684,9 @@ def batch_tensors(batch: ExperienceBatch) -> dict[str, torch.Tensor]:
             out[f"facts.{name}"] = lp.values
     if f.routed_experts is not None:
         out["facts.routed_experts"] = f.routed_experts.experts
+    if f.token_origins is not None:
+        for name in ("source", "turn", "version_index"):
+            out[f"facts.token_origins.{name}"] = getattr(f.token_origins, name)
     if batch.derived is not None:
         for name in ("advantages", "loss_mask", "returns", "shaped_rewards", "is_weights"):
             t = getattr(batch.derived, name)

@@ -35,6 +35,7 @@ from megarl.experience.schema import (
     RoutedExperts,
     RoutingProducer,
     SamplingConfig,
+    TokenOrigins,
     batch_tensors,
 )
 from megarl.hashing import canonical_json, file_sha256
@@ -137,6 +138,9 @@ def _map_tensors(batch: ExperienceBatch, fn, content_hash: str | None) -> Experi
         ref_log_probs=None if f.ref_log_probs is None else LogProbs(fn(f.ref_log_probs.values), f.ref_log_probs.producer),
         routed_experts=None if f.routed_experts is None else dataclasses.replace(
             f.routed_experts, experts=fn(f.routed_experts.experts)),
+        token_origins=None if f.token_origins is None else dataclasses.replace(
+            f.token_origins, source=fn(f.token_origins.source), turn=fn(f.token_origins.turn),
+            version_index=fn(f.token_origins.version_index)),
     )
     derived = None
     if batch.derived is not None:
@@ -182,6 +186,8 @@ def _metadata(batch: ExperienceBatch) -> dict:
         meta["derived"] = {"estimator": batch.derived.estimator, "hyperparameters": dict(batch.derived.hyperparameters)}
     if f.routed_experts is not None:  # absent (not null) for dense models: their hashes stay as they were
         meta["routed_experts"] = f.routed_experts.metadata()
+    if f.token_origins is not None:  # absent (not null) for single-turn records: their hashes stay as they were
+        meta["token_origins"] = f.token_origins.metadata()
     return meta
 
 
@@ -202,14 +208,32 @@ def content_hash(batch: ExperienceBatch) -> str:
     return "sha256:" + h.hexdigest()
 
 
+def _require_origins(facts: ExperienceFacts) -> None:
+    """A multi-turn record (:meth:`ExperienceFacts.multi_turn`) must say where each token came
+    from: without ``token_origins`` an environment token is indistinguishable from a masked-out
+    action and its turn and policy version are lost."""
+    if facts.token_origins is not None:
+        return
+    multi = facts.multi_turn()
+    if bool(multi.any()):
+        b = int(multi.nonzero()[0])
+        env = ((facts.attention_mask[b, facts.prompt_len:] != 0) & (facts.response_mask[b] == 0)).nonzero()
+        why = (f"response position {int(env[0])} is a real token outside response_mask (an environment token)"
+               if env.numel() else f"finish_reason {facts.finish_reason[b].value!r}")
+        raise ValueError(f"seal: sample {facts.sample_id[b]!r} is a multi-turn trajectory ({why}), but the record "
+                         "has no token_origins (per-token source, turn and policy version): it cannot be sealed")
+
+
 def seal(batch: ExperienceBatch) -> ExperienceBatch:
     """A read-only copy of ``batch`` with its content hash (the caller's tensors stay untouched).
 
     Sealing a sealed batch returns it unchanged.  The metadata must be JSON-serialisable
-    (``derived.hyperparameters`` included), since the hash covers it.
+    (``derived.hyperparameters`` included), since the hash covers it.  A multi-turn record
+    without ``token_origins`` is refused (:func:`_require_origins`).
     """
     if batch.sealed:
         return batch
+    _require_origins(batch.facts)
     frozen = _map_tensors(batch, _freeze, None)
     return dataclasses.replace(frozen, content_hash=content_hash(frozen))
 
@@ -270,6 +294,18 @@ def _routed_experts(meta: dict | None, experts: torch.Tensor | None, where) -> R
                          num_experts=meta["num_experts"], moe_layers=tuple(meta["moe_layers"]))
 
 
+def _token_origins(meta: dict | None, tensors: dict, where) -> TokenOrigins | None:
+    names = [f"facts.token_origins.{n}" for n in ("source", "turn", "version_index")]
+    present = [n in tensors for n in names]
+    if (meta is None and any(present)) or (meta is not None and not all(present)):
+        raise CorruptExperienceError(f"{where}: token_origins metadata and its three tensors must be saved together "
+                                     f"(metadata {'present' if meta is not None else 'absent'}, tensors "
+                                     f"{[n for n, p in zip(names, present) if p]})")
+    if meta is None:
+        return None
+    return TokenOrigins(*(tensors[n] for n in names), versions=tuple(meta["versions"]))
+
+
 def load_sealed(directory: str | os.PathLike) -> ExperienceBatch:
     """Load a batch saved by :func:`save_sealed`, verifying the file hash and the content hash."""
     d = Path(directory)
@@ -314,6 +350,7 @@ def load_sealed(directory: str | os.PathLike) -> ExperienceBatch:
         values=tensors.get("facts.values"),
         critic_version=m["critic_version"],
         routed_experts=_routed_experts(m.get("routed_experts"), tensors.get("facts.routed_experts"), tf),
+        token_origins=_token_origins(m.get("token_origins"), tensors, tf),
     )
     derived = None
     if m["derived"] is not None:
