@@ -240,3 +240,20 @@ def test_sealed_record_of_an_agent_run_is_the_engines_output(setup):
         lps = torch.cat([g.raw_log_probs.float() for g in t.generated])
         assert torch.equal(f.rollout_log_probs.values[b][real][pol], lps)
         assert set(origins.token_versions(b)) - {None} == {version.short_id}
+
+
+def test_training_with_an_agent_is_refused_until_it_is_wired(tmp_path):
+    """A configured agent is never silently ignored by megarl.train: one error line, exit 2,
+    nothing built or written."""
+    import subprocess
+    import sys
+
+    from tests._dist import subprocess_env
+
+    env = subprocess_env()
+    env["MEGARL_CACHE"] = str(tmp_path / "cache")
+    p = subprocess.run([sys.executable, "-m", "megarl.train", "--config", "configs/grpo_arith_tiny.yaml",
+                        "rollout.agent.env=calculator", f"trainer.run_dir={tmp_path / 'run'}"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2 and "error: rollout.agent.env" in p.stderr, p.stderr
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()
