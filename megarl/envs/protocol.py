@@ -39,7 +39,6 @@ kept in the outcome but never shown to the policy.
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import math
 import numbers
@@ -47,6 +46,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
+from megarl.dotted import import_dotted
 from megarl.errors import MegarlError
 
 __all__ = ["Message", "StepOutcome", "Environment", "EnvStatus", "EnvStepResult", "EnvConfigError",
@@ -199,21 +199,7 @@ def _import(spec: str) -> Any:
     if spec.count(":") != 1 or not all(spec.split(":")):
         raise EnvConfigError(f"{key}: {spec!r} is neither a built-in environment ({', '.join(BUILTIN_ENVS)}) "
                              "nor a path like 'pkg.mod:Class'")
-    mod_name, attr_path = spec.split(":")
-    try:
-        obj: Any = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise EnvConfigError(f"{key}: {spec!r}: cannot import module {mod_name!r}: {e}") from e
-    except Exception as e:  # the user module itself crashed at import
-        raise EnvConfigError(f"{key}: {spec!r}: importing {mod_name!r} raised {type(e).__name__}: {e}") from e
-    for part in attr_path.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise EnvConfigError(f"{key}: {spec!r}: {mod_name!r} has no attribute {attr_path!r}") from None
-    if not callable(obj):
-        raise EnvConfigError(f"{key}: {spec!r} is a {type(obj).__name__}, not a class or factory")
-    return obj
+    return import_dotted(spec, f"{key}: {spec!r}", EnvConfigError, expected="a class or factory")
 
 
 def load_environment(spec: str, **kwargs) -> Callable[[], Environment]:

@@ -9,11 +9,11 @@ shows up in the reward counters instead of quietly training the policy on zeros.
 
 from __future__ import annotations
 
-import importlib
 import math
 import numbers
 from typing import Any, Callable, Mapping
 
+from megarl.dotted import import_dotted
 from megarl.experience.schema import RewardRecord, RewardStatus
 from megarl.rewards.base import RewardConfigError, RewardSample
 
@@ -25,21 +25,7 @@ def load_user_function(spec: str) -> Any:
     the attribute.  Any failure is a :class:`RewardConfigError` naming ``spec``."""
     if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
         raise RewardConfigError(f"reward function path {spec!r} must look like 'pkg.mod:callable'")
-    mod_name, attr_path = spec.split(":")
-    try:
-        obj: Any = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise RewardConfigError(f"reward function {spec!r}: cannot import module {mod_name!r}: {e}") from e
-    except Exception as e:  # the user module itself crashed at import
-        raise RewardConfigError(f"reward function {spec!r}: importing {mod_name!r} raised {type(e).__name__}: {e}") from e
-    for part in attr_path.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError as e:
-            raise RewardConfigError(f"reward function {spec!r}: {mod_name!r} has no attribute {attr_path!r}") from e
-    if not callable(obj):
-        raise RewardConfigError(f"reward function {spec!r} is a {type(obj).__name__}, not a callable")
-    return obj
+    return import_dotted(spec, f"reward function {spec!r}", RewardConfigError)
 
 
 def _finite(x: Any) -> bool:
