@@ -208,15 +208,21 @@ def routed(model, targets: Optional[RouterTargets], replay: bool,
     if missing:
         raise RoutingReplayError(f"the routing record has no columns for MoE layers {missing} "
                                  f"(it has layers {list(targets.moe_layers)})")
-    T = targets.valid.shape[0]
-    flags = torch.zeros(T, dtype=torch.bool)
-    handles = []
     valid = targets.valid
+    # the comparisons stay on the routers' device until the micro-batch ends: one transfer per
+    # micro-batch, not a host sync per layer
+    dev = routers[0][1].weight.device if routers else valid.device
+    acc = None
+    if stats is not None:
+        n = len(targets.moe_layers)
+        acc = {"flags": torch.zeros(valid.shape[0], dtype=torch.bool, device=dev),
+               "natural": torch.zeros(n, dtype=torch.long, device=dev),
+               "dispatched": torch.zeros(n, dtype=torch.long, device=dev)}
+    handles = []
     try:
         for layer, router in routers:
             j = cols[layer]
-            dev = router.weight.device
-            ids = targets.experts[:, j].to(dev)
+            ids = targets.experts[:, j].to(router.weight.device)
             if ids.shape[-1] != router.topk:
                 raise RoutingReplayError(f"layer {layer}: the record has top-{ids.shape[-1]} routing, "
                                          f"the router routes to {router.topk} experts")
@@ -226,8 +232,8 @@ def routed(model, targets: Optional[RouterTargets], replay: bool,
                     raise RoutingReplayError("routing replay needs a model built with moe_enable_routing_replay")
                 rr.target_topk_idx = ids
                 rr.router_replay_action = RouterReplayAction.REPLAY_FORWARD
-            if stats is not None:
-                handles.append(router.register_forward_hook(_observer(j, ids, valid.to(dev), replay, stats, flags)))
+            if acc is not None:
+                handles.append(router.register_forward_hook(_observer(j, ids, valid.to(ids.device), replay, acc)))
         yield
     finally:
         for _layer, router in routers:
@@ -238,16 +244,16 @@ def routed(model, targets: Optional[RouterTargets], replay: bool,
             h.remove()
     if stats is not None:
         stats.valid += int(valid.sum())
-        stats.token_flags.append(flags)
+        stats.token_flags.append(acc["flags"].cpu())
+        stats.natural += acc["natural"].cpu()
+        stats.dispatched += acc["dispatched"].cpu()
 
 
-def _observer(j: int, ids: torch.Tensor, valid: torch.Tensor, replay: bool, stats: RoutingStats,
-              flags: torch.Tensor):
+def _observer(j: int, ids: torch.Tensor, valid: torch.Tensor, replay: bool, acc: Dict[str, torch.Tensor]):
     def hook(module, args, output):
         _probs, routing_map = output
         target = _routing_map(ids, routing_map.shape[1])
-        differs = (routing_map != target).any(-1) & valid
-        stats.dispatched[j] += int(differs.sum())
+        acc["dispatched"][j] += ((routing_map != target).any(-1) & valid).sum()
         if replay:
             # the router's own choice on the same input: its routing with the replay action off
             # (under no_grad neither the aux losses nor the expert-bias counters are touched)
@@ -262,7 +268,7 @@ def _observer(j: int, ids: torch.Tensor, valid: torch.Tensor, replay: bool, stat
         else:
             own = routing_map
         mism = (own != target).any(-1) & valid
-        stats.natural[j] += int(mism.sum())
-        flags.logical_or_(mism.cpu())
+        acc["natural"][j] += mism.sum()
+        acc["flags"].logical_or_(mism)
 
     return hook
