@@ -105,7 +105,7 @@ class FaultyActor:
     def __setattr__(self, name, value):  # e.g. a rollback restoring ``steps`` reaches the actor
         setattr(self._actor, name, value)
 
-    def train_step(self, micro_batches, loss_fn, after_optimizer_step=None):
+    def train_step(self, micro_batches, loss_fn, after_optimizer_step=None, replay_layers=None):
         k = self._inj.iteration
         if self._clock[0] != k:
             self._clock[:] = [k, 0]
@@ -124,7 +124,8 @@ class FaultyActor:
             def after_optimizer_step():
                 raise InjectedFault(f"faults.fail_optimizer_step_at: injected failure in iteration {k}'s "
                                     f"optimizer step on rank {rank}")
-        result = self._actor.train_step(micro_batches, loss_fn, after_optimizer_step=after_optimizer_step)
+        result = self._actor.train_step(micro_batches, loss_fn, after_optimizer_step=after_optimizer_step,
+                                        replay_layers=replay_layers)
         if self._inj.cfg.crash_during_update_at == k and step == 0:
             crash_now("inside the update, after its first optimizer step,", k)
         return result

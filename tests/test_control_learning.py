@@ -76,7 +76,7 @@ class FakeActor:
     def onload(self):
         self.calls["onload"] += 1
 
-    def train_step(self, mbs, loss_fn):
+    def train_step(self, mbs, loss_fn, replay_layers=None):
         kind = self.script.pop(0) if self.script else "ok"
         rows = [[int(a) - 1 for a in mb["advantages"][:, 0].tolist()] for mb in mbs]
         self.step_rows.append(rows)
@@ -240,8 +240,8 @@ def test_an_unsuccessful_step_is_counted_as_skipped(world):
     learner, actor, batch, v, manifest, _ = setup(cfg_())
     real = actor.train_step
 
-    def step(mbs, loss_fn):
-        res = real(mbs, loss_fn)
+    def step(mbs, loss_fn, replay_layers=None):
+        res = real(mbs, loss_fn, replay_layers)
         res.update_successful = len(actor.step_rows) != 2
         return res
 
@@ -255,7 +255,7 @@ class LossActor(FakeActor):
     """Runs the Learner's real loss closure on logits built so that every response token's
     log-prob is exactly its sealed old log-prob (ratio 1): the step's loss is then known."""
 
-    def train_step(self, mbs, loss_fn):
+    def train_step(self, mbs, loss_fn, replay_layers=None):
         self.step_rows.append([[int(a) - 1 for a in mb["advantages"][:, 0].tolist()] for mb in mbs])
         metrics = []
         for mb in mbs:

@@ -84,7 +84,7 @@ class _Actor:
     def __init__(self):
         self.steps, self.losses = 0, []
 
-    def train_step(self, micro_batches, loss_fn, after_optimizer_step=None):
+    def train_step(self, micro_batches, loss_fn, after_optimizer_step=None, replay_layers=None):
         loss, _ = loss_fn(torch.ones(1), micro_batches[0])
         self.losses.append(float(loss))
         if after_optimizer_step is not None:

@@ -164,7 +164,6 @@ class Learner:
             rows = record_to_rows(routed.experts, f.attention_mask, f.prompt_ids.shape[1], routed.moe_layers, L)
             full["routing"], full["routing_valid"] = rows.experts, rows.valid
             replay_layers = routed.moe_layers
-        replay = {} if replay_layers is None else {"replay_layers": replay_layers}
         gen = torch.Generator().manual_seed(cfg.trainer.seed * 7919 + k)
         actor_metrics: List[Dict[str, float]] = []
         critic_metrics: List[Dict[str, float]] = []
@@ -182,7 +181,8 @@ class Learner:
                 if train_actor:
                     loss_fn = self._actor_loss_fn(batch, version, norm, kl_beta, kl_in_loss)
                     mbs = _micro_batches(local, a.micro_batch_size, rows.numel())
-                    res = self._guarded_step("actor", lambda: self.actor.train_step(mbs, loss_fn, **replay))
+                    res = self._guarded_step("actor", lambda: self.actor.train_step(
+                        mbs, loss_fn, replay_layers=replay_layers))
                     grad_norms.append(res.grad_norm)
                     skipped += 0 if res.update_successful else 1
                     actor_metrics.append(self._reduce_step_metrics(res.metrics))
