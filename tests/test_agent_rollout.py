@@ -117,14 +117,16 @@ def test_trajectories_keep_sampled_tokens_and_render_environment_output_once(set
     # zero re-tokenization: no decoded action text was ever encoded
     assert decoded and not (set(decoded) & set(encoded)), set(decoded) & set(encoded)
     by = {(t.request_id, t.candidate_index): t for t in trajs}
-    # row 0 ends at its first step, row 1 at its second; row 2 never ends: max_turns
+    # row 0 ends at its first step, row 1 at its second; row 2 never ends: max_turns, its third
+    # tool result counted but never shown (nothing follows the last policy turn)
     for c in (0, 1):
-        t0, t1 = by[("q0", c)], by[("q1", c)]
-        if t0.finish_reason is FinishReason.ENVIRONMENT:
-            assert t0.turns == 1 and t0.rendered == [] and t0.reward_components == {"steps": 1.0}
-        if t1.finish_reason is FinishReason.ENVIRONMENT:
-            assert t1.turns == 2 and len(t1.rendered) == 1 and t1.tool_calls == 1
-        assert by[("q2", c)].finish_reason in (FinishReason.MAX_TURNS, FinishReason.LENGTH)
+        t0, t1, t2 = by[("q0", c)], by[("q1", c)], by[("q2", c)]
+        assert t0.finish_reason is FinishReason.ENVIRONMENT and t0.turns == 1 and t0.rendered == []
+        assert t0.reward_components == {"steps": 1.0}
+        assert t1.finish_reason is FinishReason.ENVIRONMENT and t1.turns == 2 and len(t1.rendered) == 1
+        assert t1.tool_calls == 1 and t1.reward_components == {"steps": 2.0}
+        assert t2.finish_reason is FinishReason.MAX_TURNS and t2.turns == 3 and len(t2.rendered) == 2
+        assert t2.tool_calls == 3 and t2.reward_components == {} and t2.source[-1] == POLICY
     m = agent_metrics(trajs)
     assert 0 < m["rollout/agent/env_token_share"] < 1 and m["rollout/agent/env_errors"] == 0
 
