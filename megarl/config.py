@@ -710,6 +710,19 @@ def validate_agent_settings(cfg: TrainConfig) -> None:
     _need(cfg.data.apply_chat_template, "data.apply_chat_template",
           f"is false, but rollout.agent.env={ag.env!r} renders the environment's messages with the chat template "
           "(the prompt must be templated by the same one)")
+    # an agent's episode is scored by its environment's reward components; what would score the
+    # token list as one response (a rule on the decoded text, a reward model, the overlong
+    # punishment over environment tokens too) is refused rather than silently mixed in
+    rw = cfg.reward
+    _need(rw.fn is None, "reward.fn", f"is {rw.fn!r}, but rollout.agent.env={ag.env!r} scores each episode by the "
+          "environment's reward components; set reward.fn: null")
+    _need(rw.model.path is None, "reward.model.path",
+          f"is set, but rollout.agent.env={ag.env!r} scores each episode by the environment; unset it")
+    _need(rw.overlong_buffer is None, "reward.overlong_buffer",
+          f"is set, but rollout.agent.env={ag.env!r} budgets episodes with rollout.agent.max_total_tokens; unset it")
+    _need(cfg.algo.routing_replay == "none", "algo.routing_replay",
+          f"is {cfg.algo.routing_replay!r}, but routing replay of multi-turn agent trajectories is not supported "
+          "(each turn's routing would have to be joined); set algo.routing_replay: none")
 
 
 def validate(cfg: TrainConfig, world_size: int) -> int:
@@ -805,7 +818,8 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
         for key in ("tokenizer", "chat_template"):
             _need(getattr(cfg.reward.model, key) is None, f"reward.model.{key}",
                   "is set but reward.model.path is not: there is no reward model to use it")
-        _need(cfg.reward.fn is not None, "reward.fn", "is null and no reward_model.path is given: nothing scores the samples")
+        _need(cfg.reward.fn is not None or bool(r.agent.env), "reward.fn",
+              "is null and no reward_model.path is given: nothing scores the samples")
     if r.reuse_rollout_log_probs:
         _need(r.backend == "hf" or r.temperature == 1.0, "rollout.reuse_rollout_log_probs",
               "raw-space rollout log-probs are needed")

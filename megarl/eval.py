@@ -2,6 +2,7 @@
 
     python -m megarl.eval --model runs/<run>/export/iter_200 --data heldout.jsonl \\
         [--config RECIPE.yaml] [--reward FN] [--n N] [--k 1 4 16] [--out results.jsonl] [key=value ...]
+    python -m megarl.eval --model DIR --data FILE.jsonl --env calculator [--n N] [key=value ...]
 
 ``--model`` is an HF model directory (a megarl export ``export/iter_<k>``, any HF checkpoint), a
 megarl megatron checkpoint (``megarl_model.json``) or a training checkpoint
@@ -9,8 +10,15 @@ megarl megatron checkpoint (``megarl_model.json``) or a training checkpoint
 directory first (through megatron, in a world of one) and need ``--tokenizer`` when they carry no
 tokenizer files.  The recipe (``--config``, e.g. the run's own ``<run_dir>/config.yaml``) gives the
 data fields, the chat template, the reward and the ``eval`` settings; ``--reward`` replaces
-``reward.fn`` (its kwargs and components reset).  The rows are checked against the reward first,
+``reward.fn`` (its kwargs and components reset; a recipe's agent is turned off: single-turn).  The rows are checked against the reward first,
 like training does (``data.on_missing_fields``).
+
+``--env`` (``rollout.agent.env``: a built-in environment or ``pkg.mod:Class``; its arguments as
+``rollout.agent.env_args.KEY=VALUE`` overrides) evaluates with the environment: every candidate
+is a multi-turn session (the tool available), scored by the environment's reward, through the
+same session code as training's agent rollouts and its held-out evaluation.  Reported besides the
+accuracy: mean turns, the tool-call rate, and the accuracy with and without a tool call; the
+per-row results carry each candidate's turns and tool calls.
 
 Reported: the greedy accuracy (temperature 0, one candidate per prompt, over the scored prompts)
 and, with ``--n``/``eval.samples_per_prompt`` N > 1, N samples per prompt at ``eval.temperature``:
@@ -126,7 +134,8 @@ def evaluate_model(cfg, model_dir: str, tokenizer_dir: str, data_path: str, *, l
     from megarl.data.prompts import load_configured_dataset
     from megarl.data.tokenizer import TokenizerContract
     from megarl.evaluation.core import evaluate_prompts
-    from megarl.evaluation.estimators import accuracy_metrics, per_source_metrics, result_row, sampled_metrics
+    from megarl.evaluation.estimators import (accuracy_metrics, episode_metrics, per_source_metrics, result_row,
+                                              sampled_metrics)
     from megarl.rewards.declarations import extract_answer, normalised_text
     from megarl.rollout.protocol import SamplingParams
 
@@ -138,6 +147,11 @@ def evaluate_model(cfg, model_dir: str, tokenizer_dir: str, data_path: str, *, l
     data = drop_rows_missing_fields(cfg, data)
     records = list(data.records[:limit] if limit else data.records)
     engine = _load_engine(model_dir, tok, device)
+    if cfg.rollout.agent.env:  # every candidate a session with the environment (the tool available)
+        from megarl.control.assembly import agent_engine
+
+        engine, report = agent_engine(cfg, tok, engine)
+        log(f"--env {cfg.rollout.agent.env}: chat template {report.rule}")
     counters: Counter = Counter()
     scorer, runner, fn = evaluation_scorer(cfg, tok, counters, os.devnull)
     answer_of = (lambda text: extract_answer(fn, text)) if fn is not None else normalised_text
@@ -164,11 +178,13 @@ def evaluate_model(cfg, model_dir: str, tokenizer_dir: str, data_path: str, *, l
         greedy = run(SamplingParams(temperature=0.0, max_new_tokens=max_new, n=1), "greedy")
         m = accuracy_metrics(greedy, e.success_threshold)
         m.update(per_source_metrics(greedy, lambda ps, prefix: accuracy_metrics(ps, e.success_threshold, prefix)))
+        m.update(episode_metrics(greedy, e.success_threshold))
         sampled = None
         if n > 1:
             sp = SamplingParams(temperature=e.temperature, top_p=e.top_p, max_new_tokens=max_new, n=n, seed=e.seed)
             sampled = run(sp, "sampled")
             m.update(sampled_metrics(sampled, e.success_threshold, ks, answer_of))
+            m.update(episode_metrics(sampled, e.success_threshold, "eval/sampled/"))
             m.update(per_source_metrics(sampled, lambda ps, prefix: sampled_metrics(ps, e.success_threshold, ks,
                                                                                     answer_of, prefix)))
     finally:
@@ -184,7 +200,7 @@ def evaluate_model(cfg, model_dir: str, tokenizer_dir: str, data_path: str, *, l
                 if sampled is not None:
                     s = result_row(sampled[i], e.success_threshold, answer_of)
                     row["samples"] = {k: s[k] for k in ("responses", "rewards", "statuses", "correct", "answers",
-                                                        "finish_reasons", "errors")}
+                                                        "finish_reasons", "errors", "turns", "tool_calls") if k in s}
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
     return m
 
@@ -205,6 +221,8 @@ def main(argv=None) -> dict:
                         "data.heldout_split) with the fields the reward reads")
     p.add_argument("--config", help="a recipe or a run's config.yaml (data fields, reward, eval settings)")
     p.add_argument("--reward", help="reward.fn: a builtin name or 'pkg.mod:callable' (kwargs reset)")
+    p.add_argument("--env", help="rollout.agent.env: evaluate with this environment (calculator, two_turn or "
+                                 "'pkg.mod:Class'; arguments as rollout.agent.env_args.KEY=VALUE); scored by it")
     p.add_argument("--tokenizer", help="tokenizer dir (default: model.tokenizer, else the model dir)")
     p.add_argument("--n", type=int, help="samples per prompt for pass@k / maj@k (eval.samples_per_prompt)")
     p.add_argument("--k", type=int, nargs="+",
@@ -217,18 +235,24 @@ def main(argv=None) -> dict:
     p.add_argument("overrides", nargs="*", help="key=value config overrides (e.g. eval.max_new_tokens=512)")
     args = p.parse_args(argv)
 
-    from megarl.config import ConfigError, load_config, validate_eval_settings
+    from megarl.config import ConfigError, load_config, validate_agent_settings, validate_eval_settings
 
     pre = [f"model.path={args.model}", f"data.train_path={args.data}"]
-    if args.reward:
-        pre += [f"reward.fn={args.reward}", "reward.kwargs={}", "reward.components=[]"]
+    if args.reward:  # single-turn: a recipe's agent is off (the no-tool baseline of an agent recipe)
+        pre += [f"reward.fn={args.reward}", "reward.kwargs={}", "reward.components=[]", "rollout.agent.env=",
+                "rollout.agent.env_args={}"]
+    if args.env and args.reward:
+        raise EvalError("--env scores each episode by the environment; --reward cannot be given with it")
+    if args.env:
+        pre += [f"rollout.agent.env={args.env}", "reward.fn=null", "reward.kwargs={}", "reward.components=[]"]
     if args.n is not None:
         pre.append(f"eval.samples_per_prompt={args.n}")
     if args.k:
         pre.append(f"eval.k=[{','.join(str(k) for k in args.k)}]")
     cfg = load_config(args.config, pre + list(args.overrides))
     validate_eval_settings(cfg)
-    if cfg.reward.fn is None and cfg.reward.model.path is None:
+    validate_agent_settings(cfg)
+    if cfg.reward.fn is None and cfg.reward.model.path is None and not cfg.rollout.agent.env:
         raise ConfigError("reward.fn: nothing scores the samples; give --reward FN")
     for name, v in (("--limit", args.limit), ("--batch-size", args.batch_size)):
         if v is not None and v < 1:

@@ -163,12 +163,6 @@ def main(argv=None) -> dict:
         return dry_run(cfg, world_size=args.world_size)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dp = validate(cfg, world)
-    if cfg.rollout.agent.env:
-        # the environments, sessions and multi-turn record exist; the producer that feeds them into
-        # the training loop does not yet, and a configured agent must not be silently ignored
-        raise ConfigError(f"rollout.agent.env: is {cfg.rollout.agent.env!r}, but training with agent rollouts is "
-                          "not wired into megarl.train yet (megarl/rollout/agent.py runs sessions on their own); "
-                          "unset rollout.agent.env")
     require_installed(cfg)  # rollout.backend=sglang without sglang: the install command, now
     from megarl.run_dir import check_start_paths, inspect_run_dir, start_decision
 

@@ -244,18 +244,129 @@ def test_sealed_record_of_an_agent_run_is_the_engines_output(setup):
         assert set(origins.token_versions(b)) - {None} == {version.short_id}
 
 
-def test_training_with_an_agent_is_refused_until_it_is_wired(tmp_path):
-    """A configured agent is never silently ignored by megarl.train: one error line, exit 2,
-    nothing built or written."""
-    import subprocess
-    import sys
+class AbortingEngine:
+    """The engine's own abort path for the turns of chosen candidates (what a deadline or a weight
+    update does to a request in flight): an ``abort`` result with no tokens."""
 
-    from tests._dist import subprocess_env
+    def __init__(self, engine, abort_prefixes):
+        self.engine, self.abort_prefixes = engine, tuple(abort_prefixes)
 
-    env = subprocess_env()
-    env["MEGARL_CACHE"] = str(tmp_path / "cache")
-    p = subprocess.run([sys.executable, "-m", "megarl.train", "--config", "configs/grpo_arith_tiny.yaml",
-                        "rollout.agent.env=calculator", f"trainer.run_dir={tmp_path / 'run'}"],
-                       capture_output=True, text=True, env=env, timeout=120)
-    assert p.returncode == 2 and "error: rollout.agent.env" in p.stderr, p.stderr
-    assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()
+    def generate(self, requests, sampling):
+        from megarl.rollout.protocol import GenerationResult
+
+        out = []
+        for r in self.engine.generate(requests, sampling):
+            if r.request_id.startswith(self.abort_prefixes):
+                r = GenerationResult(request_id=r.request_id, candidate_index=r.candidate_index, prompt_ids=r.prompt_ids,
+                                     response_ids=(), finish_reason=FinishReason.ABORT, raw_log_probs=torch.zeros(0),
+                                     processed_log_probs=None, policy_version=r.policy_version, attempt=r.attempt)
+            out.append(r)
+        return out
+
+    @property
+    def active_version(self):
+        return self.engine.active_version
+
+
+def agent_engine(setup, engine=None, env=CountingEnv):
+    from megarl.rollout.agent import AgentSessionEngine
+
+    contract, base, _ = setup
+    return AgentSessionEngine(engine or base, env_factory=env, renderer=EnvTurnRenderer(contract),
+                              limits=AgentLimits(max_turns=3, max_total_tokens=60),
+                              decode=lambda ids: contract.decode(ids, skip_special_tokens=True), step_timeout_s=2.0,
+                              max_workers=4)
+
+
+def test_the_agent_engine_answers_each_candidate_with_its_episode(setup):
+    """An agent session behind the engine protocol: one result per candidate, carrying its whole
+    trajectory; a regeneration of some candidates (a later attempt) reproduces exactly their
+    trajectories and echoes the attempt; an aborted turn aborts the candidate (no tokens, the
+    served version), and its regeneration equals an undisturbed run."""
+    from megarl.rollout.protocol import GenerationRequest
+
+    contract, _, version = setup
+    sp = SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=3)
+    reqs = [GenerationRequest(rid, ids, task={"stop_after": k + 1}) for k, (rid, ids) in enumerate(prompts(contract))]
+    full = agent_engine(setup).generate(reqs, sp)
+    assert [(r.request_id, r.candidate_index) for r in full] == [(q.request_id, c) for q in reqs for c in (0, 1)]
+    for r in full:
+        t = r.episode
+        assert audit(t) == [] and r.response_ids == tuple(t.response_ids) and r.prompt_ids == t.prompt_ids
+        assert r.finish_reason is t.finish_reason is FinishReason.ENVIRONMENT and r.policy_version == version.short_id
+        assert torch.equal(r.raw_log_probs, t.log_probs_tensor()) and r.seed == t.generated[0].seed
+    assert [r.episode.turns for r in full] == [1, 1, 2, 2, 3, 3]
+    again = agent_engine(setup).generate([GenerationRequest(reqs[2].request_id, reqs[2].prompt_ids, candidate_indices=(1,),
+                                                            attempt=1, task=reqs[2].task)], sp)
+    assert len(again) == 1 and again[0].attempt == 1 and again[0].candidate_index == 1
+    # the same ids; log-probs to fp32 batch-composition noise (another batch of rows in the engine)
+    assert again[0].response_ids == full[5].response_ids
+    torch.testing.assert_close(again[0].raw_log_probs, full[5].raw_log_probs, rtol=0, atol=1e-5)
+    # the third turn of q2/c0 is aborted: that candidate only is answered abort, without tokens
+    aborting = agent_engine(setup, AbortingEngine(setup[1], ["q2/c0/t2"])).generate(reqs, sp)
+    by = {(r.request_id, r.candidate_index): r for r in aborting}
+    ab = by[("q2", 0)]
+    assert ab.finish_reason is FinishReason.ABORT and ab.response_ids == () and ab.policy_version == version.short_id
+    for r in full:
+        if (r.request_id, r.candidate_index) != ("q2", 0):
+            assert by[(r.request_id, r.candidate_index)].response_ids == r.response_ids
+
+
+def test_episodes_are_scored_by_their_environment_and_failures_stay_statuses(setup, tmp_path):
+    """EpisodeScorer: the reward is the sum of the environment's components; an environment that
+    raised, hung or returned garbage is that status with its reason (counted, quarantined),
+    never a number -- unless reward.penalty names one."""
+    import json
+    from collections import Counter
+
+    from megarl.config import TrainConfig
+    from megarl.control.interfaces import Sample
+    from megarl.control.scoring import EpisodeScorer
+    from megarl.experience.schema import RewardStatus
+    from megarl.rollout.protocol import GenerationRequest
+
+    contract = setup[0]
+    modes = ["ok", "raise", "garbage"]
+    reqs = [GenerationRequest(rid, ids, task={"stop_after": 2, "mode": m})
+            for (rid, ids), m in zip(prompts(contract), modes)]
+    results = agent_engine(setup, env=BrokenEnv).generate(reqs, SamplingParams(temperature=1.0, max_new_tokens=8,
+                                                                              n=2, seed=3))
+
+    def samples():
+        return [Sample(prompt_id=r.request_id, group_id=r.request_id, sample_id=f"{r.request_id}/c{r.candidate_index}",
+                       request_id=r.request_id, prompt_ids=r.prompt_ids, response_ids=r.response_ids,
+                       raw_log_probs=r.raw_log_probs, finish_reason=r.finish_reason, policy_version=r.policy_version,
+                       seed=r.seed, episode=r.episode) for r in results]
+
+    cfg = TrainConfig().reward
+    cfg.on_failure = "quarantine"
+    counters: Counter = Counter()
+    quarantine = tmp_path / "q.jsonl"
+    ss = samples()
+    EpisodeScorer(cfg, contract, counters, str(quarantine), True, env_name="broken").score(ss)
+    got = [(s.record.status.value, s.record.total) for s in ss]
+    assert got == [("ok", 2.0)] * 2 + [("error", None)] * 2 + [("invalid", None)] * 2, got
+    assert ss[0].record.components == {"steps": 2.0} and ss[0].record.scorer_version == "env:broken"
+    assert "the tool crashed" in ss[2].record.error and ss[2].finish_reason is FinishReason.ENV_TRUNCATED
+    assert counters["reward_failures"] == 4 and counters["env_error"] == 2 and counters["env_invalid"] == 2
+    lines = [json.loads(x) for x in quarantine.read_text().splitlines()]
+    assert [x["reward"]["status"] for x in lines] == ["error", "error", "invalid", "invalid"]
+    cfg.penalty = {"error": -1.0}
+    ss = samples()
+    EpisodeScorer(cfg, contract, Counter(), str(quarantine), True, env_name="broken").score(ss)
+    assert [s.record.total for s in ss[2:4]] == [-1.0, -1.0] and ss[4].record.status is RewardStatus.INVALID
+
+
+def test_agent_training_refuses_what_would_score_the_trajectory_as_one_response():
+    """With rollout.agent.env the environment scores each episode: a reward function, a reward
+    model, the overlong punishment or routing replay named next to it is one error naming the key."""
+    from megarl.config import ConfigError, load_config, validate
+
+    base = ["rollout.agent.env=calculator"]
+    cases = [([], "reward.fn"), (["reward.fn=null", "reward.overlong_buffer=2"], "reward.overlong_buffer"),
+             (["reward.fn=null", "algo.routing_replay=rollout"], "algo.routing_replay")]
+    for extra, key in cases:
+        cfg = load_config("configs/grpo_arith_tiny.yaml", base + extra)
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            validate(cfg, 1)
+    validate(load_config("configs/grpo_arith_tiny.yaml", base + ["reward.fn=null"]), 1)

@@ -144,10 +144,40 @@ def make_scorer(cfg, tok, runner, reward_model, counters, quarantine_path: str, 
                   max_new_tokens=cfg.rollout.max_new_tokens, shape_overlong=shape_overlong)
 
 
+def episode_scorer(cfg, tok, counters, quarantine_path: str, rank0: bool):
+    """The scorer of agent trajectories: the environment's reward components."""
+    from megarl.control.scoring import EpisodeScorer
+
+    return EpisodeScorer(cfg.reward, tok, counters, quarantine_path, rank0, env_name=cfg.rollout.agent.env)
+
+
+def agent_engine(cfg, tok, engine):
+    """``rollout.agent``: the engine wrapped so that each candidate is a multi-turn session
+    against a fresh environment (:class:`megarl.rollout.agent.AgentSessionEngine`), and the
+    chat-template report of the start-up check (:func:`megarl.envs.render.check_template`).
+    ``engine`` None (a rank that holds none) stays None."""
+    from megarl.envs.protocol import load_environment
+    from megarl.envs.render import EnvTurnRenderer, check_template
+    from megarl.rollout.agent import AgentLimits, AgentSessionEngine
+
+    ag = cfg.rollout.agent
+    report = check_template(tok)
+    if engine is None:
+        return None, report
+    renderer = EnvTurnRenderer(tok)
+    return AgentSessionEngine(engine, env_factory=load_environment(ag.env, **ag.env_args), renderer=renderer,
+                              limits=AgentLimits(max_turns=ag.max_turns, max_total_tokens=ag.max_total_tokens),
+                              decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+                              step_timeout_s=ag.step_timeout_s, max_workers=ag.max_workers,
+                              encode_prompt=tok.encode_prompt), report
+
+
 def evaluation_scorer(cfg, tok, counters, quarantine_path: str):
     """``(scorer, runner, reward function)`` for an evaluation outside a training run (one
-    process): the configured reward under its runner, scored like the held-out evaluation.
-    Close the runner after use."""
+    process): the configured reward under its runner, scored like the held-out evaluation (an
+    agent's episodes by their environment: no runner, no function).  Close the runner after use."""
+    if cfg.rollout.agent.env:
+        return episode_scorer(cfg, tok, counters, quarantine_path, True), None, None
     fn, runner, reward_model = _rewards(cfg, None, rank0=True)
     scorer = make_scorer(cfg, tok, runner, reward_model, counters, quarantine_path, True, shape_overlong=False)
     return scorer, runner, fn
@@ -205,15 +235,25 @@ def wire_components(cfg, parts: Parts, eng: EngineParts, *, sm, progress, run_di
         return make_scorer(cfg, parts.tok, parts.reward_runner, parts.reward_model, counters, quarantine, rank0,
                            shape_overlong=shape_overlong)
 
+    agentic = bool(cfg.rollout.agent.env)
+    rollout_engine = eng.engine
+    if agentic:  # a second rollout producer: every candidate a session with the environment
+        from megarl.control.production import AgentRolloutProducer
+
+        rollout_engine, report = agent_engine(cfg, parts.tok, eng.engine)
+        if rank0:
+            print(f"rollout.agent.env={cfg.rollout.agent.env}: chat template {report.rule}", flush=True)
+
     publisher = WeightPublisher(
         actor=parts.actor, critic=parts.critic, engine=eng.engine, placement=eng.placement, sm=sm,
         time_slice=time_slice, counters=counters, sync_dtype=eng.sync_dtype, bucket_mb=cfg.rollout.bucket_mb,
         max_retries=cfg.rollout.max_retries, corrupt_at=cfg.faults.corrupt_weight_sync_at, injector=parts.injector,
         rank0=rank0)
-    producer = GroupRolloutProducer(
+    producer = (AgentRolloutProducer if agentic else GroupRolloutProducer)(
         cfg, grouped=advantage_needs(cfg.algo.advantage).groups, train_data=parts.train_data, sampler=parts.sampler,
-        engine=eng.engine, placement=eng.placement, scorer=scorer(True), sm=sm, counters=counters, run_id=run_id,
-        quarantine_path=quarantine)
+        engine=rollout_engine, placement=eng.placement,
+        scorer=episode_scorer(cfg, parts.tok, counters, quarantine, rank0) if agentic else scorer(True), sm=sm,
+        counters=counters, run_id=run_id, quarantine_path=quarantine)
     preparer = ExperiencePreparer(
         cfg, actor=parts.actor, reference=parts.reference, critic=parts.critic, time_slice=time_slice, sm=sm,
         kl_ctl=parts.kl_ctl, progress=progress, pad_id=eng.pad_id, run_id=run_id,
@@ -225,7 +265,8 @@ def wire_components(cfg, parts: Parts, eng: EngineParts, *, sm, progress, run_di
         learning_actor = FaultyActor(parts.actor, parts.injector, cfg.algo.ppo_epochs * cfg.algo.num_mini_batches)
     learner = Learner(cfg, actor=learning_actor, critic=parts.critic, sm=sm, kl_ctl=parts.kl_ctl, counters=counters,
                       dp=dp, sync_dtype=eng.sync_dtype, rank0=rank0, ckpt_root=ckpt_root)
-    evaluator = Evaluator(cfg.eval, parts.heldout, engine=eng.engine, placement=eng.placement, scorer=scorer(False),
+    evaluator = Evaluator(cfg.eval, parts.heldout, engine=rollout_engine, placement=eng.placement,
+                          scorer=episode_scorer(cfg, parts.tok, counters, quarantine, rank0) if agentic else scorer(False),
                           progress=progress, run_id=run_id, default_max_new_tokens=cfg.rollout.max_new_tokens,
                           max_retries=cfg.rollout.max_retries, decode=parts.tok.decode,
                           results_dir=os.path.join(run_dir, "eval") if cfg.eval.save_results and rank0 else None)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megarl.control.interfaces import RunProgress, SampleScorer
 from megarl.control.placement import Placement
 from megarl.evaluation.core import evaluate_prompts
-from megarl.evaluation.estimators import accuracy_metrics, per_source_metrics, result_row
+from megarl.evaluation.estimators import accuracy_metrics, episode_metrics, per_source_metrics, result_row
 from megarl.rollout.protocol import SamplingParams
 from megarl.versions import PolicyVersion
 
@@ -73,6 +73,7 @@ class Evaluator:
                                     source_field=e.source_field)
         m = accuracy_metrics(outcomes, e.success_threshold)
         m.update(per_source_metrics(outcomes, lambda ps, prefix: accuracy_metrics(ps, e.success_threshold, prefix)))
+        m.update(episode_metrics(outcomes, e.success_threshold))  # agent episodes: turns, tool calls
         acc = m["eval/accuracy"]
         self.progress.last_eval = None if math.isnan(acc) else acc
         self.progress.last_eval_unscored = (len(recs) - m["eval/scored"], len(recs))

@@ -21,7 +21,8 @@ from megarl.versions import PolicyVersion
 class Sample:
     """One candidate on its way to the experience record: what the engine generated for it
     (ids, raw log-probs, finish reason, the version that generated it, for an MoE model asked for
-    it the experts it was routed to) and, once scored, its reward record."""
+    it the experts it was routed to, for an agent session its whole episode) and, once scored,
+    its reward record."""
 
     prompt_id: str
     group_id: str
@@ -36,6 +37,9 @@ class Sample:
     record: Optional[RewardRecord] = None
     prompt: object = None  # the PromptRecord
     routed_experts: Optional[SampleRouting] = None  # MoE: the engine's routing (algo.routing_replay=rollout)
+    #: an agent session's trajectory (``megarl.rollout.agent.Trajectory``: per-token sources, turns,
+    #: versions; the environment's reward components and status); None for a single-turn sample
+    episode: object = None
 
 
 @dataclass

@@ -24,7 +24,7 @@ from megarl.algo.registry import advantage_needs, get_advantage
 from megarl.algo.reward_shaping import kl_shaped_token_rewards, place_outcome_rewards
 from megarl.algo.rollout_correction import RolloutCorrectionConfig, rollout_correction
 from megarl.algo.routing import routing_load_metrics
-from megarl.control.batch import collate
+from megarl.control.batch import collate, collate_trajectories
 from megarl.control.interfaces import ProducedRollout, RunProgress
 from megarl.control.state_machine import IterationStateMachine, SealEvidence
 from megarl.errors import MegarlError
@@ -78,8 +78,16 @@ class ExperiencePreparer:
                 raise RuntimeError(f"algo.routing_replay={a.routing_replay}, but the engine returned no routed experts for "
                                    f"{len(lacking)} sample(s), e.g. {lacking[0]}")
             routing = [s.routed_experts for s in samples]
-        c = collate([s.prompt_ids for s in samples], [s.response_ids for s in samples],
-                    [s.raw_log_probs for s in samples], self.pad_id, routing=routing, version=v)
+        if any(s.episode is not None for s in samples):  # agent trajectories: per-token origins
+            if not all(s.episode is not None for s in samples):
+                raise RuntimeError(f"iteration {k}: agent trajectories mixed with single-turn samples in one batch")
+            ep = [s.episode for s in samples]
+            c = collate_trajectories([s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                                     [s.raw_log_probs for s in samples], [t.source for t in ep], [t.turn for t in ep],
+                                     [t.token_versions for t in ep], self.pad_id, routing=routing, version=v)
+        else:
+            c = collate([s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                        [s.raw_log_probs for s in samples], self.pad_id, routing=routing, version=v)
         mbs, pack = a.forward_micro_batch_size, a.pack_sequences
         m: Dict[str, float] = {}
         self.time_slice.release()

@@ -81,7 +81,7 @@ class GroupRolloutProducer:
             for j, rec in enumerate(records):
                 gid = f"{self.run_id}/it{k}/r{rnd}/p{j:03d}"
                 by_group[gid] = rec
-                requests.append(GenerationRequest(gid, tuple(rec.prompt_ids)))
+                requests.append(GenerationRequest(gid, tuple(rec.prompt_ids), task=rec.task()))
                 buffer.open_group(gid, rec.prompt_id, v, [f"{gid}/c{c:02d}" for c in range(G)])
             m["rollout/prompts"] += len(records)
             sampling = training_sampling(cfg.rollout, cfg.trainer.seed, k, rnd,
@@ -156,7 +156,8 @@ class GroupRolloutProducer:
                               sample_id=f"{r.request_id}/c{r.candidate_index:02d}", request_id=r.request_id,
                               prompt_ids=r.prompt_ids, response_ids=r.response_ids, raw_log_probs=r.raw_log_probs,
                               finish_reason=r.finish_reason, policy_version=r.policy_version, seed=r.seed,
-                              prompt=by_group[r.request_id], routed_experts=r.routed_experts) for r in fresh]
+                              prompt=by_group[r.request_id], routed_experts=r.routed_experts,
+                              episode=r.episode) for r in fresh]
             m["rollout/samples"] += len(samples)
             finished = [s for s in samples if s.finish_reason is not FinishReason.ABORT]
             t0 = time.perf_counter()
@@ -200,7 +201,29 @@ class GroupRolloutProducer:
                     continue
                 by_req.setdefault((rr.group_id, rr.attempt), []).append(int(rr.sample_id.rsplit("/c", 1)[1]))
             requests = [GenerationRequest(gid, tuple(by_group[gid].prompt_ids), candidate_indices=tuple(sorted(cs)),
-                                          attempt=att) for (gid, att), cs in sorted(by_req.items())]
+                                          attempt=att, task=by_group[gid].task())
+                        for (gid, att), cs in sorted(by_req.items())]
+
+
+class AgentRolloutProducer(GroupRolloutProducer):
+    """The agent producer: the same groups, ids, regeneration and group rule as
+    :class:`GroupRolloutProducer`, with every candidate a multi-turn session
+    (``engine`` is a :class:`megarl.rollout.agent.AgentSessionEngine`: a candidate's result is
+    its whole trajectory) scored by its environment
+    (:class:`megarl.control.scoring.EpisodeScorer`).  Adds ``rollout/agent/*``: turns and tool
+    calls per trajectory, the environment-token share, per-step latency, finish reasons."""
+
+    def produce(self, k: int, version: PolicyVersion, timer: StageTimer) -> ProducedRollout:
+        from megarl.rollout.agent import agent_metrics
+
+        out = super().produce(k, version, timer)
+        out.metrics.update(agent_metrics([s.episode for s in out.samples]))
+        return out
+
+
+#: finish reasons of a trajectory the limits cut (bootstrapped, not terminal): the token budget,
+#: the turn limit, the environment's truncation
+_CUT = (FinishReason.LENGTH, FinishReason.MAX_TURNS, FinishReason.ENV_TRUNCATED)
 
 
 def rollout_metrics(samples: List[Sample], m: Dict[str, float], gen_s: float) -> Dict[str, float]:
@@ -211,7 +234,9 @@ def rollout_metrics(samples: List[Sample], m: Dict[str, float], gen_s: float) ->
     m["rollout/samples_accepted"] = len(samples)
     m["rollout/prompt_tokens"] = float(plens.sum())
     m["rollout/response_tokens"] = float(lens.sum())
-    m["rollout/action_tokens"] = float(lens.sum())
+    # the policy's sampled tokens (an agent trajectory's environment tokens are not actions)
+    m["rollout/action_tokens"] = float(sum(len(s.response_ids) if s.episode is None else s.episode.source.count(1)
+                                           for s in samples))
     m["rollout/tokens_per_s"] = float(lens.sum()) / gen_s if gen_s > 0 else 0.0
     m["rollout/response_len_mean"] = float(lens.mean())
     m["rollout/response_len_min"] = float(lens.min())
@@ -219,7 +244,7 @@ def rollout_metrics(samples: List[Sample], m: Dict[str, float], gen_s: float) ->
     m["rollout/response_len_p50"] = _percentile(lens, 0.5)
     m["rollout/response_len_p90"] = _percentile(lens, 0.9)
     m["rollout/eos_share"] = sum(s.finish_reason is FinishReason.EOS for s in samples) / len(samples)
-    m["rollout/truncated_share"] = sum(s.finish_reason is FinishReason.LENGTH for s in samples) / len(samples)
+    m["rollout/truncated_share"] = sum(s.finish_reason in _CUT for s in samples) / len(samples)
     m["rollout/reward_mean"] = float(totals.mean())
     m["rollout/reward_std"] = float(totals.std()) if len(samples) > 1 else 0.0
     comps: Dict[str, List[float]] = {}

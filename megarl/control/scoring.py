@@ -36,7 +36,6 @@ class Scorer:
         """Rewards for ``samples``, in place (``Sample.record``)."""
         from megarl.rewards.base import RewardSample
         from megarl.algo.reward_shaping import with_overlong_component
-        from megarl.rewards.runner import apply_penalties
 
         rs = [RewardSample(sample_id=s.sample_id, prompt_id=s.prompt_id, group_id=s.group_id,
                            prompt_text=(s.prompt.text if s.prompt.text is not None
@@ -63,19 +62,7 @@ class Scorer:
         if self.overlong_buffer is not None:  # DAPO soft overlong punishment, on ok scores only
             records = [with_overlong_component(rec, len(s.response_ids), self.max_new_tokens, self.overlong_buffer)
                        for rec, s in zip(records, samples)]
-        records = apply_penalties(records, self.cfg.penalty)
-        for s, r in zip(samples, records):
-            s.record = r
-        failed = [s for s in samples if s.record.status is not RewardStatus.OK]
-        if failed and self.rank0 and self.cfg.on_failure == "quarantine":
-            with open(self.quarantine_path, "a") as f:
-                for s in failed:
-                    f.write(json.dumps({"sample_id": s.sample_id, "prompt_id": s.prompt_id,
-                                        "policy_version": s.policy_version,
-                                        "response_text": self.tok.decode(s.response_ids),
-                                        "response_ids": list(s.response_ids),
-                                        "reward": s.record.to_json()}) + "\n")
-        self.counters["reward_failures"] += len(failed)
+        record_scores(samples, records, self.cfg, self.tok, self.counters, self.quarantine_path, self.rank0)
 
     def _add_reward_model(self, rs, records):
         """The reward model's score (collective) added to each ok rule record, or alone."""
@@ -96,3 +83,57 @@ class Scorer:
             version = f"{base.scorer_version}+{rm.version}" if base is not None else rm.version
             merged.append(RewardRecord(total=total, components=comps, scorer_version=version))
         return merged
+
+
+def record_scores(samples: List[Sample], records, reward_cfg, tok, counters: Counter, quarantine_path: str,
+                  rank0: bool) -> None:
+    """The records onto the samples, failures turned into ``reward.penalty`` numbers where it
+    names one; what stays failed is counted and, under ``reward.on_failure=quarantine``, written
+    to the quarantine file (rank 0)."""
+    from megarl.rewards.runner import apply_penalties
+
+    records = apply_penalties(records, reward_cfg.penalty)
+    for s, r in zip(samples, records):
+        s.record = r
+    failed = [s for s in samples if s.record.status is not RewardStatus.OK]
+    if failed and rank0 and reward_cfg.on_failure == "quarantine":
+        with open(quarantine_path, "a") as f:
+            for s in failed:
+                f.write(json.dumps({"sample_id": s.sample_id, "prompt_id": s.prompt_id,
+                                    "policy_version": s.policy_version,
+                                    "response_text": tok.decode(s.response_ids),
+                                    "response_ids": list(s.response_ids),
+                                    "reward": s.record.to_json()}) + "\n")
+    counters["reward_failures"] += len(failed)
+
+
+class EpisodeScorer:
+    """Scores agent trajectories by their environment: the reward is the sum of the reward
+    components the environment returned over the episode's steps (``Sample.episode``).
+
+    An environment that failed (``error`` / ``timeout`` / ``invalid``) makes the sample's record
+    that status with the environment's reason -- never a number, unless ``reward.penalty``
+    names one -- and the group rule applies as for a failed reward function.  An episode that
+    ended without the environment rewarding anything (the token budget, ``max_turns``) scores
+    0.0: that is the environment's outcome, not a failure.  Every rank scores the same gathered
+    trajectories, so nothing is broadcast."""
+
+    def __init__(self, reward_cfg, tok, counters: Counter, quarantine_path: str, rank0: bool, env_name: str):
+        self.cfg, self.tok, self.counters, self.quarantine_path, self.rank0 = reward_cfg, tok, counters, quarantine_path, rank0
+        self.version = f"env:{env_name}"
+
+    def score(self, samples: List[Sample]) -> None:
+        records = []
+        for s in samples:
+            t = s.episode
+            if t is None:
+                raise ValueError(f"{s.sample_id}: the agent's scorer got a sample without its episode")
+            if t.env_status != "ok":
+                records.append(RewardRecord(total=None, scorer_version=self.version, status=RewardStatus(t.env_status),
+                                            error=f"environment: {t.env_error or t.env_status}"))
+                self.counters[f"env_{t.env_status}"] += 1
+                continue
+            comps = dict(t.reward_components)
+            records.append(RewardRecord(total=float(sum(comps.values())), components=comps,
+                                        scorer_version=self.version))
+        record_scores(samples, records, self.cfg, self.tok, self.counters, self.quarantine_path, self.rank0)

@@ -74,6 +74,13 @@ class PromptRecord:
     messages: tuple[Mapping[str, str], ...] | None
     ground_truth: Mapping[str, Any]
 
+    def task(self) -> dict:
+        """The row an agent environment starts on (``Environment.reset``): the ground-truth
+        fields, plus ``prompt`` (the prompt text, None for a chat prompt) and ``messages`` (the
+        chat prompt's messages, None for a text prompt)."""
+        return {**self.ground_truth, "prompt": self.text,
+                "messages": None if self.messages is None else [dict(m) for m in self.messages]}
+
 
 @dataclass
 class PromptDataset:

@@ -47,7 +47,8 @@ def generate_candidates(engine, placement: Placement, requests: Sequence[Generat
             if lost:
                 # the whole request again when every candidate is missing, else only the lost ones
                 idx = q.candidate_indices if len(lost) == len(q.candidates(n)) else lost
-                retry.append(GenerationRequest(q.request_id, q.prompt_ids, candidate_indices=idx, attempt=attempt + 1))
+                retry.append(GenerationRequest(q.request_id, q.prompt_ids, candidate_indices=idx, attempt=attempt + 1,
+                                               task=q.task))
         todo = retry
     return out
 
@@ -64,7 +65,7 @@ def evaluate_prompts(records: Sequence, request_ids: Sequence[str], *, engine, p
     :class:`PromptOutcome` per record (in order).  ``decode`` (the tokenizer contract's decode,
     special tokens skipped) fills the response texts of the outcomes; ``source_field`` names the
     ground-truth field that gives a prompt's source."""
-    requests = [GenerationRequest(rid, tuple(r.prompt_ids)) for r, rid in zip(records, request_ids)]
+    requests = [GenerationRequest(rid, tuple(r.prompt_ids), task=r.task()) for r, rid in zip(records, request_ids)]
     got = generate_candidates(engine, placement, requests, sampling, max_retries, counters)
     samples: List[Sample] = []
     for rec, req in zip(records, requests):
@@ -77,7 +78,7 @@ def evaluate_prompts(records: Sequence, request_ids: Sequence[str], *, engine, p
             samples.append(Sample(prompt_id=rec.prompt_id, group_id=req.request_id, sample_id=sid,
                                   request_id=req.request_id, prompt_ids=req.prompt_ids, response_ids=r.response_ids,
                                   raw_log_probs=r.raw_log_probs, finish_reason=r.finish_reason,
-                                  policy_version=r.policy_version, seed=r.seed, prompt=rec))
+                                  policy_version=r.policy_version, seed=r.seed, prompt=rec, episode=r.episode))
     scorer.score(samples)
     scored = {(s.request_id, s.sample_id): s for s in samples}
     outcomes = []
@@ -94,7 +95,9 @@ def evaluate_prompts(records: Sequence, request_ids: Sequence[str], *, engine, p
             cands.append(Candidate(index=c, status=rec_.status.value, reward=rec_.total if ok else None,
                                    response_text=None if decode is None else decode(s.response_ids),
                                    response_len=len(s.response_ids), finish_reason=s.finish_reason.value,
-                                   error=rec_.error, components=dict(rec_.components)))
+                                   error=rec_.error, components=dict(rec_.components),
+                                   turns=None if s.episode is None else s.episode.turns,
+                                   tool_calls=None if s.episode is None else s.episode.tool_calls))
         source = rec.ground_truth.get(source_field) if source_field else None
         outcomes.append(PromptOutcome(index=i, prompt_id=rec.prompt_id, prompt=_prompt_of(rec), source=source,
                                       candidates=cands))

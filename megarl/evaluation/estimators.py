@@ -27,7 +27,7 @@ from fractions import Fraction
 from typing import Callable, Dict, List, Optional, Sequence
 
 __all__ = ["Candidate", "PromptOutcome", "pass_at_k", "maj_at_k", "accuracy_metrics", "sampled_metrics",
-           "per_source_metrics", "result_row"]
+           "per_source_metrics", "result_row", "episode_metrics"]
 
 LOST = "lost"
 
@@ -45,6 +45,8 @@ class Candidate:
     finish_reason: Optional[str] = None
     error: Optional[str] = None
     components: Dict[str, float] = field(default_factory=dict)
+    turns: Optional[int] = None  # an agent episode's policy turns (None: single-turn)
+    tool_calls: Optional[int] = None  # ... and the tool messages it got
 
     @property
     def scored(self) -> bool:
@@ -156,6 +158,23 @@ def result_row(p: PromptOutcome, threshold: float, answer_of: Optional[Callable[
                statuses=[c.status for c in cs], correct=[c.correct(threshold) for c in cs],
                finish_reasons=[c.finish_reason for c in cs], errors=[c.error for c in cs],
                components=[c.components for c in cs])
+    if any(c.turns is not None for c in cs):
+        row.update(turns=[c.turns for c in cs], tool_calls=[c.tool_calls for c in cs])
     if answer_of is not None:
         row["answers"] = [None if c.response_text is None else answer_of(c.response_text) for c in cs]
     return row
+
+
+def episode_metrics(prompts: Sequence[PromptOutcome], threshold: float, prefix: str = "eval/") -> Dict[str, float]:
+    """Agent episodes over the scored candidates: mean turns, the share that called a tool, and
+    the accuracy of those that did and of those that did not (NaN where there are none); empty
+    for single-turn outcomes."""
+    cs = [c for p in prompts for c in p.candidates if c.scored and c.turns is not None]
+    if not cs:
+        return {}
+    called = [c for c in cs if c.tool_calls]
+    plain = [c for c in cs if not c.tool_calls]
+    acc = lambda xs: _mean([float(c.correct(threshold)) for c in xs])  # noqa: E731
+    return {f"{prefix}turns_mean": _mean([float(c.turns) for c in cs]),
+            f"{prefix}tool_call_rate": len(called) / len(cs),
+            f"{prefix}accuracy_with_tool_call": acc(called), f"{prefix}accuracy_without_tool_call": acc(plain)}

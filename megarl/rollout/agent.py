@@ -56,6 +56,7 @@ class Trajectory:
     request_id: str
     candidate_index: int
     prompt_ids: Tuple[int, ...]
+    attempt: int = 0  # the request's attempt this trajectory answers
     response_ids: List[int] = field(default_factory=list)
     source: List[int] = field(default_factory=list)
     turn: List[int] = field(default_factory=list)
@@ -140,13 +141,16 @@ def audit(traj: Trajectory) -> List[str]:
     return [f"{traj.request_id}/{traj.candidate_index}: {b}" for b in bad]
 
 
-def run_agent_rollouts(engine, prompts: Sequence[Tuple[str, Tuple[int, ...]]], rows: Sequence[Mapping[str, Any]],
-                       env_factory: Callable[[], Any], renderer, sampling: SamplingParams, limits: AgentLimits,
-                       *, decode: Callable[[Sequence[int]], str], step_timeout_s: float, max_workers: int,
+def run_agent_rollouts(engine, prompts: Sequence[GenerationRequest | Tuple[str, Tuple[int, ...]]],
+                       rows: Optional[Sequence[Mapping[str, Any]]], env_factory: Callable[[], Any], renderer,
+                       sampling: SamplingParams, limits: AgentLimits, *, decode: Callable[[Sequence[int]], str],
+                       step_timeout_s: float, max_workers: int,
                        encode_prompt: Optional[Callable[[Sequence], List[int]]] = None,
                        prompt_messages: Optional[Sequence[Optional[Sequence]]] = None) -> List[Trajectory]:
-    """``sampling.n`` trajectories per prompt ``(request_id, prompt_ids)`` (``rows[i]`` is the
-    environment's row of prompt i: ground truth and task data).
+    """The trajectories of every candidate of ``prompts``: requests (their ``candidate_indices``
+    of ``sampling.n``, their ``attempt``) or ``(request_id, prompt_ids)`` pairs (all ``n``).
+    ``rows[i]`` is the environment's row of prompt i (ground truth and task data); None takes
+    each request's ``task``.
 
     ``decode`` turns a policy turn's ids into the action text the environment reads.  An
     environment whose ``reset`` returns messages has them appended to the prompt's messages
@@ -157,12 +161,18 @@ def run_agent_rollouts(engine, prompts: Sequence[Tuple[str, Tuple[int, ...]]], r
 
     if limits.max_turns < 1 or limits.max_total_tokens < 1:
         raise ValueError(f"agent limits must be >= 1, got {limits}")
+    reqs = [p if isinstance(p, GenerationRequest) else GenerationRequest(p[0], tuple(p[1])) for p in prompts]
     trajs: List[Trajectory] = []
     env_rows: List[Mapping[str, Any]] = []
-    for i, (rid, ids) in enumerate(prompts):
-        for c in range(sampling.n):
-            trajs.append(Trajectory(rid, c, tuple(int(t) for t in ids)))
-            env_rows.append(rows[i])
+    prompt_of: List[int] = []  # the prompt index of each trajectory
+    for i, q in enumerate(reqs):
+        row = q.task if rows is None else rows[i]
+        if row is None:
+            raise ValueError(f"{q.request_id}: an agent session needs the environment's row (GenerationRequest.task)")
+        for c in q.candidates(sampling.n):
+            trajs.append(Trajectory(q.request_id, c, q.prompt_ids, attempt=q.attempt))
+            env_rows.append(row)
+            prompt_of.append(i)
     position = {id(t): j for j, t in enumerate(trajs)}  # a trajectory's environment in the pool
     pool = EnvironmentPool(env_factory, step_timeout_s=step_timeout_s, max_workers=max_workers)
     try:
@@ -173,7 +183,7 @@ def run_agent_rollouts(engine, prompts: Sequence[Tuple[str, Tuple[int, ...]]], r
                 continue
             extra = tuple(res.outcome.observation) if res.outcome is not None else ()
             if extra:
-                i = j // sampling.n
+                i = prompt_of[j]
                 msgs = None if prompt_messages is None else prompt_messages[i]
                 if msgs is None or encode_prompt is None:
                     raise ValueError(f"{t.request_id}: the environment's reset returned messages, but the prompt is "
@@ -194,13 +204,21 @@ def run_agent_rollouts(engine, prompts: Sequence[Tuple[str, Tuple[int, ...]]], r
             for cap, group in sorted(by_limit.items()):
                 sp = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                                     max_new_tokens=cap, stop_token_ids=stops, n=1, seed=sampling.seed)
-                reqs = [GenerationRequest(f"{t.request_id}/c{t.candidate_index}/t{t.turns}",
-                                          t.prompt_ids + tuple(t.response_ids)) for t in group]
-                for t, res in zip(group, engine.generate(reqs, sp)):
-                    results[id(t)] = res
+                turn_reqs = [GenerationRequest(f"{t.request_id}/c{t.candidate_index}/t{t.turns}",
+                                               t.prompt_ids + tuple(t.response_ids)) for t in group]
+                # keyed by id: an engine may answer out of order, twice, or not at all
+                got = {r.request_id: r for r in engine.generate(turn_reqs, sp) if r.candidate_index == 0}
+                for t, q in zip(group, turn_reqs):
+                    if q.request_id in got:
+                        results[id(t)] = got[q.request_id]
             stepping: List[Trajectory] = []
             for t in active:
-                res = results[id(t)]
+                res = results.get(id(t))
+                if res is None or res.finish_reason is FinishReason.ABORT:
+                    # the engine gave the turn up (a deadline, a weight update): the whole
+                    # candidate is regenerated from its request (same seeds), never continued
+                    t.finish_reason = FinishReason.ABORT
+                    continue
                 t.append_policy_turn(res)
                 if res.finish_reason is FinishReason.LENGTH:
                     # the turn was cut by its token limit: no complete action for the environment
@@ -274,3 +292,59 @@ def agent_metrics(trajs: Sequence[Trajectory], prefix: str = "rollout/agent") ->
     for reason in {t.finish_reason for t in trajs if t.finish_reason is not None}:
         m[f"{prefix}/finish/{reason.value}"] = sum(1 for t in trajs if t.finish_reason is reason) / n
     return m
+
+
+def episode_result(t: Trajectory) -> GenerationResult:
+    """A finished trajectory as the engine-level result of its candidate: the whole token list
+    after the prompt as ``response_ids`` (raw log-probs 0.0 on environment tokens), the last
+    policy token's version, the first turn's seed, and the trajectory itself as ``episode``."""
+    version = t.policy_version
+    first = t.generated[0] if t.generated else None
+    return GenerationResult(request_id=t.request_id, candidate_index=t.candidate_index, prompt_ids=t.prompt_ids,
+                            response_ids=tuple(t.response_ids), finish_reason=t.finish_reason,
+                            raw_log_probs=t.log_probs_tensor(), processed_log_probs=None,
+                            policy_version=version if version is not None else "",
+                            seed=first.seed if first is not None else None, attempt=t.attempt, episode=t)
+
+
+class AgentSessionEngine:
+    """A rollout engine whose candidates are whole multi-turn sessions.
+
+    ``generate(requests, sampling)`` runs :func:`run_agent_rollouts` over the wrapped engine
+    (each request's ``task`` is its environment's row) and answers one
+    :class:`~megarl.rollout.protocol.GenerationResult` per candidate (:func:`episode_result`),
+    so everything that drives an engine -- placement over inference groups, regeneration of lost
+    candidates by sample id, the group buffer, the evaluation loop -- drives agents unchanged.
+    A candidate the engine aborted (or never answered) in any turn is answered ``abort`` with no
+    tokens: it is regenerated from its request, with the same per-turn seeds.  Weight loading and
+    the other engine calls go to the wrapped engine (:attr:`engine`).
+    """
+
+    def __init__(self, engine, *, env_factory: Callable[[], Any], renderer, limits: AgentLimits,
+                 decode: Callable[[Sequence[int]], str], step_timeout_s: float, max_workers: int,
+                 encode_prompt: Optional[Callable[[Sequence], List[int]]] = None):
+        self.engine, self.env_factory, self.renderer, self.limits = engine, env_factory, renderer, limits
+        self.decode, self.step_timeout_s, self.max_workers = decode, step_timeout_s, max_workers
+        self.encode_prompt = encode_prompt
+
+    def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> List[GenerationResult]:
+        messages = [q.task.get("messages") if q.task is not None else None for q in requests]
+        trajs = run_agent_rollouts(self.engine, list(requests), None, self.env_factory, self.renderer, sampling,
+                                   self.limits, decode=self.decode, step_timeout_s=self.step_timeout_s,
+                                   max_workers=self.max_workers, encode_prompt=self.encode_prompt,
+                                   prompt_messages=messages)
+        active = getattr(self.engine, "active_version", None)
+        served = active.short_id if active is not None else ""
+        out = []
+        for t in trajs:
+            if t.finish_reason is FinishReason.ABORT:
+                out.append(GenerationResult(request_id=t.request_id, candidate_index=t.candidate_index,
+                                            prompt_ids=t.prompt_ids, response_ids=(), finish_reason=FinishReason.ABORT,
+                                            raw_log_probs=torch.zeros(0), processed_log_probs=None,
+                                            policy_version=t.policy_version or served, attempt=t.attempt))
+            else:
+                out.append(episode_result(t))
+        return out
+
+    def __getattr__(self, name):  # weight loading, activation, memory release, version, dtype
+        return getattr(self.engine, name)

@@ -17,9 +17,9 @@ A generic ``log_probs`` field is deliberately absent: the probability space that
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -141,12 +141,15 @@ class GenerationRequest:
     rollout failure): candidate i keeps its seed ``candidate_seed(seed, request_id, i)``, so a
     retry draws from the same per-candidate stream as the lost attempt.  ``attempt`` is echoed
     in every result so that a late result of an older attempt can be told from the retry's.
+    ``task``: the row an agent session's environment starts on (``Environment.reset``); a plain
+    engine never reads it.
     """
 
     request_id: str
     prompt_ids: tuple[int, ...]
     candidate_indices: tuple[int, ...] | None = None  # None: 0 .. n-1
     attempt: int = 0
+    task: Mapping[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if not self.request_id:
@@ -199,6 +202,10 @@ class GenerationResult:
     #: (from the prefill) and every response token but the last, ``(len(prompt_ids) +
     #: len(response_ids) - 1, layers, top_k)``
     routed_experts: SampleRouting | None = None
+    #: an agent session's whole episode (``megarl.rollout.agent.Trajectory``): then
+    #: ``response_ids`` is every token after the prompt, policy and environment ones interleaved,
+    #: ``raw_log_probs`` 0.0 on the environment's, and ``policy_version`` its last policy token's
+    episode: Any = field(default=None, compare=False)
 
     def __post_init__(self):
         n = len(self.response_ids)
