@@ -254,16 +254,17 @@ def test_agent_config_defaults_and_validation():
     assert (ag.env, ag.env_args, ag.max_turns, ag.max_total_tokens, ag.step_timeout_s, ag.max_workers) == \
         ("", {}, 4, 1024, 10.0, 8)
     validate(copy.deepcopy(cfg), 1)
-    ok = load_config(GRPO, ["rollout.agent.env=calculator", "rollout.agent.env_args.max_calls=2"])
+    ok = load_config(GRPO, ["rollout.agent.env=calculator", "rollout.agent.env_args.max_calls=2", "reward.fn=null"])
     assert ok.rollout.agent.env_args == {"max_calls": 2}
     validate(ok, 1)
-    validate(load_config(GRPO, [f"rollout.agent.env={FAULTY}"]), 1)
+    validate(load_config(GRPO, [f"rollout.agent.env={FAULTY}", "reward.fn=null"]), 1)
     for overrides, key, what in [
         (["rollout.agent.env=calculater"], "rollout.agent.env:", "neither a built-in"),
         (["rollout.agent.env=calculator", "rollout.agent.env_args.digits=3"], "rollout.agent.env_args:",
          "does not accept ['digits']"),
         (["rollout.agent.env_args.max_calls=2"], "rollout.agent.env_args:", "rollout.agent.env is empty"),
         (["rollout.agent.env=two_turn", "data.apply_chat_template=false"], "data.apply_chat_template:", "two_turn"),
+        (["rollout.agent.env=two_turn"], "reward.fn:", "scores each episode by the environment"),
         (["rollout.agent.max_turns=0"], "rollout.agent.max_turns:", "must be >= 1"),
         (["rollout.agent.step_timeout_s=0"], "rollout.agent.step_timeout_s:", "must be > 0"),
         (["rollout.agent.max_workers=0"], "rollout.agent.max_workers:", "must be >= 1"),

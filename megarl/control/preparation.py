@@ -171,7 +171,9 @@ class ExperiencePreparer:
         self.sm.seal_experience(SealEvidence(
             samples_expected=sum(produced.real_sizes.values()), samples_written=facts.batch_size,
             groups_expected=len(produced.real_sizes), groups_complete=groups_complete,
-            sample_version_ids=frozenset(facts.policy_version)))
+            # every policy token's version, not only each sample's last (an agent's earlier turns)
+            sample_version_ids=frozenset(facts.policy_version) | frozenset(
+                c.token_origins.versions if c.token_origins is not None else ())))
         hashes = gather_objects(sealed.content_hash)
         if len(set(hashes)) != 1:
             raise RuntimeError(f"ranks sealed different experience: {hashes}")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: one program on one GPU, under 8 minutes, ending in a table (one row per check:
-# the sglang backend against the megatron actor, weight sync, sleep/wake, offload, bf16, GB/s),
+# the sglang backend against the megatron actor, weight sync, sleep/wake, offload, bf16, GB/s,
+# agent sessions continuing from input_ids),
 # then the mixture-of-experts program (tests/gpu/test_moe_sglang.py, its own table, under 5
 # minutes): SGLang's routed experts returned and replayed in the actor on one GPU, and EP=2
 # weight sync into SGLang on two GPUs (a SKIP row, not a failure, when only one is present).

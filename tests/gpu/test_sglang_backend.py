@@ -22,7 +22,12 @@ Rows (each a pass/fail with its figures; a row whose inputs failed is "not run")
 6. weight sync of the updated actor (v1): the engine's greedy output changes and equals that of
    a fresh SGLang engine started from an HF export of v1;
 7. bf16 end to end: actor params, manifest, stream, engine and export all bf16;
-8. TP=1 weight-sync bandwidth on a ~0.8 GB bf16 model (megatron actor -> engine, GB/s).
+8. TP=1 weight-sync bandwidth on a ~0.8 GB bf16 model (megatron actor -> engine, GB/s);
+9. (after 3) agent sessions on SGLang (megarl/rollout/agent.py): multi-turn trajectories whose
+   later turns continue from the trajectory's token ids (``input_ids``, never text), environment
+   output rendered by the tiny chat template in between; every policy token is what the engine
+   sampled (the per-sample audit) and its raw log-prob equals the megatron actor's teacher-forced
+   log-prob over the whole trajectory, environment tokens included as context.
 """
 
 from __future__ import annotations
@@ -256,6 +261,58 @@ def check_parity(ctx):
     return f"max |engine - actor| {raw_err:.4f} (raw), {scaled_err:.4f} vs log softmax(logits/T); {len(hot)} samples"
 
 
+class _EchoTool:
+    """Answers the first action with one tool message, ends the episode at the second."""
+
+    def reset(self, row):
+        self.steps = 0
+        return ()
+
+    def step(self, action):
+        from megarl.envs.protocol import Message, StepOutcome
+
+        self.steps += 1
+        if self.steps >= 2:
+            return StepOutcome((), {"done": 1.0}, terminated=True, truncated=False)
+        return StepOutcome((Message("tool", "4 2"),), {}, terminated=False, truncated=False)
+
+
+def check_agent_sessions(ctx):
+    from megarl.data.tiny_tokenizer import build_tiny_tokenizer
+    from megarl.data.tokenizer import TokenizerContract
+    from megarl.envs.render import EnvTurnRenderer
+    from megarl.models.forward import teacher_forced_log_probs
+    from megarl.rollout.agent import POLICY, AgentLimits, AgentSessionEngine, audit
+    from megarl.rollout.protocol import GenerationRequest, SamplingParams
+
+    tok_dir = os.path.join(ctx.work, "tiny_tokenizer")
+    build_tiny_tokenizer(tok_dir)
+    contract = TokenizerContract.from_pretrained(tok_dir)  # ids < 128: inside the random model's vocabulary
+    agent = AgentSessionEngine(ctx.engine, env_factory=_EchoTool, renderer=EnvTurnRenderer(contract),
+                               limits=AgentLimits(max_turns=3, max_total_tokens=4 * MAX_NEW),
+                               decode=lambda ids: " ".join(map(str, ids)), step_timeout_s=10.0, max_workers=4)
+    # greedy: prompt 0's first turn ends on EOS (row 1), so its session takes a second turn
+    reqs = [GenerationRequest(q.request_id, q.prompt_ids, task={}) for q in ctx.requests]
+    results = agent.generate(reqs, SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW))
+    multi = [r for r in results if len(r.episode.generated) >= 2]
+    assert multi, f"no session took a second turn: {[(r.request_id, r.finish_reason) for r in results]}"
+    err = 0.0
+    for r in results:
+        t = r.episode
+        assert audit(t) == [], audit(t)
+        for k, g in enumerate(t.generated):  # each turn was fed exactly the trajectory so far, as ids
+            start = sum(len(x.response_ids) for x in t.generated[:k]) + sum(len(x) for x in t.rendered[:k])
+            assert g.prompt_ids == t.prompt_ids + tuple(t.response_ids[:start]), f"{r.request_id}: turn {k} input"
+        ids = torch.tensor([list(t.prompt_ids) + list(t.response_ids)], device="cuda")
+        lp = teacher_forced_log_probs(ctx.ddp, ids)[0, len(t.prompt_ids) - 1:].cpu()
+        pol = torch.tensor(t.source) == POLICY
+        err = max(err, float((lp[pol] - r.raw_log_probs[pol]).abs().max()))
+    assert err < RAW_ATOL, f"agent trajectories: raw log-prob parity {err:.4f} >= {RAW_ATOL}"
+    env_tokens = sum(r.episode.source.count(2) for r in results)
+    return (f"{len(multi)}/{len(results)} sessions multi-turn, {env_tokens} environment tokens; policy tokens "
+            f"max |engine - actor| {err:.4f} over whole trajectories")
+
+
 def check_sleep_wake(ctx):
     freed = []
     for _ in range(2):
@@ -449,11 +506,13 @@ def main(argv=None) -> int:
                  "bf16 end to end",
                  "TP=1 weight sync bandwidth",
                  "weight checksum: GPU == CPU, GB/s",
-                 "packed (THD, TE) forward-only = padded"]
+                 "packed (THD, TE) forward-only = padded",
+                 "agent sessions: input_ids continuation, policy tokens = actor's log-probs"]
         try:
             table.run(names[0], lambda: check_setup(ctx))
             table.run(names[1], lambda: check_greedy(ctx), needs=(names[0],))
             table.run(names[2], lambda: check_parity(ctx), needs=(names[1],))
+            table.run(names[10], lambda: check_agent_sessions(ctx), needs=(names[2],))
             table.run(names[3], lambda: check_sleep_wake(ctx), needs=(names[1],))
             table.run(names[4], lambda: check_offload(ctx), needs=(names[1],))
             table.run(names[5], lambda: check_new_weights(ctx), needs=(names[4],))
