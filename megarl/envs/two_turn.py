@@ -44,18 +44,24 @@ class TwoTurnEnv:
     Args:
         guess_weight: the weight of the first turn's ``guess`` component (0 turns it off).
         feedback_role: the role of the feedback message (default ``"user"``).
+        restate: the feedback message also repeats the question (the row's ``prompt`` text:
+            ``3 5 _ what is 12 plus 345 ?``), so the second turn is asked the way the first
+            was -- what a model warm-started on single questions can answer at all.
     """
 
     version = "two_turn/1"
 
-    def __init__(self, guess_weight: float = 0.5, feedback_role: str = "user"):
-        self.check_args(guess_weight=guess_weight, feedback_role=feedback_role)
-        self.guess_weight, self.feedback_role = float(guess_weight), feedback_role
+    def __init__(self, guess_weight: float = 0.5, feedback_role: str = "user", restate: bool = False):
+        self.check_args(guess_weight=guess_weight, feedback_role=feedback_role, restate=restate)
+        self.guess_weight, self.feedback_role, self.restate = float(guess_weight), feedback_role, restate
         self.answer: str | None = None
+        self.question = ""
         self.turn = 0
 
     @staticmethod
-    def check_args(guess_weight: float = 0.5, feedback_role: str = "user") -> None:
+    def check_args(guess_weight: float = 0.5, feedback_role: str = "user", restate: bool = False) -> None:
+        if not isinstance(restate, bool):
+            raise ValueError(f"two_turn: restate must be true or false, got {restate!r}")
         if isinstance(guess_weight, bool) or not isinstance(guess_weight, (int, float)) \
                 or not math.isfinite(guess_weight) or guess_weight < 0:
             raise ValueError(f"two_turn: guess_weight must be a finite number >= 0, got {guess_weight!r}")
@@ -67,7 +73,10 @@ class TwoTurnEnv:
         norm = arithmetic._normalize_int(str(answer).strip())
         if norm is None or norm.startswith("-"):
             raise ValueError(f"two_turn: the row needs a non-negative integer 'answer', got {answer!r}")
-        self.answer, self.turn = norm, 0
+        question = row.get("prompt")
+        if self.restate and not (isinstance(question, str) and question.strip()):
+            raise ValueError(f"two_turn: restate needs the row's prompt text, got {question!r}")
+        self.answer, self.turn, self.question = norm, 0, question.strip() if self.restate else ""
         return ()
 
     def step(self, action: str) -> StepOutcome:
@@ -76,7 +85,8 @@ class TwoTurnEnv:
         self.turn += 1
         if self.turn == 1:
             feedback, frac = digit_feedback(_digits(action), self.answer)
-            return StepOutcome((Message(self.feedback_role, feedback),), {"guess": self.guess_weight * frac},
+            text = f"{feedback} {self.question}" if self.restate else feedback
+            return StepOutcome((Message(self.feedback_role, text),), {"guess": self.guess_weight * frac},
                                terminated=False, truncated=False)
         if self.turn == 2:
             return StepOutcome((), {"correct": arithmetic.score(action, self.answer)}, terminated=True, truncated=False)

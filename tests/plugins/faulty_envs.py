@@ -55,3 +55,31 @@ class FaultyEnv:
         if self.mode == "close_hang":
             RELEASE.wait(30)
         CLOSED.append(self.tag)
+
+
+class FlakyCalculator:
+    """The built-in calculator, failing on chosen rows the way a real tool service does: the
+    row's answer modulo 7 picks it -- 0 raises at every step, 1 hangs past any step timeout
+    (``hang_s``), 2 returns garbage; the others are the calculator itself."""
+
+    def __init__(self, tool_role: str = "user", hang_s: float = 3.0):
+        from megarl.envs.calculator import CalculatorEnv
+
+        self.env, self.hang_s, self.kind = CalculatorEnv(tool_role=tool_role), hang_s, None
+
+    @staticmethod
+    def failure(answer) -> str | None:
+        return {0: "raise", 1: "hang", 2: "garbage"}.get(int(answer) % 7)
+
+    def reset(self, row):
+        self.kind = self.failure(row["answer"])
+        return self.env.reset(row)
+
+    def step(self, action):
+        if self.kind == "raise":
+            raise ConnectionError("calculator service refused the connection (injected)")
+        if self.kind == "hang":
+            time.sleep(self.hang_s)
+        if self.kind == "garbage":
+            return StepOutcome((), {"correct": float("inf")}, terminated=True, truncated=False)
+        return self.env.step(action)

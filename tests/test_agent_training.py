@@ -1,0 +1,129 @@
+"""megarl.train with agent rollouts on the calculator, end to end under torchrun: DP=2, and TP=2
+with a calculator service that fails on some rows.  Checked from what the runs leave behind.
+
+The tiny model here is warm-started by ``megarl.tinymodel`` with calculator tool-use
+demonstrations (``--tool-demos``), so its sampled trajectories do call the tool: environment
+tokens are present in the sealed experience and every rule about them is exercised.
+
+Proven per run, on every sealed sample of every iteration:
+* zero environment tokens with loss mask 1 (response mask and the estimator's loss mask), zero
+  rollout log-prob on them, no policy version on them;
+* every policy token carries the version the iteration generated on (and the sample's version is
+  its last token's);
+* the actor's teacher-forced log-probs over the whole trajectory (environment tokens as context)
+  equal the engine's per-turn log-probs: the trajectory is exactly the token list the engine
+  continued from, turn after turn (no re-tokenization: any re-encoded turn would shift them);
+* groups are whole trajectories, complete (G per group), on one version;
+and a failing environment (raise / hang / garbage) is a status, counted and quarantined, its
+group dropped (the group rule), never a reward.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests._dist import ROOT, free_port, subprocess_env
+from tests._train_runs import batches, metrics
+from tests.plugins.faulty_envs import FlakyCalculator
+
+CALC = os.path.join(ROOT, "configs", "grpo_calc_tiny.yaml")
+B, G = 4, 4
+
+
+@pytest.fixture(scope="module")
+def calc_assets(tmp_path_factory):
+    d = tmp_path_factory.mktemp("calc_assets")
+    model = d / "tiny_calc"
+    subprocess.run([sys.executable, "-m", "megarl.tinymodel", "--out", str(model), "--steps", "60",
+                    "--hidden-size", "64", "--num-layers", "2", "--intermediate-size", "128", "--tool-demos", "0.5",
+                    "--tool-min-digits", "4", "--tool-max-digits", "5"],
+                   check=True, env=subprocess_env(), capture_output=True, timeout=600)
+    for split, seed, n in (("train", 0, 200), ("heldout", 1, 8)):
+        subprocess.run([sys.executable, "-m", "megarl.data.tasks.arithmetic", "--split", split, "--seed", str(seed),
+                        "--n", str(n), "--min-digits", "4", "--max-digits", "5", "--out", str(d / f"{split}.jsonl")],
+                       check=True, env=subprocess_env(), capture_output=True, timeout=120)
+    return {"model": str(model), "train": str(d / "train.jsonl"), "heldout": str(d / "heldout.jsonl")}
+
+
+def run_agent_train(assets, run_dir, nproc, extra=()):
+    overrides = [f"model.path={assets['model']}", "model.build_tiny=false", f"data.train_path={assets['train']}",
+                 f"data.heldout_path={assets['heldout']}", "data.build_arithmetic=false", f"trainer.run_dir={run_dir}",
+                 "trainer.iterations=2", f"trainer.prompts_per_iteration={B}", f"rollout.n={G}", "eval.n=8",
+                 "eval.every=1", "eval.save_results=true", "trainer.save_experience=true", "algo.micro_batch_size=2",
+                 "algo.forward_micro_batch_size=4", "rollout.reuse_rollout_log_probs=false", *extra]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+           "127.0.0.1", "--master-port", str(free_port()), "-m", "megarl.train", "--config", CALC, *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), timeout=900)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n--- stdout ---\n{proc.stdout[-5000:]}\n--- stderr ---\n{proc.stderr[-8000:]}"
+    return proc
+
+
+def check_agent_run(run_dir):
+    """The per-sample audit over every sealed iteration; returns (environment tokens, tool-call rate)."""
+    ms = metrics(run_dir)
+    assert [m["iteration"] for m in ms] == [0, 1]
+    env_tokens = 0
+    for k, b in enumerate(batches(run_dir)):
+        f, d = b.facts, b.derived
+        o = f.token_origins
+        assert b.sealed and o is not None and f.iteration == k
+        env = o.environment_mask()
+        pol = o.policy_mask()
+        env_tokens += int(env.sum())
+        assert torch.equal(f.response_mask.bool(), pol)
+        assert int((d.loss_mask.bool() & env).sum()) == 0 and int((f.response_mask.bool() & env).sum()) == 0
+        assert float(f.rollout_log_probs.values[env].abs().max(initial=0.0)) == 0.0
+        (v,) = set(f.policy_version)
+        assert set(o.versions) == {v}
+        assert bool((o.version_index[env] == -1).all()) and bool((o.version_index[pol] >= 0).all())
+        # the actor's forward over the whole trajectory reproduces each turn's engine log-probs
+        err = (f.old_log_probs.values - f.rollout_log_probs.values).abs()[pol]
+        assert f.old_log_probs.producer.role == "actor" and float(err.max()) < 1e-4, float(err.max())
+        assert {r.value for r in f.finish_reason} <= {"environment", "max_turns", "length", "env_truncated"}
+        sizes = {}
+        for g in f.group_id:
+            sizes[g] = sizes.get(g, 0) + 1
+        assert set(sizes.values()) == {G}
+        assert all(r.status.value == "ok" and r.scorer_version == "env:" + r.scorer_version[4:] for r in f.rewards)
+        m = ms[k]
+        assert m["rollout/agent/turns_mean"] >= 1 and "rollout/agent/env_token_share" in m
+        assert "eval/tool_call_rate" in ms[k] or k > 0
+    rows = [json.loads(x) for x in open(os.path.join(run_dir, "eval", "iter_0.jsonl"))]
+    assert all("turns" in r and "tool_calls" in r for r in rows)
+    rate = sum(m["rollout/agent/tool_call_rate"] for m in ms) / len(ms)
+    return env_tokens, rate
+
+
+def test_calculator_agent_torchrun_dp2(calc_assets, tmp_path):
+    run_dir = str(tmp_path / "calc_dp2")
+    run_agent_train(calc_assets, run_dir, 2)
+    env_tokens, rate = check_agent_run(run_dir)
+    assert env_tokens > 0 and rate > 0, (env_tokens, rate)  # the tool was called: the audit had something to audit
+
+
+def test_calculator_agent_torchrun_tp2_with_a_failing_service(calc_assets, tmp_path):
+    """A calculator service that raises, hangs past rollout.agent.step_timeout_s or returns
+    garbage on some rows: those candidates are statuses (counted, quarantined), their groups
+    dropped by algo.partial_groups=drop, and no such sample reaches the sealed experience."""
+    run_dir = str(tmp_path / "calc_tp2")
+    run_agent_train(calc_assets, run_dir, 2, ["parallel.tp=2", "rollout.agent.env=tests.plugins.faulty_envs:FlakyCalculator",
+                                             "rollout.agent.env_args={tool_role: user, hang_s: 2.0}",
+                                             "rollout.agent.step_timeout_s=0.5", "reward.on_failure=quarantine"])
+    env_tokens, _ = check_agent_run(run_dir)
+    ms = metrics(run_dir)
+    answers = {}
+    for line in open(os.path.join(calc_assets["train"])):
+        row = json.loads(line)
+        answers[row["id"]] = row["answer"]
+    for b in batches(run_dir):  # no sample of a failing row was trained on
+        assert all(FlakyCalculator.failure(answers[p]) is None for p in b.facts.prompt_id)
+    quarantined = [json.loads(x) for x in open(os.path.join(run_dir, "quarantine.jsonl"))]
+    statuses = {q["reward"]["status"] for q in quarantined}
+    assert quarantined and statuses <= {"error", "timeout", "invalid"}
+    assert all(q["reward"]["total"] is None and q["reward"]["error"].startswith("environment: ") for q in quarantined)
+    last = ms[-1]
+    assert last["e2e/count/groups_dropped"] > 0 and last["e2e/count/reward_failures"] == len(quarantined)
