@@ -122,6 +122,9 @@ class GroupRolloutProducer:
                                sampling=training_sampling(cfg.rollout, cfg.trainer.seed, k, 0).to_config(),
                                metrics=rollout_metrics(accepted, dict(m), timing["generate"]))
 
+    def _observe(self, samples: List[Sample]) -> None:
+        """Every scored candidate, accepted or not (a subclass's metrics see failures too)."""
+
     def _generate_groups(self, requests: List[GenerationRequest], by_group: dict, buffer: GroupBuffer,
                          sampling: SamplingParams, v: str, timer: StageTimer, timing: dict, m: Counter) -> None:
         """Generate and score the G candidates of ``requests`` until every one is in ``buffer``
@@ -164,6 +167,7 @@ class GroupRolloutProducer:
             with timer.stage("reward", samples=len(finished)):
                 self.scorer.score(finished)
             timing["reward"] += time.perf_counter() - t0
+            self._observe(finished)
             retry_reqs = []
             for s, r in zip(samples, fresh):
                 if s.finish_reason is FinishReason.ABORT:
@@ -210,15 +214,24 @@ class AgentRolloutProducer(GroupRolloutProducer):
     :class:`GroupRolloutProducer`, with every candidate a multi-turn session
     (``engine`` is a :class:`megarl.rollout.agent.AgentSessionEngine`: a candidate's result is
     its whole trajectory) scored by its environment
-    (:class:`megarl.control.scoring.EpisodeScorer`).  Adds ``rollout/agent/*``: turns and tool
-    calls per trajectory, the environment-token share, per-step latency, finish reasons."""
+    (:class:`megarl.control.scoring.EpisodeScorer`).  Adds ``rollout/agent/*`` over every
+    finished trajectory (environment errors, timeouts and invalid steps of dropped groups
+    included) and ``rollout/agent/accepted/*`` over the trained ones: turns and tool calls per
+    trajectory, the tool-call rate, the environment-token share, per-step latency, finish
+    reasons."""
 
     def produce(self, k: int, version: PolicyVersion, timer: StageTimer) -> ProducedRollout:
         from megarl.rollout.agent import agent_metrics
 
+        self._episodes: list = []
         out = super().produce(k, version, timer)
-        out.metrics.update(agent_metrics([s.episode for s in out.samples]))
+        # over every finished trajectory, failed ones too: a dropped group's environment errors count
+        out.metrics.update(agent_metrics(self._episodes))
+        out.metrics.update(agent_metrics([s.episode for s in out.samples], prefix="rollout/agent/accepted"))
         return out
+
+    def _observe(self, samples: List[Sample]) -> None:
+        self._episodes.extend(s.episode for s in samples)
 
 
 #: finish reasons of a trajectory the limits cut (bootstrapped, not terminal): the token budget,

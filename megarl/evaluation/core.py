@@ -96,7 +96,7 @@ def evaluate_prompts(records: Sequence, request_ids: Sequence[str], *, engine, p
                                    response_text=None if decode is None else decode(s.response_ids),
                                    response_len=len(s.response_ids), finish_reason=s.finish_reason.value,
                                    error=rec_.error, components=dict(rec_.components),
-                                   turns=None if s.episode is None else s.episode.turns,
+                                   turns=None if s.episode is None else s.episode.policy_turns,
                                    tool_calls=None if s.episode is None else s.episode.tool_calls))
         source = rec.ground_truth.get(source_field) if source_field else None
         outcomes.append(PromptOutcome(index=i, prompt_id=rec.prompt_id, prompt=_prompt_of(rec), source=source,

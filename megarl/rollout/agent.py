@@ -77,6 +77,11 @@ class Trajectory:
         return self.finish_reason is not None
 
     @property
+    def policy_turns(self) -> int:
+        """The policy turns it holds (``turns`` counts only those the environment answered)."""
+        return len(self.generated)
+
+    @property
     def policy_version(self) -> Optional[str]:
         """The version of the last policy token (the sample's version in the record)."""
         return next((v for v in reversed(self.token_versions) if v is not None), None)
@@ -237,7 +242,10 @@ def run_agent_rollouts(engine, prompts: Sequence[GenerationRequest | Tuple[str, 
                 out = res.outcome
                 for k, v in dict(out.reward_components).items():
                     t.reward_components[k] = t.reward_components.get(k, 0.0) + float(v)
-                t.tool_calls += sum(1 for m in out.observation if m.role == "tool")
+                # the environment's own count when it gives one (a tool may answer in a user message)
+                info = dict(out.info or {})
+                t.tool_calls += int(info["tool_calls"]) if "tool_calls" in info else \
+                    sum(1 for m in out.observation if m.role == "tool")
                 if out.terminated:
                     t.finish_reason = FinishReason.ENVIRONMENT
                     t.turns += 1
@@ -279,7 +287,7 @@ def agent_metrics(trajs: Sequence[Trajectory], prefix: str = "rollout/agent") ->
     toks = sum(len(t.response_ids) for t in trajs)
     env_toks = sum(t.source.count(ENVIRONMENT) for t in trajs)
     lat = sorted(x for t in trajs for x in t.step_latency_s)
-    m = {f"{prefix}/turns_mean": sum(t.turns for t in trajs) / n,
+    m = {f"{prefix}/turns_mean": sum(t.policy_turns for t in trajs) / n,
          f"{prefix}/tool_calls_mean": sum(t.tool_calls for t in trajs) / n,
          f"{prefix}/tool_call_rate": sum(1 for t in trajs if t.tool_calls) / n,
          f"{prefix}/env_errors": float(sum(1 for t in trajs if t.env_status == "error")),
