@@ -239,8 +239,7 @@ def main(argv=None) -> dict:
 
     pre = [f"model.path={args.model}", f"data.train_path={args.data}"]
     if args.reward:  # single-turn: a recipe's agent is off (the no-tool baseline of an agent recipe)
-        pre += [f"reward.fn={args.reward}", "reward.kwargs={}", "reward.components=[]", "rollout.agent.env=",
-                "rollout.agent.env_args={}"]
+        pre += [f"reward.fn={args.reward}", "reward.kwargs={}", "reward.components=[]"]
     if args.env and args.reward:
         raise EvalError("--env scores each episode by the environment; --reward cannot be given with it")
     if args.env:
@@ -250,6 +249,8 @@ def main(argv=None) -> dict:
     if args.k:
         pre.append(f"eval.k=[{','.join(str(k) for k in args.k)}]")
     cfg = load_config(args.config, pre + list(args.overrides))
+    if args.reward:  # (a merged {} override would keep the recipe's env_args: cleared here)
+        cfg.rollout.agent.env, cfg.rollout.agent.env_args = "", {}
     validate_eval_settings(cfg)
     validate_agent_settings(cfg)
     if cfg.reward.fn is None and cfg.reward.model.path is None and not cfg.rollout.agent.env:

@@ -138,3 +138,27 @@ def test_calculator_agent_torchrun_tp2_with_a_failing_service(calc_assets, tmp_p
     # the rollout metrics count the failures of dropped groups too; the trained ones have none
     failures = sum(m[f"rollout/agent/{key}"] for m in ms for key in ("env_errors", "env_timeouts", "env_invalid"))
     assert failures > 0 and all(m["rollout/agent/accepted/env_errors"] == 0 for m in ms)
+
+
+def test_eval_with_the_environment_and_without(calc_assets, tmp_path):
+    """``python -m megarl.eval --env calculator``: greedy sessions with the tool available, scored
+    by the environment, per-row turns and tool calls; the same model and rows with ``--reward``
+    on the agent recipe answer single-turn (the no-tool baseline).  Both through the code of
+    training's held-out evaluation."""
+    from megarl.eval import main
+
+    out = tmp_path / "with_tool.jsonl"
+    common = ["--model", calc_assets["model"], "--data", calc_assets["heldout"], "--config", CALC]
+    m = main(common + ["--env", "calculator", "--out", str(out), "rollout.agent.env_args.tool_role=user"])
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(rows) == 8 and m["eval/n"] == 8
+    calls = [r["tool_calls"][0] for r in rows]
+    assert m["eval/tool_call_rate"] == sum(c > 0 for c in calls) / 8
+    # an answer without a call is one turn; a call is answered by the tool and followed by a turn
+    assert all(r["turns"][0] == 1 for r, c in zip(rows, calls) if not c and r["finish_reasons"][0] == "environment")
+    assert all(r["turns"][0] >= 2 for r, c in zip(rows, calls) if c and r["finish_reasons"][0] == "environment")
+    assert all(set(r["components"][0]) <= {"correct"} for r in rows)
+    plain = main(common + ["--reward", "arithmetic", "--out", str(tmp_path / "no_tool.jsonl")])
+    assert "eval/tool_call_rate" not in plain and plain["eval/n"] == 8
+    no_tool = [json.loads(x) for x in (tmp_path / "no_tool.jsonl").read_text().splitlines()]
+    assert all("turns" not in r for r in no_tool)
