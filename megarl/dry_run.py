@@ -213,8 +213,13 @@ def dry_run(cfg, world_size: Optional[int] = None) -> dict:
     else:
         lines.append("ok   trainer.run_dir: runs/ is writable (default: runs/<recipe>-<timestamp>)")
     _check_reward(cfg)
-    lines.append(f"ok   reward: {cfg.reward.fn or 'reward model only'} builds"
-                 + (f" (+ reward model {cfg.reward.model.path})" if cfg.reward.model.path else ""))
+    if cfg.rollout.agent.env:  # validated with its arguments above (validate_agent_settings)
+        ag = cfg.rollout.agent
+        lines.append(f"ok   rollout.agent: environment {ag.env} loads; it scores each episode "
+                     f"(at most {ag.max_turns} turns, {ag.max_total_tokens} tokens)")
+    else:
+        lines.append(f"ok   reward: {cfg.reward.fn or 'reward model only'} builds"
+                     + (f" (+ reward model {cfg.reward.model.path})" if cfg.reward.model.path else ""))
 
     builds = []
     if cfg.model.build_tiny and not is_built(cfg.model.path):
