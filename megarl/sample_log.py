@@ -12,7 +12,7 @@ are untouched) -- and writes them
 * and ``trainer.log_samples_console`` of them as one short line each to the console.
 
 A row: the prompt and response text (decoded without special tokens, as the reward function
-saw them), the reward total, components and status, the finish reason, the advantage and the
+saw them; an agent trajectory with its environment output between ``<< >>``), the reward total, components and status, the finish reason, the advantage and the
 policy version that generated it.  The advantage is one number per sample: the mean of the
 derived advantages over the sample's response tokens -- for group estimators (GRPO, RLOO, ...)
 that is the sample's advantage itself (it is the same on every token); for GAE it is the mean of
@@ -55,13 +55,36 @@ def sample_rows(batch, tok, rows: List[int]) -> List[dict]:
         response = f.response_ids[b][keep].tolist()
         adv = float(d.advantages[b][keep].double().mean()) if keep.any() and d is not None else None
         r = f.rewards[b]
+        text = (tok.decode(response, skip_special_tokens=True) if f.token_origins is None
+                else _trajectory_text(tok, f.response_ids[b], f.token_origins.source[b]))
         out.append({
             "iteration": f.iteration, "sample_id": f.sample_id[b], "policy_version": f.policy_version[b],
             "prompt": tok.decode(prompt, skip_special_tokens=True),
-            "response": tok.decode(response, skip_special_tokens=True),
+            "response": text,
             "reward": r.total, "reward_components": dict(r.components), "reward_status": r.status.value,
             "finish_reason": f.finish_reason[b].value, "advantage": adv, "response_tokens": len(response)})
     return out
+
+
+def _trajectory_text(tok, response_ids, source) -> str:
+    """A multi-turn trajectory as text: the policy's turns as decoded, each stretch of
+    environment output between them in ``<< >>`` (``[ 1 2 + 3 4 ] << 4 6 >> 4 6``)."""
+    parts, run, kind = [], [], None
+    for t, s in zip(response_ids.tolist(), source.tolist()):
+        if s == 0:
+            break
+        if s != kind and run:
+            parts.append((kind, run))
+            run = []
+        kind = s
+        run.append(t)
+    if run:
+        parts.append((kind, run))
+    out = []
+    for kind, ids in parts:
+        text = tok.decode(ids, skip_special_tokens=True).strip()
+        out.append(f"<< {text} >>" if kind == 2 else text)
+    return " ".join(out)
 
 
 def _short(text: str, width: int) -> str:
