@@ -370,3 +370,14 @@ def test_agent_training_refuses_what_would_score_the_trajectory_as_one_response(
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             validate(cfg, 1)
     validate(load_config("configs/grpo_arith_tiny.yaml", base + ["reward.fn=null"]), 1)
+
+
+def test_sample_logs_show_the_environment_output_between_marks(setup):
+    from megarl.sample_log import _trajectory_text
+
+    contract = setup[0]
+    enc = lambda text: contract.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    call, result, answer = enc("[ 1 2 + 3 4 ]"), enc("4 6"), enc("4 6")
+    ids = torch.tensor(call + result + answer + [0, 0])
+    source = torch.tensor([1] * len(call) + [2] * len(result) + [1] * len(answer) + [0, 0])
+    assert _trajectory_text(contract, ids, source) == "[ 1 2 + 3 4 ] << 4 6 >> 4 6"
