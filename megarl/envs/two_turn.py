@@ -22,7 +22,7 @@ from typing import Any, Mapping
 from megarl.data.tasks import arithmetic
 from megarl.envs.protocol import Message, StepOutcome
 
-__all__ = ["TwoTurnEnv", "digit_feedback"]
+__all__ = ["TwoTurnEnv", "digit_feedback", "demonstration"]
 
 
 def _digits(text: str) -> str | None:
@@ -91,3 +91,17 @@ class TwoTurnEnv:
         if self.turn == 2:
             return StepOutcome((), {"correct": arithmetic.score(action, self.answer)}, terminated=True, truncated=False)
         raise RuntimeError("two_turn: the episode has ended")
+
+
+def demonstration(row: Mapping[str, Any], guess: str, *, feedback_role: str = "user",
+                  restate: bool = False) -> tuple[Message, ...]:
+    """The conversation of one episode as messages, for warm-start demonstrations: ``user``
+    prompt, ``assistant`` ``guess``, the feedback :class:`TwoTurnEnv` gives for it (the same
+    text), ``assistant`` the right answer.  Render it to ids with
+    :func:`megarl.envs.render.render_conversation`: the demonstration then has exactly the
+    tokens a session builds."""
+    env = TwoTurnEnv(feedback_role=feedback_role, restate=restate)
+    env.reset(row)
+    (feedback,) = env.step(guess).observation
+    return (Message("user", str(row["prompt"])), Message("assistant", guess), feedback,
+            Message("assistant", env.answer))

@@ -302,11 +302,13 @@ def agent_metrics(trajs: Sequence[Trajectory], prefix: str = "rollout/agent") ->
     return m
 
 
-def episode_result(t: Trajectory) -> GenerationResult:
+def episode_result(t: Trajectory, served: str = "") -> GenerationResult:
     """A finished trajectory as the engine-level result of its candidate: the whole token list
     after the prompt as ``response_ids`` (raw log-probs 0.0 on environment tokens), the last
-    policy token's version, the first turn's seed, and the trajectory itself as ``episode``."""
-    version = t.policy_version
+    policy token's version (``served``, the version the engine serves, for one that never took
+    a turn: its environment failed at reset), the first turn's seed, and the trajectory itself
+    as ``episode``."""
+    version = t.policy_version or served
     first = t.generated[0] if t.generated else None
     return GenerationResult(request_id=t.request_id, candidate_index=t.candidate_index, prompt_ids=t.prompt_ids,
                             response_ids=tuple(t.response_ids), finish_reason=t.finish_reason,
@@ -351,7 +353,7 @@ class AgentSessionEngine:
                                             raw_log_probs=torch.zeros(0), processed_log_probs=None,
                                             policy_version=t.policy_version or served, attempt=t.attempt))
             else:
-                out.append(episode_result(t))
+                out.append(episode_result(t, served))
         return out
 
     def __getattr__(self, name):  # weight loading, activation, memory release, version, dtype
