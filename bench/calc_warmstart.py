@@ -1,6 +1,6 @@
 """The calculator recipe's warm start, measured with the real session code.
 
-    python bench/calc_warmstart.py --out /tmp/calc_model --tool-demos 0.2 --steps 600 [--lr 2e-3 ...]
+    python bench/calc_warmstart.py [--out /tmp/calc_model --tool-demos 0.15 --tool-only-steps 900 --steps 1000 ...]
     python bench/calc_warmstart.py --model DIR            # measure a built model, build nothing
 
 Builds the tiny model with ``python -m megarl.tinymodel --tool-demos ...`` (the command
@@ -136,11 +136,12 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="measure this built model (no build)")
     p.add_argument("--out", default="/tmp/megarl_calc_bench_model", help="where to build the model")
-    p.add_argument("--tool-demos", type=float, default=0.2)
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--tool-only-steps", type=int, default=0)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--batch", type=int, default=64)
+    # the defaults: the settings chosen for grpo_calc_tiny (the bench's table in the report)
+    p.add_argument("--tool-demos", type=float, default=0.15)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--tool-only-steps", type=int, default=900)
+    p.add_argument("--lr", type=float, default=4e-3)
+    p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seed", type=int, default=0, help="the build's seed")
     p.add_argument("--hidden-size", type=int, default=None)
     p.add_argument("--num-layers", type=int, default=None)

@@ -2,6 +2,7 @@
 
     python -m megarl.tinymodel --out DIR [--steps 470 --lr 2e-3 --batch 64 --max-digits 2 ...]
     python -m megarl.tinymodel --out DIR --family qwen3_moe --num-experts 8 --top-k 2 ...
+    python -m megarl.tinymodel --out DIR --tool-demos 0.25 --tool-only-steps 900 ... (the calculator build)
     (or tools/make_tiny_model.py, the same program)
 
 1. writes the built-in word-level tokenizer (digits are single tokens) with its chat template;
@@ -16,6 +17,20 @@
    (greedy, transformers ``generate``) -- written last, so a directory with it is complete.
 
 RL has room to improve it: the warm start is deliberately short.
+
+**The calculator build** (``--tool-demos S > 0``; recipe ``grpo_calc_tiny``,
+``model.tiny.tool_*``): every warm-start sequence is a conversation of the ``calculator``
+environment on ``--tool-min-digits``..``--tool-max-digits``-digit addition, rendered by
+:func:`megarl.envs.render.render_conversation` -- exactly the token list an agent session
+builds -- with loss on the policy tokens only (the call ``[ a + b ] <|end|>`` and the answer),
+never on the tool's output.  The first ``--tool-only-steps`` steps are demonstrations only
+(they teach copying the operands into the call and the result into the answer); the steps
+after them hold a share ``S`` of demonstrations, the rest answered at once, which sets how often
+the model calls: a direct answer has loss on its first token only (the decision not to call),
+because fitting the digits of a sum the model cannot do in its head undoes the copying.  The learning rate decays (cosine, to lr / 10) so the copying is precise.
+``tiny_model.json`` records the settings; its held-out accuracy is then the no-tool baseline on
+those operands.  ``bench/calc_warmstart.py`` measures the model with the tool, through the
+real session code.
 """
 
 from __future__ import annotations
@@ -53,24 +68,31 @@ def tool_sequences(tok, rows, share: float, tool_role: str = "user", demos_first
     """The calculator build's warm-start sequences: ``(prompts, responses, loss masks)``.
 
     Row ``i`` is a tool-use demonstration when ``i < demos_first`` or
-    ``is_demo(i - demos_first, share)`` (:func:`is_demo`) (prompt, call ``[ a + b ]``,
-    the tool's result as a ``tool_role`` message, the answer) and a direct answer otherwise;
-    both are rendered by :func:`megarl.envs.render.render_conversation`, so a sequence holds
-    exactly the ids an agent session builds for that conversation.  The loss mask is 1 on the
+    ``is_demo(i - demos_first, share)`` (:func:`is_demo`): prompt, call ``[ a + b ]``, the
+    tool's result as a ``tool_role`` message, the answer; otherwise a direct answer.  Both are
+    rendered by :func:`megarl.envs.render.render_conversation`, so a sequence holds exactly the
+    ids an agent session builds for that conversation.  A demonstration's loss mask is 1 on the
     policy tokens (source 1: the call and the answer, each through ``<|end|>``) and 0 on the
     rendered tool output (source 2): the model learns to call and to copy, never to predict
-    what the tool says."""
+    what the tool says.  A direct answer's is 1 on its first token only: the decision to answer
+    at once."""
     from megarl.envs.calculator import demonstration
     from megarl.envs.render import EnvTurnRenderer, render_conversation
 
     renderer = EnvTurnRenderer(tok)
     prompts, responses, masks = [], [], []
     for i, row in enumerate(rows):
-        conv = render_conversation(renderer, demonstration(row, use_tool=i < demos_first or is_demo(i - demos_first, share),
-                                                         tool_role=tool_role))
+        demo = i < demos_first or is_demo(i - demos_first, share)
+        conv = render_conversation(renderer, demonstration(row, use_tool=demo, tool_role=tool_role))
         prompts.append(conv.prompt_ids)
         responses.append(conv.response_ids)
-        masks.append([1.0 if s == 1 else 0.0 for s in conv.sources])
+        mask = [1.0 if s == 1 else 0.0 for s in conv.sources]
+        if not demo:
+            # a direct answer teaches the decision only (answer at once, no call): its digits
+            # cannot be learnt in the head, and fitting them undoes the copying the demonstrations
+            # taught (measured: bench/calc_warmstart.py)
+            mask = [mask[0]] + [0.0] * (len(mask) - 1)
+        masks.append(mask)
     return prompts, responses, masks
 
 
@@ -176,6 +198,7 @@ def build(out_dir: str, *, hidden_size: int = 128, num_layers: int = 4, num_head
     from megarl.models.optim import train_step, wrap_for_training
     from megarl.models.tiny import make_tiny_hf_checkpoint
     from megarl.models.weights import export_hf
+    from megarl.roles.common import lr_scheduler
     from megarl.runtime import distributed as rt
 
     t_start = time.time()
@@ -202,7 +225,16 @@ def build(out_dir: str, *, hidden_size: int = 128, num_layers: int = 4, num_head
 
     rt.initialize(tp=1, pp=1, seed=seed)
     model = load_model(random_dir)
-    ddp, opt = wrap_for_training(model, OptimSettings(optimizer="adam", lr=lr, clip_grad=1.0, weight_decay=0.0))
+    if tool_demos > 0:
+        # the calculator build decays the learning rate (cosine, to lr / 10): copying a 6-digit
+        # operand right at temperature 1 needs a precise fit, and the last steps -- the mixture
+        # that sets how often the model calls -- must not undo it
+        settings = OptimSettings(optimizer="adam", lr=lr, min_lr=lr / 10, lr_decay_style="cosine", clip_grad=1.0,
+                                 weight_decay=0.0)
+    else:  # the default build: a constant rate, as it always had
+        settings = OptimSettings(optimizer="adam", lr=lr, clip_grad=1.0, weight_decay=0.0)
+    ddp, opt = wrap_for_training(model, settings)
+    sched = lr_scheduler(opt, settings, steps) if tool_demos > 0 else None
     V = model.megarl_spec.vocab_size
     prompts, answers, masks = warmstart_sequences(tok, steps=steps, batch=batch, seed=seed, digits=digits, ops=ops,
                                                   tool_demos=tool_demos, tool_digits=tool_digits,
@@ -220,6 +252,8 @@ def build(out_dir: str, *, hidden_size: int = 128, num_layers: int = 4, num_head
             return loss, {"nll": float(loss.detach())}
 
         res = train_step(ddp, opt, [{"tokens": tokens, "mask": mask}], loss_fn)
+        if sched is not None:
+            sched.step(increment=1)
         losses.append(res.metrics[0]["nll"])
         if log_every and (step + 1) % log_every == 0:
             print(f"  warm start step {step + 1}/{steps}: answer nll {sum(losses[-log_every:]) / log_every:.4f}",

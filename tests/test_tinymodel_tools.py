@@ -57,10 +57,11 @@ def test_demonstration_is_the_session_layout_with_loss_on_policy_tokens_only(tok
 
 def test_direct_answer_rows_and_the_demonstration_share(tok):
     """A non-demonstration row of the calculator build is the prompt and the answer through
-    <|end|> (as a session answering at once); demonstrations are evenly spaced, the first
-    ``demos_first`` rows all demonstrations."""
+    <|end|> (as a session answering at once), with loss on its first token only (the decision
+    not to call); demonstrations are evenly spaced, the first ``demos_first`` rows all
+    demonstrations."""
     prompts, responses, masks = tool_sequences(tok, [ROW], share=0.0)
-    assert prompts == [PROMPT] and responses == [ANSWER] and masks == [[1.0] * len(ANSWER)]
+    assert prompts == [PROMPT] and responses == [ANSWER] and masks == [[1.0] + [0.0] * (len(ANSWER) - 1)]
     assert [i for i in range(12) if is_demo(i, 0.25)] == [3, 7, 11]
     rows = [ROW] * 10
     _, responses, _ = tool_sequences(tok, rows, share=0.25, demos_first=4)
@@ -143,3 +144,27 @@ def test_builder_command_adds_tool_flags_only_when_demos(tmp_path, monkeypatch):
     assert calc[:len(default)] == default
     assert calc[len(default):] == ["--tool-demos", "0.25", "--tool-only-steps", "9", "--tool-min-digits", "4",
                                    "--tool-max-digits", "6", "--tool-role", "user"]
+
+
+def test_calculator_build_records_its_settings(tmp_path):
+    """A (very short) calculator build through the real CLI: tiny_model.json names the task,
+    the tool settings, and the no-tool held-out accuracy on the calculator's operands."""
+    import json
+    import subprocess
+    import sys
+
+    from tests._dist import subprocess_env
+
+    out = tmp_path / "calc"
+    subprocess.run([sys.executable, "-m", "megarl.tinymodel", "--out", str(out), "--steps", "3", "--batch", "8",
+                    "--hidden-size", "32", "--num-layers", "1", "--num-heads", "2", "--num-kv-heads", "1",
+                    "--intermediate-size", "64", "--tool-demos", "0.5", "--tool-only-steps", "1",
+                    "--tool-min-digits", "4", "--tool-max-digits", "5"],
+                   check=True, env=subprocess_env(), capture_output=True, timeout=300, cwd=ROOT)
+    info = json.loads((out / "tiny_model.json").read_text())
+    assert info["task"] == {"name": "calculator", "digits": [4, 5], "ops": ["plus"]}
+    assert info["tool"] == {"demos": 0.5, "digits": [4, 5], "role": "user", "only_steps": 1}
+    assert info["warmstart"]["steps"] == 3 and 0.0 <= info["heldout_accuracy_greedy"] <= 1.0
+    bad = subprocess.run([sys.executable, "-m", "megarl.tinymodel", "--out", str(tmp_path / "x"), "--tool-demos", "2"],
+                         env=subprocess_env(), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode != 0 and "--tool-demos 2.0: must be in [0, 1]" in bad.stderr
