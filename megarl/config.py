@@ -53,9 +53,10 @@ class TinyModelConfig:
     num_experts: int = 8  # qwen3_moe: routed experts per layer
     top_k: int = 2  # qwen3_moe: experts per token (<= num_experts)
     moe_intermediate_size: int = 128  # qwen3_moe: each expert's SwiGLU width
-    #: share of warm-start sequences that are calculator tool-use demonstrations (0: the
-    #: arithmetic build; > 0: the calculator recipe's build, every sequence a calculator
-    #: conversation on tool_min_digits..tool_max_digits operands, the rest answered at once)
+    #: share of calculator tool-use demonstrations among the warm-start sequences after
+    #: tool_only_steps (0: the arithmetic build; > 0: the calculator recipe's build, every
+    #: sequence a calculator conversation on tool_min_digits..tool_max_digits operands, the
+    #: rest answered at once, with loss on their first token: the decision not to call)
     tool_demos: float = 0.0
     tool_only_steps: int = 0  # the first warm-start steps that are demonstrations only (they teach copying)
     tool_min_digits: int = 4  # fewest digits per operand of the calculator build's sequences

@@ -27,7 +27,8 @@ never on the tool's output.  The first ``--tool-only-steps`` steps are demonstra
 (they teach copying the operands into the call and the result into the answer); the steps
 after them hold a share ``S`` of demonstrations, the rest answered at once, which sets how often
 the model calls: a direct answer has loss on its first token only (the decision not to call),
-because fitting the digits of a sum the model cannot do in its head undoes the copying.  The learning rate decays (cosine, to lr / 10) so the copying is precise.
+because fitting the digits of a sum the model cannot do in its head undoes the copying.  The
+learning rate decays (cosine, to lr / 10) so the copying is precise.
 ``tiny_model.json`` records the settings; its held-out accuracy is then the no-tool baseline on
 those operands.  ``bench/calc_warmstart.py`` measures the model with the tool, through the
 real session code.
@@ -310,8 +311,9 @@ def main(argv=None) -> None:
     p.add_argument("--top-k", type=int, default=2, help="qwen3_moe: experts per token")
     p.add_argument("--moe-intermediate-size", type=int, default=128, help="qwen3_moe: each expert's SwiGLU width")
     p.add_argument("--tool-demos", type=float, default=0.0,
-                   help="share of warm-start sequences that are calculator tool-use demonstrations (0: the "
-                        "arithmetic build; > 0: the calculator build, operands of --tool-*-digits)")
+                   help="share of calculator tool-use demonstrations among the warm-start sequences after "
+                        "--tool-only-steps (0: the arithmetic build; > 0: the calculator build, operands of "
+                        "--tool-*-digits)")
     p.add_argument("--tool-min-digits", type=int, default=4, help="calculator build: fewest digits per operand")
     p.add_argument("--tool-max-digits", type=int, default=6, help="calculator build: most digits per operand")
     p.add_argument("--tool-only-steps", type=int, default=0,
@@ -345,7 +347,8 @@ def main(argv=None) -> None:
                  batch=a.batch, seed=a.seed, digits=(a.min_digits, a.max_digits), ops=tuple(a.ops.split(",")),
                  family=a.family, num_experts=a.num_experts, top_k=a.top_k,
                  moe_intermediate_size=a.moe_intermediate_size, tool_demos=a.tool_demos,
-                 tool_digits=(a.tool_min_digits, a.tool_max_digits), tool_role=a.tool_role, tool_only_steps=a.tool_only_steps)
+                 tool_digits=(a.tool_min_digits, a.tool_max_digits), tool_role=a.tool_role,
+                 tool_only_steps=a.tool_only_steps)
     print(f"tiny model ready in {a.out}: held-out greedy accuracy {info['heldout_accuracy_greedy']:.3f} "
           f"after {a.steps} warm-start steps ({info['seconds']:.0f}s)", flush=True)
 
