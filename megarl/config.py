@@ -53,6 +53,17 @@ class TinyModelConfig:
     num_experts: int = 8  # qwen3_moe: routed experts per layer
     top_k: int = 2  # qwen3_moe: experts per token (<= num_experts)
     moe_intermediate_size: int = 128  # qwen3_moe: each expert's SwiGLU width
+    #: share of calculator tool-use demonstrations among the warm-start sequences after
+    #: tool_only_steps (0: the arithmetic build; > 0: the calculator recipe's build, every
+    #: sequence a calculator conversation on tool_min_digits..tool_max_digits operands, the
+    #: rest answered at once, with loss on their first token: the decision not to call)
+    tool_demos: float = 0.0
+    tool_only_steps: int = 0  # the first warm-start steps that are demonstrations only (they teach copying)
+    tool_min_digits: int = 4  # fewest digits per operand of the calculator build's sequences
+    tool_max_digits: int = 6  # most digits per operand of the calculator build's sequences
+    #: the role of the demonstrations' tool messages (the tiny vocabulary has no <|tool|>; the
+    #: recipe passes the same rollout.agent.env_args.tool_role)
+    tool_role: str = "user"
 
 
 @dataclass
@@ -678,6 +689,10 @@ def _validate_ranges(cfg: TrainConfig) -> None:
     _choice(tiny.family, "model.tiny.family", TINY_FAMILIES)
     _need(tiny.family == "llama" or tiny.top_k <= tiny.num_experts, "model.tiny.top_k",
           f"{tiny.top_k} is above model.tiny.num_experts={tiny.num_experts}")
+    _need(tiny.tool_min_digits <= tiny.tool_max_digits, "model.tiny.tool_min_digits",
+          f"{tiny.tool_min_digits} is above model.tiny.tool_max_digits={tiny.tool_max_digits}")
+    _need(bool(tiny.tool_role) and tiny.tool_role != "assistant", "model.tiny.tool_role",
+          f"must be a role name other than 'assistant', got {tiny.tool_role!r}")
 
 
 def _validate_rollout_groups(cfg: TrainConfig, world_size: int) -> None:

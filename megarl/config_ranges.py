@@ -90,6 +90,8 @@ RANGES = {
     "model.tiny.warmstart_steps": COUNT0, "model.tiny.warmstart_lr": POS, "model.tiny.warmstart_batch": COUNT,
     "model.tiny.seed": SEED,
     "model.tiny.num_experts": COUNT, "model.tiny.top_k": COUNT, "model.tiny.moe_intermediate_size": COUNT,
+    "model.tiny.tool_demos": Range(lo=0, hi=1), "model.tiny.tool_only_steps": COUNT0,
+    "model.tiny.tool_min_digits": COUNT, "model.tiny.tool_max_digits": COUNT,
     "model.vocab_multiple": COUNT,
     "parallel.tp": COUNT, "parallel.pp": COUNT, "parallel.ep": COUNT, "parallel.etp": Range(lo=1, null=True),
     "data.max_prompt_tokens": COUNT, "data.arithmetic_train_n": COUNT, "data.arithmetic_heldout_n": COUNT,

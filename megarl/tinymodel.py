@@ -2,6 +2,7 @@
 
     python -m megarl.tinymodel --out DIR [--steps 470 --lr 2e-3 --batch 64 --max-digits 2 ...]
     python -m megarl.tinymodel --out DIR --family qwen3_moe --num-experts 8 --top-k 2 ...
+    python -m megarl.tinymodel --out DIR --tool-demos 0.25 --tool-only-steps 900 ... (the calculator build)
     (or tools/make_tiny_model.py, the same program)
 
 1. writes the built-in word-level tokenizer (digits are single tokens) with its chat template;
@@ -16,6 +17,21 @@
    (greedy, transformers ``generate``) -- written last, so a directory with it is complete.
 
 RL has room to improve it: the warm start is deliberately short.
+
+**The calculator build** (``--tool-demos S > 0``; recipe ``grpo_calc_tiny``,
+``model.tiny.tool_*``): every warm-start sequence is a conversation of the ``calculator``
+environment on ``--tool-min-digits``..``--tool-max-digits``-digit addition, rendered by
+:func:`megarl.envs.render.render_conversation` -- exactly the token list an agent session
+builds -- with loss on the policy tokens only (the call ``[ a + b ] <|end|>`` and the answer),
+never on the tool's output.  The first ``--tool-only-steps`` steps are demonstrations only
+(they teach copying the operands into the call and the result into the answer); the steps
+after them hold a share ``S`` of demonstrations, the rest answered at once, which sets how often
+the model calls: a direct answer has loss on its first token only (the decision not to call),
+because fitting the digits of a sum the model cannot do in its head undoes the copying.  The
+learning rate decays (cosine, to lr / 10) so the copying is precise.
+``tiny_model.json`` records the settings; its held-out accuracy is then the no-tool baseline on
+those operands.  ``bench/calc_warmstart.py`` measures the model with the tool, through the
+real session code.
 """
 
 from __future__ import annotations
@@ -43,9 +59,86 @@ def _sequences(tok, problems):
     return prompts, answers
 
 
+def is_demo(i: int, share: float) -> bool:
+    """Whether warm-start sequence ``i`` is a tool-use demonstration: evenly spaced, so every
+    batch holds the same share (``floor((i + 1) * share) > floor(i * share)``)."""
+    return int((i + 1) * share) > int(i * share)
+
+
+def tool_sequences(tok, rows, share: float, tool_role: str = "user", demos_first: int = 0):
+    """The calculator build's warm-start sequences: ``(prompts, responses, loss masks)``.
+
+    Row ``i`` is a tool-use demonstration when ``i < demos_first`` or
+    ``is_demo(i - demos_first, share)`` (:func:`is_demo`): prompt, call ``[ a + b ]``, the
+    tool's result as a ``tool_role`` message, the answer; otherwise a direct answer.  Both are
+    rendered by :func:`megarl.envs.render.render_conversation`, so a sequence holds exactly the
+    ids an agent session builds for that conversation.  A demonstration's loss mask is 1 on the
+    policy tokens (source 1: the call and the answer, each through ``<|end|>``) and 0 on the
+    rendered tool output (source 2): the model learns to call and to copy, never to predict
+    what the tool says.  A direct answer's is 1 on its first token only: the decision to answer
+    at once."""
+    from megarl.envs.calculator import demonstration
+    from megarl.envs.render import EnvTurnRenderer, render_conversation
+
+    renderer = EnvTurnRenderer(tok)
+    prompts, responses, masks = [], [], []
+    for i, row in enumerate(rows):
+        demo = i < demos_first or is_demo(i - demos_first, share)
+        conv = render_conversation(renderer, demonstration(row, use_tool=demo, tool_role=tool_role))
+        prompts.append(conv.prompt_ids)
+        responses.append(conv.response_ids)
+        mask = [1.0 if s == 1 else 0.0 for s in conv.sources]
+        if not demo:
+            # a direct answer teaches the decision only (answer at once, no call): its digits
+            # cannot be learnt in the head, and fitting them undoes the copying the demonstrations
+            # taught (measured: bench/calc_warmstart.py)
+            mask = [mask[0]] + [0.0] * (len(mask) - 1)
+        masks.append(mask)
+    return prompts, responses, masks
+
+
+def warmstart_sequences(tok, *, steps: int, batch: int, seed: int, digits=(1, 2), ops=("plus",),
+                        tool_demos: float = 0.0, tool_digits=(4, 6), tool_role: str = "user",
+                        tool_only_steps: int = 0):
+    """All ``steps * batch`` warm-start sequences, in step order: ``(prompts, responses, loss
+    masks)``; masks None means loss on every response token (the arithmetic build)."""
+    from megarl.data.tasks.arithmetic import make_problems
+    from megarl.envs.calculator import make_rows
+
+    if tool_demos > 0:
+        # every sequence a calculator conversation on tool_digits operands: a share with the tool
+        rows = make_rows("train", seed, steps * batch, digits=tuple(tool_digits), ops=tuple(ops))
+        return tool_sequences(tok, rows, tool_demos, tool_role, demos_first=min(tool_only_steps, steps) * batch)
+    # the default build: exactly the sequences it always had
+    problems = make_problems("train", seed, steps * batch, digits=tuple(digits), ops=tuple(ops))
+    prompts, answers = _sequences(tok, problems)
+    return prompts, answers, None
+
+
+def training_tensors(pad_id: int, prompts, responses, masks=None):
+    """One warm-start batch: ``tokens`` (B, L) right-padded with ``pad_id`` and ``mask``
+    (B, L - 1), where ``mask[i, t]`` weighs the prediction of ``tokens[i, t + 1]``: the
+    response's loss mask (``masks[i]``; None: every response token), 0 on the prompt and
+    padding."""
+    import torch
+
+    rows = [p + r for p, r in zip(prompts, responses)]
+    L = max(len(r) for r in rows)
+    tokens = torch.full((len(rows), L), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), L - 1)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        tokens[i, :len(p) + len(r)] = torch.tensor(p + r)
+        if masks is None:
+            mask[i, len(p) - 1:len(p) + len(r) - 1] = 1  # positions that predict the answer
+        else:
+            mask[i, len(p) - 1:len(p) + len(r) - 1] = torch.tensor(masks[i], dtype=mask.dtype)
+    return tokens, mask
+
+
 def heldout_accuracy(model_dir: str, n: int = 200, seed: int = 1, digits=(1, 2), ops=("plus",),
-                     max_new_tokens: int = 8) -> float:
-    """Greedy held-out accuracy of an HF checkpoint with transformers ``generate``."""
+                     max_new_tokens: int = 8, stop_ids=None) -> float:
+    """Greedy held-out accuracy of an HF checkpoint with transformers ``generate``, answering at
+    once (no tool); ``stop_ids``: the ids that end an answer (default: EOS)."""
     import torch
     import transformers
 
@@ -64,7 +157,8 @@ def heldout_accuracy(model_dir: str, n: int = 200, seed: int = 1, digits=(1, 2),
         att[i, width - len(p):] = 1
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=att, do_sample=False, max_new_tokens=max_new_tokens,
-                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+                             eos_token_id=tok.eos_token_id if stop_ids is None else list(stop_ids),
+                             pad_token_id=tok.pad_token_id)
     good = 0
     for i, pr in enumerate(probs):
         text = tok.decode(out[i, width:].tolist(), skip_special_tokens=True)
@@ -79,25 +173,33 @@ FAMILIES = ("llama", "qwen3_moe")
 def build(out_dir: str, *, hidden_size: int = 128, num_layers: int = 4, num_heads: int = 4, num_kv_heads: int = 2,
           intermediate_size: int = 256, steps: int = 470, lr: float = 2e-3, batch: int = 64, seed: int = 0,
           digits=(1, 2), ops=("plus",), log_every: int = 50, family: str = "llama", num_experts: int = 8,
-          top_k: int = 2, moe_intermediate_size: int = 128) -> dict:
+          top_k: int = 2, moe_intermediate_size: int = 128, tool_demos: float = 0.0, tool_digits=(4, 6),
+          tool_role: str = "user", tool_only_steps: int = 0) -> dict:
     """Build the tiny model into ``out_dir`` (must not hold a finished build); return its info.
+
+    ``tool_demos > 0`` builds the calculator recipe's model: every warm-start sequence is a
+    calculator conversation on ``tool_digits``-digit operands (:func:`tool_sequences`), a
+    ``tool_demos`` share of them solved with the tool (tool results as ``tool_role`` messages),
+    the rest answered at once; ``digits`` is then unused.  The first ``tool_only_steps`` steps
+    are demonstrations only: copying operands into the call and the result into the answer
+    takes many demonstrations to learn, while how often the model calls is set by the share of
+    the steps after them.  ``tool_demos == 0`` (the default) is the arithmetic build, unchanged.
 
     ``family="qwen3_moe"`` builds a Qwen3-MoE instead (``num_experts``, ``top_k``,
     ``moe_intermediate_size``; ``intermediate_size`` unused there: every layer is an MoE layer);
     the warm start is the same code (megatron's MoE layer with aux and z losses off)."""
     if family not in FAMILIES:
         raise MegarlError(f"tiny model family {family!r}: choose from {', '.join(FAMILIES)}")
-    import torch
-
     from megarl.config import OptimSettings
-    from megarl.data.tasks.arithmetic import make_problems
     from megarl.data.tiny_tokenizer import build_tiny_tokenizer
     from megarl.data.tokenizer import TokenizerContract
+    from megarl.envs.render import EnvTurnRenderer
     from megarl.models.forward import token_log_probs_from_logits
     from megarl.models.megatron_ckpt import load_model
     from megarl.models.optim import train_step, wrap_for_training
     from megarl.models.tiny import make_tiny_hf_checkpoint
     from megarl.models.weights import export_hf
+    from megarl.roles.common import lr_scheduler
     from megarl.runtime import distributed as rt
 
     t_start = time.time()
@@ -124,20 +226,25 @@ def build(out_dir: str, *, hidden_size: int = 128, num_layers: int = 4, num_head
 
     rt.initialize(tp=1, pp=1, seed=seed)
     model = load_model(random_dir)
-    ddp, opt = wrap_for_training(model, OptimSettings(optimizer="adam", lr=lr, clip_grad=1.0, weight_decay=0.0))
+    if tool_demos > 0:
+        # the calculator build decays the learning rate (cosine, to lr / 10): copying a 6-digit
+        # operand right at temperature 1 needs a precise fit, and the last steps -- the mixture
+        # that sets how often the model calls -- must not undo it
+        settings = OptimSettings(optimizer="adam", lr=lr, min_lr=lr / 10, lr_decay_style="cosine", clip_grad=1.0,
+                                 weight_decay=0.0)
+    else:  # the default build: a constant rate, as it always had
+        settings = OptimSettings(optimizer="adam", lr=lr, clip_grad=1.0, weight_decay=0.0)
+    ddp, opt = wrap_for_training(model, settings)
+    sched = lr_scheduler(opt, settings, steps) if tool_demos > 0 else None
     V = model.megarl_spec.vocab_size
-    problems = make_problems("train", seed, steps * batch, digits=tuple(digits), ops=tuple(ops))
-    prompts, answers = _sequences(tok, problems)
+    prompts, answers, masks = warmstart_sequences(tok, steps=steps, batch=batch, seed=seed, digits=digits, ops=ops,
+                                                  tool_demos=tool_demos, tool_digits=tool_digits,
+                                                  tool_role=tool_role, tool_only_steps=tool_only_steps)
     losses = []
     for step in range(steps):
         sl = slice(step * batch, (step + 1) * batch)
-        rows = [p + a for p, a in zip(prompts[sl], answers[sl])]
-        L = max(len(r) for r in rows)
-        tokens = torch.full((len(rows), L), tok.pad_token_id, dtype=torch.long)
-        mask = torch.zeros(len(rows), L - 1)
-        for i, (p, a) in enumerate(zip(prompts[sl], answers[sl])):
-            tokens[i, :len(p) + len(a)] = torch.tensor(p + a)
-            mask[i, len(p) - 1:len(p) + len(a) - 1] = 1  # positions that predict the answer
+        tokens, mask = training_tensors(tok.pad_token_id, prompts[sl], answers[sl],
+                                        None if masks is None else masks[sl])
         n = float(mask.sum())
 
         def loss_fn(output, mb):
@@ -146,6 +253,8 @@ def build(out_dir: str, *, hidden_size: int = 128, num_layers: int = 4, num_head
             return loss, {"nll": float(loss.detach())}
 
         res = train_step(ddp, opt, [{"tokens": tokens, "mask": mask}], loss_fn)
+        if sched is not None:
+            sched.step(increment=1)
         losses.append(res.metrics[0]["nll"])
         if log_every and (step + 1) % log_every == 0:
             print(f"  warm start step {step + 1}/{steps}: answer nll {sum(losses[-log_every:]) / log_every:.4f}",
@@ -153,13 +262,22 @@ def build(out_dir: str, *, hidden_size: int = 128, num_layers: int = 4, num_head
     staged = os.path.join(work, "model")
     export_hf(ddp, staged, tokenizer_dir=tok_dir)
     rt.shutdown()
-    acc = heldout_accuracy(staged, digits=digits, ops=ops)
+    if tool_demos > 0:  # the no-tool baseline on the calculator's operands (answers end at <|end|>)
+        acc = heldout_accuracy(staged, digits=tool_digits, ops=ops, max_new_tokens=tool_digits[1] + 3,
+                               stop_ids=EnvTurnRenderer(tok).assistant_end_ids)
+    else:
+        acc = heldout_accuracy(staged, digits=digits, ops=ops)
     info = {"family": family, "hidden_size": hidden_size, "num_layers": num_layers, "num_heads": num_heads,
             "num_kv_heads": num_kv_heads, "intermediate_size": intermediate_size, "vocab_size": vocab,
             "warmstart": {"steps": steps, "lr": lr, "batch": batch, "seed": seed, "final_nll": losses[-1] if losses else None},
             "task": {"name": "arithmetic", "digits": list(digits), "ops": list(ops)},
             "heldout_accuracy_greedy": acc, "seconds": time.time() - t_start,
             "tokenizer_hash": tok.hash}
+    if tool_demos > 0:  # the default build's info is what it was
+        info["task"] = {"name": "calculator", "digits": list(tool_digits), "ops": list(ops)}
+        # heldout_accuracy_greedy is then the no-tool baseline: answered at once, never calling
+        info["tool"] = {"demos": tool_demos, "digits": list(tool_digits), "role": tool_role,
+                        "only_steps": tool_only_steps}
     if moe:
         info["moe"] = {"num_experts": num_experts, "top_k": top_k, "moe_intermediate_size": moe_intermediate_size}
     with open(os.path.join(staged, MARKER), "w") as f:
@@ -192,6 +310,16 @@ def main(argv=None) -> None:
     p.add_argument("--num-experts", type=int, default=8, help="qwen3_moe: routed experts per layer")
     p.add_argument("--top-k", type=int, default=2, help="qwen3_moe: experts per token")
     p.add_argument("--moe-intermediate-size", type=int, default=128, help="qwen3_moe: each expert's SwiGLU width")
+    p.add_argument("--tool-demos", type=float, default=0.0,
+                   help="share of calculator tool-use demonstrations among the warm-start sequences after "
+                        "--tool-only-steps (0: the arithmetic build; > 0: the calculator build, operands of "
+                        "--tool-*-digits)")
+    p.add_argument("--tool-min-digits", type=int, default=4, help="calculator build: fewest digits per operand")
+    p.add_argument("--tool-max-digits", type=int, default=6, help="calculator build: most digits per operand")
+    p.add_argument("--tool-only-steps", type=int, default=0,
+                   help="calculator build: the first warm-start steps that are demonstrations only")
+    p.add_argument("--tool-role", default="user",
+                   help="calculator build: the role of the tool's messages (the tiny vocabulary has no <|tool|>)")
     p.add_argument("--overwrite", action="store_true")
     a = p.parse_args(argv)
     if is_built(a.out) and not a.overwrite:
@@ -200,6 +328,17 @@ def main(argv=None) -> None:
         raise MegarlError(f"--out {a.out}: exists and is not a tiny model build; refusing to overwrite")
     if a.steps < 0 or a.batch < 1:
         raise MegarlError("--steps must be >= 0 and --batch >= 1")
+    if not 0.0 <= a.tool_demos <= 1.0:
+        raise MegarlError(f"--tool-demos {a.tool_demos}: must be in [0, 1]")
+    try:
+        from megarl.envs.calculator import CalculatorEnv
+
+        CalculatorEnv.check_args(tool_role=a.tool_role)
+    except ValueError as e:
+        raise MegarlError(f"--tool-role: {e}") from None
+    if not 1 <= a.tool_min_digits <= a.tool_max_digits:
+        raise MegarlError(f"--tool-min-digits {a.tool_min_digits} / --tool-max-digits {a.tool_max_digits}: need "
+                          "1 <= min <= max")
     if a.family != "llama" and not 1 <= a.top_k <= a.num_experts:
         raise MegarlError(f"--top-k {a.top_k}: must be between 1 and --num-experts {a.num_experts}")
     print(f"building the tiny model in {a.out} (warm start: {a.steps} steps through the megatron actor)", flush=True)
@@ -207,7 +346,9 @@ def main(argv=None) -> None:
                  num_kv_heads=a.num_kv_heads, intermediate_size=a.intermediate_size, steps=a.steps, lr=a.lr,
                  batch=a.batch, seed=a.seed, digits=(a.min_digits, a.max_digits), ops=tuple(a.ops.split(",")),
                  family=a.family, num_experts=a.num_experts, top_k=a.top_k,
-                 moe_intermediate_size=a.moe_intermediate_size)
+                 moe_intermediate_size=a.moe_intermediate_size, tool_demos=a.tool_demos,
+                 tool_digits=(a.tool_min_digits, a.tool_max_digits), tool_role=a.tool_role,
+                 tool_only_steps=a.tool_only_steps)
     print(f"tiny model ready in {a.out}: held-out greedy accuracy {info['heldout_accuracy_greedy']:.3f} "
           f"after {a.steps} warm-start steps ({info['seconds']:.0f}s)", flush=True)
 

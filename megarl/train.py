@@ -80,6 +80,10 @@ def ensure_builtin_model(cfg) -> None:
             if t.family != "llama":  # the dense build's command stays what it was
                 cmd += ["--family", t.family, "--num-experts", str(t.num_experts), "--top-k", str(t.top_k),
                         "--moe-intermediate-size", str(t.moe_intermediate_size)]
+            if t.tool_demos > 0:  # the calculator build; without it the command stays what it was
+                cmd += ["--tool-demos", str(t.tool_demos), "--tool-only-steps", str(t.tool_only_steps),
+                        "--tool-min-digits", str(t.tool_min_digits), "--tool-max-digits", str(t.tool_max_digits),
+                        "--tool-role", t.tool_role]
             env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
             print(f"model.path {m.path} is missing: building the built-in tiny model (cached for later runs)",
                   flush=True)

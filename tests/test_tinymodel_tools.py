@@ -1,0 +1,170 @@
+"""The calculator build of the tiny model's warm start (megarl/tinymodel.py, model.tiny.tool_*).
+
+A tool-use demonstration is the token list an agent session builds for the solved conversation,
+with loss exactly on the policy tokens (the call and the answer), never on the tool's output;
+the default build's sequences are the ones it always had; the new keys are validated by name."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from megarl.config import ConfigError, load_config, validate
+from megarl.data.tiny_tokenizer import build_tiny_tokenizer
+from megarl.data.tokenizer import TokenizerContract
+from megarl.tinymodel import is_demo, tool_sequences, training_tensors, warmstart_sequences
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GRPO = os.path.join(ROOT, "configs", "grpo_arith_tiny.yaml")
+
+# tiny-vocabulary ids (megarl/data/tiny_tokenizer.py): <bos> 2, <eos> 3, <|user|> 5,
+# <|assistant|> 6, <|end|> 7, digits 0-9 are 8-17, + 18, ? 31, [ 38, ] 39, what 70, is 71, plus 75
+BOS, EOS, USER, ASSISTANT, END, PLUS, Q, LB, RB, WHAT, IS, WPLUS = 2, 3, 5, 6, 7, 18, 31, 38, 39, 70, 71, 75
+
+
+def d(*digits):
+    return [8 + k for k in digits]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok")
+    build_tiny_tokenizer(path)
+    return TokenizerContract.from_pretrained(str(path))
+
+
+ROW = {"prompt": "what is 1234 plus 56789 ?", "answer": "58023"}
+PROMPT = [BOS, USER, WHAT, IS, *d(1, 2, 3, 4), WPLUS, *d(5, 6, 7, 8, 9), Q, END, ASSISTANT]
+CALL = [LB, *d(1, 2, 3, 4), PLUS, *d(5, 6, 7, 8, 9), RB, END]  # policy turn 0
+TOOL = [USER, *d(5, 8, 0, 2, 3), END, ASSISTANT]  # the tool's result as a user message + next prompt
+ANSWER = [*d(5, 8, 0, 2, 3), END]  # policy turn 1
+
+
+def test_demonstration_is_the_session_layout_with_loss_on_policy_tokens_only(tok):
+    prompts, responses, masks = tool_sequences(tok, [ROW], share=1.0, tool_role="user")
+    assert prompts == [PROMPT] and responses == [CALL + TOOL + ANSWER]
+    assert masks == [[1.0] * len(CALL) + [0.0] * len(TOOL) + [1.0] * len(ANSWER)]
+    tokens, mask = training_tensors(0, prompts, responses, masks)
+    assert tokens.tolist() == [PROMPT + CALL + TOOL + ANSWER]
+    # mask[t] weighs predicting token t + 1: exactly the call's and the answer's positions
+    p, c, t = len(PROMPT), len(CALL), len(TOOL)
+    want = set(range(p, p + c)) | set(range(p + c + t, p + c + t + len(ANSWER)))
+    assert {i + 1 for i in torch.nonzero(mask[0]).flatten().tolist()} == want
+    assert mask.shape == (1, len(tokens[0]) - 1) and float(mask.sum()) == len(want)
+
+
+def test_direct_answer_rows_and_the_demonstration_share(tok):
+    """A non-demonstration row of the calculator build is the prompt and the answer through
+    <|end|> (as a session answering at once), with loss on its first token only (the decision
+    not to call); demonstrations are evenly spaced, the first ``demos_first`` rows all
+    demonstrations."""
+    prompts, responses, masks = tool_sequences(tok, [ROW], share=0.0)
+    assert prompts == [PROMPT] and responses == [ANSWER] and masks == [[1.0] + [0.0] * (len(ANSWER) - 1)]
+    assert [i for i in range(12) if is_demo(i, 0.25)] == [3, 7, 11]
+    rows = [ROW] * 10
+    _, responses, _ = tool_sequences(tok, rows, share=0.25, demos_first=4)
+    assert [r[0] == LB for r in responses] == [True] * 4 + [False, False, False, True, False, False]
+
+
+def _old_build_batch(tok, problems, pad):
+    """The warm start's batch exactly as the build wrote it before the calculator build."""
+    prompts, answers = [], []
+    for p in problems:
+        prompts.append(tok.encode_prompt([{"role": "user", "content": p["prompt"]}]))
+        answers.append(list(tok.tokenizer.encode(p["answer"], add_special_tokens=False)) + [tok.eos_token_id])
+    rows = [p + a for p, a in zip(prompts, answers)]
+    L = max(len(r) for r in rows)
+    tokens = torch.full((len(rows), L), pad, dtype=torch.long)
+    mask = torch.zeros(len(rows), L - 1)
+    for i, (p, a) in enumerate(zip(prompts, answers)):
+        tokens[i, :len(p) + len(a)] = torch.tensor(p + a)
+        mask[i, len(p) - 1:len(p) + len(a) - 1] = 1
+    return tokens, mask
+
+
+def test_default_build_sequences_unchanged(tok):
+    from megarl.data.tasks.arithmetic import make_problems
+
+    prompts, answers, masks = warmstart_sequences(tok, steps=2, batch=64, seed=0, digits=(1, 2))
+    assert masks is None
+    # golden: the first rows of the default build (seed 0): 15 plus 75 = 90, ...
+    assert prompts[0] == [BOS, USER, WHAT, IS, *d(1, 5), WPLUS, *d(7, 5), Q, END, ASSISTANT]
+    assert answers[:3] == [[*d(9, 0), EOS], [*d(1, 0, 3), EOS], [*d(5), EOS]]
+    problems = make_problems("train", 0, 128, digits=(1, 2))
+    for step in range(2):
+        sl = slice(step * 64, (step + 1) * 64)
+        tokens, mask = training_tensors(tok.pad_token_id, prompts[sl], answers[sl], None)
+        old_tokens, old_mask = _old_build_batch(tok, problems[sl], tok.pad_token_id)
+        assert torch.equal(tokens, old_tokens) and torch.equal(mask, old_mask)
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["model.tiny.tool_demos=1.5"], "model.tiny.tool_demos"),
+    (["model.tiny.tool_demos=-0.1"], "model.tiny.tool_demos"),
+    (["model.tiny.tool_only_steps=-1"], "model.tiny.tool_only_steps"),
+    (["model.tiny.tool_min_digits=0"], "model.tiny.tool_min_digits"),
+    (["model.tiny.tool_min_digits=7"], "model.tiny.tool_min_digits"),  # above tool_max_digits=6
+    (["model.tiny.tool_role=assistant"], "model.tiny.tool_role"),
+    (["model.tiny.tool_role=''"], "model.tiny.tool_role"),
+])
+def test_tool_keys_validated_by_name(overrides, key):
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(GRPO, overrides), 1)
+    assert str(e.value).startswith(key), str(e.value)
+
+
+def test_tool_keys_default_and_accepted():
+    cfg = load_config(GRPO, [])
+    t = cfg.model.tiny
+    assert (t.tool_demos, t.tool_only_steps, t.tool_min_digits, t.tool_max_digits, t.tool_role) == (0.0, 0, 4, 6, "user")
+    cfg = load_config(GRPO, ["model.tiny.tool_demos=0.2", "model.tiny.tool_only_steps=300"])
+    assert validate(cfg, 1) == 1
+
+
+def test_builder_command_adds_tool_flags_only_when_demos(tmp_path, monkeypatch):
+    """ensure_builtin_model's command: the default build's is what it was; tool_demos > 0 adds
+    the calculator flags."""
+    import subprocess
+
+    from megarl import train
+
+    seen = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, env=None: seen.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    base = [f"model.path={tmp_path / 'm'}", "model.build_tiny=true"]
+    train.ensure_builtin_model(load_config(GRPO, base))
+    train.ensure_builtin_model(load_config(GRPO, base + ["model.tiny.tool_demos=0.25", "model.tiny.tool_only_steps=9",
+                                                         "model.tiny.tool_role=user"]))
+    default, calc = seen
+    assert default[2:] == ["megarl.tinymodel", "--out", str(tmp_path / "m"), "--hidden-size", "128", "--num-layers", "4",
+                           "--num-heads", "4", "--num-kv-heads", "2", "--intermediate-size", "256", "--steps", "470",
+                           "--lr", "0.002", "--batch", "64", "--seed", "0", "--min-digits", "1", "--max-digits", "2",
+                           "--overwrite"]
+    assert calc[:len(default)] == default
+    assert calc[len(default):] == ["--tool-demos", "0.25", "--tool-only-steps", "9", "--tool-min-digits", "4",
+                                   "--tool-max-digits", "6", "--tool-role", "user"]
+
+
+def test_calculator_build_records_its_settings(tmp_path):
+    """A (very short) calculator build through the real CLI: tiny_model.json names the task,
+    the tool settings, and the no-tool held-out accuracy on the calculator's operands."""
+    import json
+    import subprocess
+    import sys
+
+    from tests._dist import subprocess_env
+
+    out = tmp_path / "calc"
+    subprocess.run([sys.executable, "-m", "megarl.tinymodel", "--out", str(out), "--steps", "3", "--batch", "8",
+                    "--hidden-size", "32", "--num-layers", "1", "--num-heads", "2", "--num-kv-heads", "1",
+                    "--intermediate-size", "64", "--tool-demos", "0.5", "--tool-only-steps", "1",
+                    "--tool-min-digits", "4", "--tool-max-digits", "5"],
+                   check=True, env=subprocess_env(), capture_output=True, timeout=300, cwd=ROOT)
+    info = json.loads((out / "tiny_model.json").read_text())
+    assert info["task"] == {"name": "calculator", "digits": [4, 5], "ops": ["plus"]}
+    assert info["tool"] == {"demos": 0.5, "digits": [4, 5], "role": "user", "only_steps": 1}
+    assert info["warmstart"]["steps"] == 3 and 0.0 <= info["heldout_accuracy_greedy"] <= 1.0
+    bad = subprocess.run([sys.executable, "-m", "megarl.tinymodel", "--out", str(tmp_path / "x"), "--tool-demos", "2"],
+                         env=subprocess_env(), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode != 0 and "--tool-demos 2.0: must be in [0, 1]" in bad.stderr
