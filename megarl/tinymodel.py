@@ -220,6 +220,10 @@ def build(out_dir: str, *, hidden_size: int = 128, num_layers: int = 4, num_head
         hf_cfg = json.load(f)
     hf_cfg.update(bos_token_id=hf_tok.bos_token_id, eos_token_id=hf_tok.eos_token_id,
                   pad_token_id=hf_tok.pad_token_id)
+    if tool_demos > 0:
+        # its turns end at the template's <|end|> (as a chat model's at <|im_end|>): every engine,
+        # single-turn ones too (the no-tool baseline), stops there
+        hf_cfg["eos_token_id"] = [hf_tok.eos_token_id, int(hf_tok.convert_tokens_to_ids("<|end|>"))]
     with open(cfg_path, "w") as f:
         json.dump(hf_cfg, f, indent=2)
     tok = TokenizerContract.from_pretrained(tok_dir)
