@@ -64,6 +64,9 @@ class TinyModelConfig:
     #: the role of the demonstrations' tool messages (the tiny vocabulary has no <|tool|>; the
     #: recipe passes the same rollout.agent.env_args.tool_role)
     tool_role: str = "user"
+    #: share of warm-start sequences that are two_turn demonstrations (guess, feedback, answer;
+    #: 0: none): the two-turn recipe's build (not with tool_demos)
+    two_turn_demos: float = 0.0
 
 
 @dataclass
@@ -691,6 +694,8 @@ def _validate_ranges(cfg: TrainConfig) -> None:
           f"{tiny.top_k} is above model.tiny.num_experts={tiny.num_experts}")
     _need(tiny.tool_min_digits <= tiny.tool_max_digits, "model.tiny.tool_min_digits",
           f"{tiny.tool_min_digits} is above model.tiny.tool_max_digits={tiny.tool_max_digits}")
+    _need(not (tiny.two_turn_demos and tiny.tool_demos), "model.tiny.two_turn_demos",
+          f"is {tiny.two_turn_demos}, but model.tiny.tool_demos={tiny.tool_demos} builds the calculator's model")
     _need(bool(tiny.tool_role) and tiny.tool_role != "assistant", "model.tiny.tool_role",
           f"must be a role name other than 'assistant', got {tiny.tool_role!r}")
 

@@ -97,9 +97,50 @@ def tool_sequences(tok, rows, share: float, tool_role: str = "user", demos_first
     return prompts, responses, masks
 
 
+def _near_miss(answer: str, rng) -> str:
+    """``answer`` with one digit replaced by another (a guess that is close but wrong)."""
+    k = rng.randrange(len(answer))
+    digit = rng.choice([d for d in "0123456789" if d != answer[k] and (k or d != "0" or len(answer) == 1)])
+    return answer[:k] + digit + answer[k + 1:]
+
+
+def two_turn_sequences(tok, problems, share: float, seed: int):
+    """The two-turn build's warm-start sequences: ``(prompts, responses, loss masks)``.
+
+    The arithmetic build's sequences (answer and EOS, loss on all of it), with a ``share`` of the
+    rows (:func:`is_demo`) replaced by a demonstration of the ``two_turn`` environment
+    (:func:`megarl.envs.two_turn.demonstration`, feedback that restates the question): a guess
+    -- the right answer or, half the time, one digit off --, the environment's feedback for it,
+    the right answer; rendered by :func:`megarl.envs.render.render_conversation` (each turn ends
+    at the template's ``<|end|>``), loss on the policy tokens only, never on the feedback, and of
+    the guess on its ``<|end|>`` only: the guess's digits are the arithmetic rows' to teach (half
+    the demonstrations' guesses are wrong on purpose)."""
+    import random
+
+    from megarl.envs.render import EnvTurnRenderer, render_conversation
+    from megarl.envs.two_turn import demonstration
+
+    renderer = EnvTurnRenderer(tok)
+    rng = random.Random(seed)
+    prompts, answers = _sequences(tok, problems)
+    masks = [[1.0] * len(a) for a in answers]
+    for i, row in enumerate(problems):
+        if not is_demo(i, share):
+            continue
+        answer = str(row["answer"]).strip()
+        guess = answer if rng.random() < 0.5 else _near_miss(answer, rng)
+        conv = render_conversation(renderer, demonstration(row, " ".join(guess), restate=True))
+        prompts[i], answers[i] = conv.prompt_ids, conv.response_ids
+        masks[i] = [1.0 if s == 1 else 0.0 for s in conv.sources]
+        _, _, start, end = conv.spans[0]  # the guess: only its <|end|> is taught (a wrong guess is
+        for t in range(start - len(conv.prompt_ids), end - len(conv.prompt_ids) - 1):  # no lesson)
+            masks[i][t] = 0.0
+    return prompts, answers, masks
+
+
 def warmstart_sequences(tok, *, steps: int, batch: int, seed: int, digits=(1, 2), ops=("plus",),
                         tool_demos: float = 0.0, tool_digits=(4, 6), tool_role: str = "user",
-                        tool_only_steps: int = 0):
+                        tool_only_steps: int = 0, two_turn_demos: float = 0.0):
     """All ``steps * batch`` warm-start sequences, in step order: ``(prompts, responses, loss
     masks)``; masks None means loss on every response token (the arithmetic build)."""
     from megarl.data.tasks.arithmetic import make_problems
@@ -111,6 +152,8 @@ def warmstart_sequences(tok, *, steps: int, batch: int, seed: int, digits=(1, 2)
         return tool_sequences(tok, rows, tool_demos, tool_role, demos_first=min(tool_only_steps, steps) * batch)
     # the default build: exactly the sequences it always had
     problems = make_problems("train", seed, steps * batch, digits=tuple(digits), ops=tuple(ops))
+    if two_turn_demos > 0:
+        return two_turn_sequences(tok, problems, two_turn_demos, seed)
     prompts, answers = _sequences(tok, problems)
     return prompts, answers, None
 
@@ -174,8 +217,12 @@ def build(out_dir: str, *, hidden_size: int = 128, num_layers: int = 4, num_head
           intermediate_size: int = 256, steps: int = 470, lr: float = 2e-3, batch: int = 64, seed: int = 0,
           digits=(1, 2), ops=("plus",), log_every: int = 50, family: str = "llama", num_experts: int = 8,
           top_k: int = 2, moe_intermediate_size: int = 128, tool_demos: float = 0.0, tool_digits=(4, 6),
-          tool_role: str = "user", tool_only_steps: int = 0) -> dict:
+          tool_role: str = "user", tool_only_steps: int = 0, two_turn_demos: float = 0.0) -> dict:
     """Build the tiny model into ``out_dir`` (must not hold a finished build); return its info.
+
+    ``two_turn_demos > 0`` builds the two-turn recipe's model: the arithmetic build with that
+    share of its sequences replaced by guess-feedback-answer demonstrations of the ``two_turn``
+    environment (:func:`two_turn_sequences`).
 
     ``tool_demos > 0`` builds the calculator recipe's model: every warm-start sequence is a
     calculator conversation on ``tool_digits``-digit operands (:func:`tool_sequences`), a
@@ -220,7 +267,7 @@ def build(out_dir: str, *, hidden_size: int = 128, num_layers: int = 4, num_head
         hf_cfg = json.load(f)
     hf_cfg.update(bos_token_id=hf_tok.bos_token_id, eos_token_id=hf_tok.eos_token_id,
                   pad_token_id=hf_tok.pad_token_id)
-    if tool_demos > 0:
+    if tool_demos > 0 or two_turn_demos > 0:
         # its turns end at the template's <|end|> (as a chat model's at <|im_end|>): every engine,
         # single-turn ones too (the no-tool baseline), stops there
         hf_cfg["eos_token_id"] = [hf_tok.eos_token_id, int(hf_tok.convert_tokens_to_ids("<|end|>"))]
@@ -243,7 +290,8 @@ def build(out_dir: str, *, hidden_size: int = 128, num_layers: int = 4, num_head
     V = model.megarl_spec.vocab_size
     prompts, answers, masks = warmstart_sequences(tok, steps=steps, batch=batch, seed=seed, digits=digits, ops=ops,
                                                   tool_demos=tool_demos, tool_digits=tool_digits,
-                                                  tool_role=tool_role, tool_only_steps=tool_only_steps)
+                                                  tool_role=tool_role, tool_only_steps=tool_only_steps,
+                                                  two_turn_demos=two_turn_demos)
     losses = []
     for step in range(steps):
         sl = slice(step * batch, (step + 1) * batch)
@@ -282,6 +330,8 @@ def build(out_dir: str, *, hidden_size: int = 128, num_layers: int = 4, num_head
         # heldout_accuracy_greedy is then the no-tool baseline: answered at once, never calling
         info["tool"] = {"demos": tool_demos, "digits": list(tool_digits), "role": tool_role,
                         "only_steps": tool_only_steps}
+    if two_turn_demos > 0:
+        info["two_turn_demos"] = two_turn_demos
     if moe:
         info["moe"] = {"num_experts": num_experts, "top_k": top_k, "moe_intermediate_size": moe_intermediate_size}
     with open(os.path.join(staged, MARKER), "w") as f:
@@ -324,6 +374,9 @@ def main(argv=None) -> None:
                    help="calculator build: the first warm-start steps that are demonstrations only")
     p.add_argument("--tool-role", default="user",
                    help="calculator build: the role of the tool's messages (the tiny vocabulary has no <|tool|>)")
+    p.add_argument("--two-turn-demos", type=float, default=0.0,
+                   help="share of warm-start sequences that are two_turn demonstrations (guess, feedback, answer; "
+                        "0: none)")
     p.add_argument("--overwrite", action="store_true")
     a = p.parse_args(argv)
     if is_built(a.out) and not a.overwrite:
@@ -334,6 +387,8 @@ def main(argv=None) -> None:
         raise MegarlError("--steps must be >= 0 and --batch >= 1")
     if not 0.0 <= a.tool_demos <= 1.0:
         raise MegarlError(f"--tool-demos {a.tool_demos}: must be in [0, 1]")
+    if not 0.0 <= a.two_turn_demos <= 1.0 or (a.two_turn_demos and a.tool_demos):
+        raise MegarlError(f"--two-turn-demos {a.two_turn_demos}: must be in [0, 1], and 0 with --tool-demos")
     try:
         from megarl.envs.calculator import CalculatorEnv
 
@@ -352,7 +407,7 @@ def main(argv=None) -> None:
                  family=a.family, num_experts=a.num_experts, top_k=a.top_k,
                  moe_intermediate_size=a.moe_intermediate_size, tool_demos=a.tool_demos,
                  tool_digits=(a.tool_min_digits, a.tool_max_digits), tool_role=a.tool_role,
-                 tool_only_steps=a.tool_only_steps)
+                 tool_only_steps=a.tool_only_steps, two_turn_demos=a.two_turn_demos)
     print(f"tiny model ready in {a.out}: held-out greedy accuracy {info['heldout_accuracy_greedy']:.3f} "
           f"after {a.steps} warm-start steps ({info['seconds']:.0f}s)", flush=True)
 

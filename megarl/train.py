@@ -84,6 +84,8 @@ def ensure_builtin_model(cfg) -> None:
                 cmd += ["--tool-demos", str(t.tool_demos), "--tool-only-steps", str(t.tool_only_steps),
                         "--tool-min-digits", str(t.tool_min_digits), "--tool-max-digits", str(t.tool_max_digits),
                         "--tool-role", t.tool_role]
+            if t.two_turn_demos > 0:  # the two-turn build
+                cmd += ["--two-turn-demos", str(t.two_turn_demos)]
             env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
             print(f"model.path {m.path} is missing: building the built-in tiny model (cached for later runs)",
                   flush=True)

@@ -168,3 +168,33 @@ def test_calculator_build_records_its_settings(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "megarl.tinymodel", "--out", str(tmp_path / "x"), "--tool-demos", "2"],
                          env=subprocess_env(), capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode != 0 and "--tool-demos 2.0: must be in [0, 1]" in bad.stderr
+
+
+def test_two_turn_demonstrations_teach_the_second_turn_not_the_wrong_guess(tok):
+    """The two-turn build: the arithmetic sequences with a share replaced by guess-feedback-answer
+    conversations laid out as a session builds them; loss on the guess's <|end|> and on the
+    answer, never on the feedback or the guess's digits."""
+    from megarl.data.tasks.arithmetic import make_problems
+    from megarl.tinymodel import _sequences, two_turn_sequences
+
+    probs = make_problems("train", 0, 40, digits=(1, 2), ops=("plus",))
+    prompts, responses, masks = two_turn_sequences(tok, probs, 0.25, seed=0)
+    plain_p, plain_r = _sequences(tok, probs)
+    demos = [i for i in range(40) if is_demo(i, 0.25)]
+    assert len(demos) == 10
+    for i in range(40):
+        if i not in demos:  # an arithmetic row as the default build has it, loss on all of it
+            assert (prompts[i], responses[i], masks[i]) == (plain_p[i], plain_r[i], [1.0] * len(plain_r[i]))
+            continue
+        r, m = responses[i], masks[i]
+        ends = [t for t, x in enumerate(r) if x == END]
+        assert len(ends) == 3 and r[-1] == END  # guess, feedback message, answer each end at <|end|>
+        guess_end, feedback_end = ends[0], ends[1]
+        assert r[guess_end + 1] == USER and r[feedback_end + 1] == ASSISTANT
+        answer = list(tok.tokenizer.encode(probs[i]["answer"], add_special_tokens=False))
+        assert r[feedback_end + 2:-1] == answer  # the right answer after the feedback
+        assert m == [0.0] * guess_end + [1.0] + [0.0] * (feedback_end + 1 - guess_end) + [1.0] * (len(answer) + 1)
+    guesses = [tok.tokenizer.decode(responses[i][:[t for t, x in enumerate(responses[i]) if x == END][0]])
+               for i in demos]
+    right = sum(g.replace(" ", "") == probs[i]["answer"] for g, i in zip(guesses, demos))
+    assert 0 < right < len(demos)  # some guesses right, some one digit off
