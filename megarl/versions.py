@@ -20,9 +20,18 @@ from functools import cached_property
 
 from megarl.hashing import json_sha256
 
-__all__ = ["PolicyVersion", "VersionError"]
+__all__ = ["PolicyVersion", "VersionError", "step_of_short_id"]
 
 _HASH_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+_SHORT_RE = re.compile(r"^v(\d+)\.(\d+)-[0-9a-f]{8}$")
+
+
+def step_of_short_id(short_id: str) -> int:
+    """The optimizer step a :attr:`PolicyVersion.short_id` names (``v42.1-1a2b3c4d`` -> 42)."""
+    m = _SHORT_RE.match(short_id) if isinstance(short_id, str) else None
+    if m is None:
+        raise VersionError(f"{short_id!r} is not a policy version short id (v<step>.<attempt>-<8 hex>)")
+    return int(m.group(1))
 
 
 class VersionError(ValueError):

@@ -52,12 +52,16 @@ class ProducedRollout:
         under ``algo.partial_groups=allow_partial``); sealing checks every group is complete.
     sampling: the sampling parameters the samples were drawn with, as recorded in the experience.
     metrics: ``rollout/*`` and ``prep/reward*`` metrics of the production.
+    max_staleness: the producer's declared bound (``megarl.experience.staleness``).
     """
 
     samples: List[Sample]
     real_sizes: Dict[str, int]
     sampling: dict = field(default_factory=dict)
     metrics: Dict[str, float] = field(default_factory=dict)
+    #: the staleness bound the producer declares (optimizer steps; 0: every policy token generated
+    #: by the version trained from); preparation refuses any policy token beyond it
+    max_staleness: int = 0
 
 
 class RolloutProducer(Protocol):

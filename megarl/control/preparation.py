@@ -31,6 +31,7 @@ from megarl.errors import MegarlError
 from megarl.experience.groups import group_index
 from megarl.experience.schema import DerivedTensors, ExperienceBatch, ExperienceFacts, LogProbProducer, LogProbs
 from megarl.experience.seal import save_sealed, seal, with_derived
+from megarl.experience.staleness import StalenessError, check_staleness, staleness_metrics
 from megarl.metrics import StageTimer
 from megarl.models.router_replay import RecordRouting, RoutingStats
 from megarl.runtime import data_parallel
@@ -164,6 +165,12 @@ class ExperiencePreparer:
             rollout_log_probs=rollout_lp, old_log_probs=old, ref_log_probs=ref, values=values,
             critic_version=self.critic.version if self.critic is not None else None,
             routed_experts=c.routed_experts, token_origins=c.token_origins)
+        try:  # the hard per-token bound at consumption (the producer declares it; synchronous: 0)
+            ages = check_staleness(facts, version.optimizer_step, produced.max_staleness)
+        except StalenessError:
+            self.sm.fail("a policy token beyond the staleness bound")
+            raise
+        m.update(staleness_metrics(ages))
         if c.routed_experts is not None:
             m.update(routing_load_metrics(c.routed_experts, facts.attention_mask))
         sealed = seal(ExperienceBatch(facts))
