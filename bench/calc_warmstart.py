@@ -52,27 +52,12 @@ def build(out: str, args) -> float:
 
 
 def load_engine(model_dir: str):
-    """The hf rollout engine serving ``model_dir``'s weights (as tests/test_agent_rollout.py)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
+    """The hf rollout engine serving ``model_dir``'s weights, as ``python -m megarl.eval`` loads it."""
     from megarl.data.tokenizer import TokenizerContract
-    from megarl.rollout import create_rollout_engine
-    from megarl.rollout.weight_stream import TensorManifest, hf_logical_tensors, iter_buckets
-    from megarl.versions import PolicyVersion
+    from megarl.eval import load_engine as eval_engine
 
     contract = TokenizerContract.from_pretrained(model_dir)
-    src = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    tensors = list(hf_logical_tensors(src))
-    manifest = TensorManifest.from_named_tensors(tensors)
-    version = PolicyVersion(run_id="calc-bench", optimizer_step=0, update_attempt=0,
-                            weight_manifest_hash=manifest.global_hash, tokenizer_hash=contract.hash,
-                            model_config_hash="sha256:" + "0" * 64)
-    engine = create_rollout_engine("hf", model_dir, eos_token_ids=[contract.eos_token_id],
-                                   pad_token_id=contract.pad_token_id, device="cpu", dtype=torch.float32)
-    engine.load_weights(version, iter_buckets(iter(tensors), 1 << 20), manifest)
-    engine.activate(version)
-    return contract, engine
+    return contract, eval_engine(model_dir, contract, "cpu")
 
 
 def sessions(contract, engine, rows, *, tool_role: str, temperature: float, n: int, max_turns: int, seed: int,

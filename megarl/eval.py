@@ -43,7 +43,7 @@ from collections import Counter
 
 from megarl.errors import MegarlError, cli_main
 
-__all__ = ["main", "evaluate_model"]
+__all__ = ["main", "evaluate_model", "load_engine"]
 
 
 class EvalError(MegarlError, ValueError):
@@ -94,7 +94,7 @@ def resolve_model(path: str, tokenizer: str | None, workdir: str) -> tuple[str, 
     return out, tok
 
 
-def _load_engine(model_dir: str, tok, device: str):
+def load_engine(model_dir: str, tok, device: str):
     """The hf rollout engine on ``model_dir``, serving its weights as one verified version."""
     from megarl.control.assembly import eos_and_pad
     from megarl.hashing import file_sha256
@@ -146,7 +146,7 @@ def evaluate_model(cfg, model_dir: str, tokenizer_dir: str, data_path: str, *, l
     data = load_configured_dataset(d, tok, data_path, split=d.heldout_split, subset=d.heldout_subset)
     data = drop_rows_missing_fields(cfg, data)
     records = list(data.records[:limit] if limit else data.records)
-    engine = _load_engine(model_dir, tok, device)
+    engine = load_engine(model_dir, tok, device)
     if cfg.rollout.agent.env:  # every candidate a session with the environment (the tool available)
         from megarl.control.assembly import agent_engine
 

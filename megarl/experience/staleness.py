@@ -37,7 +37,8 @@ def token_ages(facts, trained_step: int) -> torch.Tensor:
     mask = facts.response_mask != 0
     o = facts.token_origins
     if o is None:
-        steps = torch.tensor([step_of_short_id(v) for v in facts.policy_version], dtype=torch.int64)[:, None]
+        step = {v: step_of_short_id(v) for v in set(facts.policy_version)}  # a batch holds few versions
+        steps = torch.tensor([step[v] for v in facts.policy_version], dtype=torch.int64)[:, None]
         steps = steps.expand_as(mask)
     else:
         table = torch.tensor([step_of_short_id(v) for v in o.versions] or [0], dtype=torch.int64)
