@@ -452,6 +452,9 @@ class FaultsConfig:
     fail_optimizer_step_rank: int = -1  # the rank that fails (-1: the last)
     fail_optimizer_step_kind: str = "exception"  # exception | nan (a non-finite loss on that rank)
     seed: int = 0  # of the fault draws (see megarl/faults.py)
+    #: split placement drill: the rollout rank kills itself (SIGKILL) while it receives the
+    #: weights of this optimizer step (the trainer must name it lost within placement.timeout_s)
+    kill_rollout_at_load: Optional[int] = None
 
 
 @dataclass
@@ -816,6 +819,9 @@ def _validate_placement(cfg: TrainConfig, world_size: int) -> None:
         a_rc = cfg.algo.rollout_correction
         _need(a_rc.token_is_cap is None and a_rc.seq_mask_threshold is None, "algo.rollout_correction",
               "is set together with async_rl.correction, which already corrects the same log-prob gap (use one)")
+        _need(cfg.trainer.resume_experience == "rerun", "trainer.resume_experience",
+              f"'reuse' replays one synchronous sealed batch; with async_rl.max_staleness={an.max_staleness} "
+              "a checkpoint gives the in-flight prompts back instead (use 'rerun')")
         _need(not r.agent.env, "rollout.agent.env",
               f"agent sessions run on the trainer side; async_rl.max_staleness={an.max_staleness} > 0 "
               "with agents is not built (use 0)")

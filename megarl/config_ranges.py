@@ -97,6 +97,7 @@ RANGES = {
     "parallel.tp": COUNT, "parallel.pp": COUNT, "parallel.ep": COUNT, "parallel.etp": Range(lo=1, null=True),
     "data.max_prompt_tokens": COUNT, "data.arithmetic_train_n": COUNT, "data.arithmetic_heldout_n": COUNT,
     "data.arithmetic_min_digits": COUNT, "data.arithmetic_max_digits": COUNT,
+    "faults.kill_rollout_at_load": Range(lo=0, null=True),
     "placement.rollout_ranks": COUNT, "placement.timeout_s": POS,
     "async_rl.max_staleness": COUNT0, "async_rl.is_cap": Range(lo=1, null=True), "async_rl.mask_threshold": POS,
     "rollout.temperature": POS,

@@ -196,6 +196,14 @@ def main(argv=None) -> dict:
     if cfg.trainer.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
     torch.manual_seed(cfg.trainer.seed)
+    if cfg.placement.mode == "split":  # the world divided once: trainer ranks and rollout ranks
+        world_side = rt.init_split_world(cfg.placement.rollout_ranks, cfg.placement.timeout_s)
+        if world_side.role == "rollout":
+            from megarl.control.placement import serve_rollout_rank
+
+            stats = serve_rollout_rank(cfg, world_side)
+            world_side.close()
+            return {"role": "rollout", **stats}
     rt.initialize(tp=cfg.parallel.tp, pp=cfg.parallel.pp, ep=cfg.parallel.ep, etp=cfg.parallel.etp,
                   seed=cfg.trainer.seed)
     run_dir = broadcast_object(cfg.trainer.run_dir or default_run_dir(cfg))
@@ -204,11 +212,17 @@ def main(argv=None) -> dict:
     h = config_hash(cfg)
     if rt.is_main():
         write_run_files(cfg, run_dir, h, world, dp, sources=sources)
+        split = (f" + {cfg.placement.rollout_ranks} rollout rank(s) (placement split, async_rl.max_staleness="
+                 f"{cfg.async_rl.max_staleness})" if cfg.placement.mode == "split" else "")
         print(f"megarl.train: recipe {cfg.recipe}, {cfg.algo.name} ({cfg.algo.advantage}), world {world} = "
-              f"tp {cfg.parallel.tp} x pp {cfg.parallel.pp} x dp {dp}, run dir {run_dir}, config {h[:15]}", flush=True)
+              f"tp {cfg.parallel.tp} x pp {cfg.parallel.pp} x dp {dp}{split}, run dir {run_dir}, config {h[:15]}",
+              flush=True)
     tokenizer_dir = cfg.model.tokenizer or cfg.model.path
     trainer = Trainer(cfg, run_dir, cfg.model.path, tokenizer_dir, run_id=cfg.trainer.run_id)
-    result = trainer.run()
+    try:
+        result = trainer.run()
+    finally:
+        trainer.close()
     if rt.is_main():
         acc = result.get("heldout_accuracy")
         print(f"done: {result['iterations']} iterations; final held-out accuracy "

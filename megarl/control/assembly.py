@@ -197,11 +197,14 @@ def eos_and_pad(tok, config_dir: str):
 def assemble_engine(cfg, tok, config_dir: str, injector) -> EngineParts:
     """The rollout engines, created on an HF config of the actor (``config_dir``; weights only
     ever arrive by stream), and the dtype weights are synced in."""
-    from megarl.control.placement import create_engine, make_placement
+    from megarl.control.placement import create_engine, create_remote_engine, make_placement
+    from megarl.runtime.split import split_world
 
-    placement = make_placement(cfg.rollout.backend, cfg.rollout.tp)
+    split = split_world() if cfg.placement.mode == "split" else None
+    placement = make_placement(cfg.rollout.backend, cfg.rollout.tp, split=split is not None)
     eos, pad = eos_and_pad(tok, config_dir)
-    engine = create_engine(cfg, placement, config_dir, eos, pad)
+    engine = (create_remote_engine(split, config_dir, eos, pad) if split is not None
+              else create_engine(cfg, placement, config_dir, eos, pad))
     if engine is not None and (cfg.faults.rollout_error_rate or cfg.faults.duplicate_result_rate):
         from megarl.faults import FaultyRolloutEngine
 
@@ -249,11 +252,17 @@ def wire_components(cfg, parts: Parts, eng: EngineParts, *, sm, progress, run_di
         time_slice=time_slice, counters=counters, sync_dtype=eng.sync_dtype, bucket_mb=cfg.rollout.bucket_mb,
         max_retries=cfg.rollout.max_retries, corrupt_at=cfg.faults.corrupt_weight_sync_at, injector=parts.injector,
         rank0=rank0)
-    producer = (AgentRolloutProducer if agentic else GroupRolloutProducer)(
-        cfg, grouped=advantage_needs(cfg.algo.advantage).groups, train_data=parts.train_data, sampler=parts.sampler,
+    producer_kwargs = dict(
+        grouped=advantage_needs(cfg.algo.advantage).groups, train_data=parts.train_data, sampler=parts.sampler,
         engine=rollout_engine, placement=eng.placement,
         scorer=episode_scorer(cfg, parts.tok, counters, quarantine, rank0) if agentic else scorer(True), sm=sm,
         counters=counters, run_id=run_id, quarantine_path=quarantine)
+    if cfg.async_rl.max_staleness > 0:  # generation runs ahead on the rollout ranks, within the bound
+        from megarl.control.production import AsyncGroupRolloutProducer
+
+        producer = AsyncGroupRolloutProducer(cfg, **producer_kwargs)
+    else:
+        producer = (AgentRolloutProducer if agentic else GroupRolloutProducer)(cfg, **producer_kwargs)
     preparer = ExperiencePreparer(
         cfg, actor=parts.actor, reference=parts.reference, critic=parts.critic, time_slice=time_slice, sm=sm,
         kl_ctl=parts.kl_ctl, progress=progress, pad_id=eng.pad_id, run_id=run_id,

@@ -74,9 +74,15 @@ class RunPersistence:
             roles["reference"] = (self.reference.model, None)
         return roles
 
-    def save(self, iteration: int, run_id: str, version: PolicyVersion, manifest_hash: str) -> str:
+    def save(self, iteration: int, run_id: str, version: PolicyVersion, manifest_hash: str,
+             in_flight: Optional[dict] = None) -> str:
         """Collective: the training position after ``iteration`` iterations (at ACTOR_COMMITTED).
-        The checkpoint counts itself: ``checkpoints`` is cumulative across resumes."""
+        The checkpoint counts itself: ``checkpoints`` is cumulative across resumes.
+
+        ``in_flight`` (an asynchronous producer's ``in_flight()``): generation submitted ahead
+        for later iterations.  It is deliberately not saved: its prompts go back to the sampler
+        (served first after a resume, so no prompt is skipped) and the checkpoint says how many
+        groups a resume drops."""
         import contextlib
 
         from megarl import checkpoint
@@ -91,7 +97,8 @@ class RunPersistence:
         counters["checkpoints"] += 1
         state = {
             "run_id": run_id, "iteration": iteration, "policy_version": version.to_dict(),
-            "sampler": self.sampler.state_dict(), "kl_controller": self.kl_ctl.state_dict(),
+            "sampler": self.sampler.state_dict(returned=(in_flight or {}).get("prompt_indices", ())),
+            "kl_controller": self.kl_ctl.state_dict(),
             "actor": {"scheduler": self.actor.scheduler.state_dict(), "steps": self.actor.steps},
             "critic": None if self.critic is None else {"scheduler": self.critic.scheduler.state_dict(),
                                                         "steps": self.critic.steps, "version": self.critic.version},
@@ -105,6 +112,8 @@ class RunPersistence:
             "unconsumed_experience": None,
             "unconsumed_experience_note": "saved at ACTOR_COMMITTED: every sealed batch was consumed by the update",
         }
+        if in_flight:
+            state["in_flight_dropped"] = {k: v for k, v in in_flight.items() if k != "prompt_indices"}
         with ref_ctx:
             path = checkpoint.save(self.ckpt_root, iteration, state, self._roles(refreshed),
                                    keep=self.cfg.trainer.checkpoint_keep,

@@ -6,6 +6,9 @@
 * ``sglang`` (GPU): inference groups of ``rollout.tp`` consecutive ranks; every rank of a group
   holds the group's engine handle (SGLang runs its TP schedulers itself; rank 0 of the group
   talks to them).
+* ``placement.mode=split``: the rollout ranks are a world of their own
+  (:mod:`megarl.runtime.split`); the trainer side sees them as one inference group whose handle,
+  a :class:`~megarl.rollout.remote.RemoteEngine`, trainer rank 0 holds.
 
 Requests are dealt to inference groups in contiguous, near-equal shares; results are gathered
 to every rank in request order, so the whole batch exists everywhere.
@@ -34,7 +37,10 @@ class Placement:
         return self.group_index >= 0
 
 
-def make_placement(backend: str, rollout_tp: int) -> Placement:
+def make_placement(backend: str, rollout_tp: int, split: bool = False) -> Placement:
+    if split:  # one inference group: the rollout ranks, behind trainer rank 0's remote handle
+        lead = dist.get_rank() == 0
+        return Placement(num_groups=1, group_index=0 if lead else -1, is_group_leader=lead)
     if backend == "hf":
         lead = is_mp_leader()
         return Placement(num_groups=dp_size(), group_index=dp_rank() if lead else -1, is_group_leader=lead)
@@ -72,6 +78,30 @@ def create_engine(cfg, placement: Placement, config_dir: str, eos_token_ids: Seq
                        **({"ep_size": r.ep} if r.ep > 1 else {})})  # SGLang's expert parallelism (MoE)
 
 
+def create_remote_engine(world, config_dir: str, eos_token_ids: Sequence[int], pad_token_id: int):
+    """Trainer rank 0 of a split placement: the handle on the rollout ranks (None elsewhere).
+    Each rollout rank builds its engine on ``config_dir`` (an export of the actor)."""
+    if dist.get_rank() != 0:
+        return None
+    from megarl.rollout.remote import RemoteEngine
+    from megarl.runtime.distributed import device
+
+    return RemoteEngine(world, {"config_dir": config_dir, "eos_token_ids": list(eos_token_ids),
+                                "pad_token_id": int(pad_token_id)}, device=device())
+
+
+def serve_rollout_rank(cfg, world) -> dict:
+    """A rollout rank's whole job in split placement: build the engine the trainer names and
+    execute its commands until it says stop."""
+    from megarl.rollout.remote import RolloutService
+    from megarl.runtime.distributed import device
+
+    def make_engine(config_dir, eos, pad):
+        return create_engine(cfg, Placement(num_groups=1, group_index=0, is_group_leader=True), config_dir, eos, pad)
+
+    return RolloutService(world, make_engine, device=device(), kill_at_load=cfg.faults.kill_rollout_at_load).serve()
+
+
 def shares(n: int, parts: int) -> List[slice]:
     base, extra = divmod(n, parts)
     out, start = [], 0
@@ -80,6 +110,27 @@ def shares(n: int, parts: int) -> List[slice]:
         out.append(slice(start, start + k))
         start += k
     return out
+
+
+def collect_everywhere(engine, placement: Placement, ticket, errors: Optional[list] = None) -> List[GenerationResult]:
+    """Collective: the results of requests submitted ahead (``engine.submit``; the handle's
+    holder has the ticket), gathered to every rank in request order -- the counterpart of
+    :func:`generate_everywhere` for a producer that generates while the trainer trains.  An
+    engine failure is reported into ``errors`` and contributes no results (the caller
+    regenerates by sample id)."""
+    from megarl.rollout.protocol import RolloutError
+
+    mine, failure = [], None
+    if placement.holds_engine:
+        try:
+            mine = engine.collect(ticket)
+        except RolloutError as e:
+            failure = f"{type(e).__name__}: {e}"
+    gathered = gather_objects((mine, failure) if placement.is_group_leader else None)
+    results = [r for item in gathered if item is not None for r in item[0]]
+    if errors is not None:
+        errors.extend((0, item[1]) for item in gathered if item is not None and item[1] is not None)
+    return results
 
 
 def generate_everywhere(engine, placement: Placement, requests: Sequence[GenerationRequest],

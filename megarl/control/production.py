@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Dict, List
 
 import torch
 
 from megarl.control.interfaces import ProducedRollout, Sample, SampleScorer
-from megarl.control.placement import Placement, generate_everywhere
+from megarl.control.placement import Placement, collect_everywhere, generate_everywhere
 from megarl.control.state_machine import IterationStateMachine
 from megarl.experience.groups import CandidateStatus, GroupBuffer, GroupPolicy
 from megarl.experience.schema import FinishReason, RewardStatus
@@ -76,17 +77,15 @@ class GroupRolloutProducer:
             need = B - n_groups_accepted
             if need <= 0:
                 break
-            records = [self.train_data.records[i] for i in self.sampler.next_indices(B)]
-            requests = []
-            for j, rec in enumerate(records):
-                gid = f"{self.run_id}/it{k}/r{rnd}/p{j:03d}"
-                by_group[gid] = rec
-                requests.append(GenerationRequest(gid, tuple(rec.prompt_ids), task=rec.task()))
-                buffer.open_group(gid, rec.prompt_id, v, [f"{gid}/c{c:02d}" for c in range(G)])
+            round_v, records, ahead = self._draw_round(k, rnd, v)
+            requests = self._requests(k, rnd, records)
+            for q, rec in zip(requests, records):
+                by_group[q.request_id] = rec
+                buffer.open_group(q.request_id, rec.prompt_id, round_v, [f"{q.request_id}/c{c:02d}" for c in range(G)])
             m["rollout/prompts"] += len(records)
             sampling = training_sampling(cfg.rollout, cfg.trainer.seed, k, rnd,
                                          return_routed_experts=a.routing_replay != "none")
-            self._generate_groups(requests, by_group, buffer, sampling, v, timer, timing, m)
+            self._generate_groups(requests, by_group, buffer, sampling, round_v, timer, timing, m, ahead=ahead)
             for g in buffer.pop_released():
                 members = [payload for _, payload in g.samples]
                 spread = len({p.record.total for p in members}) > 1
@@ -120,13 +119,30 @@ class GroupRolloutProducer:
         m["prep/reward_s"] = timing["reward"]
         return ProducedRollout(accepted, real_sizes,
                                sampling=training_sampling(cfg.rollout, cfg.trainer.seed, k, 0).to_config(),
-                               metrics=rollout_metrics(accepted, dict(m), timing["generate"]))
+                               metrics=rollout_metrics(accepted, dict(m), timing["generate"]),
+                               max_staleness=self.max_staleness)
+
+    #: the bound this producer declares (every policy token generated on the version trained from)
+    max_staleness = 0
+
+    def _draw_round(self, k: int, rnd: int, v: str):
+        """Round ``rnd`` of iteration ``k``: ``(the version its groups are generated on, the
+        prompts, a ticket of generation already submitted for them or None)``.  Here: B prompts
+        drawn now, generated now on ``v``."""
+        B = self.cfg.trainer.prompts_per_iteration
+        return v, [self.train_data.records[i] for i in self.sampler.next_indices(B)], None
+
+    def _requests(self, k: int, rnd: int, records) -> List[GenerationRequest]:
+        """One request per prompt, ids ``run/itK/rR/pJJJ`` (a function of k, the round and the position)."""
+        return [GenerationRequest(f"{self.run_id}/it{k}/r{rnd}/p{j:03d}", tuple(rec.prompt_ids), task=rec.task())
+                for j, rec in enumerate(records)]
 
     def _observe(self, samples: List[Sample]) -> None:
         """Every scored candidate, accepted or not (a subclass's metrics see failures too)."""
 
     def _generate_groups(self, requests: List[GenerationRequest], by_group: dict, buffer: GroupBuffer,
-                         sampling: SamplingParams, v: str, timer: StageTimer, timing: dict, m: Counter) -> None:
+                         sampling: SamplingParams, v: str, timer: StageTimer, timing: dict, m: Counter,
+                         ahead=None) -> None:
         """Generate and score the G candidates of ``requests`` until every one is in ``buffer``
         (ok, or failed for good), regenerating lost and aborted ones by sample id.
 
@@ -134,13 +150,18 @@ class GroupRolloutProducer:
         a duplicate, a late result of an older attempt, a result of a closed group or of an
         earlier call's request is counted and ignored.  A regeneration keeps the candidate's
         seed and policy version; if the engine no longer serves that version, the candidate
-        fails (its group is then handled as incomplete), never filled from another version."""
+        fails (its group is then handled as incomplete), never filled from another version.
+        ``ahead``: the ticket of the first attempt, submitted earlier (its results are collected,
+        not generated again)."""
         G = self.cfg.rollout.n
         while requests:
             errors: list = []
             t0 = time.perf_counter()
             with timer.stage("generate", requests=len(requests), samples=sum(len(q.candidates(G)) for q in requests)):
-                results = generate_everywhere(self.engine, self.placement, requests, sampling, errors)
+                if ahead is not None:
+                    results, ahead = collect_everywhere(self.engine, self.placement, ahead, errors), None
+                else:
+                    results = generate_everywhere(self.engine, self.placement, requests, sampling, errors)
             timing["generate"] += time.perf_counter() - t0
             self.sm.check_deadline(agree=all_ranks_agree)  # a late rollout fails before it is scored
             m["rollout/engine_errors"] += len(errors)
@@ -207,6 +228,92 @@ class GroupRolloutProducer:
             requests = [GenerationRequest(gid, tuple(by_group[gid].prompt_ids), candidate_indices=tuple(sorted(cs)),
                                           attempt=att, task=by_group[gid].task())
                         for (gid, att), cs in sorted(by_req.items())]
+
+
+@dataclass
+class _Ahead:
+    """One iteration's first round, submitted before its turn."""
+
+    version: str  # the version the engines served when it was submitted: it is generated on it
+    indices: List[int]  # its prompts' dataset indices (given back to the sampler by a checkpoint)
+    ticket: object  # the engine holder's handle on the results (None on the other ranks)
+
+
+class AsyncGroupRolloutProducer(GroupRolloutProducer):
+    """Generation runs ahead of training by up to eta = ``async_rl.max_staleness`` optimizer steps
+    (split placement: the rollout ranks generate while the trainer ranks train).
+
+    Admission reserves each batch's consumer in advance (NeMo-RL's target-step reservation, in
+    its simplest exact form): right after version v_k is published, iteration k + eta's prompts
+    are drawn and submitted.  The rollout ranks execute commands in order, so that batch is
+    generated on v_k -- every token of it is then exactly eta steps old when iteration k + eta
+    trains on it, never older -- and at most eta batches are ever waiting (the backpressure: the
+    queue is bounded by admission, and consumed oldest first, by target iteration).  The hard
+    check at consumption (:func:`megarl.experience.staleness.check_staleness`, in preparation)
+    stays independent of this arithmetic: the producer declares eta, preparation refuses any
+    policy token beyond it.
+
+    Everything after the first round is the synchronous producer's: the group buffer, scoring,
+    regeneration by sample id (on the version the candidate was generated by: a candidate lost
+    from a batch generated on an older version fails rather than being filled from a newer one)
+    and DAPO's further rounds, which are generated on the current version (age 0).
+
+    ``in_flight()`` is what a checkpoint deliberately drops: the batches submitted for later
+    iterations; their prompts go back to the sampler, so a resume draws them first."""
+
+    def __init__(self, cfg, **kwargs):
+        super().__init__(cfg, **kwargs)
+        self.max_staleness = cfg.async_rl.max_staleness
+        self.last_iteration = cfg.trainer.iterations - 1
+        self.ahead: Dict[int, _Ahead] = {}
+        self._returned_counted = False
+        self._last_produce = None
+
+    def _admit(self, k: int, v: str) -> None:
+        """Submit every iteration up to ``k + eta`` (never past the run's last) not yet submitted."""
+        cfg = self.cfg
+        B = cfg.trainer.prompts_per_iteration
+        first = max(self.ahead, default=k - 1) + 1
+        for t in range(max(first, k), min(k + self.max_staleness, self.last_iteration) + 1):
+            indices = self.sampler.next_indices(B)
+            requests = self._requests(t, 0, [self.train_data.records[i] for i in indices])
+            sampling = training_sampling(cfg.rollout, cfg.trainer.seed, t, 0,
+                                         return_routed_experts=cfg.algo.routing_replay != "none")
+            ticket = self.engine.submit(requests, sampling) if self.placement.holds_engine else None
+            self.ahead[t] = _Ahead(v, indices, ticket)
+
+    def _draw_round(self, k: int, rnd: int, v: str):
+        if rnd == 0:
+            a = self.ahead.pop(k)
+            return a.version, [self.train_data.records[i] for i in a.indices], a.ticket
+        return super()._draw_round(k, rnd, v)
+
+    def produce(self, k: int, version: PolicyVersion, timer: StageTimer) -> ProducedRollout:
+        if not self._returned_counted:  # a resume: the prompts the checkpoint gave back are drawn first
+            self.counters["in_flight_prompts_returned"] += len(self.sampler.returned)
+            self._returned_counted = True
+        now = time.perf_counter()
+        self._admit(k, version.short_id)
+        stats0 = dict(getattr(self.engine, "stats", {}))
+        out = super().produce(k, version, timer)
+        m = out.metrics
+        m["async/queue_depth"] = float(len(self.ahead))  # batches submitted for later iterations
+        m["async/max_staleness"] = float(self.max_staleness)
+        if self._last_produce is not None:  # the trainer's wait for this batch, over the last iteration
+            m["async/idle_share/trainer"] = m["rollout/generate_s"] / max(now - self._last_produce, 1e-9)
+        stats = getattr(self.engine, "stats", {})
+        busy = stats.get("generate_s", 0.0) - stats0.get("generate_s", 0.0)
+        idle = stats.get("idle_s", 0.0) - stats0.get("idle_s", 0.0)
+        if busy + idle > 0:  # the rollout ranks' own account (the engine holder's; rank 0 writes metrics)
+            m["async/idle_share/rollout"] = idle / (busy + idle)
+        self._last_produce = now
+        return out
+
+    def in_flight(self) -> dict:
+        """What a checkpoint now drops: the iterations submitted ahead, their groups, their prompts."""
+        its = sorted(self.ahead)
+        return {"iterations": its, "groups": sum(len(self.ahead[t].indices) for t in its),
+                "prompt_indices": [i for t in its for i in self.ahead[t].indices]}
 
 
 class AgentRolloutProducer(GroupRolloutProducer):

@@ -106,6 +106,12 @@ class Trainer:
         self.publisher, self.producer, self.preparer = c.publisher, c.producer, c.preparer
         self.learner, self.evaluator = c.learner, c.evaluator
 
+    def close(self) -> None:
+        """Stop what the run started outside this process (split placement: the rollout ranks)."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
     @property
     def counters(self) -> Counter:
         return self.progress.counters
@@ -197,7 +203,9 @@ class Trainer:
         every = cfg.trainer.checkpoint_every
         if (every and done % every == 0) or signalled or (wall and done < total):
             with span("checkpoint", k, self.version.short_id):
-                path = self.persistence.save(done, self.run_id, self.version, self.manifest.global_hash)
+                in_flight = self.producer.in_flight() if hasattr(self.producer, "in_flight") else None
+                path = self.persistence.save(done, self.run_id, self.version, self.manifest.global_hash,
+                                             in_flight=in_flight)
             if self.rank0:
                 print(f"checkpoint {path} ({self.persistence.last_checkpoint_s:.2f}s)", flush=True)
         if signalled:

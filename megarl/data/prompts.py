@@ -35,7 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -509,6 +509,9 @@ class PromptSampler:
         self.cursor = 0  # position within the current epoch; always < dataset_len
         self._order: np.ndarray | None = None
         self._order_epoch = -1
+        #: indices given back (prompts drawn for generation that was dropped, e.g. in flight at
+        #: an asynchronous run's checkpoint): served first, in this order
+        self.returned: list[int] = []
 
     def epoch_order(self, epoch: int) -> list[int]:
         """The full index order of ``epoch``."""
@@ -527,7 +530,8 @@ class PromptSampler:
         """The next ``n`` indices, continuing into the next epoch when this one runs out."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"PromptSampler.next_indices: n must be a non-negative int, got {n!r}")
-        out: list[int] = []
+        out: list[int] = self.returned[:n]
+        self.returned = self.returned[n:]
         while len(out) < n:
             order = self._epoch_array(self.epoch)
             take = min(n - len(out), self.dataset_len - self.cursor)
@@ -542,9 +546,15 @@ class PromptSampler:
         while True:
             yield self.next_indices(1)[0]
 
-    def state_dict(self) -> dict:
-        return {"seed": self.seed, "epoch": self.epoch, "cursor": self.cursor,
-                "shuffle": self.shuffle, "dataset_len": self.dataset_len}
+    def state_dict(self, returned: Sequence[int] = ()) -> dict:
+        """The cursor; ``returned``: indices to give back, served first after a load (ahead of
+        any already given back)."""
+        state = {"seed": self.seed, "epoch": self.epoch, "cursor": self.cursor,
+                 "shuffle": self.shuffle, "dataset_len": self.dataset_len}
+        back = [int(i) for i in returned] + list(self.returned)
+        if back:  # only then: a synchronous run's state is what it always was
+            state["returned"] = back
+        return state
 
     def load_state_dict(self, state: Mapping) -> None:
         """Continue from ``state``; refuses a state saved for another dataset length, seed or shuffle."""
@@ -568,4 +578,8 @@ class PromptSampler:
                 f"prompt sampler state has epoch={epoch} cursor={cursor}, outside 0..{self.dataset_len}")
         if cursor == self.dataset_len:  # tolerate a state saved at an epoch's very end
             epoch, cursor = epoch + 1, 0
-        self.epoch, self.cursor = epoch, cursor
+        back = [int(i) for i in state.get("returned", ())]
+        bad = [i for i in back if not 0 <= i < self.dataset_len]
+        if bad:
+            raise PromptDatasetError(f"prompt sampler state returns index {bad[0]}, outside 0..{self.dataset_len - 1}")
+        self.epoch, self.cursor, self.returned = epoch, cursor, back

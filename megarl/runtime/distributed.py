@@ -71,6 +71,17 @@ class ParallelLayout:
         return world_size // mp
 
 
+def init_split_world(rollout_ranks: int, timeout_s: float, timeout_minutes: int = 30):
+    """``placement.mode=split``: this process's side of the divided world
+    (:func:`megarl.runtime.split.init_split`), on the backend :func:`init_process_group` would use."""
+    from megarl.runtime import split
+
+    backend = "gloo" if cpu_compat.on_cpu() else "nccl"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return split.init_split(rollout_ranks, timeout_s, backend, datetime.timedelta(minutes=timeout_minutes))
+
+
 def init_process_group(timeout_minutes: int = 30) -> None:
     """Initialise ``torch.distributed`` from the torchrun environment (or as world size 1)."""
     if dist.is_initialized():
@@ -107,7 +118,8 @@ def initialize(
     layout does not fit the world size, or context parallelism is requested.
     """
     layout = ParallelLayout(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    # split placement brought up the trainer ranks' own world already (megarl.runtime.split)
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     layout.validate(world)
     cpu_compat.install()
     cpu_compat.check_megatron_version()

@@ -1,0 +1,324 @@
+"""The rollout engines of split placement: a service on each rollout rank, and the trainer's
+handle on them behind the one engine protocol.
+
+:class:`RolloutService` runs on a rollout rank (``placement.mode=split``): it owns a real engine
+(hf or sglang) and executes the trainer's commands strictly in the order they were sent --
+``load`` (weight buckets over the bridge group, staged and checked against the manifest by the
+engine itself), ``activate``, ``generate``, ``stop``.  Because the order is kept, a request sent
+after version v was activated is generated on v (or on a version activated after it), never on
+an older one; that is what lets the trainer bound the staleness of what it submits ahead.
+
+:class:`RemoteEngine` (trainer rank 0) meets :class:`~megarl.rollout.protocol.RolloutEngine`, so
+publication, production and evaluation drive the rollout ranks exactly as they drive a local
+engine, and adds ``submit`` / ``collect``: requests that generate while the trainer trains.
+``load_weights`` ships every bucket to every rollout rank (a broadcast over the bridge group,
+flattened per dtype) and returns only when each engine verified what landed; a refusal is the
+engine's :class:`~megarl.rollout.weight_stream.ManifestMismatchError`, so the publisher's retry
+path is unchanged.  Every wait is bounded: by the other side's heartbeat (a lost process is a
+:class:`~megarl.runtime.split.PeerLostError`, never a hang) and, for the bridge collectives, by
+``placement.timeout_s``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import defaultdict
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from megarl.rollout.protocol import (
+    ActivationReport,
+    GenerationRequest,
+    GenerationResult,
+    LoadReport,
+    RolloutError,
+    SamplingParams,
+)
+from megarl.rollout.weight_stream import ManifestMismatchError, TensorManifest
+from megarl.runtime.split import PeerLostError, SplitWorld
+from megarl.versions import PolicyVersion
+
+__all__ = ["RemoteEngine", "RolloutService", "Ticket"]
+
+Bucket = Sequence[Tuple[str, torch.Tensor]]
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))
+
+
+def _by_dtype(meta: Sequence[tuple]) -> Dict[str, List[int]]:
+    """Positions of a bucket's tensors per dtype, in bucket order (one flat tensor each)."""
+    groups: Dict[str, List[int]] = {}
+    for i, (_, _, dt) in enumerate(meta):
+        groups.setdefault(dt, []).append(i)
+    return groups
+
+
+def _broadcast(world: SplitWorld, t: torch.Tensor, what: str) -> None:
+    import datetime
+
+    try:
+        world.bridge.broadcast(t, 0, datetime.timedelta(seconds=world.timeout_s)).wait()
+    except RuntimeError as e:  # a closed connection or the timeout: the other side is gone
+        raise PeerLostError(f"{what}: the bridge broadcast failed ({str(e).splitlines()[0][:300]}); "
+                            f"placement.timeout_s={world.timeout_s:g}") from None
+
+
+class Ticket:
+    """Requests submitted ahead: which rollout ranks got a share, in what order."""
+
+    def __init__(self, job: int, ranks: Tuple[int, ...], submitted_at: float):
+        self.job, self.ranks, self.submitted_at = job, ranks, submitted_at
+
+
+class RemoteEngine:
+    """The trainer's handle on the rollout ranks (see the module docstring).  Built on trainer
+    rank 0 only; ``hello`` tells each service which model directory and token ids to build its
+    engine with."""
+
+    def __init__(self, world: SplitWorld, hello: dict, device: torch.device):
+        self.world = world
+        self.n = world.rollout_ranks
+        self.to = [world.to_rollout(i) for i in range(self.n)]
+        self.back = [world.from_rollout(i) for i in range(self.n)]
+        self.device = device
+        self._active: Optional[PolicyVersion] = None
+        self._job = 0
+        self._done: Dict[int, Dict[int, tuple]] = defaultdict(dict)  # job -> rollout rank -> reply
+        self.stats: Dict[str, float] = defaultdict(float)  # the service's generate / idle seconds
+        for box in self.to:
+            box.send(("hello", hello))
+        ready = [self._expect(i, "ready", "the engine's start-up") for i in range(self.n)]
+        self.dtype = _dtype(ready[0][1]["dtype"])
+        self.log_prob_spaces = ready[0][1].get("log_prob_spaces")
+
+    # ---- the reply stream ---------------------------------------------------------------------
+
+    def _expect(self, i: int, kind, what: str) -> tuple:
+        """The next reply of rollout rank ``i`` of ``kind`` (generate replies met on the way are
+        kept for :meth:`collect`)."""
+        kinds = (kind,) if isinstance(kind, str) else tuple(kind)
+        while True:
+            msg = self.back[i].recv(what=f"{what} from rollout rank {i}")
+            if msg[0] in ("results", "gen_failed"):
+                self._done[msg[1]][i] = msg
+                continue
+            if msg[0] in kinds:
+                return msg
+            raise RolloutError(f"rollout rank {i} answered {msg[0]!r} while {what} was expected")
+
+    # ---- the engine protocol ------------------------------------------------------------------
+
+    @property
+    def active_version(self) -> Optional[PolicyVersion]:
+        return self._active
+
+    def staging_target(self, name: str):
+        return None  # the staging tensors are in another process
+
+    def load_weights(self, version: PolicyVersion, named_tensor_buckets, expected_manifest: TensorManifest) -> LoadReport:
+        """Ship ``version``'s buckets to every rollout rank; return when each engine staged and
+        verified them (raises the engine's ManifestMismatchError otherwise)."""
+        t0 = time.perf_counter()
+        for box in self.to:
+            box.send(("load", version, expected_manifest.to_dict()))
+        for i in range(self.n):  # each service reaches the load after the commands sent before it
+            self._expect(i, "receiving", f"the start of loading {version.short_id}")
+        for bucket in named_tensor_buckets:
+            meta = [(name, tuple(t.shape), str(t.dtype)) for name, t in bucket]
+            for box in self.to:
+                box.send(("bucket", meta))
+            for dt, idx in _by_dtype(meta).items():
+                flat = torch.cat([bucket[j][1].reshape(-1) for j in idx]).to(self.device)
+                _broadcast(self.world, flat, f"sending {version.short_id}")
+        for box in self.to:
+            box.send(("end",))
+        replies = [self._expect(i, ("loaded", "load_failed"), f"the check of {version.short_id}") for i in range(self.n)]
+        failed = [f"rollout rank {i}: {r[1]}" for i, r in enumerate(replies) if r[0] == "load_failed"]
+        if failed:
+            mismatch = all(r[2] == "mismatch" for r in replies if r[0] == "load_failed")
+            raise (ManifestMismatchError if mismatch else RolloutError)("; ".join(failed))
+        rep = replies[0][1]
+        return LoadReport(version_id=rep.version_id, manifest_hash=rep.manifest_hash, num_tensors=rep.num_tensors,
+                          num_bytes=rep.num_bytes, num_buckets=rep.num_buckets, seconds=time.perf_counter() - t0)
+
+    def activate(self, version: PolicyVersion) -> ActivationReport:
+        """Every rollout engine activates ``version``; every command sent from now on runs on it."""
+        for box in self.to:
+            box.send(("activate", version))
+        replies = [self._expect(i, ("activated", "activate_failed"), f"the activation of {version.short_id}")
+                   for i in range(self.n)]
+        failed = [f"rollout rank {i}: {r[1]}" for i, r in enumerate(replies) if r[0] == "activate_failed"]
+        if failed:
+            raise RolloutError("; ".join(failed))
+        reports = [r[1] for r in replies]
+        self._active = version
+        return ActivationReport(version_id=version.short_id, manifest_hash=reports[0].manifest_hash,
+                                manifest_verified=all(r.manifest_verified and r.manifest_hash == reports[0].manifest_hash
+                                                      for r in reports),
+                                cache_flushed=all(r.cache_flushed for r in reports))
+
+    def submit(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> Ticket:
+        """Send ``requests`` (contiguous, near-equal shares over the rollout ranks) and return at
+        once; :meth:`collect` waits for their results."""
+        self._job += 1
+        ranks = []
+        base, extra = divmod(len(requests), self.n)
+        start = 0
+        for i in range(self.n):
+            k = base + (1 if i < extra else 0)
+            if k:
+                self.to[i].send(("generate", self._job, list(requests[start:start + k]), sampling))
+                ranks.append(i)
+            start += k
+        return Ticket(self._job, tuple(ranks), time.perf_counter())
+
+    def ready(self, ticket: Ticket) -> bool:
+        """Whether every share of ``ticket`` has answered (reads what has arrived, waits for nothing)."""
+        for i in ticket.ranks:
+            while i not in self._done.get(ticket.job, {}) and self.back[i].ready():
+                msg = self.back[i].recv()
+                if msg[0] not in ("results", "gen_failed"):
+                    raise RolloutError(f"rollout rank {i} answered {msg[0]!r} with no command waiting for it")
+                self._done[msg[1]][i] = msg
+        return all(i in self._done.get(ticket.job, {}) for i in ticket.ranks)
+
+    def collect(self, ticket: Ticket) -> List[GenerationResult]:
+        """The results of ``ticket``, in request order (waits while the rollout ranks are alive).
+        A share whose engine failed raises :class:`RolloutError` after every share answered."""
+        for i in ticket.ranks:
+            while i not in self._done.get(ticket.job, {}):
+                msg = self.back[i].recv(what=f"the results of job {ticket.job} from rollout rank {i}")
+                if msg[0] not in ("results", "gen_failed"):
+                    raise RolloutError(f"rollout rank {i} answered {msg[0]!r} with no command waiting for it")
+                self._done[msg[1]][i] = msg
+        replies = self._done.pop(ticket.job, {})
+        out, failed = [], []
+        for i in ticket.ranks:
+            msg = replies[i]
+            if msg[0] == "gen_failed":
+                failed.append(f"rollout rank {i}: {msg[2]}")
+                continue
+            out.extend(msg[2])
+            for key, value in msg[3].items():
+                self.stats[key] += value
+        if failed:
+            raise RolloutError("; ".join(failed))
+        return out
+
+    def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> List[GenerationResult]:
+        return self.collect(self.submit(requests, sampling))
+
+    def flush_cache(self) -> None:
+        """Each engine flushes at its own activation (it holds the only KV state)."""
+
+    def sleep(self) -> None:
+        """Split placement gives the engines devices of their own: nothing to release."""
+
+    def wake(self) -> None:
+        pass
+
+    def close(self) -> None:
+        """Stop every service (after the commands already sent) and wait for each to say so."""
+        for box in self.to:
+            box.send(("stop",))
+        for i in range(self.n):
+            try:
+                self._expect(i, "stopped", "the end of the service")
+            except PeerLostError:
+                pass  # it is gone already: nothing left to stop
+
+
+class RolloutService:
+    """The loop of a rollout rank (see the module docstring).  ``make_engine(config_dir, eos,
+    pad)`` builds the engine named by the trainer's hello; ``kill_at_load`` (a fault drill:
+    ``faults.kill_rollout_at_load``) kills this process with SIGKILL while it receives the
+    weights of that optimizer step."""
+
+    def __init__(self, world: SplitWorld, make_engine: Callable, device: torch.device,
+                 kill_at_load: Optional[int] = None):
+        self.world, self.make_engine, self.device, self.kill_at_load = world, make_engine, device, kill_at_load
+        self.inbox, self.outbox = world.from_trainer(), world.to_trainer()
+        self.engine = None
+
+    def serve(self) -> Dict[str, float]:
+        hello = self.inbox.recv(what="the trainer's hello")[1]
+        self.engine = self.make_engine(hello["config_dir"], hello["eos_token_ids"], hello["pad_token_id"])
+        self.outbox.send(("ready", {"dtype": str(self.engine.dtype).removeprefix("torch."),
+                                    "log_prob_spaces": getattr(self.engine, "log_prob_spaces", None)}))
+        totals = {"generate_s": 0.0, "idle_s": 0.0, "load_s": 0.0, "jobs": 0.0}
+        idle_from = time.perf_counter()
+        while True:
+            msg = self.inbox.recv(what="the trainer's next command")
+            now = time.perf_counter()
+            idle = now - idle_from
+            totals["idle_s"] += idle
+            kind = msg[0]
+            if kind == "stop":
+                self.outbox.send(("stopped", totals))
+                return totals
+            if kind == "load":
+                self._load(msg[1], TensorManifest.from_dict(msg[2]))
+                totals["load_s"] += time.perf_counter() - now
+            elif kind == "activate":
+                try:
+                    self.outbox.send(("activated", self.engine.activate(msg[1])))
+                except RolloutError as e:
+                    self.outbox.send(("activate_failed", f"{type(e).__name__}: {e}"))
+            elif kind == "generate":
+                _, job, requests, sampling = msg
+                try:
+                    results = self.engine.generate(requests, sampling)
+                except RolloutError as e:
+                    self.outbox.send(("gen_failed", job, f"{type(e).__name__}: {e}"))
+                else:
+                    spent = time.perf_counter() - now
+                    totals["generate_s"] += spent
+                    totals["jobs"] += 1
+                    self.outbox.send(("results", job, results, {"generate_s": spent, "idle_s": idle}))
+            else:
+                raise RolloutError(f"rollout rank {self.world.rollout_index}: unknown command {kind!r}")
+            idle_from = time.perf_counter()
+
+    def _buckets(self, version: PolicyVersion):
+        """The buckets the trainer streams, as they arrive (every one is received, even after the
+        engine refused an earlier one: the broadcast must stay in step)."""
+        n = 0
+        while True:
+            msg = self.inbox.recv(what=f"the next bucket of {version.short_id}")
+            if msg[0] == "end":
+                return
+            meta = msg[1]
+            tensors: Dict[int, torch.Tensor] = {}
+            for dt, idx in _by_dtype(meta).items():
+                sizes = [int(torch.Size(meta[j][1]).numel()) for j in idx]
+                flat = torch.empty(sum(sizes), dtype=_dtype(dt), device=self.device)
+                _broadcast(self.world, flat, f"receiving {version.short_id}")
+                for j, part in zip(idx, torch.split(flat, sizes)):
+                    tensors[j] = part.view(meta[j][1])
+            n += 1
+            if self.kill_at_load is not None and version.optimizer_step == self.kill_at_load:
+                os.kill(os.getpid(), signal.SIGKILL)  # the drill: die mid-load, with no clean-up
+            yield [(meta[j][0], tensors[j]) for j in range(len(meta))]
+
+    def _load(self, version: PolicyVersion, manifest: TensorManifest) -> None:
+        self.outbox.send(("receiving", version.short_id))
+        stream = self._buckets(version)
+        try:
+            report = self.engine.load_weights(version, stream, manifest)
+        except ManifestMismatchError as e:
+            for _ in stream:
+                pass
+            self.outbox.send(("load_failed", f"{type(e).__name__}: {e}", "mismatch"))
+        except RolloutError as e:
+            for _ in stream:
+                pass
+            self.outbox.send(("load_failed", f"{type(e).__name__}: {e}", "engine"))
+        else:
+            for _ in stream:  # an engine that stopped reading early still leaves the stream in step
+                pass
+            self.outbox.send(("loaded", report))
