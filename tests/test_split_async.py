@@ -1,0 +1,142 @@
+"""Split placement and asynchronous RL, end to end on the tiny model (torchrun over gloo, the hf
+engine on the rollout rank).  Checked from what the runs leave behind.
+
+* eta = 0 in split placement is the synchronous loop: a run with 1 trainer rank + 1 rollout rank
+  ends bitwise like the hybrid run on one process (every metric but wall times, every exported
+  weight): the remote engine, the bridge and the command order change nothing.
+* eta = 2: every policy token of every trained sample is audited against the version that
+  trained it -- zero tokens older than 2 steps, none from the future, and with the producer's
+  exact admission every sample is exactly min(k, 2) steps old at iteration k; the staleness
+  histogram the run wrote equals the audit; the required correction ran (its metrics).
+* A rollout rank killed (SIGKILL) while it receives weights: the trainer names it lost within
+  ``placement.timeout_s`` (no hang, although nothing like torchrun's agent is there to kill it),
+  the run resumes from its last checkpoint, gives the in-flight prompts back to the sampler
+  (counted) and completes within the bound.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from tests._dist import free_port, subprocess_env
+from tests._train_runs import (
+    GRPO,
+    ITERS,
+    _comparable,
+    batches,
+    checkpointed_run_cmd,
+    metrics,
+    run_to_exit,
+    uninterrupted,
+)
+
+SPLIT = ["placement.mode=split"]
+ASYNC2 = SPLIT + ["async_rl.max_staleness=2", "async_rl.correction=tis", "rollout.reuse_rollout_log_probs=false",
+                  "trainer.save_experience=true"]
+
+
+def test_split_eta0_is_the_synchronous_loop(assets, tmp_path_factory, tmp_path):
+    ref = uninterrupted(assets, tmp_path_factory, GRPO, 1, [])
+    d = str(tmp_path / "split")
+    run_to_exit(checkpointed_run_cmd(assets, d, GRPO, 2, SPLIT))
+    ma, mb = metrics(ref), metrics(d)
+    assert len(ma) == len(mb) == ITERS
+    for x, y in zip(ma, mb):
+        assert _comparable(x) == _comparable(y), (
+            x["iteration"], {k: (x.get(k), y.get(k)) for k in _comparable(x) if x.get(k) != y.get(k)})
+    from safetensors.torch import load_file
+
+    for it in (0, ITERS):
+        wa = load_file(os.path.join(ref, "export", f"iter_{it}", "model.safetensors"))
+        wb = load_file(os.path.join(d, "export", f"iter_{it}", "model.safetensors"))
+        assert set(wa) == set(wb) and all(torch.equal(wa[k], wb[k]) for k in wa), f"export iter_{it} differs"
+
+
+def _audit(run_dir, eta):
+    """Every policy token of every sealed batch: its age (trained step - generating step) is in
+    [0, eta]; returns the per-iteration histograms of sample ages {age: share}."""
+    from megarl.versions import step_of_short_id
+
+    hists = {}
+    for b in batches(run_dir):
+        f = b.facts
+        k = f.iteration
+        trained = step_of_short_id(f.old_log_probs.producer.version)
+        assert trained == k  # no update was skipped in these runs
+        mask = f.response_mask != 0
+        ages = torch.tensor([trained - step_of_short_id(v) for v in f.policy_version])[:, None].expand_as(mask)[mask]
+        assert int((ages > eta).sum()) == 0 and int((ages < 0).sum()) == 0, (k, ages.unique())
+        per_sample = [trained - step_of_short_id(v) for v in f.policy_version]
+        hists[k] = {a: per_sample.count(a) / len(per_sample) for a in set(per_sample)}
+    return hists
+
+
+def _launch_plain(cmd_tail, port, log_dir):
+    """The two processes of a split world started by hand (no torchrun agent to kill a survivor):
+    global rank 0 hosts the job's store."""
+    procs = []
+    for rank in (0, 1):
+        env = dict(subprocess_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        out = open(os.path.join(log_dir, f"rank{rank}.log"), "w")
+        procs.append((subprocess.Popen([sys.executable, "-m", "megarl.train", *cmd_tail], stdout=out,
+                                       stderr=subprocess.STDOUT, env=env, start_new_session=True), out))
+    return procs
+
+
+def test_async_eta2_bound_and_killed_rollout_rank_resumes(assets, tmp_path):
+    eta = 2
+    # an uninterrupted asynchronous run: the per-token audit and the histogram it wrote
+    d = str(tmp_path / "async")
+    run_to_exit(checkpointed_run_cmd(assets, d, GRPO, 2, ASYNC2))
+    hists = _audit(d, eta)
+    ms = metrics(d)
+    assert sorted(hists) == list(range(ITERS))
+    for k, m in enumerate(ms):
+        assert hists[k] == {min(k, eta): 1.0}  # exact admission: batch k was generated on v_{k - eta}
+        written = {int(key.rsplit("_", 1)[1]): v for key, v in m.items() if key.startswith("prep/staleness/samples_age_")}
+        assert written == hists[k]
+        assert m["prep/staleness/max_token_age"] == min(k, eta)
+        assert m["async/queue_depth"] == min(eta, ITERS - 1 - k)  # batches waiting after this one
+        assert m["async/max_staleness"] == eta
+    state = json.load(open(os.path.join(d, "checkpoints", "iter_000002", "state.json")))
+    assert state["in_flight_dropped"]["iterations"] == [2, 3]  # submitted ahead, given back
+    assert len(state["sampler"]["returned"]) == 2 * 4
+
+    # the same run, its rollout rank killed mid-load of v3 (iteration 3's publication)
+    k = str(tmp_path / "killed")
+    os.makedirs(k)
+    tail = checkpointed_run_cmd(assets, k, GRPO, 1, ASYNC2 + ["faults.kill_rollout_at_load=3",
+                                                              "placement.timeout_s=10"])[3:]
+    t0 = time.time()
+    procs = _launch_plain(tail, free_port(), k)
+    rcs = []
+    for p, out in procs:
+        try:
+            rcs.append(p.wait(timeout=300))
+        finally:
+            out.close()
+    waited = time.time() - t0
+    log0 = open(os.path.join(k, "rank0.log")).read()
+    assert rcs[1] == -9, rcs  # the drill: SIGKILL while receiving
+    assert rcs[0] not in (0, None), log0[-3000:]
+    assert "rollout" in log0 and ("lost" in log0 or "bridge broadcast failed" in log0 or "heartbeat" in log0), log0[-3000:]
+    assert waited < 240, waited
+    done = sorted(x for x in os.listdir(os.path.join(k, "checkpoints")) if x.startswith("iter_"))
+    assert done[-1] == "iter_000003", done
+
+    # resumed (torchrun this time): it continues from iteration 3 and finishes within the bound
+    run_to_exit(checkpointed_run_cmd(assets, k, GRPO, 2, ASYNC2))
+    mk = metrics(k)
+    assert [m["iteration"] for m in mk] == list(range(ITERS))
+    assert mk[-1]["e2e/count/in_flight_prompts_returned"] == 8  # iterations 3 and 4, given back by the checkpoint
+    assert mk[-1]["e2e/count/resumes"] == 1
+    hk = _audit(k, eta)
+    assert hk[3] == {0: 1.0}  # after the resume: generated on the resumed version
+    assert hk[4] == {1: 1.0}
