@@ -65,10 +65,14 @@ def run_megarl(work: str, iterations: int) -> dict:
             "final_weights": os.path.join(run_dir, "export", f"iter_{iterations}")}
 
 
-def run_trl(work: str, iterations: int, model_dir: str, train_path: str) -> dict:
+def trl_trainer(out: str, iterations: int, model_dir: str, train_path: str, callbacks=(), **overrides):
+    """TRL's GRPOTrainer set up like megarl's recipe (the module docstring lists what matches):
+    the arithmetic train split in the chat format, the exact-integer reward, B=16 prompts x G=8
+    samples per optimizer step.  ``overrides`` replace GRPOConfig fields (bench/async.py: the
+    per-process batch and saving under torchrun).  Returns ``(trainer, tokenizer)``."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from megarl.data.tasks.arithmetic import score
@@ -81,13 +85,22 @@ def run_trl(work: str, iterations: int, model_dir: str, train_path: str) -> dict
         return [score(c[0]["content"] if isinstance(c, list) else c, a) for c, a in zip(completions, answer)]
 
     reward.__name__ = "arithmetic"
-    out = os.path.join(work, "trl")
-    args = GRPOConfig(
+    settings = dict(
         output_dir=out, per_device_train_batch_size=B * G, num_generations=G, max_completion_length=NEW,
         learning_rate=LR, lr_scheduler_type="constant", beta=BETA, epsilon=0.2, epsilon_high=0.28,
         loss_type="dapo", temperature=1.0, max_steps=iterations, num_iterations=1, max_grad_norm=1.0,
         use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1, seed=SEED,
         disable_dropout=True, dataloader_num_workers=0)
+    settings.update(overrides)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=GRPOConfig(**settings), train_dataset=data,
+                          processing_class=tok, callbacks=list(callbacks))
+    return trainer, tok
+
+
+def run_trl(work: str, iterations: int, model_dir: str, train_path: str) -> dict:
+    from transformers import TrainerCallback
 
     class Clock(TrainerCallback):
         def __init__(self):
@@ -100,10 +113,8 @@ def run_trl(work: str, iterations: int, model_dir: str, train_path: str) -> dict
             self.times.append(time.perf_counter() - self.t0)
 
     clock = Clock()
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=data, processing_class=tok,
-                          callbacks=[clock])
+    out = os.path.join(work, "trl")
+    trainer, tok = trl_trainer(out, iterations, model_dir, train_path, callbacks=[clock])
     t0 = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - t0
