@@ -370,3 +370,15 @@ def test_a_sample_beyond_the_bound_is_never_sealed_even_with_a_correction():
 
     with pytest.raises(StalenessError, match=rf"{V2.short_id} is 3 steps old, above the bound 2"):
         prepare("decoupled", versions=[V5] * 8 + [V2])
+
+
+def test_the_record_refuses_a_proximal_policy_older_than_a_sample_or_a_dishonest_label():
+    import dataclasses
+
+    f = prepare("decoupled")[0].facts
+    older = LogProbs(f.old_log_probs.values, LogProbProducer("actor", V4.short_id))  # a v5 sample postdates it
+    with pytest.raises(ValueError, match=rf"old_log_probs version '{V4.short_id}' must be the behaviour"):
+        dataclasses.replace(f, old_log_probs=older)
+    only_v5 = LogProbs(f.rollout_log_probs.values, LogProbProducer("rollout", V5.short_id))  # hides v3 and v4
+    with pytest.raises(ValueError, match=rf"rollout_log_probs version '{V5.short_id}' != sample policy_version"):
+        dataclasses.replace(f, rollout_log_probs=only_v5)

@@ -188,14 +188,7 @@ def rollout_correction(
     weights = None
     if cfg.weighted:
         raw = torch.exp(diff.clamp(max=_EXP_GUARD))
-        if cfg.token_is_mode == "truncate":
-            w = raw.clamp(max=cfg.token_is_cap)
-            over = raw > cfg.token_is_cap
-        elif cfg.token_is_mode == "filter":
-            over = raw > cfg.token_is_cap
-            w = torch.where(over, 0.0, raw)
-        else:
-            w, over = raw, torch.zeros_like(keep)
+        w, over = _token_weights(raw, cfg)
         weights = torch.where(new_mask, w, 0.0)
         metrics["tis_clipfrac"] = float(masked_mean(over.to(raw.dtype), new_mask))
         metrics["tis_weight_mean"] = float(masked_mean(weights, new_mask))
@@ -204,6 +197,17 @@ def rollout_correction(
             weights = new_mask.to(diff.dtype)
         return RolloutCorrection(is_weights=weights, loss_mask=loss_mask, seq_error=err, metrics=metrics)
     return RolloutCorrection(is_weights=weights, loss_mask=new_mask.to(loss_mask.dtype), seq_error=err, metrics=metrics)
+
+
+def _token_weights(raw: torch.Tensor, cfg: RolloutCorrectionConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The applied weights from the raw ``exp(d)`` by ``cfg.token_is_mode`` (module docstring),
+    and where the cap changed a weight."""
+    if cfg.token_is_mode == "uncapped":
+        return raw, torch.zeros_like(raw, dtype=torch.bool)
+    over = raw > cfg.token_is_cap
+    if cfg.token_is_mode == "filter":  # AReaL: the token leaves the loss rather than count as C
+        return torch.where(over, 0.0, raw), over
+    return raw.clamp(max=cfg.token_is_cap), over
 
 
 def _seq_error(diff: torch.Tensor, n: torch.Tensor, stat: str) -> torch.Tensor:

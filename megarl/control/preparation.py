@@ -6,9 +6,9 @@ raw-space log-probs after a measured token-by-token parity check), reference log
 values.  The state machine reaches EXPERIENCE_SEALED(v) only when every sample was written,
 every group is complete and every sample records v (or, from an asynchronous producer, a
 version at most ``ProducedRollout.max_staleness`` steps older: then ``async_rl.correction``
-corrects the behaviour-vs-proximal gap, :meth:`ExperiencePreparer._offpolicy_correction`).  Advantages and returns are derived tensors
-attached to the sealed facts, computed by the estimator the registry names, fed what its entry
-declares it needs.
+corrects the behaviour-vs-proximal gap, :meth:`ExperiencePreparer._offpolicy_correction`).
+Advantages and returns are derived tensors attached to the sealed facts, computed by the
+estimator the registry names, fed what its entry declares it needs.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class RolloutParityError(MegarlError, RuntimeError):
 
 
 class ExperiencePreparer:
-    """Args: ``cfg`` the run config (reads ``algo`` and the rollout's log-prob reuse keys);
+    """Args: ``cfg`` the run config (reads ``algo``, ``async_rl`` and the rollout's log-prob reuse keys);
     ``actor`` / ``reference`` / ``critic`` the roles (reference and critic may be None);
     ``time_slice`` releases the rollout engine's GPU memory before the forwards; ``kl_ctl`` the
     KL coefficient controller (read for KL-shaped rewards); ``progress`` holds whether parity
