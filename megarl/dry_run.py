@@ -256,9 +256,20 @@ def dry_run(cfg, world_size: Optional[int] = None) -> dict:
 
     p, r = cfg.parallel, cfg.rollout
     lines.append("")
-    lines.append(f"plan: world {world} = tp {p.tp} x pp {p.pp} x dp {dp} (actor, reference"
-                 f"{', critic' if cfg.critic is not None else ''}{', reward model' if cfg.reward.model.path else ''})")
-    if r.backend == "sglang":
+    split = cfg.placement.mode == "split"
+    trainers = world - cfg.placement.rollout_ranks if split else world
+    lines.append(f"plan: {'trainer ranks' if split else 'world'} {trainers} = tp {p.tp} x pp {p.pp} x dp {dp} (actor, "
+                 f"reference{', critic' if cfg.critic is not None else ''}"
+                 f"{', reward model' if cfg.reward.model.path else ''})")
+    if split:
+        an = cfg.async_rl
+        mode = (f"asynchronous: generation runs up to async_rl.max_staleness={an.max_staleness} optimizer step(s) "
+                f"ahead, every trained token at most that old; correction {an.correction}" if an.max_staleness
+                else "synchronous (async_rl.max_staleness=0)")
+        lines.append(f"rollout: {r.backend}, placement split: the last {cfg.placement.rollout_ranks} rank(s) of "
+                     f"{world} only generate, one engine each; {mode}; a lost side is named within "
+                     f"placement.timeout_s={cfg.placement.timeout_s:g}s")
+    elif r.backend == "sglang":
         lines.append(f"rollout: sglang, {world // r.tp} inference group(s) of rollout.tp={r.tp} GPUs")
     else:
         lines.append(f"rollout: hf, {dp} engine(s), one per data-parallel replica")

@@ -197,3 +197,38 @@ def test_real_model_recipes_validate(name, overrides, worlds):
     cfg = load_config(path, overrides)
     for w in worlds:
         assert validate(cfg, w) == w // (cfg.parallel.tp * cfg.parallel.pp)
+
+
+ASYNC = ["placement.mode=split", "async_rl.max_staleness=2", "async_rl.correction=tis",
+         "rollout.reuse_rollout_log_probs=false"]
+
+
+@pytest.mark.parametrize("overrides,world,key", [
+    (["placement.mode=spilt"], 2, "placement.mode"),
+    (["placement.mode=split"], 1, "placement.rollout_ranks"),          # no trainer rank left
+    (["placement.mode=split", "placement.rollout_ranks=0"], 2, "placement.rollout_ranks"),
+    (["placement.mode=split", "placement.timeout_s=0"], 2, "placement.timeout_s"),
+    (["async_rl.max_staleness=1", "async_rl.correction=tis", "rollout.reuse_rollout_log_probs=false"], 2,
+     "async_rl.max_staleness"),                                        # hybrid placement
+    (["placement.mode=split", "async_rl.max_staleness=1", "rollout.reuse_rollout_log_probs=false"], 2,
+     "async_rl.correction"),                                           # the correction is a required choice
+    (ASYNC[:3], 2, "rollout.reuse_rollout_log_probs"),                 # the recipe reuses rollout log-probs
+    (ASYNC + ["async_rl.correction=is"], 2, "async_rl.correction"),
+    (ASYNC + ["async_rl.is_cap=null"], 2, "async_rl.is_cap"),         # tis truncates at the cap
+    (ASYNC + ["async_rl.is_cap=0.5"], 2, "async_rl.is_cap"),
+    (ASYNC + ["async_rl.max_staleness=-1"], 2, "async_rl.max_staleness"),
+    (ASYNC + ["algo.rollout_correction.token_is_cap=2.0"], 2, "algo.rollout_correction"),
+    (ASYNC + ["trainer.resume_experience=reuse"], 2, "trainer.resume_experience"),
+    (ASYNC + ["parallel.tp=2"], 2, "parallel.tp"),                     # 1 trainer rank
+])
+def test_bad_placement_and_async_configs_name_the_key(overrides, world, key):
+    cfg = load_config(GRPO, overrides)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        validate(cfg, world)
+
+
+def test_split_placement_trains_on_the_ranks_left():
+    assert validate(load_config(GRPO, ["placement.mode=split"]), 2) == 1
+    assert validate(load_config(GRPO, ["placement.mode=split", "placement.rollout_ranks=2"]), 4) == 2
+    cfg = load_config(GRPO, ASYNC + ["async_rl.correction=decoupled", "async_rl.is_cap=null"])
+    assert validate(cfg, 2) == 1

@@ -21,6 +21,7 @@ import torch
 from megarl.experience.origins import TokenOrigins, TokenSource, collate_origins
 from megarl.experience.routing import collate_routing
 from megarl.experience.schema import RoutedExperts, SampleRouting
+from megarl.versions import behaviour_label
 
 
 @dataclass(frozen=True)
@@ -32,13 +33,22 @@ class Collated:
     rollout_log_probs: torch.Tensor  # (bs, R) raw space, 0 on padding
     routed_experts: Optional[RoutedExperts] = None  # (bs, P + R, layers, top_k), MoE with routing asked
     token_origins: Optional[TokenOrigins] = None  # (bs, R) source / turn / version, multi-turn trajectories
+    #: the producer version of ``rollout_log_probs`` (the behaviour policy): ``version`` when every
+    #: policy token is v's, else :func:`megarl.versions.behaviour_label` of every version that
+    #: generated a policy token (asynchronous batches); None when no version was given
+    behaviour_version: Optional[str] = None
 
 
 def collate(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
             raw_log_probs: Sequence[torch.Tensor], pad_id: int,
-            routing: Optional[Sequence[SampleRouting]] = None, version: Optional[str] = None) -> Collated:
+            routing: Optional[Sequence[SampleRouting]] = None, version: Optional[str] = None,
+            sample_versions: Optional[Sequence[str]] = None) -> Collated:
     """Every response token is a sampled action (no tool output in these rollouts).  ``routing``
-    (one per sample, generated on ``version``) becomes the batch's routing record."""
+    (one per sample, generated on ``version``) becomes the batch's routing record.
+
+    ``sample_versions`` (the version that generated each sample) makes the record honest about
+    its behaviour policy: ``behaviour_version`` is their :func:`megarl.versions.behaviour_label`
+    (``version`` itself when all are ``version``), and it labels the routing record too."""
     B = len(prompts)
     bad = [b for b, (r, l) in enumerate(zip(responses, raw_log_probs)) if l.numel() != len(r)]
     if bad:
@@ -58,17 +68,20 @@ def collate(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]
     if any(len(r) for r in responses):
         flat = torch.cat([l.reshape(-1).float() for l in raw_log_probs])
         lp[rm.bool()] = flat  # row-major order of the mask = each row's log-probs in turn
+    behaviour = version
+    if sample_versions is not None and set(sample_versions) != {version}:
+        behaviour = behaviour_label(sample_versions)
     routed = None
     if routing is not None:
-        routed = collate_routing(routing, [len(p) for p in prompts], [len(r) for r in responses], P, R, version)
-    return Collated(prompt, resp, am, rm, lp, routed)
+        routed = collate_routing(routing, [len(p) for p in prompts], [len(r) for r in responses], P, R, behaviour)
+    return Collated(prompt, resp, am, rm, lp, routed, behaviour_version=behaviour)
 
 
 def collate_trajectories(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                          raw_log_probs: Sequence[torch.Tensor], sources: Sequence[Sequence[int]],
                          turns: Sequence[Sequence[int]], token_versions: Sequence[Sequence[Optional[str]]],
                          pad_id: int, routing: Optional[Sequence[SampleRouting]] = None,
-                         version: Optional[str] = None) -> Collated:
+                         version: Optional[str] = None, sample_versions: Optional[Sequence[str]] = None) -> Collated:
     """Multi-turn trajectories to the experience layout.
 
     Args:
@@ -85,13 +98,18 @@ def collate_trajectories(prompts: Sequence[Sequence[int]], responses: Sequence[S
             environment token.
         pad_id: the padding token id.
         routing / version: as for :func:`collate` (MoE).
+        sample_versions: as for :func:`collate`; the behaviour label then also covers every
+            policy token's version (an earlier turn may be older than the sample's last one).
     Returns:
         :class:`Collated` with ``response_mask`` 1 exactly on policy tokens and ``token_origins``.
     """
     for b, (r, s) in enumerate(zip(responses, sources, strict=True)):
         if len(s) != len(r):
             raise ValueError(f"collate_trajectories: row {b} has {len(r)} response tokens but {len(s)} sources")
-    base = collate(prompts, responses, raw_log_probs, pad_id, routing, version)  # checks the log-prob counts
+    if sample_versions is not None:  # the oldest policy token decides, not the last turn's version
+        sample_versions = list(sample_versions) + [t for row in token_versions for t in row if t is not None]
+    base = collate(prompts, responses, raw_log_probs, pad_id, routing, version,
+                   sample_versions)  # checks the log-prob counts
     for b, (l, s) in enumerate(zip(raw_log_probs, sources)):
         flat = l.reshape(-1).tolist()
         bad = [t for t, x in enumerate(s) if x == TokenSource.ENVIRONMENT and flat[t] != 0.0]

@@ -4,9 +4,11 @@ The facts of the batch are computed on version v before any update and sealed (r
 content-hashed, equal on every rank): old log-probs by the actor (or the rollout engine's own
 raw-space log-probs after a measured token-by-token parity check), reference log-probs, critic
 values.  The state machine reaches EXPERIENCE_SEALED(v) only when every sample was written,
-every group is complete and every sample records v.  Advantages and returns are derived tensors
-attached to the sealed facts, computed by the estimator the registry names, fed what its entry
-declares it needs.
+every group is complete and every sample records v (or, from an asynchronous producer, a
+version at most ``ProducedRollout.max_staleness`` steps older: then ``async_rl.correction``
+corrects the behaviour-vs-proximal gap, :meth:`ExperiencePreparer._offpolicy_correction`).
+Advantages and returns are derived tensors attached to the sealed facts, computed by the
+estimator the registry names, fed what its entry declares it needs.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from megarl.algo.aggregation import masked_mean
 from megarl.algo.kl import kl_k1, kl_k3
 from megarl.algo.registry import advantage_needs, get_advantage
 from megarl.algo.reward_shaping import kl_shaped_token_rewards, place_outcome_rewards
-from megarl.algo.rollout_correction import RolloutCorrectionConfig, rollout_correction
+from megarl.algo.rollout_correction import (RolloutCorrectionConfig, async_correction_config, offpolicy_metrics,
+                                            rollout_correction)
 from megarl.algo.routing import routing_load_metrics
 from megarl.control.batch import collate, collate_trajectories
 from megarl.control.interfaces import ProducedRollout, RunProgress
@@ -31,12 +34,12 @@ from megarl.errors import MegarlError
 from megarl.experience.groups import group_index
 from megarl.experience.schema import DerivedTensors, ExperienceBatch, ExperienceFacts, LogProbProducer, LogProbs
 from megarl.experience.seal import save_sealed, seal, with_derived
-from megarl.experience.staleness import StalenessError, check_staleness, staleness_metrics
+from megarl.experience.staleness import StalenessError, check_staleness, staleness_metrics, token_ages
 from megarl.metrics import StageTimer
 from megarl.models.router_replay import RecordRouting, RoutingStats
 from megarl.runtime import data_parallel
 from megarl.runtime.data_parallel import gather_objects, local_rows, map_rows
-from megarl.versions import PolicyVersion
+from megarl.versions import PolicyVersion, step_of_short_id
 
 
 class RolloutParityError(MegarlError, RuntimeError):
@@ -45,7 +48,7 @@ class RolloutParityError(MegarlError, RuntimeError):
 
 
 class ExperiencePreparer:
-    """Args: ``cfg`` the run config (reads ``algo`` and the rollout's log-prob reuse keys);
+    """Args: ``cfg`` the run config (reads ``algo``, ``async_rl`` and the rollout's log-prob reuse keys);
     ``actor`` / ``reference`` / ``critic`` the roles (reference and critic may be None);
     ``time_slice`` releases the rollout engine's GPU memory before the forwards; ``kl_ctl`` the
     KL coefficient controller (read for KL-shaped rewards); ``progress`` holds whether parity
@@ -65,6 +68,9 @@ class ExperiencePreparer:
         self.correction = (RolloutCorrectionConfig(token_is_cap=rc.token_is_cap, seq_mask_threshold=rc.seq_mask_threshold,
                                                    seq_mask_stat=rc.seq_mask_stat)
                            if rc.token_is_cap is not None or rc.seq_mask_threshold is not None else None)
+        self.async_eta, self.offpolicy = _offpolicy_settings(getattr(cfg, "async_rl", None))
+        if self.offpolicy is not None and self.correction is not None:  # both would weight the same gap
+            raise ValueError("algo.rollout_correction and async_rl.correction are both set: use one")
 
     def prepare(self, k: int, version: PolicyVersion, produced: ProducedRollout, timer: StageTimer):
         """Returns the sealed batch with its derived tensors, and the ``prep/*`` metrics."""
@@ -85,16 +91,19 @@ class ExperiencePreparer:
             ep = [s.episode for s in samples]
             c = collate_trajectories([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                                      [s.raw_log_probs for s in samples], [t.source for t in ep], [t.turn for t in ep],
-                                     [t.token_versions for t in ep], self.pad_id, routing=routing, version=v)
+                                     [t.token_versions for t in ep], self.pad_id, routing=routing, version=v,
+                                     sample_versions=[s.policy_version for s in samples])
         else:
             c = collate([s.prompt_ids for s in samples], [s.response_ids for s in samples],
-                        [s.raw_log_probs for s in samples], self.pad_id, routing=routing, version=v)
+                        [s.raw_log_probs for s in samples], self.pad_id, routing=routing, version=v,
+                        sample_versions=[s.policy_version for s in samples])
         mbs, pack = a.forward_micro_batch_size, a.pack_sequences
         m: Dict[str, float] = {}
         self.time_slice.release()
         self.actor.onload()
         ntok = float(c.attention_mask.sum())
-        rollout_lp = LogProbs(c.rollout_log_probs, LogProbProducer("rollout", v, "raw"))
+        # the behaviour policy: v, or every older version that generated a policy token (async)
+        rollout_lp = LogProbs(c.rollout_log_probs, LogProbProducer("rollout", c.behaviour_version, "raw"))
         every = cfg.rollout.log_prob_parity_every
         check_parity = cfg.rollout.reuse_rollout_log_probs and (
             not self.progress.parity_checked or (every > 0 and k % every == 0))
@@ -180,7 +189,8 @@ class ExperiencePreparer:
             groups_expected=len(produced.real_sizes), groups_complete=groups_complete,
             # every policy token's version, not only each sample's last (an agent's earlier turns)
             sample_version_ids=frozenset(facts.policy_version) | frozenset(
-                c.token_origins.versions if c.token_origins is not None else ())))
+                c.token_origins.versions if c.token_origins is not None else ()),
+            max_staleness=produced.max_staleness))
         hashes = gather_objects(sealed.content_hash)
         if len(set(hashes)) != 1:
             raise RuntimeError(f"ranks sealed different experience: {hashes}")
@@ -240,6 +250,9 @@ class ExperiencePreparer:
             corr = rollout_correction(facts.old_log_probs, facts.rollout_log_probs, loss_mask, self.correction)
             loss_mask, is_weights = corr.loss_mask, corr.is_weights
             m.update({f"prep/rollout_correction/{k}": v for k, v in corr.metrics.items()})
+        if self.offpolicy is not None:  # async_rl.correction: behaviour (rollout) vs proximal (old) policy
+            loss_mask, is_weights, off_m = self._offpolicy_correction(facts, loss_mask)
+            m.update(off_m)
         keep = loss_mask != 0
         m.update({f"prep/adv/{k}": v for k, v in res.metrics.items()})
         m["prep/advantage_mean"] = float(masked_mean(adv, keep)) if keep.any() else 0.0
@@ -258,5 +271,33 @@ class ExperiencePreparer:
                              **({} if self.correction is None else {"rollout_correction": {
                                  "token_is_cap": self.correction.token_is_cap,
                                  "seq_mask_threshold": self.correction.seq_mask_threshold,
-                                 "seq_mask_stat": self.correction.seq_mask_stat}})})
+                                 "seq_mask_stat": self.correction.seq_mask_stat}}),
+                             **({} if self.offpolicy is None else {"offpolicy_correction": {
+                                 "max_staleness": self.async_eta, **self.offpolicy.as_dict()}})})
         return derived, m
+
+    def _offpolicy_correction(self, facts: ExperienceFacts, loss_mask: torch.Tensor):
+        """``async_rl.correction`` (:func:`megarl.algo.rollout_correction.async_correction_config`):
+        decoupled PPO (Fu et al. 2025, AReaL) with the old log-probs recomputed by the actor on v as
+        the proximal policy (Hilton et al. 2022) and the rollout's as the behaviour policy; weights
+        (decoupled: filtered above ``is_cap``, tis: truncated at it, Yao et al. 2025) or a sequence
+        mask (mask).  The normaliser is counted before masking: ``loss_mask`` comes back unchanged and
+        a rejected token carries weight 0 (the learner counts N from ``loss_mask``).  Returns the loss
+        mask, the weights and the ``prep/offpolicy/*`` metrics (per-age KL by token age)."""
+        corr = rollout_correction(facts.old_log_probs, facts.rollout_log_probs, loss_mask, self.offpolicy,
+                                  max_staleness=self.async_eta)
+        ages = token_ages(facts, step_of_short_id(facts.old_log_probs.producer.version))
+        m = offpolicy_metrics(facts.old_log_probs, facts.rollout_log_probs, facts.response_mask, self.offpolicy,
+                              corr, ages)
+        return corr.loss_mask, corr.is_weights, {f"prep/offpolicy/{k}": x for k, x in m.items()}
+
+
+def _offpolicy_settings(an):
+    """(eta, the correction config or None) from the ``async_rl`` section (None: synchronous)."""
+    if an is None:
+        return 0, None
+    if an.max_staleness > 0 and an.correction is None:
+        raise ValueError(f"async_rl.correction must be chosen when async_rl.max_staleness={an.max_staleness} > 0")
+    if an.correction is None:
+        return an.max_staleness, None
+    return an.max_staleness, async_correction_config(an.correction, an.is_cap, an.mask_threshold)

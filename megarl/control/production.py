@@ -304,8 +304,8 @@ class AsyncGroupRolloutProducer(GroupRolloutProducer):
         stats = getattr(self.engine, "stats", {})
         busy = stats.get("generate_s", 0.0) - stats0.get("generate_s", 0.0)
         idle = stats.get("idle_s", 0.0) - stats0.get("idle_s", 0.0)
-        if busy + idle > 0:  # the rollout ranks' own account (the engine holder's; rank 0 writes metrics)
-            m["async/idle_share/rollout"] = idle / (busy + idle)
+        if busy + idle > 0:  # the rollout ranks' own account since the last batch (rank 0 writes metrics)
+            m["async/idle_share/rollout"] = idle / (busy + idle + stats.get("load_s", 0.0) - stats0.get("load_s", 0.0))
         self._last_produce = now
         return out
 

@@ -35,6 +35,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from megarl.experience.origins import TokenOrigins, TokenSource, first_bad
+from megarl.versions import VersionError, behaviour_label, step_of_short_id
 
 
 class FinishReason(str, Enum):
@@ -505,20 +506,23 @@ class ExperienceFacts:
         _check_tensor("response_mask", self.response_mask, (bs, R), floating=False)
         check_mask_layout(self.attention_mask, self.response_mask, P)
         versions = set(self.policy_version)
+        behaviour = self._behaviour_labels()
         if self.rollout_log_probs is not None:
             expect_producer(self.rollout_log_probs, field="rollout_log_probs", roles=("rollout",))
             _check_tensor("rollout_log_probs.values", self.rollout_log_probs.values, (bs, R), floating=True)
-            if versions != {self.rollout_log_probs.producer.version}:
+            if self.rollout_log_probs.producer.version not in behaviour:
                 raise ValueError(
-                    f"rollout_log_probs version {self.rollout_log_probs.producer.version!r} != sample policy_version {sorted(versions)}"
+                    f"rollout_log_probs version {self.rollout_log_probs.producer.version!r} != sample policy_version "
+                    f"{sorted(versions)} (expected the behaviour label, one of {sorted(behaviour)})"
                 )
         if self.old_log_probs is not None:
             expect_producer(self.old_log_probs, field="old_log_probs", roles=("actor", "rollout"))
             _check_tensor("old_log_probs.values", self.old_log_probs.values, (bs, R), floating=True)
-            if versions != {self.old_log_probs.producer.version}:
+            if versions != {self.old_log_probs.producer.version} and not self._proximal_after_behaviour():
                 raise ValueError(
                     f"old_log_probs version {self.old_log_probs.producer.version!r} must be the behaviour "
-                    f"policy_version of every sample, got {sorted(versions)}"
+                    f"policy_version of every sample, got {sorted(versions)} (or, for an asynchronous batch, "
+                    "the actor's on a version no older than any of them)"
                 )
         if self.ref_log_probs is not None:
             expect_producer(self.ref_log_probs, field="ref_log_probs", roles=("reference",))
@@ -534,7 +538,7 @@ class ExperienceFacts:
             if re_.producer.role != "rollout":
                 raise ValueError(f"routed_experts must be the rollout's routing (role 'rollout'), got role "
                                  f"{re_.producer.role!r} (backend {re_.producer.backend!r})")
-            if versions != {re_.producer.version}:
+            if re_.producer.version not in behaviour:
                 raise ValueError(f"routed_experts version {re_.producer.version!r} != sample policy_version {sorted(versions)}")
             want = (bs, P + R, len(re_.moe_layers), re_.top_k)
             if tuple(re_.experts.shape) != want:
@@ -542,6 +546,40 @@ class ExperienceFacts:
                                  f"layers, top_k) = {want}, got {tuple(re_.experts.shape)}")
         if self.token_origins is not None:
             self._check_token_origins()
+
+    def _policy_token_versions(self) -> set:
+        """Every version that generated a policy token: each sample's, and each turn's."""
+        o = self.token_origins
+        extra = o.versions if isinstance(o, TokenOrigins) else ()
+        return set(self.policy_version) | set(extra)
+
+    def _behaviour_labels(self) -> set:
+        """The producer versions the rollout-side records (log-probs, routing) may carry: the
+        label (:func:`megarl.versions.behaviour_label`; one version: its id) of the samples'
+        versions, or of every policy token's version (an earlier turn may be older)."""
+        out = set()
+        for ids in (set(self.policy_version), self._policy_token_versions()):
+            if len(ids) == 1:
+                out.add(next(iter(ids)))
+                continue
+            try:
+                out.add(behaviour_label(ids))
+            except VersionError:  # ids that are no short ids have no label: nothing matches, the check names them
+                pass
+        return out
+
+    def _proximal_after_behaviour(self) -> bool:
+        """Decoupled PPO (asynchronous batches): the old log-probs are the actor's on the trained
+        version, the proximal policy, which no sample may postdate.  The bound itself (at most
+        eta steps older) is checked per token before sealing (``megarl.experience.staleness``)."""
+        old = self.old_log_probs.producer
+        if old.role != "actor":
+            return False
+        try:
+            s = step_of_short_id(old.version)
+            return all(step_of_short_id(i) <= s for i in self._policy_token_versions())
+        except VersionError:
+            return False
 
     def _check_token_origins(self) -> None:
         """The rules tying ``token_origins`` to the rest of the record (its own rules are checked

@@ -89,7 +89,7 @@ class RemoteEngine:
         self._active: Optional[PolicyVersion] = None
         self._job = 0
         self._done: Dict[int, Dict[int, tuple]] = defaultdict(dict)  # job -> rollout rank -> reply
-        self.stats: Dict[str, float] = defaultdict(float)  # the service's generate / idle seconds
+        self._totals: Dict[int, Dict[str, float]] = {}  # rollout rank -> its cumulative seconds, as last reported
         for box in self.to:
             box.send(("hello", hello))
         ready = [self._expect(i, "ready", "the engine's start-up") for i in range(self.n)]
@@ -204,11 +204,21 @@ class RemoteEngine:
                 failed.append(f"rollout rank {i}: {msg[2]}")
                 continue
             out.extend(msg[2])
-            for key, value in msg[3].items():
-                self.stats[key] += value
+            self._totals[i] = msg[3]
         if failed:
             raise RolloutError("; ".join(failed))
         return out
+
+    @property
+    def stats(self) -> Dict[str, float]:
+        """The rollout ranks' cumulative seconds spent generating (``generate_s``), waiting for a
+        command (``idle_s``) and loading weights (``load_s``), summed over ranks, as of their last
+        results."""
+        out: Dict[str, float] = defaultdict(float)
+        for totals in self._totals.values():
+            for key, value in totals.items():
+                out[key] += value
+        return dict(out)
 
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> List[GenerationResult]:
         return self.collect(self.submit(requests, sampling))
@@ -255,8 +265,7 @@ class RolloutService:
         while True:
             msg = self.inbox.recv(what="the trainer's next command")
             now = time.perf_counter()
-            idle = now - idle_from
-            totals["idle_s"] += idle
+            totals["idle_s"] += now - idle_from
             kind = msg[0]
             if kind == "stop":
                 self.outbox.send(("stopped", totals))
@@ -276,10 +285,9 @@ class RolloutService:
                 except RolloutError as e:
                     self.outbox.send(("gen_failed", job, f"{type(e).__name__}: {e}"))
                 else:
-                    spent = time.perf_counter() - now
-                    totals["generate_s"] += spent
+                    totals["generate_s"] += time.perf_counter() - now
                     totals["jobs"] += 1
-                    self.outbox.send(("results", job, results, {"generate_s": spent, "idle_s": idle}))
+                    self.outbox.send(("results", job, results, dict(totals)))
             else:
                 raise RolloutError(f"rollout rank {self.world.rollout_index}: unknown command {kind!r}")
             idle_from = time.perf_counter()

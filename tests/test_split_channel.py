@@ -1,0 +1,152 @@
+"""The split placement's channel, in one process: the trainer's :class:`RemoteEngine` in this
+thread, a :class:`RolloutService` over a real hf engine in another, a real gloo bridge group and
+heartbeats over an in-memory store.
+
+* weights stream in buckets (several, flattened per dtype) and the rollout engine verifies them
+  itself: what it then generates is bitwise what a local engine loaded with the same weights
+  generates, on the same version;
+* commands run in the order sent: a batch submitted before v1 is published is generated on v0,
+  one submitted after on v1 (what bounds the staleness of generation submitted ahead);
+* a corrupted bucket is the engine's ManifestMismatchError on the trainer side, the engine stays
+  on v0, and the next load succeeds;
+* a side that stops beating is named lost within ``timeout_s`` by the other, never waited on.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megarl.rollout.hf_backend import HFRolloutEngine
+from megarl.rollout.protocol import GenerationRequest, SamplingParams
+from megarl.rollout.remote import RemoteEngine, RolloutService
+from megarl.rollout.weight_stream import ManifestMismatchError, iter_buckets
+from megarl.runtime.split import Heartbeat, PeerLostError, SplitWorld
+from tests._standins import HFActorStandIn, tiny_llama_config
+
+BUCKET = 40_000  # bytes: several buckets for the tiny model
+PROMPTS = [GenerationRequest("p0", (2, 5, 17, 40, 9)), GenerationRequest("p1", (2, 33))]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
+
+
+def _worlds(timeout_s: float):
+    """The trainer's and the rollout rank's SplitWorld over one in-memory store (the bridge group's
+    two ranks are created concurrently: its constructor waits for the other)."""
+    store = dist.HashStore()
+    out = {}
+
+    def make(role, rank):
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("bridge", store), rank, 2, datetime.timedelta(seconds=timeout_s))
+        out[role] = SplitWorld(role=role, global_rank=rank, world_size=2, rollout_ranks=1, timeout_s=timeout_s,
+                               store=store, heartbeat=Heartbeat(store, "trainer" if rank == 0 else "rollout0", 0.2),
+                               bridge=pg, bridge_rank=rank)
+
+    threads = [threading.Thread(target=make, args=a) for a in (("trainer", 0), ("rollout", 1))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out["trainer"], out["rollout"]
+
+
+@pytest.fixture
+def channel(tmp_path):
+    actor = HFActorStandIn.create(tiny_llama_config(initializer_range=0.3), seed=0)
+    config_dir = actor.export_config(tmp_path / "cfg")
+    trainer, rollout = _worlds(timeout_s=1.5)
+    service = RolloutService(rollout, lambda d, eos, pad: HFRolloutEngine(d, eos_token_ids=eos, pad_token_id=pad),
+                             device=torch.device("cpu"))
+    failure = []
+
+    def serve():
+        try:
+            service.serve()
+        except Exception as e:  # noqa: BLE001 -- the test reads it
+            failure.append(e)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    remote = RemoteEngine(trainer, {"config_dir": config_dir, "eos_token_ids": [], "pad_token_id": 0},
+                          device=torch.device("cpu"))
+    yield actor, config_dir, remote, service, thread, failure, trainer, rollout
+    trainer.close()
+    rollout.close()
+
+
+def _publish(remote, actor, step, stream=None):
+    version, manifest = actor.commit(step)
+    remote.load_weights(version, stream if stream is not None else iter_buckets(actor.named_tensors(), BUCKET), manifest)
+    report = remote.activate(version)
+    assert report.manifest_verified and report.cache_flushed and report.version_id == version.short_id
+    return version
+
+
+def test_weights_stream_verified_and_commands_run_in_order(channel):
+    actor, config_dir, remote, service, thread, failure, *_ = channel
+    v0 = _publish(remote, actor, 0)
+    local = HFRolloutEngine(config_dir, eos_token_ids=[], pad_token_id=0)
+    version, manifest = actor.commit(0)
+    local.load_weights(version, iter_buckets(actor.named_tensors(), BUCKET), manifest)
+    local.activate(version)
+    for a, b in zip(remote.generate(PROMPTS, GREEDY), local.generate(PROMPTS, GREEDY)):
+        assert a.response_ids == b.response_ids and torch.equal(a.raw_log_probs, b.raw_log_probs)
+        assert a.policy_version == b.policy_version == v0.short_id
+
+    before = remote.submit(PROMPTS, GREEDY)  # sent before v1 is published
+    actor.perturb(scale=0.2, seed=5)
+    v1 = _publish(remote, actor, 1)
+    after = remote.submit(PROMPTS, GREEDY)
+    old, new = remote.collect(before), remote.collect(after)
+    assert {r.policy_version for r in old} == {v0.short_id}
+    assert {r.policy_version for r in new} == {v1.short_id}
+    assert [r.response_ids for r in old] != [r.response_ids for r in new]
+    assert remote.stats["generate_s"] > 0
+    remote.close()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and not failure
+
+
+def test_corrupted_bucket_is_refused_by_the_rollout_engine(channel):
+    actor, _, remote, *_ = channel
+    v0 = _publish(remote, actor, 0)
+    actor.perturb(seed=9)
+    v1, m1 = actor.commit(1)
+
+    def corrupt(buckets):
+        for i, bucket in enumerate(buckets):
+            if i == 1:
+                name, t = bucket[0]
+                bucket = [(name, t.clone().add_(1.0))] + list(bucket[1:])
+            yield bucket
+
+    with pytest.raises(ManifestMismatchError, match="rollout rank 0"):
+        remote.load_weights(v1, corrupt(iter_buckets(actor.named_tensors(), BUCKET)), m1)
+    assert {r.policy_version for r in remote.generate(PROMPTS, GREEDY)} == {v0.short_id}  # still v0
+    remote.load_weights(v1, iter_buckets(actor.named_tensors(), BUCKET), m1)  # the retry lands
+    remote.activate(v1)
+    assert {r.policy_version for r in remote.generate(PROMPTS, GREEDY)} == {v1.short_id}
+    remote.close()
+
+
+def test_a_side_that_stops_beating_is_named_lost_within_the_timeout(channel):
+    actor, _, remote, service, thread, failure, trainer, rollout = channel
+    _publish(remote, actor, 0)
+    rollout.heartbeat.stop()  # the rollout rank "dies": it beats no more and answers nothing
+    service.inbox.alive = lambda: "stopped for the test"  # its loop ends at its next wait
+    thread.join(timeout=10)
+    t0 = time.monotonic()
+    with pytest.raises(PeerLostError, match="rollout0's heartbeat"):
+        remote.generate(PROMPTS, GREEDY)
+    assert time.monotonic() - t0 < 1.5 + 2.0
+
+    # and the other way round: a rollout rank whose trainer stopped beating stops serving
+    trainer.heartbeat.stop()
+    t0 = time.monotonic()
+    with pytest.raises(PeerLostError, match="trainer's heartbeat"):
+        rollout.from_trainer().recv(what="a command")
+    assert time.monotonic() - t0 < 1.5 + 2.0
