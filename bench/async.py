@@ -34,13 +34,15 @@ of iteration k.  ``s/iter`` is the charged clock over the iterations.
 **The target** (``--target`` overrides it): the held-out accuracy the synchronous hybrid run
 *holds* from ``--hold-from`` (default 60 %) of its iterations on, i.e. the lowest of its
 evaluations at or after that iteration.  A run's wall-clock to target is the clock at its first
-evaluation at or above the target ("not reached" if none within its iterations).  Speed-ups are
-ratios of wall-clock to target (> 1: the async run is faster), for each eta against sync split,
-sync hybrid and TRL.  Against TRL also: each run's wall-clock to TRL's final accuracy.
+evaluation at or above the target ("not reached" if none within its iterations); the JSON also
+has ``to_target_held_s`` (from that evaluation on every later one stays at or above it) and
+``to_target_with_startup_s`` (start-up added).  Speed-ups are ratios of wall-clock to target
+(> 1: the async run is faster), for each eta against sync split, sync hybrid and TRL.  Against
+TRL also: each run's wall-clock to TRL's final accuracy, and TRL's own to it.
 
 The issue's goals: >= 1.6x less wall-clock to target than synchronous on the same 2 processes,
 and TRL's accuracy in less wall-clock than TRL.  Written to ``--out``: ``async.json`` (every
-number and curve), ``async.png`` (accuracy vs wall-clock, one line per run, the target dashed)
+number and curve), ``async.png`` (accuracy vs wall-clock, one line per run, the target dotted)
 and ``runs/`` (each run's metrics.jsonl and exports; TRL's checkpoints).  The machine is a
 shared VM: the JSON records the load average and the CPU time of other processes during each
 run (``others_cpu_share``: their CPU seconds over the run's wall seconds, in cores).
@@ -207,6 +209,10 @@ def run_megarl(out: str, name: str, overrides: List[str], iterations: int, eval_
     if staleness:
         res["max_token_age"] = max(staleness)
         res["mean_sample_age"] = statistics.mean(r.get("prep/staleness/mean_sample_age", 0.0) for r in rows)
+    for key in ("async/idle_share/rollout", "async/idle_share/trainer", "async/queue_depth"):
+        vals = [r[key] for r in rows[1:] if key in r]
+        if vals:
+            res["mean_" + key.replace("async/", "").replace("/", "_")] = statistics.mean(vals)
     return res
 
 
@@ -303,6 +309,17 @@ def time_to(curve: List[dict], level: float) -> Optional[float]:
     return None
 
 
+def time_held(curve: List[dict], level: float) -> Optional[float]:
+    """The clock at the first evaluation from which every later one stays at or above ``level``."""
+    held = None
+    for p in curve:
+        if p["accuracy"] >= level - 1e-9:
+            held = p["clock_s"] if held is None else held
+        else:
+            held = None
+    return held
+
+
 def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a is not None and b is not None and b > 0 else None
 
@@ -312,7 +329,9 @@ def summarize(runs: List[dict], target: float, trl_level: Optional[float]) -> No
     for r in runs:
         accs = [p["accuracy"] for p in r["curve"]]
         r.update(best_accuracy=max(accs), final_accuracy=accs[-1], to_target_s=time_to(r["curve"], target),
+                 to_target_held_s=time_held(r["curve"], target),
                  to_trl_accuracy_s=time_to(r["curve"], trl_level) if trl_level is not None else None)
+        r["to_target_with_startup_s"] = None if r["to_target_s"] is None else r["to_target_s"] + r["startup_s"]
     for r in runs:
         if r["name"].startswith("async"):
             r["speedup_vs_sync_split"] = ratio(by["sync split"]["to_target_s"], r["to_target_s"])
