@@ -8,7 +8,9 @@ megarl, and TRL, all on the same 2 processes of this 2-core CPU (issue 21, "Meas
 The runs, one after the other, each a fresh ``torchrun --nproc-per-node 2`` (one torch thread
 per process), every one the recipe ``configs/grpo_arith_tiny.yaml`` with the same start model,
 task, batch (B=16 prompts x G=8 samples), lengths, lr, seed and run id (the sampling seeds
-derive from it), and the same number of iterations (one optimizer step each):
+derive from it), and the same number of iterations (one optimizer step each); megarl logs to
+metrics.jsonl only (``trainer.loggers=[jsonl]``, no sample tables) and evaluates every
+``--eval-every`` iterations instead of the recipe's 20:
 
 1. ``sync hybrid``: the recipe's defaults, DP=2 (both processes train and generate, time-sliced);
 2. ``sync split``: ``placement.mode=split``, eta 0 (1 trainer rank + 1 rollout rank);
