@@ -99,7 +99,9 @@ def serve_rollout_rank(cfg, world) -> dict:
     def make_engine(config_dir, eos, pad):
         return create_engine(cfg, Placement(num_groups=1, group_index=0, is_group_leader=True), config_dir, eos, pad)
 
-    return RolloutService(world, make_engine, device=device(), kill_at_load=cfg.faults.kill_rollout_at_load).serve()
+    return RolloutService(world, make_engine, device=device(), kill_at_load=cfg.faults.kill_rollout_at_load,
+                          segment_tokens=cfg.async_rl.segment_tokens,
+                          segment_delay_s=cfg.faults.rollout_segment_delay_s).serve()
 
 
 def shares(n: int, parts: int) -> List[slice]:

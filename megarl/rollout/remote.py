@@ -37,6 +37,7 @@ from megarl.rollout.protocol import (
     RolloutError,
     SamplingParams,
 )
+from megarl.rollout.segmented import generate_in_segments
 from megarl.rollout.weight_stream import ManifestMismatchError, TensorManifest
 from megarl.runtime.split import PeerLostError, SplitWorld
 from megarl.versions import PolicyVersion
@@ -204,7 +205,8 @@ class RemoteEngine:
                 failed.append(f"rollout rank {i}: {msg[2]}")
                 continue
             out.extend(msg[2])
-            self._totals[i] = msg[3]
+            if msg[3]["jobs"] >= self._totals.get(i, {}).get("jobs", -1):  # collected out of order: keep the latest
+                self._totals[i] = msg[3]
         if failed:
             raise RolloutError("; ".join(failed))
         return out
@@ -250,17 +252,19 @@ class RolloutService:
     weights of that optimizer step."""
 
     def __init__(self, world: SplitWorld, make_engine: Callable, device: torch.device,
-                 kill_at_load: Optional[int] = None):
+                 kill_at_load: Optional[int] = None, segment_tokens: int = 0, segment_delay_s: float = 0.0):
         self.world, self.make_engine, self.device, self.kill_at_load = world, make_engine, device, kill_at_load
+        self.segment_tokens, self.segment_delay_s = segment_tokens, segment_delay_s
         self.inbox, self.outbox = world.from_trainer(), world.to_trainer()
         self.engine = None
+        self.totals = {"generate_s": 0.0, "idle_s": 0.0, "load_s": 0.0, "jobs": 0.0, "inflight_activations": 0.0}
 
     def serve(self) -> Dict[str, float]:
         hello = self.inbox.recv(what="the trainer's hello")[1]
         self.engine = self.make_engine(hello["config_dir"], hello["eos_token_ids"], hello["pad_token_id"])
         self.outbox.send(("ready", {"dtype": str(self.engine.dtype).removeprefix("torch."),
                                     "log_prob_spaces": getattr(self.engine, "log_prob_spaces", None)}))
-        totals = {"generate_s": 0.0, "idle_s": 0.0, "load_s": 0.0, "jobs": 0.0}
+        totals = self.totals
         idle_from = time.perf_counter()
         while True:
             msg = self.inbox.recv(what="the trainer's next command")
@@ -270,18 +274,13 @@ class RolloutService:
             if kind == "stop":
                 self.outbox.send(("stopped", totals))
                 return totals
-            if kind == "load":
-                self._load(msg[1], TensorManifest.from_dict(msg[2]))
-                totals["load_s"] += time.perf_counter() - now
-            elif kind == "activate":
-                try:
-                    self.outbox.send(("activated", self.engine.activate(msg[1])))
-                except RolloutError as e:
-                    self.outbox.send(("activate_failed", f"{type(e).__name__}: {e}"))
+            if kind in ("load", "activate"):
+                self._version_command(msg)
             elif kind == "generate":
                 _, job, requests, sampling = msg
                 try:
-                    results = self.engine.generate(requests, sampling)
+                    results = generate_in_segments(self.engine, requests, sampling, self.segment_tokens,
+                                                   between=self._between_segments)
                 except RolloutError as e:
                     self.outbox.send(("gen_failed", job, f"{type(e).__name__}: {e}"))
                 else:
@@ -291,6 +290,30 @@ class RolloutService:
             else:
                 raise RolloutError(f"rollout rank {self.world.rollout_index}: unknown command {kind!r}")
             idle_from = time.perf_counter()
+
+    def _version_command(self, msg: tuple) -> None:
+        t0 = time.perf_counter()
+        if msg[0] == "load":
+            self._load(msg[1], TensorManifest.from_dict(msg[2]))
+        else:
+            try:
+                self.outbox.send(("activated", self.engine.activate(msg[1])))
+            except RolloutError as e:
+                self.outbox.send(("activate_failed", f"{type(e).__name__}: {e}"))
+        self.totals["load_s"] += time.perf_counter() - t0
+
+    def _between_segments(self) -> None:
+        """An in-flight weight update: a load or activation the trainer sent while this rank
+        generates is applied now, if it is the next command (a generate command sent before it
+        keeps its place, so every batch starts on the version it was submitted after).  The
+        engine is idle between segments, so its flush at activation always succeeds."""
+        if self.segment_delay_s:
+            time.sleep(self.segment_delay_s)  # faults.rollout_segment_delay_s: a straggler
+        while self.inbox.ready() and self.inbox.peek()[0] in ("load", "activate"):
+            msg = self.inbox.recv()
+            self._version_command(msg)
+            if msg[0] == "activate":
+                self.totals["inflight_activations"] += 1
 
     def _buckets(self, version: PolicyVersion):
         """The buckets the trainer streams, as they arrive (every one is received, even after the
