@@ -4,7 +4,7 @@ engine on the rollout rank).  Checked from what the runs leave behind.
 * eta = 0 in split placement is the synchronous loop: a run with 1 trainer rank + 1 rollout rank
   ends bitwise like the hybrid run on one process (every metric but wall times, every exported
   weight): the remote engine, the bridge and the command order change nothing.
-* eta = 2: every policy token of every trained sample is audited against the version that
+* eta = 2 (2 trainer ranks, DP=2, + 1 rollout rank): every policy token of every trained sample is audited against the version that
   trained it -- zero tokens older than 2 steps, none from the future, and with the producer's
   exact admission every sample is exactly min(k, 2) steps old at iteration k (its oldest token);
   the staleness histogram the run wrote equals the audit.  With in-flight weight updates
@@ -132,8 +132,8 @@ def _launch_plain(cmd_tail, port, log_dir):
 def test_async_eta2_bound_and_killed_rollout_rank_resumes(assets, tmp_path):
     eta = 2
     # an uninterrupted asynchronous run: the per-token audit and the histogram it wrote
-    d = str(tmp_path / "async")
-    run_to_exit(checkpointed_run_cmd(assets, d, GRPO, 2, ASYNC2))
+    d = str(tmp_path / "async")  # 2 trainer ranks (DP=2) + 1 rollout rank
+    run_to_exit(checkpointed_run_cmd(assets, d, GRPO, 3, ASYNC2))
     hists = _audit(d, eta)
     assert _audit_labels(d) > 0  # some responses were finished by a version published mid-way
     ms = metrics(d)

@@ -128,8 +128,8 @@ class GroupRolloutProducer:
 
     def _draw_round(self, k: int, rnd: int, v: str):
         """Round ``rnd`` of iteration ``k``: ``(the version its groups are generated on, the
-        prompts, a ticket of generation already submitted for them or None)``.  Here: B prompts
-        drawn now, generated now on ``v``."""
+        prompts, the generation already submitted for them or None)``.  Here: B prompts drawn
+        now, generated now on ``v``."""
         B = self.cfg.trainer.prompts_per_iteration
         return v, [self.train_data.records[i] for i in self.sampler.next_indices(B)], None
 
@@ -152,15 +152,15 @@ class GroupRolloutProducer:
         earlier call's request is counted and ignored.  A regeneration keeps the candidate's
         seed and policy version; if the engine no longer serves that version, the candidate
         fails (its group is then handled as incomplete), never filled from another version.
-        ``ahead``: the ticket of the first attempt, submitted earlier (its results are collected,
-        not generated again)."""
+        ``ahead``: the first attempt, submitted earlier (an object whose ``ticket`` the engine's
+        holder collects; its results are not generated again)."""
         G = self.cfg.rollout.n
         while requests:
             errors: list = []
             t0 = time.perf_counter()
             with timer.stage("generate", requests=len(requests), samples=sum(len(q.candidates(G)) for q in requests)):
-                if ahead is not None:
-                    results, ahead = collect_everywhere(self.engine, self.placement, ahead, errors), None
+                if ahead is not None:  # (every rank has it; only the engine's holder has a ticket)
+                    results, ahead = collect_everywhere(self.engine, self.placement, ahead.ticket, errors), None
                 else:
                     results = generate_everywhere(self.engine, self.placement, requests, sampling, errors)
             timing["generate"] += time.perf_counter() - t0
@@ -287,7 +287,7 @@ class AsyncGroupRolloutProducer(GroupRolloutProducer):
     def _draw_round(self, k: int, rnd: int, v: str):
         if rnd == 0:
             a = self.ahead.pop(k)
-            return a.version, [self.train_data.records[i] for i in a.indices], a.ticket
+            return a.version, [self.train_data.records[i] for i in a.indices], a
         return super()._draw_round(k, rnd, v)
 
     def produce(self, k: int, version: PolicyVersion, timer: StageTimer) -> ProducedRollout:

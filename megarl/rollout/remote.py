@@ -89,6 +89,7 @@ class RemoteEngine:
         self.device = device
         self._active: Optional[PolicyVersion] = None
         self._job = 0
+        self.lost: Optional[str] = None  # why a rollout rank was named lost (then close() waits for none)
         self._done: Dict[int, Dict[int, tuple]] = defaultdict(dict)  # job -> rollout rank -> reply
         self._totals: Dict[int, Dict[str, float]] = {}  # rollout rank -> its cumulative seconds, as last reported
         for box in self.to:
@@ -99,12 +100,19 @@ class RemoteEngine:
 
     # ---- the reply stream ---------------------------------------------------------------------
 
+    def _recv(self, i: int, what: str) -> tuple:
+        try:
+            return self.back[i].recv(what=what)
+        except PeerLostError as e:
+            self.lost = str(e)
+            raise
+
     def _expect(self, i: int, kind, what: str) -> tuple:
         """The next reply of rollout rank ``i`` of ``kind`` (generate replies met on the way are
         kept for :meth:`collect`)."""
         kinds = (kind,) if isinstance(kind, str) else tuple(kind)
         while True:
-            msg = self.back[i].recv(what=f"{what} from rollout rank {i}")
+            msg = self._recv(i, f"{what} from rollout rank {i}")
             if msg[0] in ("results", "gen_failed"):
                 self._done[msg[1]][i] = msg
                 continue
@@ -135,7 +143,11 @@ class RemoteEngine:
                 box.send(("bucket", meta))
             for dt, idx in _by_dtype(meta).items():
                 flat = torch.cat([bucket[j][1].reshape(-1) for j in idx]).to(self.device)
-                _broadcast(self.world, flat, f"sending {version.short_id}")
+                try:
+                    _broadcast(self.world, flat, f"sending {version.short_id}")
+                except PeerLostError as e:
+                    self.lost = str(e)
+                    raise
         for box in self.to:
             box.send(("end",))
         replies = [self._expect(i, ("loaded", "load_failed"), f"the check of {version.short_id}") for i in range(self.n)]
@@ -163,9 +175,12 @@ class RemoteEngine:
                                                       for r in reports),
                                 cache_flushed=all(r.cache_flushed for r in reports))
 
-    def submit(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> Ticket:
+    def submit(self, requests: Sequence[GenerationRequest], sampling: SamplingParams, segmented: bool = True) -> Ticket:
         """Send ``requests`` (contiguous, near-equal shares over the rollout ranks) and return at
-        once; :meth:`collect` waits for their results."""
+        once; :meth:`collect` waits for their results.  ``segmented``: the rollout ranks may
+        apply a version published while they generate these (in segments, when configured);
+        :meth:`generate` (evaluation, regeneration, the synchronous loop) asks for whole
+        responses on the version active when they start."""
         self._job += 1
         ranks = []
         base, extra = divmod(len(requests), self.n)
@@ -173,7 +188,7 @@ class RemoteEngine:
         for i in range(self.n):
             k = base + (1 if i < extra else 0)
             if k:
-                self.to[i].send(("generate", self._job, list(requests[start:start + k]), sampling))
+                self.to[i].send(("generate", self._job, list(requests[start:start + k]), sampling, segmented))
                 ranks.append(i)
             start += k
         return Ticket(self._job, tuple(ranks), time.perf_counter())
@@ -193,7 +208,7 @@ class RemoteEngine:
         A share whose engine failed raises :class:`RolloutError` after every share answered."""
         for i in ticket.ranks:
             while i not in self._done.get(ticket.job, {}):
-                msg = self.back[i].recv(what=f"the results of job {ticket.job} from rollout rank {i}")
+                msg = self._recv(i, f"the results of job {ticket.job} from rollout rank {i}")
                 if msg[0] not in ("results", "gen_failed"):
                     raise RolloutError(f"rollout rank {i} answered {msg[0]!r} with no command waiting for it")
                 self._done[msg[1]][i] = msg
@@ -223,7 +238,7 @@ class RemoteEngine:
         return dict(out)
 
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> List[GenerationResult]:
-        return self.collect(self.submit(requests, sampling))
+        return self.collect(self.submit(requests, sampling, segmented=False))
 
     def flush_cache(self) -> None:
         """Each engine flushes at its own activation (it holds the only KV state)."""
@@ -235,9 +250,12 @@ class RemoteEngine:
         pass
 
     def close(self) -> None:
-        """Stop every service (after the commands already sent) and wait for each to say so."""
+        """Stop every service (after the commands already sent) and wait for each to say so --
+        unless one was named lost already (the job is ending on that error; nothing to wait for)."""
         for box in self.to:
             box.send(("stop",))
+        if self.lost is not None:
+            return
         for i in range(self.n):
             try:
                 self._expect(i, "stopped", "the end of the service")
@@ -277,9 +295,10 @@ class RolloutService:
             if kind in ("load", "activate"):
                 self._version_command(msg)
             elif kind == "generate":
-                _, job, requests, sampling = msg
+                _, job, requests, sampling, segmented = msg
                 try:
-                    results = generate_in_segments(self.engine, requests, sampling, self.segment_tokens,
+                    results = generate_in_segments(self.engine, requests, sampling,
+                                                   self.segment_tokens if segmented else 0,
                                                    between=self._between_segments)
                 except RolloutError as e:
                     self.outbox.send(("gen_failed", job, f"{type(e).__name__}: {e}"))
