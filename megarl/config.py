@@ -830,9 +830,6 @@ def _validate_placement(cfg: TrainConfig, world_size: int) -> None:
         _need(cfg.trainer.resume_experience == "rerun", "trainer.resume_experience",
               f"'reuse' replays one synchronous sealed batch; with async_rl.max_staleness={an.max_staleness} "
               "a checkpoint gives the in-flight prompts back instead (use 'rerun')")
-        _need(not r.agent.env, "rollout.agent.env",
-              f"agent sessions run on the trainer side; async_rl.max_staleness={an.max_staleness} > 0 "
-              "with agents is not built (use 0)")
     if an.segment_tokens:
         _need(pl.mode == "split", "async_rl.segment_tokens",
               "applies versions published while the rollout ranks generate, which needs placement.mode=split")

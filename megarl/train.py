@@ -199,7 +199,7 @@ def main(argv=None) -> dict:
     if cfg.placement.mode == "split":  # the world divided once: trainer ranks and rollout ranks
         world_side = rt.init_split_world(cfg.placement.rollout_ranks, cfg.placement.timeout_s)
         if world_side.role == "rollout":
-            from megarl.control.placement import serve_rollout_rank
+            from megarl.control.assembly import serve_rollout_rank
 
             stats = serve_rollout_rank(cfg, world_side)
             world_side.close()

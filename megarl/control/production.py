@@ -347,6 +347,12 @@ class AgentRolloutProducer(GroupRolloutProducer):
         self._episodes.extend(s.episode for s in samples)
 
 
+class AsyncAgentRolloutProducer(AsyncGroupRolloutProducer, AgentRolloutProducer):
+    """Agent sessions admitted up to eta steps ahead: the asynchronous producer's admission and
+    bound, the agent producer's trajectories and metrics (the sessions run on the rollout ranks,
+    each trajectory whole on the version its batch started on)."""
+
+
 #: finish reasons of a trajectory the limits cut (bootstrapped, not terminal): the token budget,
 #: the turn limit, the environment's truncation
 _CUT = (FinishReason.LENGTH, FinishReason.MAX_TURNS, FinishReason.ENV_TRUNCATED)

@@ -265,13 +265,16 @@ class RemoteEngine:
 
 class RolloutService:
     """The loop of a rollout rank (see the module docstring).  ``make_engine(config_dir, eos,
-    pad)`` builds the engine named by the trainer's hello; ``kill_at_load`` (a fault drill:
+    pad)`` builds the engine named by the trainer's hello; ``make_generator(engine)``, when given,
+    what answers generate commands over it (agent sessions); ``kill_at_load`` (a fault drill:
     ``faults.kill_rollout_at_load``) kills this process with SIGKILL while it receives the
     weights of that optimizer step."""
 
     def __init__(self, world: SplitWorld, make_engine: Callable, device: torch.device,
-                 kill_at_load: Optional[int] = None, segment_tokens: int = 0, segment_delay_s: float = 0.0):
+                 kill_at_load: Optional[int] = None, segment_tokens: int = 0, segment_delay_s: float = 0.0,
+                 make_generator: Optional[Callable] = None):
         self.world, self.make_engine, self.device, self.kill_at_load = world, make_engine, device, kill_at_load
+        self.make_generator = make_generator  # the engine -> what answers generate commands (agent sessions)
         self.segment_tokens, self.segment_delay_s = segment_tokens, segment_delay_s
         self.inbox, self.outbox = world.from_trainer(), world.to_trainer()
         self.engine = None
@@ -280,6 +283,7 @@ class RolloutService:
     def serve(self) -> Dict[str, float]:
         hello = self.inbox.recv(what="the trainer's hello")[1]
         self.engine = self.make_engine(hello["config_dir"], hello["eos_token_ids"], hello["pad_token_id"])
+        generator = self.make_generator(self.engine) if self.make_generator is not None else self.engine
         self.outbox.send(("ready", {"dtype": str(self.engine.dtype).removeprefix("torch."),
                                     "log_prob_spaces": getattr(self.engine, "log_prob_spaces", None)}))
         totals = self.totals
@@ -297,7 +301,7 @@ class RolloutService:
             elif kind == "generate":
                 _, job, requests, sampling, segmented = msg
                 try:
-                    results = generate_in_segments(self.engine, requests, sampling,
+                    results = generate_in_segments(generator, requests, sampling,
                                                    self.segment_tokens if segmented else 0,
                                                    between=self._between_segments)
                 except RolloutError as e:
