@@ -8,7 +8,7 @@ heartbeats over an in-memory store.
 * commands run in the order sent: a batch submitted before v1 is published is generated on v0,
   one submitted after on v1 (what bounds the staleness of generation submitted ahead);
 * a corrupted bucket is the engine's ManifestMismatchError on the trainer side, the engine stays
-  on v0, and the next load succeeds;
+  on v0, and the next load succeeds; so does one after the trainer's own stream broke mid-way;
 * a side that stops beating is named lost within ``timeout_s`` by the other, never waited on.
 """
 
@@ -127,6 +127,16 @@ def test_corrupted_bucket_is_refused_by_the_rollout_engine(channel):
     with pytest.raises(ManifestMismatchError, match="rollout rank 0"):
         remote.load_weights(v1, corrupt(iter_buckets(actor.named_tensors(), BUCKET)), m1)
     assert {r.policy_version for r in remote.generate(PROMPTS, GREEDY)} == {v0.short_id}  # still v0
+
+    def broken(buckets):  # the trainer's own stream fails after one bucket
+        for i, bucket in enumerate(buckets):
+            if i == 1:
+                raise RuntimeError("the actor's stream broke")
+            yield bucket
+
+    with pytest.raises(RuntimeError, match="stream broke"):
+        remote.load_weights(v1, broken(iter_buckets(actor.named_tensors(), BUCKET)), m1)
+    assert {r.policy_version for r in remote.generate(PROMPTS, GREEDY)} == {v0.short_id}  # in step, still v0
     remote.load_weights(v1, iter_buckets(actor.named_tensors(), BUCKET), m1)  # the retry lands
     remote.activate(v1)
     assert {r.policy_version for r in remote.generate(PROMPTS, GREEDY)} == {v1.short_id}

@@ -70,10 +70,10 @@ def _broadcast(world: SplitWorld, t: torch.Tensor, what: str) -> None:
 
 
 class Ticket:
-    """Requests submitted ahead: which rollout ranks got a share, in what order."""
+    """Requests submitted ahead: their job number and the rollout ranks that got a share."""
 
-    def __init__(self, job: int, ranks: Tuple[int, ...], submitted_at: float):
-        self.job, self.ranks, self.submitted_at = job, ranks, submitted_at
+    def __init__(self, job: int, ranks: Tuple[int, ...]):
+        self.job, self.ranks = job, ranks
 
 
 class RemoteEngine:
@@ -137,17 +137,17 @@ class RemoteEngine:
             box.send(("load", version, expected_manifest.to_dict()))
         for i in range(self.n):  # each service reaches the load after the commands sent before it
             self._expect(i, "receiving", f"the start of loading {version.short_id}")
-        for bucket in named_tensor_buckets:
-            meta = [(name, tuple(t.shape), str(t.dtype)) for name, t in bucket]
+        try:
+            self._stream(version, named_tensor_buckets)
+        except PeerLostError as e:
+            self.lost = str(e)
+            raise
+        except BaseException:  # the trainer's own stream failed: end the load so the services stay in step
             for box in self.to:
-                box.send(("bucket", meta))
-            for dt, idx in _by_dtype(meta).items():
-                flat = torch.cat([bucket[j][1].reshape(-1) for j in idx]).to(self.device)
-                try:
-                    _broadcast(self.world, flat, f"sending {version.short_id}")
-                except PeerLostError as e:
-                    self.lost = str(e)
-                    raise
+                box.send(("end",))
+            for i in range(self.n):
+                self._expect(i, ("loaded", "load_failed"), f"the end of the abandoned load of {version.short_id}")
+            raise
         for box in self.to:
             box.send(("end",))
         replies = [self._expect(i, ("loaded", "load_failed"), f"the check of {version.short_id}") for i in range(self.n)]
@@ -158,6 +158,16 @@ class RemoteEngine:
         rep = replies[0][1]
         return LoadReport(version_id=rep.version_id, manifest_hash=rep.manifest_hash, num_tensors=rep.num_tensors,
                           num_bytes=rep.num_bytes, num_buckets=rep.num_buckets, seconds=time.perf_counter() - t0)
+
+    def _stream(self, version: PolicyVersion, named_tensor_buckets) -> None:
+        for bucket in named_tensor_buckets:
+            meta = [(name, tuple(t.shape), str(t.dtype)) for name, t in bucket]
+            flats = [torch.cat([bucket[j][1].reshape(-1) for j in idx]).to(self.device)
+                     for idx in _by_dtype(meta).values()]  # built before the meta is sent: a failure leaves no half bucket
+            for box in self.to:
+                box.send(("bucket", meta))
+            for flat in flats:
+                _broadcast(self.world, flat, f"sending {version.short_id}")
 
     def activate(self, version: PolicyVersion) -> ActivationReport:
         """Every rollout engine activates ``version``; every command sent from now on runs on it."""
@@ -191,7 +201,7 @@ class RemoteEngine:
                 self.to[i].send(("generate", self._job, list(requests[start:start + k]), sampling, segmented))
                 ranks.append(i)
             start += k
-        return Ticket(self._job, tuple(ranks), time.perf_counter())
+        return Ticket(self._job, tuple(ranks))
 
     def ready(self, ticket: Ticket) -> bool:
         """Whether every share of ``ticket`` has answered (reads what has arrived, waits for nothing)."""
