@@ -199,7 +199,7 @@ def main(argv=None) -> dict:
     if cfg.placement.mode == "split":  # the world divided once: trainer ranks and rollout ranks
         world_side = rt.init_split_world(cfg.placement.rollout_ranks, cfg.placement.timeout_s)
         if world_side.role == "rollout":
-            from megarl.control.placement import serve_rollout_rank
+            from megarl.control.assembly import serve_rollout_rank
 
             stats = serve_rollout_rank(cfg, world_side)
             world_side.close()
@@ -212,10 +212,12 @@ def main(argv=None) -> dict:
     h = config_hash(cfg)
     if rt.is_main():
         write_run_files(cfg, run_dir, h, world, dp, sources=sources)
-        split = (f" + {cfg.placement.rollout_ranks} rollout rank(s) (placement split, async_rl.max_staleness="
-                 f"{cfg.async_rl.max_staleness})" if cfg.placement.mode == "split" else "")
-        print(f"megarl.train: recipe {cfg.recipe}, {cfg.algo.name} ({cfg.algo.advantage}), world {world} = "
-              f"tp {cfg.parallel.tp} x pp {cfg.parallel.pp} x dp {dp}{split}, run dir {run_dir}, config {h[:15]}",
+        split = cfg.placement.mode == "split"
+        side = (f"world {world} = {world - cfg.placement.rollout_ranks} trainer rank(s): " if split else f"world {world} = ")
+        rollout = (f" + {cfg.placement.rollout_ranks} rollout rank(s) (placement split, async_rl.max_staleness="
+                   f"{cfg.async_rl.max_staleness})" if split else "")
+        print(f"megarl.train: recipe {cfg.recipe}, {cfg.algo.name} ({cfg.algo.advantage}), {side}"
+              f"tp {cfg.parallel.tp} x pp {cfg.parallel.pp} x dp {dp}{rollout}, run dir {run_dir}, config {h[:15]}",
               flush=True)
     tokenizer_dir = cfg.model.tokenizer or cfg.model.path
     trainer = Trainer(cfg, run_dir, cfg.model.path, tokenizer_dir, run_id=cfg.trainer.run_id)

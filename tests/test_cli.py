@@ -271,6 +271,7 @@ def _recipes(tmp_path):
 
     qwen3_moe = _fake_hf(tmp_path / "qwen3_30b_a3b", QWEN3_30B_A3B)
     out = {"grpo_arith_tiny.yaml": (1, []), "ppo_arith_tiny.yaml": (1, []), "grpo_moe_tiny.yaml": (1, []),
+           "grpo_arith_async_tiny.yaml": (2, []),  # 1 trainer rank + 1 rollout rank
            "grpo_calc_tiny.yaml": (1, []), "grpo_two_turn_tiny.yaml": (1, []),
            "grpo_qwen2_7b.yaml": (8, [f"model.path={qwen}", f"data.train_path={data}"]),
            # the recipe names the Hub id; without network the test points it at config.json only
@@ -306,7 +307,12 @@ def test_print_config_and_dry_run_on_every_recipe(tmp_path):
         assert "dry run: nothing was trained or written" in out
         cfg = load_config(path, overrides)
         tp, pp = cfg.parallel.tp, cfg.parallel.pp
-        assert f"plan: world {world} = tp {tp} x pp {pp} x dp {world // (tp * pp)}" in out
+        if cfg.placement.mode == "split":
+            trainers = world - cfg.placement.rollout_ranks
+            assert f"plan: trainer ranks {trainers} = tp {tp} x pp {pp} x dp {trainers // (tp * pp)}" in out
+            assert f"placement split: the last {cfg.placement.rollout_ranks} rank(s) of {world} only generate" in out
+        else:
+            assert f"plan: world {world} = tp {tp} x pp {pp} x dp {world // (tp * pp)}" in out
         if name.endswith("_tiny.yaml"):
             assert "would build the built-in tiny model" in out and not cache.exists()
         else:

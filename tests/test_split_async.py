@@ -4,10 +4,14 @@ engine on the rollout rank).  Checked from what the runs leave behind.
 * eta = 0 in split placement is the synchronous loop: a run with 1 trainer rank + 1 rollout rank
   ends bitwise like the hybrid run on one process (every metric but wall times, every exported
   weight): the remote engine, the bridge and the command order change nothing.
-* eta = 2: every policy token of every trained sample is audited against the version that
+* eta = 2 (2 trainer ranks, DP=2, + 1 rollout rank): every policy token of every trained sample is audited against the version that
   trained it -- zero tokens older than 2 steps, none from the future, and with the producer's
-  exact admission every sample is exactly min(k, 2) steps old at iteration k; the staleness
-  histogram the run wrote equals the audit; the required correction ran (its metrics).
+  exact admission every sample is exactly min(k, 2) steps old at iteration k (its oldest token);
+  the staleness histogram the run wrote equals the audit.  With in-flight weight updates
+  (``async_rl.segment_tokens``, a straggling rollout rank) some responses are finished by a
+  version published mid-way: every token of theirs is labelled with the version that sampled
+  it (its rollout log-prob is that version's export's, teacher-forced), versions never go
+  backwards along a response.
 * A rollout rank killed (SIGKILL) while it receives weights: the trainer names it lost within
   ``placement.timeout_s`` (no hang, although nothing like torchrun's agent is there to kill it),
   the run resumes from its last checkpoint, gives the in-flight prompts back to the sampler
@@ -38,7 +42,9 @@ from tests._train_runs import (
 
 SPLIT = ["placement.mode=split"]
 ASYNC2 = SPLIT + ["async_rl.max_staleness=2", "async_rl.correction=tis", "rollout.reuse_rollout_log_probs=false",
-                  "trainer.save_experience=true"]
+                  "trainer.save_experience=true", "trainer.export_every=1",
+                  # in-flight weight updates, made certain by a straggling rollout rank
+                  "async_rl.segment_tokens=1", "faults.rollout_segment_delay_s=0.3"]
 
 
 def test_split_eta0_is_the_synchronous_loop(assets, tmp_path_factory, tmp_path):
@@ -70,11 +76,44 @@ def _audit(run_dir, eta):
         trained = step_of_short_id(f.old_log_probs.producer.version)
         assert trained == k  # no update was skipped in these runs
         mask = f.response_mask != 0
-        ages = torch.tensor([trained - step_of_short_id(v) for v in f.policy_version])[:, None].expand_as(mask)[mask]
+        o = f.token_origins
+        if o is None:
+            steps = torch.tensor([step_of_short_id(v) for v in f.policy_version])[:, None].expand_as(mask)
+        else:  # a response that spans versions: each token's own
+            steps = torch.tensor([step_of_short_id(v) for v in o.versions])[o.version_index.long().clamp(min=0)]
+        token_ages = torch.where(mask, trained - steps, torch.full_like(steps, -1))
+        ages = token_ages[mask]
         assert int((ages > eta).sum()) == 0 and int((ages < 0).sum()) == 0, (k, ages.unique())
-        per_sample = [trained - step_of_short_id(v) for v in f.policy_version]
+        per_sample = token_ages.max(dim=1).values.tolist()  # a sample is as old as its oldest token
         hists[k] = {a: per_sample.count(a) / len(per_sample) for a in set(per_sample)}
     return hists
+
+
+def _audit_labels(run_dir):
+    """Every policy token of a response that spans versions was sampled by the version it is
+    labelled with: its rollout log-prob equals the teacher-forced log-prob under that version's
+    export (``export/iter_<step>``), and versions never go backwards along a response.  Returns
+    how many such responses there were."""
+    from megarl.versions import step_of_short_id
+    from tests._train_runs import hf_response_log_probs
+
+    mixed = 0
+    for b in batches(run_dir):
+        f, o = b.facts, b.facts.token_origins
+        if o is None:
+            continue
+        steps = torch.tensor([step_of_short_id(v) for v in o.versions])[o.version_index.long().clamp(min=0)]
+        pol = o.policy_mask()
+        for row in range(f.batch_size):
+            s = steps[row][pol[row]]
+            assert bool((s[1:] >= s[:-1]).all()), (f.sample_id[row], s.tolist())
+            mixed += int(len(set(s.tolist())) > 1)
+        for step in sorted(set(steps[pol].tolist())):
+            _, (tf, _) = hf_response_log_probs(os.path.join(run_dir, "export", f"iter_{step}"), f)
+            on = pol & (steps == step)
+            err = (tf - f.rollout_log_probs.values).abs()[on]
+            assert float(err.max()) < 1e-4, (f.iteration, step, float(err.max()))
+    return mixed
 
 
 def _launch_plain(cmd_tail, port, log_dir):
@@ -93,9 +132,10 @@ def _launch_plain(cmd_tail, port, log_dir):
 def test_async_eta2_bound_and_killed_rollout_rank_resumes(assets, tmp_path):
     eta = 2
     # an uninterrupted asynchronous run: the per-token audit and the histogram it wrote
-    d = str(tmp_path / "async")
-    run_to_exit(checkpointed_run_cmd(assets, d, GRPO, 2, ASYNC2))
+    d = str(tmp_path / "async")  # 2 trainer ranks (DP=2) + 1 rollout rank
+    run_to_exit(checkpointed_run_cmd(assets, d, GRPO, 3, ASYNC2))
     hists = _audit(d, eta)
+    assert _audit_labels(d) > 0  # some responses were finished by a version published mid-way
     ms = metrics(d)
     assert sorted(hists) == list(range(ITERS))
     for k, m in enumerate(ms):

@@ -8,7 +8,7 @@ heartbeats over an in-memory store.
 * commands run in the order sent: a batch submitted before v1 is published is generated on v0,
   one submitted after on v1 (what bounds the staleness of generation submitted ahead);
 * a corrupted bucket is the engine's ManifestMismatchError on the trainer side, the engine stays
-  on v0, and the next load succeeds;
+  on v0, and the next load succeeds; so does one after the trainer's own stream broke mid-way;
 * a side that stops beating is named lost within ``timeout_s`` by the other, never waited on.
 """
 
@@ -127,6 +127,16 @@ def test_corrupted_bucket_is_refused_by_the_rollout_engine(channel):
     with pytest.raises(ManifestMismatchError, match="rollout rank 0"):
         remote.load_weights(v1, corrupt(iter_buckets(actor.named_tensors(), BUCKET)), m1)
     assert {r.policy_version for r in remote.generate(PROMPTS, GREEDY)} == {v0.short_id}  # still v0
+
+    def broken(buckets):  # the trainer's own stream fails after one bucket
+        for i, bucket in enumerate(buckets):
+            if i == 1:
+                raise RuntimeError("the actor's stream broke")
+            yield bucket
+
+    with pytest.raises(RuntimeError, match="stream broke"):
+        remote.load_weights(v1, broken(iter_buckets(actor.named_tensors(), BUCKET)), m1)
+    assert {r.policy_version for r in remote.generate(PROMPTS, GREEDY)} == {v0.short_id}  # in step, still v0
     remote.load_weights(v1, iter_buckets(actor.named_tensors(), BUCKET), m1)  # the retry lands
     remote.activate(v1)
     assert {r.policy_version for r in remote.generate(PROMPTS, GREEDY)} == {v1.short_id}
@@ -150,3 +160,47 @@ def test_a_side_that_stops_beating_is_named_lost_within_the_timeout(channel):
     with pytest.raises(PeerLostError, match="trainer's heartbeat"):
         rollout.from_trainer().recv(what="a command")
     assert time.monotonic() - t0 < 1.5 + 2.0
+
+
+def test_segments_continue_from_the_exact_tokens_and_label_each_with_its_version(tmp_path):
+    """``generate_in_segments``: greedy in segments is the whole-response call (re-prefilled at
+    every boundary); a version activated between two segments finishes the responses, and each
+    token is labelled with the version that sampled it -- the later tokens' log-probs are the new
+    weights' own (a fresh engine on v1, teacher-forced by continuing from the same prefix)."""
+    from megarl.rollout.segmented import generate_in_segments, started_on
+
+    actor = HFActorStandIn.create(tiny_llama_config(initializer_range=0.3), seed=0)
+    engine = HFRolloutEngine(actor.export_config(tmp_path / "cfg"))  # the config's eos: some stop early
+    v0, m0 = actor.commit(0)
+    engine.load_weights(v0, iter_buckets(actor.named_tensors(), BUCKET), m0)
+    engine.activate(v0)
+    whole = engine.generate(PROMPTS, GREEDY)
+    parts = generate_in_segments(engine, PROMPTS, GREEDY, segment_tokens=3)
+    for a, b in zip(whole, parts):
+        assert a.response_ids == b.response_ids and b.token_versions is None and b.policy_version == v0.short_id
+        assert torch.allclose(a.raw_log_probs, b.raw_log_probs, atol=1e-5)
+
+    actor.perturb(scale=0.2, seed=5)
+    v1, m1 = actor.commit(1)
+    switched = []
+
+    def between():  # an in-flight update after the first segment
+        if not switched:
+            engine.load_weights(v1, iter_buckets(actor.named_tensors(), BUCKET), m1)
+            engine.activate(v1)
+            switched.append(True)
+
+    mixed = generate_in_segments(engine, PROMPTS, GREEDY, segment_tokens=3, between=between)
+    fresh = HFRolloutEngine(actor.export_config(tmp_path / "cfg1"))
+    fresh.load_weights(v1, iter_buckets(actor.named_tensors(), BUCKET), m1)
+    fresh.activate(v1)
+    for a, r in zip(whole, mixed):
+        assert len(r.response_ids) > 3, "every response goes on past the first segment"
+        assert r.token_versions == (v0.short_id,) * 3 + (v1.short_id,) * (len(r.response_ids) - 3)
+        assert started_on(r) == v0.short_id and r.policy_version == v1.short_id
+        assert r.response_ids[:3] == a.response_ids[:3]  # v0's segment, then v1 continues it
+        (cont,) = fresh.generate([GenerationRequest(r.request_id, r.prompt_ids + r.response_ids[:3])],
+                                 SamplingParams(temperature=0.0, max_new_tokens=5))
+        assert cont.finish_reason == r.finish_reason
+        assert cont.response_ids == r.response_ids[3:]
+        assert torch.allclose(cont.raw_log_probs, r.raw_log_probs[3:], atol=1e-5)

@@ -215,6 +215,32 @@ def assemble_engine(cfg, tok, config_dir: str, injector) -> EngineParts:
     return EngineParts(placement=placement, engine=engine, pad_id=pad, sync_dtype=sync_dtype)
 
 
+def serve_rollout_rank(cfg, world) -> dict:
+    """A rollout rank's whole job in split placement: build the engine the trainer names and
+    execute its commands until it says stop.  With ``rollout.agent.env`` the sessions run here,
+    next to the engine: each generate command answers whole trajectories."""
+    from megarl.control.placement import Placement, create_engine
+    from megarl.rollout.remote import RolloutService
+    from megarl.runtime.distributed import device
+
+    def make_engine(config_dir, eos, pad):
+        return create_engine(cfg, Placement(num_groups=1, group_index=0, is_group_leader=True), config_dir, eos, pad)
+
+    make_generator = None
+    if cfg.rollout.agent.env:
+        from megarl.data.tokenizer import TokenizerContract
+
+        template = open(cfg.model.chat_template).read() if cfg.model.chat_template else None
+        tok = TokenizerContract.from_pretrained(cfg.model.tokenizer or cfg.model.path, chat_template=template)
+
+        def make_generator(engine):
+            return agent_engine(cfg, tok, engine)[0]
+
+    return RolloutService(world, make_engine, device=device(), kill_at_load=cfg.faults.kill_rollout_at_load,
+                          segment_tokens=cfg.async_rl.segment_tokens, segment_delay_s=cfg.faults.rollout_segment_delay_s,
+                          make_generator=make_generator).serve()
+
+
 def wire_components(cfg, parts: Parts, eng: EngineParts, *, sm, progress, run_dir: str, run_id: str, dp: int,
                     rank0: bool, ckpt_root: str) -> Components:
     """The phase components of the iteration over the built parts: publication, production
@@ -243,7 +269,10 @@ def wire_components(cfg, parts: Parts, eng: EngineParts, *, sm, progress, run_di
     if agentic:  # a second rollout producer: every candidate a session with the environment
         from megarl.control.production import AgentRolloutProducer
 
-        rollout_engine, report = agent_engine(cfg, parts.tok, eng.engine)
+        split = cfg.placement.mode == "split"  # the sessions run on the rollout ranks (serve_rollout_rank)
+        rollout_engine, report = agent_engine(cfg, parts.tok, None if split else eng.engine)
+        if split:
+            rollout_engine = eng.engine
         if rank0:
             print(f"rollout.agent.env={cfg.rollout.agent.env}: chat template {report.rule}", flush=True)
 
@@ -258,9 +287,9 @@ def wire_components(cfg, parts: Parts, eng: EngineParts, *, sm, progress, run_di
         scorer=episode_scorer(cfg, parts.tok, counters, quarantine, rank0) if agentic else scorer(True), sm=sm,
         counters=counters, run_id=run_id, quarantine_path=quarantine)
     if cfg.async_rl.max_staleness > 0:  # generation runs ahead on the rollout ranks, within the bound
-        from megarl.control.production import AsyncGroupRolloutProducer
+        from megarl.control.production import AsyncAgentRolloutProducer, AsyncGroupRolloutProducer
 
-        producer = AsyncGroupRolloutProducer(cfg, **producer_kwargs)
+        producer = (AsyncAgentRolloutProducer if agentic else AsyncGroupRolloutProducer)(cfg, **producer_kwargs)
     else:
         producer = (AgentRolloutProducer if agentic else GroupRolloutProducer)(cfg, **producer_kwargs)
     preparer = ExperiencePreparer(

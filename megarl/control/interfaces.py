@@ -40,6 +40,9 @@ class Sample:
     #: an agent session's trajectory (``megarl.rollout.agent.Trajectory``: per-token sources, turns,
     #: versions; the environment's reward components and status); None for a single-turn sample
     episode: object = None
+    #: a response generated across versions (an in-flight weight update mid-response): each
+    #: response token's version; ``policy_version`` is then the last's.  None: all one version
+    token_versions: Optional[tuple] = None
 
 
 @dataclass

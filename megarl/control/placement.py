@@ -90,18 +90,6 @@ def create_remote_engine(world, config_dir: str, eos_token_ids: Sequence[int], p
                                 "pad_token_id": int(pad_token_id)}, device=device())
 
 
-def serve_rollout_rank(cfg, world) -> dict:
-    """A rollout rank's whole job in split placement: build the engine the trainer names and
-    execute its commands until it says stop."""
-    from megarl.rollout.remote import RolloutService
-    from megarl.runtime.distributed import device
-
-    def make_engine(config_dir, eos, pad):
-        return create_engine(cfg, Placement(num_groups=1, group_index=0, is_group_leader=True), config_dir, eos, pad)
-
-    return RolloutService(world, make_engine, device=device(), kill_at_load=cfg.faults.kill_rollout_at_load).serve()
-
-
 def shares(n: int, parts: int) -> List[slice]:
     base, extra = divmod(n, parts)
     out, start = [], 0

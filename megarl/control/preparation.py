@@ -93,6 +93,15 @@ class ExperiencePreparer:
                                      [s.raw_log_probs for s in samples], [t.source for t in ep], [t.turn for t in ep],
                                      [t.token_versions for t in ep], self.pad_id, routing=routing, version=v,
                                      sample_versions=[s.policy_version for s in samples])
+        elif any(s.token_versions is not None for s in samples):
+            # responses that span versions (in-flight weight updates): every token keeps its own
+            # version in the record's token origins, all of them policy tokens of one turn
+            c = collate_trajectories([s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                                     [s.raw_log_probs for s in samples], [[1] * len(s.response_ids) for s in samples],
+                                     [[0] * len(s.response_ids) for s in samples],
+                                     [s.token_versions or (s.policy_version,) * len(s.response_ids) for s in samples],
+                                     self.pad_id, routing=routing, version=v,
+                                     sample_versions=[s.policy_version for s in samples])
         else:
             c = collate([s.prompt_ids for s in samples], [s.response_ids for s in samples],
                         [s.raw_log_probs for s in samples], self.pad_id, routing=routing, version=v,

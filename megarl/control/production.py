@@ -26,6 +26,7 @@ from megarl.experience.groups import CandidateStatus, GroupBuffer, GroupPolicy
 from megarl.experience.schema import FinishReason, RewardStatus
 from megarl.metrics import StageTimer
 from megarl.rollout.protocol import GenerationRequest, SamplingParams
+from megarl.rollout.segmented import started_on
 from megarl.runtime.data_parallel import all_ranks_agree
 from megarl.versions import PolicyVersion
 
@@ -127,8 +128,8 @@ class GroupRolloutProducer:
 
     def _draw_round(self, k: int, rnd: int, v: str):
         """Round ``rnd`` of iteration ``k``: ``(the version its groups are generated on, the
-        prompts, a ticket of generation already submitted for them or None)``.  Here: B prompts
-        drawn now, generated now on ``v``."""
+        prompts, the generation already submitted for them or None)``.  Here: B prompts drawn
+        now, generated now on ``v``."""
         B = self.cfg.trainer.prompts_per_iteration
         return v, [self.train_data.records[i] for i in self.sampler.next_indices(B)], None
 
@@ -151,15 +152,15 @@ class GroupRolloutProducer:
         earlier call's request is counted and ignored.  A regeneration keeps the candidate's
         seed and policy version; if the engine no longer serves that version, the candidate
         fails (its group is then handled as incomplete), never filled from another version.
-        ``ahead``: the ticket of the first attempt, submitted earlier (its results are collected,
-        not generated again)."""
+        ``ahead``: the first attempt, submitted earlier (an object whose ``ticket`` the engine's
+        holder collects; its results are not generated again)."""
         G = self.cfg.rollout.n
         while requests:
             errors: list = []
             t0 = time.perf_counter()
             with timer.stage("generate", requests=len(requests), samples=sum(len(q.candidates(G)) for q in requests)):
-                if ahead is not None:
-                    results, ahead = collect_everywhere(self.engine, self.placement, ahead, errors), None
+                if ahead is not None:  # (every rank has it; only the engine's holder has a ticket)
+                    results, ahead = collect_everywhere(self.engine, self.placement, ahead.ticket, errors), None
                 else:
                     results = generate_everywhere(self.engine, self.placement, requests, sampling, errors)
             timing["generate"] += time.perf_counter() - t0
@@ -170,8 +171,9 @@ class GroupRolloutProducer:
             fresh, extra, seen = [], [], set()
             for r in results:
                 key = (f"{r.request_id}/c{r.candidate_index:02d}", r.attempt)
-                # a result of another version is not the candidate's: it stays lost (regenerated on v)
-                if key in expected and key not in seen and r.policy_version == v:
+                # a result of another version is not the candidate's: it stays lost (regenerated on v);
+                # a response a newer version finished mid-way (in-flight update) started on v
+                if key in expected and key not in seen and started_on(r) == v:
                     seen.add(key)
                     fresh.append(r)
                 else:
@@ -181,7 +183,7 @@ class GroupRolloutProducer:
                               prompt_ids=r.prompt_ids, response_ids=r.response_ids, raw_log_probs=r.raw_log_probs,
                               finish_reason=r.finish_reason, policy_version=r.policy_version, seed=r.seed,
                               prompt=by_group[r.request_id], routed_experts=r.routed_experts,
-                              episode=r.episode) for r in fresh]
+                              episode=r.episode, token_versions=r.token_versions) for r in fresh]
             m["rollout/samples"] += len(samples)
             finished = [s for s in samples if s.finish_reason is not FinishReason.ABORT]
             t0 = time.perf_counter()
@@ -200,7 +202,7 @@ class GroupRolloutProducer:
                 else:
                     status, reason = CandidateStatus.OK, ""
                 retry_reqs.append(buffer.report(group_id=s.group_id, prompt_id=s.prompt_id, sample_id=s.sample_id,
-                                                policy_version=s.policy_version, attempt=r.attempt, status=status,
+                                                policy_version=started_on(r), attempt=r.attempt, status=status,
                                                 payload=s, reason=reason))
             for (sid, attempt), q in expected.items():
                 if (sid, attempt) not in seen:  # lost: the engine never answered for it
@@ -214,7 +216,7 @@ class GroupRolloutProducer:
                     self.counters["results_ignored"] += 1
                     continue
                 buffer.report(group_id=r.request_id, prompt_id=by_group[r.request_id].prompt_id,
-                              sample_id=f"{r.request_id}/c{r.candidate_index:02d}", policy_version=r.policy_version,
+                              sample_id=f"{r.request_id}/c{r.candidate_index:02d}", policy_version=started_on(r),
                               attempt=r.attempt, status=CandidateStatus.OK, payload=None)
             by_req: Dict[tuple, List[int]] = {}
             for rr in (x for x in retry_reqs if x is not None):
@@ -285,7 +287,7 @@ class AsyncGroupRolloutProducer(GroupRolloutProducer):
     def _draw_round(self, k: int, rnd: int, v: str):
         if rnd == 0:
             a = self.ahead.pop(k)
-            return a.version, [self.train_data.records[i] for i in a.indices], a.ticket
+            return a.version, [self.train_data.records[i] for i in a.indices], a
         return super()._draw_round(k, rnd, v)
 
     def produce(self, k: int, version: PolicyVersion, timer: StageTimer) -> ProducedRollout:
@@ -304,6 +306,10 @@ class AsyncGroupRolloutProducer(GroupRolloutProducer):
         stats = getattr(self.engine, "stats", {})
         busy = stats.get("generate_s", 0.0) - stats0.get("generate_s", 0.0)
         idle = stats.get("idle_s", 0.0) - stats0.get("idle_s", 0.0)
+        # responses that a version published mid-generation finished (async_rl.segment_tokens)
+        m["rollout/mixed_version_share"] = sum(s.token_versions is not None for s in out.samples) / len(out.samples)
+        if "inflight_activations" in stats:
+            m["async/inflight_activations"] = stats["inflight_activations"] - stats0.get("inflight_activations", 0.0)
         if busy + idle > 0:  # the rollout ranks' own account since the last batch (rank 0 writes metrics)
             m["async/idle_share/rollout"] = idle / (busy + idle + stats.get("load_s", 0.0) - stats0.get("load_s", 0.0))
         self._last_produce = now
@@ -339,6 +345,12 @@ class AgentRolloutProducer(GroupRolloutProducer):
 
     def _observe(self, samples: List[Sample]) -> None:
         self._episodes.extend(s.episode for s in samples)
+
+
+class AsyncAgentRolloutProducer(AsyncGroupRolloutProducer, AgentRolloutProducer):
+    """Agent sessions admitted up to eta steps ahead: the asynchronous producer's admission and
+    bound, the agent producer's trajectories and metrics (the sessions run on the rollout ranks,
+    each trajectory whole on the version its batch started on)."""
 
 
 #: finish reasons of a trajectory the limits cut (bootstrapped, not terminal): the token budget,

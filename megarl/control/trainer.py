@@ -109,8 +109,12 @@ class Trainer:
     def close(self) -> None:
         """Stop what the run started outside this process (split placement: the rollout ranks)."""
         close = getattr(self.engine, "close", None)
-        if close is not None:
+        if close is None:
+            return
+        try:
             close()
+        except Exception as e:  # noqa: BLE001 -- the run is ending; never hide why it ended
+            print(f"closing the rollout ranks: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
     @property
     def counters(self) -> Counter:

@@ -206,9 +206,16 @@ class GenerationResult:
     #: ``response_ids`` is every token after the prompt, policy and environment ones interleaved,
     #: ``raw_log_probs`` 0.0 on the environment's, and ``policy_version`` its last policy token's
     episode: Any = field(default=None, compare=False)
+    #: a response generated across versions (``megarl.rollout.segmented``: an in-flight weight
+    #: update between two segments): the version of every response token, oldest first; then
+    #: ``policy_version`` is the last token's.  None: every token is ``policy_version``'s
+    token_versions: tuple[str, ...] | None = None
 
     def __post_init__(self):
         n = len(self.response_ids)
+        if self.token_versions is not None and len(self.token_versions) != n:
+            raise ValueError(f"{self.request_id}/{self.candidate_index}: {len(self.token_versions)} token versions "
+                             f"for {n} response tokens")
         if self.routed_experts is not None:
             rows = len(self.prompt_ids) + n - 1
             if not isinstance(self.routed_experts, SampleRouting):

@@ -37,6 +37,7 @@ from megarl.rollout.protocol import (
     RolloutError,
     SamplingParams,
 )
+from megarl.rollout.segmented import generate_in_segments
 from megarl.rollout.weight_stream import ManifestMismatchError, TensorManifest
 from megarl.runtime.split import PeerLostError, SplitWorld
 from megarl.versions import PolicyVersion
@@ -69,10 +70,10 @@ def _broadcast(world: SplitWorld, t: torch.Tensor, what: str) -> None:
 
 
 class Ticket:
-    """Requests submitted ahead: which rollout ranks got a share, in what order."""
+    """Requests submitted ahead: their job number and the rollout ranks that got a share."""
 
-    def __init__(self, job: int, ranks: Tuple[int, ...], submitted_at: float):
-        self.job, self.ranks, self.submitted_at = job, ranks, submitted_at
+    def __init__(self, job: int, ranks: Tuple[int, ...]):
+        self.job, self.ranks = job, ranks
 
 
 class RemoteEngine:
@@ -88,6 +89,7 @@ class RemoteEngine:
         self.device = device
         self._active: Optional[PolicyVersion] = None
         self._job = 0
+        self.lost: Optional[str] = None  # why a rollout rank was named lost (then close() waits for none)
         self._done: Dict[int, Dict[int, tuple]] = defaultdict(dict)  # job -> rollout rank -> reply
         self._totals: Dict[int, Dict[str, float]] = {}  # rollout rank -> its cumulative seconds, as last reported
         for box in self.to:
@@ -98,12 +100,19 @@ class RemoteEngine:
 
     # ---- the reply stream ---------------------------------------------------------------------
 
+    def _recv(self, i: int, what: str) -> tuple:
+        try:
+            return self.back[i].recv(what=what)
+        except PeerLostError as e:
+            self.lost = str(e)
+            raise
+
     def _expect(self, i: int, kind, what: str) -> tuple:
         """The next reply of rollout rank ``i`` of ``kind`` (generate replies met on the way are
         kept for :meth:`collect`)."""
         kinds = (kind,) if isinstance(kind, str) else tuple(kind)
         while True:
-            msg = self.back[i].recv(what=f"{what} from rollout rank {i}")
+            msg = self._recv(i, f"{what} from rollout rank {i}")
             if msg[0] in ("results", "gen_failed"):
                 self._done[msg[1]][i] = msg
                 continue
@@ -128,13 +137,17 @@ class RemoteEngine:
             box.send(("load", version, expected_manifest.to_dict()))
         for i in range(self.n):  # each service reaches the load after the commands sent before it
             self._expect(i, "receiving", f"the start of loading {version.short_id}")
-        for bucket in named_tensor_buckets:
-            meta = [(name, tuple(t.shape), str(t.dtype)) for name, t in bucket]
+        try:
+            self._stream(version, named_tensor_buckets)
+        except PeerLostError as e:
+            self.lost = str(e)
+            raise
+        except BaseException:  # the trainer's own stream failed: end the load so the services stay in step
             for box in self.to:
-                box.send(("bucket", meta))
-            for dt, idx in _by_dtype(meta).items():
-                flat = torch.cat([bucket[j][1].reshape(-1) for j in idx]).to(self.device)
-                _broadcast(self.world, flat, f"sending {version.short_id}")
+                box.send(("end",))
+            for i in range(self.n):
+                self._expect(i, ("loaded", "load_failed"), f"the end of the abandoned load of {version.short_id}")
+            raise
         for box in self.to:
             box.send(("end",))
         replies = [self._expect(i, ("loaded", "load_failed"), f"the check of {version.short_id}") for i in range(self.n)]
@@ -145,6 +158,16 @@ class RemoteEngine:
         rep = replies[0][1]
         return LoadReport(version_id=rep.version_id, manifest_hash=rep.manifest_hash, num_tensors=rep.num_tensors,
                           num_bytes=rep.num_bytes, num_buckets=rep.num_buckets, seconds=time.perf_counter() - t0)
+
+    def _stream(self, version: PolicyVersion, named_tensor_buckets) -> None:
+        for bucket in named_tensor_buckets:
+            meta = [(name, tuple(t.shape), str(t.dtype)) for name, t in bucket]
+            flats = [torch.cat([bucket[j][1].reshape(-1) for j in idx]).to(self.device)
+                     for idx in _by_dtype(meta).values()]  # built before the meta is sent: a failure leaves no half bucket
+            for box in self.to:
+                box.send(("bucket", meta))
+            for flat in flats:
+                _broadcast(self.world, flat, f"sending {version.short_id}")
 
     def activate(self, version: PolicyVersion) -> ActivationReport:
         """Every rollout engine activates ``version``; every command sent from now on runs on it."""
@@ -162,9 +185,12 @@ class RemoteEngine:
                                                       for r in reports),
                                 cache_flushed=all(r.cache_flushed for r in reports))
 
-    def submit(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> Ticket:
+    def submit(self, requests: Sequence[GenerationRequest], sampling: SamplingParams, segmented: bool = True) -> Ticket:
         """Send ``requests`` (contiguous, near-equal shares over the rollout ranks) and return at
-        once; :meth:`collect` waits for their results."""
+        once; :meth:`collect` waits for their results.  ``segmented``: the rollout ranks may
+        apply a version published while they generate these (in segments, when configured);
+        :meth:`generate` (evaluation, regeneration, the synchronous loop) asks for whole
+        responses on the version active when they start."""
         self._job += 1
         ranks = []
         base, extra = divmod(len(requests), self.n)
@@ -172,10 +198,10 @@ class RemoteEngine:
         for i in range(self.n):
             k = base + (1 if i < extra else 0)
             if k:
-                self.to[i].send(("generate", self._job, list(requests[start:start + k]), sampling))
+                self.to[i].send(("generate", self._job, list(requests[start:start + k]), sampling, segmented))
                 ranks.append(i)
             start += k
-        return Ticket(self._job, tuple(ranks), time.perf_counter())
+        return Ticket(self._job, tuple(ranks))
 
     def ready(self, ticket: Ticket) -> bool:
         """Whether every share of ``ticket`` has answered (reads what has arrived, waits for nothing)."""
@@ -192,7 +218,7 @@ class RemoteEngine:
         A share whose engine failed raises :class:`RolloutError` after every share answered."""
         for i in ticket.ranks:
             while i not in self._done.get(ticket.job, {}):
-                msg = self.back[i].recv(what=f"the results of job {ticket.job} from rollout rank {i}")
+                msg = self._recv(i, f"the results of job {ticket.job} from rollout rank {i}")
                 if msg[0] not in ("results", "gen_failed"):
                     raise RolloutError(f"rollout rank {i} answered {msg[0]!r} with no command waiting for it")
                 self._done[msg[1]][i] = msg
@@ -204,7 +230,8 @@ class RemoteEngine:
                 failed.append(f"rollout rank {i}: {msg[2]}")
                 continue
             out.extend(msg[2])
-            self._totals[i] = msg[3]
+            if msg[3]["jobs"] >= self._totals.get(i, {}).get("jobs", -1):  # collected out of order: keep the latest
+                self._totals[i] = msg[3]
         if failed:
             raise RolloutError("; ".join(failed))
         return out
@@ -221,7 +248,7 @@ class RemoteEngine:
         return dict(out)
 
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> List[GenerationResult]:
-        return self.collect(self.submit(requests, sampling))
+        return self.collect(self.submit(requests, sampling, segmented=False))
 
     def flush_cache(self) -> None:
         """Each engine flushes at its own activation (it holds the only KV state)."""
@@ -233,9 +260,12 @@ class RemoteEngine:
         pass
 
     def close(self) -> None:
-        """Stop every service (after the commands already sent) and wait for each to say so."""
+        """Stop every service (after the commands already sent) and wait for each to say so --
+        unless one was named lost already (the job is ending on that error; nothing to wait for)."""
         for box in self.to:
             box.send(("stop",))
+        if self.lost is not None:
+            return
         for i in range(self.n):
             try:
                 self._expect(i, "stopped", "the end of the service")
@@ -245,22 +275,28 @@ class RemoteEngine:
 
 class RolloutService:
     """The loop of a rollout rank (see the module docstring).  ``make_engine(config_dir, eos,
-    pad)`` builds the engine named by the trainer's hello; ``kill_at_load`` (a fault drill:
+    pad)`` builds the engine named by the trainer's hello; ``make_generator(engine)``, when given,
+    what answers generate commands over it (agent sessions); ``kill_at_load`` (a fault drill:
     ``faults.kill_rollout_at_load``) kills this process with SIGKILL while it receives the
     weights of that optimizer step."""
 
     def __init__(self, world: SplitWorld, make_engine: Callable, device: torch.device,
-                 kill_at_load: Optional[int] = None):
+                 kill_at_load: Optional[int] = None, segment_tokens: int = 0, segment_delay_s: float = 0.0,
+                 make_generator: Optional[Callable] = None):
         self.world, self.make_engine, self.device, self.kill_at_load = world, make_engine, device, kill_at_load
+        self.make_generator = make_generator  # the engine -> what answers generate commands (agent sessions)
+        self.segment_tokens, self.segment_delay_s = segment_tokens, segment_delay_s
         self.inbox, self.outbox = world.from_trainer(), world.to_trainer()
         self.engine = None
+        self.totals = {"generate_s": 0.0, "idle_s": 0.0, "load_s": 0.0, "jobs": 0.0, "inflight_activations": 0.0}
 
     def serve(self) -> Dict[str, float]:
         hello = self.inbox.recv(what="the trainer's hello")[1]
         self.engine = self.make_engine(hello["config_dir"], hello["eos_token_ids"], hello["pad_token_id"])
+        generator = self.make_generator(self.engine) if self.make_generator is not None else self.engine
         self.outbox.send(("ready", {"dtype": str(self.engine.dtype).removeprefix("torch."),
                                     "log_prob_spaces": getattr(self.engine, "log_prob_spaces", None)}))
-        totals = {"generate_s": 0.0, "idle_s": 0.0, "load_s": 0.0, "jobs": 0.0}
+        totals = self.totals
         idle_from = time.perf_counter()
         while True:
             msg = self.inbox.recv(what="the trainer's next command")
@@ -270,18 +306,14 @@ class RolloutService:
             if kind == "stop":
                 self.outbox.send(("stopped", totals))
                 return totals
-            if kind == "load":
-                self._load(msg[1], TensorManifest.from_dict(msg[2]))
-                totals["load_s"] += time.perf_counter() - now
-            elif kind == "activate":
-                try:
-                    self.outbox.send(("activated", self.engine.activate(msg[1])))
-                except RolloutError as e:
-                    self.outbox.send(("activate_failed", f"{type(e).__name__}: {e}"))
+            if kind in ("load", "activate"):
+                self._version_command(msg)
             elif kind == "generate":
-                _, job, requests, sampling = msg
+                _, job, requests, sampling, segmented = msg
                 try:
-                    results = self.engine.generate(requests, sampling)
+                    results = generate_in_segments(generator, requests, sampling,
+                                                   self.segment_tokens if segmented else 0,
+                                                   between=self._between_segments)
                 except RolloutError as e:
                     self.outbox.send(("gen_failed", job, f"{type(e).__name__}: {e}"))
                 else:
@@ -291,6 +323,30 @@ class RolloutService:
             else:
                 raise RolloutError(f"rollout rank {self.world.rollout_index}: unknown command {kind!r}")
             idle_from = time.perf_counter()
+
+    def _version_command(self, msg: tuple) -> None:
+        t0 = time.perf_counter()
+        if msg[0] == "load":
+            self._load(msg[1], TensorManifest.from_dict(msg[2]))
+        else:
+            try:
+                self.outbox.send(("activated", self.engine.activate(msg[1])))
+            except RolloutError as e:
+                self.outbox.send(("activate_failed", f"{type(e).__name__}: {e}"))
+        self.totals["load_s"] += time.perf_counter() - t0
+
+    def _between_segments(self) -> None:
+        """An in-flight weight update: a load or activation the trainer sent while this rank
+        generates is applied now, if it is the next command (a generate command sent before it
+        keeps its place, so every batch starts on the version it was submitted after).  The
+        engine is idle between segments, so its flush at activation always succeeds."""
+        if self.segment_delay_s:
+            time.sleep(self.segment_delay_s)  # faults.rollout_segment_delay_s: a straggler
+        while self.inbox.ready() and self.inbox.peek()[0] in ("load", "activate"):
+            msg = self.inbox.recv()
+            self._version_command(msg)
+            if msg[0] == "activate":
+                self.totals["inflight_activations"] += 1
 
     def _buckets(self, version: PolicyVersion):
         """The buckets the trainer streams, as they arrive (every one is received, even after the

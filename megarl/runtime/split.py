@@ -91,18 +91,32 @@ class Mailbox:
     def __init__(self, store, name: str, alive: Optional[Callable[[], Optional[str]]] = None):
         self.store, self.name, self.alive = store, name, alive
         self.sent = self.received = 0
+        self._peeked: Any = None
+        self._has_peeked = False
 
     def send(self, obj: Any) -> None:
         self.store.set(f"{self.name}/{self.sent}", pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
         self.sent += 1
 
     def ready(self) -> bool:
-        return self.store.check([f"{self.name}/{self.received}"])
+        return self._has_peeked or self.store.check([f"{self.name}/{self.received}"])
+
+    def peek(self) -> Any:
+        """The next message without taking it (call only when :meth:`ready`)."""
+        if not self._has_peeked:
+            self._peeked = pickle.loads(self.store.get(f"{self.name}/{self.received}"))
+            self._has_peeked = True
+        return self._peeked
 
     def recv(self, timeout_s: Optional[float] = None, what: str = "a message") -> Any:
         """The next message.  Blocks while the peer is alive (and, when given, for at most
         ``timeout_s``)."""
         key = f"{self.name}/{self.received}"
+        if self._has_peeked:
+            obj, self._peeked, self._has_peeked = self._peeked, None, False
+            self.store.delete_key(key)
+            self.received += 1
+            return obj
         t0, pause = time.monotonic(), 0.0005
         while not self.store.check([key]):
             lost = self.alive() if self.alive is not None else None
