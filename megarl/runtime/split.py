@@ -125,7 +125,7 @@ class Mailbox:
             if timeout_s is not None and time.monotonic() - t0 > timeout_s:
                 raise PeerLostError(f"waiting for {what} on {self.name}: nothing after {timeout_s:.0f}s")
             time.sleep(pause)
-            pause = min(pause * 2, 0.02)
+            pause = min(pause * 2, 0.005)  # a reply is waited on several times an iteration: keep latency low
         data = self.store.get(key)
         self.store.delete_key(key)
         self.received += 1
