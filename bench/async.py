@@ -44,7 +44,8 @@ TRL also: each run's wall-clock to TRL's final accuracy, and TRL's own to it.
 
 The issue's goals: >= 1.6x less wall-clock to target than synchronous on the same 2 processes,
 and TRL's accuracy in less wall-clock than TRL.  Written to ``--out``: ``async.json`` (every
-number and curve), ``async.png`` (accuracy vs wall-clock, one line per run, the target dotted)
+number and curve, with each megarl run's median seconds per stage), ``async.png`` (accuracy
+vs wall-clock, one line per run, the target dotted; right: the mean of the last 3 evaluations)
 and ``runs/`` (each run's metrics.jsonl and exports; TRL's checkpoints).  The machine is a
 shared VM: the JSON records the load average and the CPU time of other processes during each
 run (``others_cpu_share``: their CPU seconds over the run's wall seconds, in cores).
@@ -183,7 +184,10 @@ def megarl_curve(rows: List[dict]) -> dict:
             points.append((int(r["eval/policy_version_step"]), r["eval/accuracy"]))
     curve = [{"iteration": v, "clock_s": committed[v], "accuracy": a} for v, a in points]
     iters = len(rows)
+    stages = sorted({k for r in rows for k in r if k.startswith("e2e/stage_s/") and k != "e2e/stage_s/eval"})
     return {"curve": curve, "train_s": committed[iters], "eval_s": eval_s, "iterations": iters,
+            "median_stage_s": {k.rsplit("/", 1)[1]: statistics.median(r.get(k, 0.0) for r in rows[1:] or rows)
+                               for k in stages},
             "s_per_iter": committed[iters] / iters,
             "median_iteration_s": statistics.median(r["e2e/iteration_s"] - r.get("e2e/stage_s/eval", 0.0)
                                                     for r in rows[1:] or rows)}
@@ -379,19 +383,23 @@ def plot(res: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8.5, 4.6))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
     styles = {"sync hybrid": ("k", "-"), "sync split": ("gray", "-"), "TRL": ("C3", "--")}
-    for i, r in enumerate(res["runs"]):
-        color, ls = styles.get(r["name"], (f"C{i - 2}", "-"))
-        ax.plot([p["clock_s"] for p in r["curve"]], [p["accuracy"] for p in r["curve"]], ls, color=color,
-                marker=".", label=f"{r['name']} ({_f(r['to_target_s'], '{:.0f} s', 'not reached')})")
-    ax.axhline(res["target"], color="C2", ls=":", label=f"target {res['target']:.3f}")
-    ax.set_xlabel("wall-clock seconds (training only: evaluation and start-up excluded)")
-    ax.set_ylabel("held-out greedy accuracy (n=200)")
-    ax.set_title(f"GRPO tiny arithmetic, 2 CPU processes, {res['iterations']} iterations: accuracy vs wall-clock",
-                 fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    for smooth, ax in zip((1, 3), axes):
+        for i, r in enumerate(res["runs"]):
+            color, ls = styles.get(r["name"], (f"C{i - 2}", "-"))
+            accs = [p["accuracy"] for p in r["curve"]]
+            accs = [statistics.mean(accs[max(0, j - smooth + 1):j + 1]) for j in range(len(accs))]
+            ax.plot([p["clock_s"] for p in r["curve"]], accs, ls, color=color, marker="." if smooth == 1 else None,
+                    label=f"{r['name']} ({_f(r['to_target_s'], '{:.0f} s', 'not reached')})")
+        ax.axhline(res["target"], color="C2", ls=":", label=f"target {res['target']:.3f}")
+        ax.set_xlabel("wall-clock seconds (training only: evaluation and start-up excluded)")
+        ax.set_title("each evaluation" if smooth == 1 else f"mean of the last {smooth} evaluations", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("held-out greedy accuracy (n=200)")
+    axes[0].legend(fontsize=8, loc="lower right")
+    fig.suptitle(f"GRPO tiny arithmetic, 2 CPU processes, {res['iterations']} iterations: accuracy vs wall-clock "
+                 "(legend: wall-clock to target)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
