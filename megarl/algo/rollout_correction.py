@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from megarl.algo.aggregation import masked_mean
+from megarl.algo.kl import kl_k3
 from megarl.experience.schema import LogProbs, expect_producer
 from megarl.versions import behaviour_ids, outside_bound
 
@@ -245,9 +246,9 @@ def offpolicy_metrics(old_log_probs: LogProbs, rollout_log_probs: LogProbs, poli
     if n == 0:
         return {}
     d = torch.where(keep, old_log_probs.values - rollout_log_probs.values, 0.0).double()
-    dg = d.clamp(max=_EXP_GUARD)
-    w = torch.exp(dg)
-    k3 = torch.where(keep, torch.expm1(dg) - d, 0.0)
+    w = torch.exp(d.clamp(max=_EXP_GUARD))
+    # k3 of KL(behaviour || proximal): megarl.algo.kl.kl_k3 with the rollout as pi, the proximal as pi_ref
+    k3 = torch.where(keep, kl_k3(rollout_log_probs.values.double(), old_log_probs.values.double()), 0.0)
     wk = w[keep]
     m = {"kl_k1": float(d[keep].mean()), "kl_k3": float(k3[keep].mean()),
          "ess": float(wk.sum() ** 2 / (n * (wk * wk).sum()))}

@@ -17,10 +17,14 @@ engine's :class:`~megarl.rollout.weight_stream.ManifestMismatchError`, so the pu
 path is unchanged.  Every wait is bounded: by the other side's heartbeat (a lost process is a
 :class:`~megarl.runtime.split.PeerLostError`, never a hang) and, for the bridge collectives, by
 ``placement.timeout_s``.
+
+Run on CPU only (gloo, the hf engine): SGLang on a rollout rank and the NCCL bridge are written
+for the same protocol and have never run (no GPU was lent).
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import time
@@ -60,8 +64,6 @@ def _by_dtype(meta: Sequence[tuple]) -> Dict[str, List[int]]:
 
 
 def _broadcast(world: SplitWorld, t: torch.Tensor, what: str) -> None:
-    import datetime
-
     try:
         world.bridge.broadcast(t, 0, datetime.timedelta(seconds=world.timeout_s)).wait()
     except RuntimeError as e:  # a closed connection or the timeout: the other side is gone
