@@ -1,9 +1,18 @@
 """reward.fn: code_exec -- the program failing is a score with its reason, the sandbox failing a
 status; hostile programs (loops, fork / memory bombs, writes outside the box, reading the
-trainer's environment) are contained and leave nothing behind."""
+trainer's environment) are contained and leave nothing behind; the program's clock counts the
+program, start-up has its own bound.
 
+The isolation tests assert what this machine (and CI: Linux, root, namespaces) provides; where a
+step is missing they skip saying so, they never pass without checking."""
+
+import json
 import os
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 
 import psutil
@@ -29,23 +38,66 @@ def sample(program: str, fenced: bool = True, **gt) -> RewardSample:
 def sandbox_pids() -> set[int]:
     me = psutil.Process()
     kids = {p.pid for p in me.children(recursive=True)}
-    try:
-        nobody = {p.pid for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real == 65534}
-    except psutil.Error:
-        nobody = set()
+    # uids is None for a process that vanished mid-iteration (or one psutil may not read)
+    nobody = {p.pid for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real == 65534}
     return kids | nobody
 
 
 @pytest.fixture
-def fn(monkeypatch):
-    monkeypatch.setenv("MEGARL_TEST_TRAINER_SECRET", SECRET)
+def no_leftovers():
     before = sandbox_pids()
-    f = build_reward_function("code_exec", {"timeout_s": 2.0, "memory_mb": 256, "max_procs": 16})
-    yield f
+    yield
     deadline = time.monotonic() + 3.0  # an orphaned zombie is reaped by init shortly
     while (left := sandbox_pids() - before) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not left, f"sandbox processes left behind: {left}"
+
+
+@pytest.fixture
+def fn(monkeypatch, no_leftovers):
+    monkeypatch.setenv("MEGARL_TEST_TRAINER_SECRET", SECRET)
+    return build_reward_function("code_exec", {"timeout_s": 2.0, "memory_mb": 256, "max_procs": 16})
+
+
+def require(f: CodeExec, step: str, what: str) -> None:
+    """Skip, naming what is untested, unless isolation ``step`` took effect on ``f``'s last run."""
+    if f.metrics().get(f"isolation/{step}") != 1.0:
+        pytest.skip(f"no {step} on this machine (needs root or CAP_SYS_ADMIN): {what} is not tested")
+
+
+def slow_interpreter(directory: str, delay_s: float, real: str) -> str:
+    """An executable that sleeps ``delay_s`` and then execs ``real`` with its arguments: start-up
+    made slow deterministically (a loaded machine, minus the load)."""
+    path = os.path.join(directory, "slow-python")
+    with open(path, "w") as f:
+        f.write(f'#!/bin/sh\nsleep {delay_s}\nexec {real} "$@"\n')
+    os.chmod(path, 0o755)
+    return path
+
+
+@pytest.fixture
+def shared_dir():
+    """A directory outside any home that the sandbox user may read (and write), for runs without
+    the mount namespace (which would hide the host's /tmp)."""
+    d = tempfile.mkdtemp(prefix="megarl-test-code-")
+    os.chmod(d, 0o777)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def ticks(stdout: str) -> list[float]:
+    """The monotonic times a tick program printed (a line cut by the kill is not one)."""
+    out = []
+    for line in stdout.splitlines():
+        try:
+            out.append(float(line))
+        except ValueError:
+            pass
+    return out
+
+
+# prints CLOCK_MONOTONIC (the test's clock too) every 20 ms until killed
+TICK = "import time\nwhile True:\n    print(time.monotonic(), flush=True)\n    time.sleep(0.02)\n"
 
 
 def comps(rec):
@@ -103,8 +155,7 @@ def test_fork_bomb_is_contained(fn):
     # children that left the process group (setsid) die with the pid namespace
     escape = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint(3)"
     rec = fn(sample(escape, tests=ADD[:1]))
-    if fn.metrics()["isolation/pidns"] != 1.0:
-        pytest.skip("no pid namespace here: a setsid() child escapes the process-group kill")
+    require(fn, "pidns", "that a setsid() child dies with the program")
     assert rec.total == 1.0
 
 
@@ -124,34 +175,45 @@ def test_writes_outside_the_box_are_contained(fn, tmp_path):
     prog = (f"open({host_tmp!r}, 'w').write('x')\n"   # a private tmpfs (or denied): never the host's /tmp
             "open('inside.txt', 'w').write('ok')\n"      # its own box is writable
             f"open({repo_file!r}, 'w').write('x')\n")    # the repo is not (PermissionError)
-    rec = fn(sample(prog, tests=[{"input": "", "output": ""}]))
-    assert rec.total == 0.0 and comps(rec)["fail/runtime_error"] == 1.0
-    assert not os.path.exists(repo_file)
-    if fn.metrics().get("isolation/tmpfs") == 1.0:
+    try:
+        rec = fn(sample(prog, tests=[{"input": "", "output": ""}]))
+        assert rec.total == 0.0 and comps(rec)["fail/runtime_error"] == 1.0
+        assert not os.path.exists(repo_file)
+        # a file past RLIMIT_FSIZE
+        f = CodeExec(timeout_s=2.0, max_file_bytes=1 << 16)
+        rec = f(sample("open('big', 'wb').write(b'x' * (1 << 20))", tests=[{"input": "", "output": ""}]))
+        assert rec.total == 0.0 and rec.components["fail/output_limit"] == 1.0
+        require(fn, "tmpfs", "that the host's /tmp stays untouched")
         assert not os.path.exists(host_tmp)
-    # a file past RLIMIT_FSIZE
-    f = CodeExec(timeout_s=2.0, max_file_bytes=1 << 16)
-    rec = f(sample("open('big', 'wb').write(b'x' * (1 << 20))", tests=[{"input": "", "output": ""}]))
-    assert rec.total == 0.0 and rec.components["fail/output_limit"] == 1.0
+    finally:  # a degraded machine, or a failure: the host is left as it was
+        for p in (repo_file, host_tmp):
+            if os.path.exists(p):
+                os.remove(p)
 
 
-def test_environment_and_network_are_not_inherited(fn):
-    prog = ("import os, socket\nprint(sorted(os.environ.items()))\n"
-            "print(open('/proc/self/environ').read())\n"
-            "socket.create_connection(('127.0.0.1', 22), timeout=1)\n")
-    f = fn
-    run = f._run(prog.replace("```", ""), "")
+def test_environment_is_not_inherited(fn):
+    prog = "import os\nprint(sorted(os.environ.items()))\nprint(open('/proc/self/environ').read())\n"
+    run = fn._run(prog, "")
+    assert run["rc"] == 0, run
     assert SECRET not in run["stdout"] + run["stderr"]
     assert "MEGARL_TEST_TRAINER_SECRET" not in run["stdout"]
     assert "PATH" in run["stdout"]
-    if f.metrics()["isolation/netns"] == 1.0:
-        assert "Network is unreachable" in run["stderr"] or "Connection refused" in run["stderr"], run["stderr"]
-    if os.geteuid() == 0:
-        assert f.metrics()["isolation/user"] == 1.0
-        uid = f._run("import os\nprint(os.getuid(), os.getgid(), os.getgroups())", "")["stdout"]
-        assert uid.split()[:2] == ["65534", "65534"], uid
-    rec = f(sample("import os\nprint(os.environ)", tests=ADD[:1]))
+    rec = fn(sample("import os\nprint(os.environ)", tests=ADD[:1]))
     assert SECRET not in str(rec.to_json())
+
+
+def test_network_is_unreachable(fn):
+    run = fn._run("import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=1)\n", "")
+    require(fn, "netns", "that the program has no network")
+    assert run["rc"] == 1 and ("Network is unreachable" in run["stderr"] or "Connection refused" in run["stderr"]), run
+
+
+def test_program_runs_as_the_sandbox_user(fn):
+    if os.geteuid() != 0:
+        pytest.skip("the trainer is not root: no user drop to test (the program runs as the trainer's user)")
+    run = fn._run("import os\nprint(os.getuid(), os.getgid(), os.getgroups())", "")
+    assert fn.metrics()["isolation/user"] == 1.0
+    assert run["stdout"].split() == ["65534", "65534", "[]"], run
 
 
 def test_sandbox_failure_is_a_status_and_bad_rows_invalid():
@@ -160,6 +222,9 @@ def test_sandbox_failure_is_a_status_and_bad_rows_invalid():
     rec = f(sample("print(3)", tests=ADD))
     assert rec.status is RewardStatus.ERROR and rec.total is None and rec.error.startswith("[sandbox]"), rec
     assert f.metrics()["sandbox_errors"] == 1
+    f.python = "/bin/false"  # an interpreter that never comes up: none of the candidate's code ran
+    rec = f(sample("print(3)", tests=ADD))
+    assert rec.status is RewardStatus.ERROR and "ended before the program started (exit code 1)" in rec.error, rec
     rec = f(sample("print(3)"))
     assert rec.status is RewardStatus.INVALID and rec.total is None
     rec = f(sample("print(3)", tests=[{"input": 1}]))
@@ -192,16 +257,16 @@ def test_degraded_platform_still_limits_and_says_so():
     assert rec.status is RewardStatus.ERROR and "isolation incomplete" in rec.error, rec
 
 
-def test_trainer_death_takes_the_sandbox_along():
+def test_trainer_death_takes_the_sandbox_along(shared_dir):
     """The scoring process is SIGKILLed mid-run (a reward worker killed on its timeout, the trainer
     crashing): the launcher dies with it, the program and everything it forked with the launcher."""
-    import subprocess
-
     code = ("import sys\nsys.path.insert(0, %r)\nfrom megarl.rewards.code_exec import CodeExec\n"
             "c = CodeExec(timeout_s=60)\nprint('start', flush=True)\n"
             "c._run('import os, time\\nos.fork()\\ntime.sleep(1000)', '')\n"
             % os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    # its work directory, which it has no chance to remove, goes where the fixture removes it
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, TMPDIR=shared_dir))
     try:
         assert proc.stdout.readline().strip() == "start"
         deadline = time.monotonic() + 30
@@ -218,3 +283,139 @@ def test_trainer_death_takes_the_sandbox_along():
         time.sleep(0.05)
         alive = [k for k in kids if k.is_running() and k.status() != psutil.STATUS_ZOMBIE]
     assert not alive, alive
+
+
+# --- the program's clock and start-up's bound ----------------------------------------------------
+# Start-up is made slow by wrapping an interpreter in `sleep; exec`: the launcher's (sys.executable
+# while the run is made: the sandbox's whole start-up, namespaces and user drop included, comes
+# after it) or the program's (`python=`: between the launcher's exec and the prelude's report).
+
+def test_slow_startup_is_not_charged_to_the_program(monkeypatch, tmp_path, no_leftovers):
+    """3 s of start-up before a 0.1 s program under timeout_s=2: it passes, and a program that
+    loops still gets its whole timeout_s from its own start and is fail/timeout.  Negative
+    control: with the clock started at the spawn (code_exec/1) the passing program was a
+    sandbox error ("did not start the program within timeout_s") and the looping one never ran.
+    (timeout_s is the other tests' 2 s, not tighter: on a 2-core machine at load 8 a 0.1 s sleep
+    was seen to end 0.6 s after the program's start -- the machine slowing the program itself,
+    which a wall clock cannot tell from the program being slow.)"""
+    f = CodeExec(timeout_s=2.0)
+    delay_s = 3.0
+    monkeypatch.setattr(sys, "executable", slow_interpreter(str(tmp_path), delay_s, sys.executable))
+    t = time.monotonic()
+    rec = f(sample("import time\ntime.sleep(0.1)\na, b = map(int, input().split())\nprint(a + b)", tests=ADD[:1]))
+    assert rec.status is RewardStatus.OK and rec.total == 1.0, rec
+    assert time.monotonic() - t >= delay_s
+    assert f.metrics()["isolation/rlimits"] == 1.0
+    t = time.monotonic()
+    run = f._run(TICK, "")
+    assert run["timed_out"] and run["startup_s"] >= delay_s, run
+    # the program's wall from its start: the trainer's measure, and the program's own ticks
+    assert f.timeout_s <= run["wall_s"] < f.timeout_s + 10, run
+    ts = ticks(run["stdout"])
+    assert ts and ts[0] - t >= delay_s, (t, ts[:1])  # it started after the start-up
+    # and ran for its limit, less its first and last tick's lag (half of it on a loaded machine)
+    assert ts[-1] - ts[0] >= f.timeout_s / 2, ts
+    assert f._verdict(run, "", None) == "timeout"  # fail/timeout (test_infinite_loop_is_a_timeout_score)
+
+
+def test_slow_interpreter_start_is_not_charged_to_the_program(shared_dir, no_leftovers):
+    """The program's own interpreter takes 3 s to come up (after the launcher's exec, before
+    main.py): not the program's time either.  Negative control: the clock started at the
+    launcher's exec report ("child") or at the spawn made this fail/timeout.  Without the mount
+    namespace: it would hide the wrapper, which lives in the host's /tmp."""
+    f = CodeExec(timeout_s=2.0, namespaces=False, python=slow_interpreter(shared_dir, 3.0, CodeExec().python))
+    rec = f(sample("import time\ntime.sleep(0.1)\na, b = map(int, input().split())\nprint(a + b)", tests=ADD[:1]))
+    assert rec.status is RewardStatus.OK and rec.total == 1.0, rec
+    run = f._run("import sys\nprint(sys.argv, __name__)", "")
+    assert run["startup_s"] >= 3.0 and run["stdout"].split() == ["['main.py']", "__main__"], run
+
+
+def test_startup_past_its_bound_is_a_sandbox_status(monkeypatch, tmp_path, shared_dir, no_leftovers):
+    """Start-up longer than startup_timeout_s is status error naming the bound, never a score with
+    fail/timeout, and it is cut at the bound.  Negative control: code_exec/1 scored a slow
+    interpreter start-up (after the launcher's "child" report) as fail/timeout."""
+    f = CodeExec(timeout_s=5.0, startup_timeout_s=0.5)
+    with monkeypatch.context() as m:  # a slow launcher
+        m.setattr(sys, "executable", slow_interpreter(str(tmp_path), 6, sys.executable))
+        t = time.monotonic()
+        rec = f(sample("print(3)", tests=ADD[:1]))
+        took = time.monotonic() - t
+    assert rec.status is RewardStatus.ERROR and rec.total is None and not rec.components, rec
+    assert rec.error.startswith("[sandbox]") and "startup_timeout_s=0.5" in rec.error, rec
+    assert took < 5.0, took  # killed at the bound, not when the 6 s start-up ended
+    got = f.metrics()
+    assert got["startup_timeouts"] == 1 and got["sandbox_errors"] == 1 and got["timeouts"] == 0 and got["runs"] == 0, got
+    # a slow program interpreter
+    g = CodeExec(timeout_s=5.0, startup_timeout_s=0.5, namespaces=False,
+                 python=slow_interpreter(shared_dir, 6, CodeExec().python))
+    rec = g(sample("print(3)", tests=ADD[:1]))
+    assert rec.status is RewardStatus.ERROR and "startup_timeout_s=0.5" in rec.error and not rec.components, rec
+    assert g.metrics()["startup_timeouts"] == 1 and g.metrics()["timeouts"] == 0
+
+
+def test_cpu_limit_is_the_programs():
+    """RLIMIT_CPU counts the program's process from the launcher's fork; what start-up (the
+    interpreter, the prelude) has used of it when main.py's first line runs is a sliver of the
+    smallest cpu_s (1 s)."""
+    f = CodeExec(timeout_s=30.0, cpu_s=1)
+    run = f._run("import time\nprint(time.process_time(), flush=True)\nwhile True:\n    pass\n", "")
+    # the kernel does not deliver SIGXCPU (soft limit) to a pid namespace's init, only the hard
+    # limit's SIGKILL; either way RLIMIT_CPU ended it, not the 30 s wall clock
+    cpu_kill = signal.SIGKILL if f.metrics()["isolation/pidns"] == 1.0 else signal.SIGXCPU
+    assert run["signal"] == cpu_kill and not run["timed_out"] and run["wall_s"] < f.timeout_s, run
+    assert float(run["stdout"].split()[0]) < 0.2, run["stdout"]
+    assert f._verdict(run, "", None) == "timeout"
+
+
+def test_launcher_hard_limit_counts_from_the_program_start(shared_dir):
+    """The trainer hangs (SIGSTOPped) after spawning the sandbox: the launcher kills the program by
+    itself timeout_s + 2 after the program's start.  Negative control: counted from the launcher's
+    fork (code_exec/1), 3 s of interpreter start-up left the program 1 s of its 4."""
+    timeout_s = 2.0
+    hard_limit_s = timeout_s + 2.0  # the launcher's margin over the trainer's kill (module docstring)
+    tick_file = os.path.join(shared_dir, "ticks")
+    with open(tick_file, "w"):
+        pass
+    os.chmod(tick_file, 0o666)
+    prog = (f"import time\nf = open({tick_file!r}, 'a')\nwhile True:\n"
+            "    f.write('%r\\n' % time.monotonic()); f.flush(); time.sleep(0.02)\n")
+    code = ("import json, sys\nsys.path.insert(0, %r)\nfrom megarl.rewards.code_exec import CodeExec\n"
+            "c = CodeExec(timeout_s=%r, namespaces=False, python=%r)\nprint('start', flush=True)\n"
+            "r = c._run(%r, '')\nprint(json.dumps({k: r[k] for k in ('rc', 'signal', 'timed_out')}), flush=True)\n"
+            % (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout_s,
+               slow_interpreter(shared_dir, 3.0, CodeExec().python), prog))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, TMPDIR=shared_dir))  # its work dir, should it be killed
+    try:
+        assert proc.stdout.readline().strip() == "start"
+        deadline = time.monotonic() + 30
+        while not psutil.Process(proc.pid).children() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        launcher = psutil.Process(proc.pid).children()[0]
+        os.kill(proc.pid, signal.SIGSTOP)  # long before its own deadline: 3 s + timeout_s after the spawn
+        deadline = time.monotonic() + 30
+        while launcher.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert launcher.status() == psutil.STATUS_ZOMBIE, "the launcher did not end the program by itself"
+        with open(tick_file) as f:
+            ts = ticks(f.read())
+        # its first and last tick lag its start and kill (a loaded machine: up to ~0.5 s each);
+        # a limit from the fork would have left it hard_limit_s - 3 = 1 s
+        assert ts and hard_limit_s - 1.5 <= ts[-1] - ts[0] < hard_limit_s + 5, (ts[:1], ts[-1:])
+        os.kill(proc.pid, signal.SIGCONT)
+        out, _ = proc.communicate(timeout=30)
+        assert json.loads(out)["signal"] == signal.SIGKILL, out  # a timeout score, by the launcher's kill
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.wait()
+
+
+def test_startup_timeout_s_is_a_kwarg_outside_the_version():
+    f = build_reward_function("code_exec", {"timeout_s": 3, "startup_timeout_s": 7})
+    assert f.startup_timeout_s == 7.0 and f.timeout_s == 3.0
+    assert f.version == CodeExec(timeout_s=3).version and f.version.startswith("code_exec/2(")
+    for bad in (0, -1, float("inf"), "10", True):
+        with pytest.raises(RewardConfigError, match="startup_timeout_s"):
+            build_reward_function("code_exec", {"startup_timeout_s": bad})

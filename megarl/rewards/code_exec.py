@@ -17,11 +17,12 @@ address-space limit), ``runtime_error`` (non-zero exit, a signal), ``syntax_erro
 ``output_limit`` (a file or stdout past ``max_file_bytes``), ``no_code`` (no fenced block).
 
 The program failing is a SCORE; the sandbox failing (no work dir, cannot spawn, the launcher's
-namespace / rlimit / user setup failed, a disk error) is a STATUS ``error``; a row without
-tests is ``invalid``.
+namespace / rlimit / user setup failed, the program's interpreter did not come up, start-up past
+``startup_timeout_s``, a disk error) is a STATUS ``error``; a row without tests is ``invalid``.
 
 What each run gets (``_LAUNCHER`` below is run as ``python -I -S -c``; it sets up, then execs
-the candidate's ``python -I -B main.py``):
+the candidate's interpreter as ``python -I -B -c _PRELUDE``, which runs ``main.py`` as
+``python -I -B main.py`` would: same ``__main__``, ``sys.argv``, tracebacks, exit status):
 
 1. a fresh ``tempfile.mkdtemp`` directory (mode 0700, root's) holding the stdio files and a
    ``box/`` subdirectory that is the cwd, owned by the sandbox user;
@@ -38,11 +39,22 @@ the candidate's ``python -I -B main.py``):
 5. when running as root: ``setgroups([])``, ``setgid``/``setuid`` to ``uid`` / ``gid`` (default
    65534, nobody), after which ``RLIMIT_NPROC`` applies (root ignores it), then
    ``PR_SET_PDEATHSIG=SIGKILL`` so killing the launcher kills the pid namespace;
-6. a new session; at ``timeout_s`` wall seconds the program (pid 1 of its namespace) and then
-   the launcher's process group are SIGKILLed; stdout and stderr are read back capped at
-   ``max_output_bytes``.  Should the trainer (or its reward worker process) die mid-run, the
-   launcher dies with it (``PR_SET_PDEATHSIG``) and takes the program along, and the launcher
-   kills the program by itself at ``timeout_s + 2``.
+6. a new session; two clocks.  Start-up -- spawning the launcher, the namespaces and mounts,
+   the rlimits and uid drop, the exec and the start-up of the program's interpreter -- is bounded
+   by ``startup_timeout_s`` from the spawn; past it the run is a sandbox error (the machine or
+   the sandbox is at fault, not the candidate), never ``fail/timeout``.  The program's clock,
+   ``timeout_s`` wall seconds, starts when its interpreter is up: the prelude writes its
+   ``CLOCK_MONOTONIC`` time to the launcher just before it compiles ``main.py``, so compiling
+   and running the program is charged to it and nothing before.  At ``timeout_s`` the program
+   (pid 1 of its namespace) and then the launcher's process group are SIGKILLed; stdout and
+   stderr are read back capped at ``max_output_bytes``.  Should the trainer (or its reward
+   worker process) die mid-run, the launcher dies with it (``PR_SET_PDEATHSIG``) and takes the
+   program along; should the trainer hang, the launcher kills the program by itself
+   ``timeout_s + 2`` seconds after the program's start (``startup_timeout_s + 2`` after its own
+   fork when the program has not started by then).  ``RLIMIT_CPU`` counts the program's process
+   from the launcher's fork: its share of start-up (the ``/proc`` mount, rlimits, uid drop, exec,
+   the interpreter's start-up and the prelude) is some 10-20 ms of CPU, far below ``cpu_s``'s
+   one-second granularity.
 
 Where a step is unavailable (not root, no CAP_SYS_ADMIN, not Linux) the run continues without it
 unless ``strict: true`` (then it is status error); :meth:`CodeExec.metrics` says what took
@@ -85,10 +97,12 @@ _MIN_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
 _FAIL_REASONS = ("wrong_answer", "timeout", "memory", "runtime_error", "syntax_error", "output_limit", "no_code")
 
 # Runs as the trainer's user (root in CI) with -I -S; argv[1] is a JSON config.  Reports on the
-# inherited pipe fd: {"child": {...what took effect}} just before exec, then {"wait": status}
-# when the program ended, or {"setup_error": "..."}.
+# inherited pipe fd: {"pid": n} after the fork, {"child": {...what took effect}} just before the
+# exec, {"started": t} when the program's interpreter says it is about to compile main.py (t on
+# CLOCK_MONOTONIC, the trainer's clock too: no time namespace), then {"wait": status} when the
+# program ended; or {"setup_error": "..."}.
 _LAUNCHER = r"""
-import ctypes, json, os, resource, signal, sys
+import ctypes, json, math, os, resource, signal, sys, time
 cfg = json.loads(sys.argv[1]); fd = cfg["report_fd"]
 def report(obj):
     os.write(fd, (json.dumps(obj) + "\n").encode())
@@ -129,16 +143,35 @@ if libc is not None and cfg["namespaces"]:
                         fail(errno_msg("bind the work dir into the private " + d))
         os.chdir(cwd); os.close(box_fd)
         rep["tmpfs"] = ok
+# the start pipe: the program's interpreter writes its start time on it (the prelude) and closes
+# it before the program runs; EOF without a time means it died first
+start_r, start_w = os.pipe()
 pid = os.fork()
 if pid:
+    os.close(start_w)
     report({"pid": pid})
-    def expire(*_):  # the launcher's own wall limit, should the trainer be gone
+    def expire(*_):  # the launcher's own limits, should the trainer be gone
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
     signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, cfg["hard_limit_s"])
+    signal.setitimer(signal.ITIMER_REAL, cfg["startup_limit_s"])
+    line = b""
+    while not line.endswith(b"\n"):
+        chunk = os.read(start_r, 64)
+        if not chunk:
+            break
+        line += chunk
+    os.close(start_r)
+    try:
+        t = float(line.decode())
+    except ValueError:
+        t = None
+    if t is not None and math.isfinite(t):
+        report({"started": t})
+        # the hard limit counts from the program's start, as the trainer's timeout_s does
+        signal.setitimer(signal.ITIMER_REAL, max(cfg["hard_limit_s"] - (time.monotonic() - t), 1e-3))
     while True:
         try:
             _, status = os.waitpid(pid, 0); break
@@ -146,6 +179,7 @@ if pid:
             continue
     report({"wait": status}); os._exit(0)
 try:
+    os.close(start_r)
     if rep["pidns"] and rep["mountns"] and libc is not None:
         rep["proc"] = libc.mount(b"proc", b"/proc", b"proc", 2 | 4 | 8, None) == 0
     R = resource
@@ -164,11 +198,48 @@ try:
     if cfg["strict"] and not all(rep.values()):
         fail("isolation incomplete: %%s" %% rep)
     os.set_inheritable(fd, False)  # FD_CLOEXEC: the program never holds the report pipe
+    os.set_inheritable(start_w, True)  # the prelude's, closed by it before the program runs
     report({"child": rep})
-    os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])
+    os.execve(cfg["argv"][0], cfg["argv"] + [str(start_w)], cfg["env"])
 except BaseException as e:
     fail("%%s: %%s" %% (type(e).__name__, e))
 """ % {"setup_failed": _SETUP_FAILED}
+
+# The program's interpreter runs this as ``python -I -B -c _PRELUDE <start fd>``, as the sandbox
+# user under the rlimits: it makes ``__main__`` what ``python -I -B main.py`` would have made it
+# (``__file__``, ``__loader__``, ``sys.argv``, ``sys.path[0]``, tracebacks without this frame),
+# writes the monotonic time on the start fd and closes it, and only then compiles and runs main.py
+# in ``__main__``.  The program's wall clock (timeout_s) starts at that time, so the interpreter's
+# own start-up is the sandbox's, and compiling the program is the program's.  What is left of it:
+# the program runs two frames deeper (a RecursionError comes two calls sooner), and an excepthook
+# the program installs itself sees this frame.
+_PRELUDE = r"""
+def _megarl_prelude():
+    import os, sys, time
+    from importlib.machinery import SourceFileLoader
+    fd = int(sys.argv[1])
+    main = sys.modules["__main__"].__dict__
+    del main["_megarl_prelude"]
+    path = os.path.join(os.getcwd(), "main.py")
+    with open(path, "rb") as f:
+        src = f.read()
+    main.update(__file__=path, __cached__=None, __loader__=SourceFileLoader("__main__", path))
+    sys.argv[:] = ["main.py"]
+    if sys.path[:1] == [""]:  # Python < 3.11 (no safe_path): a script's directory comes first, not ""
+        sys.path[0] = os.getcwd()
+    top = sys._getframe(1).f_code
+    def excepthook(t, v, tb, hook=sys.excepthook):
+        if tb is not None and tb.tb_frame.f_code is top:
+            tb = tb.tb_next
+            if v is not None:
+                v.__traceback__ = tb  # the printer reads the exception's traceback, not the argument
+        hook(t, v, tb)
+    sys.excepthook = excepthook
+    os.write(fd, b"%r\n" % time.monotonic())
+    os.close(fd)
+    return src, path, "exec"
+exec(compile(*_megarl_prelude()), globals())
+"""
 
 
 class _SandboxError(Exception):
@@ -225,6 +296,7 @@ class CodeExec:
         mode: str = "fraction",
         source: str = "fenced",
         timeout_s: float = 5.0,
+        startup_timeout_s: float = 30.0,
         cpu_s: int | None = None,
         memory_mb: int = 512,
         max_output_bytes: int = 64 << 10,
@@ -253,6 +325,7 @@ class CodeExec:
 
         self.mode, self.source = mode, source
         self.timeout_s = float(pos("timeout_s", timeout_s))
+        self.startup_timeout_s = float(pos("startup_timeout_s", startup_timeout_s))
         self.cpu_s = int(pos("cpu_s", cpu_s, True)) if cpu_s is not None else max(1, math.ceil(self.timeout_s))
         self.memory_mb = int(pos("memory_mb", memory_mb, True))
         self.max_output_bytes = int(pos("max_output_bytes", max_output_bytes, True))
@@ -278,16 +351,20 @@ class CodeExec:
             raise RewardConfigError(f"code_exec python must be an absolute path to an interpreter, got {python!r}")
         self.python = python
         self._mlock = threading.Lock()
-        self._m: dict[str, float] = {"runs": 0, "sandbox_errors": 0, "timeouts": 0, "samples": 0}
+        self._m: dict[str, float] = {"runs": 0, "sandbox_errors": 0, "startup_timeouts": 0, "timeouts": 0, "samples": 0}
         self._isolation: dict[str, bool] = {}
         self._warned = False
+        # /2: timeout_s counts from the program's start (/1 counted the sandbox's start-up too).
+        # startup_timeout_s is not in it: it decides whether a run is scored at all (a status),
+        # never the score of one that is.
         self.version = (
-            f"code_exec/1(mode={mode},source={source},timeout_s={self.timeout_s},cpu_s={self.cpu_s},"
+            f"code_exec/2(mode={mode},source={source},timeout_s={self.timeout_s},cpu_s={self.cpu_s},"
             f"memory_mb={self.memory_mb},python={self.python})"
         )
 
     def metrics(self) -> dict[str, float]:
-        """Runs, sandbox errors, timeouts, and ``isolation/<step>`` (1.0 / 0.0) of the last run."""
+        """Runs, sandbox errors (of which ``startup_timeouts``: start-up past ``startup_timeout_s``),
+        timeouts of programs, and ``isolation/<step>`` (1.0 / 0.0) of the last run."""
         with self._mlock:
             out = dict(self._m)
             out.update({f"isolation/{k}": float(v) for k, v in self._isolation.items()})
@@ -295,8 +372,10 @@ class CodeExec:
 
     # --- one run -------------------------------------------------------------------------------
     def _run(self, program: str, stdin: str) -> dict[str, Any]:
-        """Run ``program`` once; {"rc", "signal", "timed_out", "stdout", "stderr", ...}.  Raises
-        :class:`_SandboxError` when the sandbox (not the program) fails."""
+        """Run ``program`` once; {"rc", "signal", "timed_out", "stdout", "stderr", "stdout_truncated",
+        "wall_s" (from the program's start), "startup_s" (spawn to the program's start)}.  Raises
+        :class:`_SandboxError` when the sandbox (not the program) fails, start-up past
+        ``startup_timeout_s`` included."""
         try:
             root = tempfile.mkdtemp(prefix="megarl-code-")
         except OSError as e:
@@ -327,8 +406,9 @@ class CodeExec:
                 "report_fd": wfd, "strict": self.strict, "namespaces": self.namespaces, "tmpfs_size": self.tmpfs_size,
                 "cpu_s": self.cpu_s, "as": self.memory_mb << 20, "fsize": self.max_file_bytes,
                 "nproc": self.max_procs, "nofile": self.max_open_files,
-                "uid": self.uid, "gid": self.gid, "env": _MIN_ENV, "hard_limit_s": self.timeout_s + 2.0,
-                "argv": [self.python, "-I", "-B", "main.py"],
+                "uid": self.uid, "gid": self.gid, "env": _MIN_ENV,
+                "startup_limit_s": self.startup_timeout_s + 2.0, "hard_limit_s": self.timeout_s + 2.0,
+                "argv": [self.python, "-I", "-B", "-c", _PRELUDE],
             }
             t0 = time.monotonic()
             try:
@@ -343,33 +423,45 @@ class CodeExec:
             finally:
                 os.close(wfd)
                 wfd = None
-            timed_out = False
             buf = bytearray()
-            try:
-                proc.wait(timeout=self.timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                # kill the program first (pid 1 of its namespace: all it forked dies with it) so the
-                # launcher reaps it and reports; then the launcher's whole process group
-                self._drain(rfd, buf, 0.0)
-                pid = next((r["pid"] for r in self._parse(buf) if "pid" in r), None)
-                if pid is not None and proc.poll() is None:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                        proc.wait(timeout=2.0)
-                    except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
-                        pass
+            started, eof = self._await_start(rfd, buf, t0 + self.startup_timeout_s)
+            timed_out = False
+            if started is not None:
+                # the prelude's CLOCK_MONOTONIC is ours; the clamp only guards against a clock that is not
+                t_start = min(max(started, t0), time.monotonic())
+                try:
+                    proc.wait(timeout=max(0.0, t_start + self.timeout_s - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    timed_out = True
+                    # kill the program first (pid 1 of its namespace: all it forked dies with it) so the
+                    # launcher reaps it and reports; then the launcher's whole process group
+                    pid = next((r["pid"] for r in self._parse(buf) if "pid" in r), None)
+                    if pid is not None and proc.poll() is None:
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                            proc.wait(timeout=2.0)
+                        except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
+                            pass
+            elif eof:  # the launcher ended without starting the program: its reports say why
+                try:
+                    proc.wait(timeout=5.0)
+                except subprocess.TimeoutExpired:
+                    pass
             self._kill(proc)
-            wall = time.monotonic() - t0
+            t_end = time.monotonic()
             self._drain(rfd, buf, 5.0)
             reports = self._parse(buf)
             if any("setup_error" in r for r in reports):
                 err = next(r["setup_error"] for r in reports if "setup_error" in r)
                 raise _SandboxError(f"sandbox setup failed: {err}")
+            if started is None and not eof:
+                with self._mlock:
+                    self._m["startup_timeouts"] += 1
+                raise _SandboxError(
+                    f"sandbox did not start the program within startup_timeout_s={self.startup_timeout_s} "
+                    "(spawning the launcher, namespaces, user drop, the interpreter's start-up)")
             child = next((r["child"] for r in reports if "child" in r), None)
             if child is None:
-                if timed_out:
-                    raise _SandboxError(f"sandbox did not start the program within timeout_s={self.timeout_s}")
                 raise _SandboxError(f"sandbox launcher exited with {proc.returncode} before starting the program")
             with self._mlock:
                 self._isolation = dict(child)
@@ -379,6 +471,12 @@ class CodeExec:
             status = next((r["wait"] for r in reports if "wait" in r), None)
             out, out_cut = _read_capped(os.path.join(root, "stdout"), self.max_output_bytes)
             err, _ = _read_capped(os.path.join(root, "stderr"), self.max_output_bytes)
+            if started is None:  # none of the candidate's code ran: the interpreter did not come up
+                how = ("no status" if status is None else f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
+                       else f"exit code {os.WEXITSTATUS(status)}")
+                raise _SandboxError(
+                    f"the program's interpreter {self.python} ended before the program started ({how}): "
+                    f"{err.strip()[-300:]!r}")
             rc = sig = None
             if status is not None:
                 if os.WIFSIGNALED(status):
@@ -388,7 +486,7 @@ class CodeExec:
             elif not timed_out:
                 raise _SandboxError(f"sandbox launcher exited with {proc.returncode} without the program's status")
             return {"rc": rc, "signal": sig, "timed_out": timed_out, "stdout": out, "stderr": err,
-                    "stdout_truncated": out_cut, "wall_s": wall}
+                    "stdout_truncated": out_cut, "wall_s": t_end - t_start, "startup_s": t_start - t0}
         finally:
             if proc is not None and proc.returncode is None:
                 self._kill(proc)
@@ -396,6 +494,25 @@ class CodeExec:
                 if fd is not None:
                     os.close(fd)
             shutil.rmtree(root, ignore_errors=True)
+
+    @classmethod
+    def _await_start(cls, rfd: int, buf: bytearray, deadline: float) -> tuple[float | None, bool]:
+        """Read the report pipe into ``buf`` until the program's start time arrives: (time, False);
+        or EOF, the launcher gone: (None, True); or ``deadline``: (None, False)."""
+        while True:
+            t = next((r["started"] for r in cls._parse(buf) if "started" in r), None)
+            if isinstance(t, (int, float)) and not isinstance(t, bool):
+                return float(t), False
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None, False
+            ready, _, _ = select.select([rfd], [], [], left)
+            if not ready:
+                continue
+            chunk = os.read(rfd, 65536)
+            if not chunk:
+                return None, True
+            buf += chunk
 
     @staticmethod
     def _kill(proc: subprocess.Popen) -> None:
@@ -423,8 +540,10 @@ class CodeExec:
 
     @staticmethod
     def _parse(buf: bytearray) -> list[dict]:
+        """The reports in ``buf``'s complete lines (a line still being written is not one yet)."""
+        data = bytes(buf)
         out = []
-        for line in bytes(buf).decode(errors="replace").splitlines():
+        for line in data[:data.rfind(b"\n") + 1].decode(errors="replace").splitlines():
             try:
                 obj = json.loads(line)
             except ValueError:
