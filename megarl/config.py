@@ -43,9 +43,15 @@ class TinyModelConfig:
     num_heads: int = 4  # its attention heads
     num_kv_heads: int = 2  # its KV heads (GQA)
     intermediate_size: int = 256  # its SwiGLU width
-    warmstart_steps: int = 470  # supervised warm-start steps on the arithmetic task
+    #: the most supervised warm-start steps on the arithmetic task (exactly this many when
+    #: warmstart_target_accuracy is null)
+    warmstart_steps: int = 2000
     warmstart_lr: float = 2.0e-3  # the warm start's learning rate
     warmstart_batch: int = 64  # the warm start's batch size
+    #: early-stop the warm start at the first check (every 4 steps) where its teacher-forced
+    #: accuracy on 256 held-out problems outside the evaluation set reaches this; null: run
+    #: warmstart_steps steps (megarl/tinymodel.py says why a step count is a knife's edge)
+    warmstart_target_accuracy: Optional[float] = 0.3
     seed: int = 0  # of its initialisation and warm-start data
     #: llama (the dense default) | qwen3_moe (a Qwen3-MoE: every layer routes each token to
     #: top_k of num_experts experts; intermediate_size unused)
@@ -458,6 +464,11 @@ class FaultsConfig:
     #: split placement drill: a straggling rollout rank, sleeping this long after every
     #: generation segment (async_rl.segment_tokens), so versions change mid-response
     rollout_segment_delay_s: float = 0.0
+    #: stop drill: after iteration k's metrics row is written (before its stop check and its
+    #: checkpoint) the run holds -- rank 0 prints "faults: holding after iteration k" -- until a
+    #: stop is asked for (SIGTERM, SIGUSR1, <run_dir>/STOP) or it is killed, so a test's stop or
+    #: kill lands at a known point however fast or busy the machine is
+    hold_after_iteration: List[int] = field(default_factory=list)
 
 
 @dataclass
@@ -743,6 +754,9 @@ def _validate_ranges(cfg: TrainConfig) -> None:
           f"{tiny.tool_min_digits} is above model.tiny.tool_max_digits={tiny.tool_max_digits}")
     _need(not (tiny.two_turn_demos and tiny.tool_demos), "model.tiny.two_turn_demos",
           f"is {tiny.two_turn_demos}, but model.tiny.tool_demos={tiny.tool_demos} builds the calculator's model")
+    _need(not (tiny.tool_demos > 0 and tiny.warmstart_target_accuracy), "model.tiny.warmstart_target_accuracy",
+          f"is {tiny.warmstart_target_accuracy}, but the calculator build (model.tiny.tool_demos={tiny.tool_demos}) "
+          "has no arithmetic validation set to stop on: set it to null")
     _need(bool(tiny.tool_role) and tiny.tool_role != "assistant", "model.tiny.tool_role",
           f"must be a role name other than 'assistant', got {tiny.tool_role!r}")
 

@@ -181,8 +181,8 @@ class FaultyRolloutEngine:
 class FaultyRewardFunction:
     """A real reward function whose calls hang past the runner's timeout at
     ``faults.reward_timeout_rate`` (keyed on sample id and attempt), so the runner's own
-    timeout, backoff and retry handle them; a hung call returns the real result afterwards,
-    which the runner has abandoned."""
+    timeout, backoff and retry handle them; a hung call returns the real result afterwards
+    (after ``hang_s``, far past the timeout), which the runner has abandoned."""
 
     def __init__(self, fn, injector: FaultInjector, hang_s: float):
         self._fn, self._inj, self._hang_s = fn, injector, float(hang_s)

@@ -40,7 +40,10 @@ def _wait_for(path: str, what: str, timeout_s: float = 3600.0) -> None:
 
 def ensure_builtin_task(cfg) -> None:
     """Write the recipe's built-in arithmetic task files if they are missing (rank 0 writes, the
-    other ranks wait for them)."""
+    other ranks wait for them).  The held-out file holds distinct problems (an evaluation set:
+    :func:`megarl.data.tasks.arithmetic.make_problems`).  A file already there must hold exactly
+    what these settings write -- a cache made by other ``data.arithmetic_*`` settings or an older
+    megarl is refused, naming the file, never used in silence."""
     rank = int(os.environ.get("RANK", "0"))
     d = cfg.data
     if d.build_arithmetic:
@@ -48,16 +51,35 @@ def ensure_builtin_task(cfg) -> None:
         if d.heldout_path:
             want.append((d.heldout_path, "heldout", d.arithmetic_heldout_n, 1))
         for path, split, n, seed in want:
-            if os.path.exists(path):
+            if rank != 0:
+                if not os.path.exists(path):
+                    _wait_for(path, f"the arithmetic {split} split")
                 continue
-            if rank == 0:
-                from megarl.data.tasks.arithmetic import make_problems, write_jsonl
+            from megarl.data.tasks.arithmetic import make_problems, write_jsonl
 
-                rows = make_problems(split, seed, n, digits=(d.arithmetic_min_digits, d.arithmetic_max_digits))
-                write_jsonl(path, rows)
-                print(f"wrote the built-in arithmetic {split} split: {path} ({n} problems)", flush=True)
-            else:
-                _wait_for(path, f"the arithmetic {split} split")
+            rows = make_problems(split, seed, n, digits=(d.arithmetic_min_digits, d.arithmetic_max_digits),
+                                 distinct=split == "heldout")
+            if os.path.exists(path):
+                _check_cached_task(path, rows, split)
+                continue
+            write_jsonl(path, rows)
+            print(f"wrote the built-in arithmetic {split} split: {path} ({n} problems)", flush=True)
+
+
+def _check_cached_task(path: str, rows, split: str) -> None:
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            cached = [json.loads(line) for line in f if line.strip()]
+    except (OSError, ValueError) as e:
+        raise MegarlError(f"data.build_arithmetic: {path} exists but cannot be read as the built-in {split} "
+                          f"split ({type(e).__name__}: {e}); delete it to have it written again") from None
+    if cached != rows:
+        raise MegarlError(f"data.build_arithmetic: {path} holds another {split} split than these settings write "
+                          "(other data.arithmetic_* values, or a cache from an older megarl); delete it to have it "
+                          "written again, point MEGARL_CACHE elsewhere, or set data.build_arithmetic=false to use "
+                          "the file as it is")
 
 
 def ensure_builtin_model(cfg) -> None:
@@ -68,6 +90,8 @@ def ensure_builtin_model(cfg) -> None:
 
     rank = int(os.environ.get("RANK", "0"))
     d, m = cfg.data, cfg.model
+    if m.build_tiny and is_built(m.path):
+        _check_cached_model(cfg)
     if m.build_tiny and not is_built(m.path):
         if rank == 0:
             t = m.tiny
@@ -75,6 +99,8 @@ def ensure_builtin_model(cfg) -> None:
                    "--num-layers", str(t.num_layers), "--num-heads", str(t.num_heads),
                    "--num-kv-heads", str(t.num_kv_heads), "--intermediate-size", str(t.intermediate_size),
                    "--steps", str(t.warmstart_steps), "--lr", str(t.warmstart_lr), "--batch", str(t.warmstart_batch),
+                   "--target-accuracy", str(t.warmstart_target_accuracy or 0),
+                   "--heldout-n", str(d.arithmetic_heldout_n),
                    "--seed", str(t.seed), "--min-digits", str(d.arithmetic_min_digits),
                    "--max-digits", str(d.arithmetic_max_digits), "--overwrite"]
             if t.family != "llama":  # the dense build's command stays what it was
@@ -93,6 +119,59 @@ def ensure_builtin_model(cfg) -> None:
                 raise MegarlError(f"model.build_tiny: building the tiny model into {m.path} failed (see above)")
         else:
             _wait_for(os.path.join(m.path, MARKER), "the tiny model")
+
+
+def _tiny_settings(cfg) -> dict:
+    """What ``tiny_model.json`` records of a build made with these ``model.tiny.*`` settings."""
+    t, d = cfg.model.tiny, cfg.data
+    want = {"family": t.family, "hidden_size": t.hidden_size, "num_layers": t.num_layers,
+            "num_heads": t.num_heads, "num_kv_heads": t.num_kv_heads,
+            "warmstart.max_steps": t.warmstart_steps, "warmstart.lr": t.warmstart_lr,
+            "warmstart.batch": t.warmstart_batch, "warmstart.seed": t.seed,
+            "warmstart.target_accuracy": t.warmstart_target_accuracy or None,
+            "warmstart.heldout_n": d.arithmetic_heldout_n}
+    if t.family == "llama":
+        want["intermediate_size"] = t.intermediate_size
+    else:
+        want["moe"] = {"num_experts": t.num_experts, "top_k": t.top_k, "moe_intermediate_size": t.moe_intermediate_size}
+    if t.tool_demos > 0:
+        want["tool"] = {"demos": t.tool_demos, "digits": [t.tool_min_digits, t.tool_max_digits], "role": t.tool_role,
+                        "only_steps": t.tool_only_steps}
+    else:
+        want["task.digits"] = [d.arithmetic_min_digits, d.arithmetic_max_digits]
+    if t.two_turn_demos > 0:
+        want["two_turn_demos"] = t.two_turn_demos
+    return want
+
+
+def _check_cached_model(cfg) -> None:
+    """A tiny model already at ``model.path`` must be the build of these ``model.tiny.*``
+    settings: one made by other settings, or by an older megarl, is refused naming the first
+    setting that differs -- never trained on in silence."""
+    import json
+
+    from megarl.tinymodel import MARKER
+
+    path = os.path.join(cfg.model.path, MARKER)
+    with open(path) as f:
+        info = json.load(f)
+    for key, want in _tiny_settings(cfg).items():
+        node = info
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node != want:
+            config_key = {"warmstart.max_steps": "model.tiny.warmstart_steps", "warmstart.lr": "model.tiny.warmstart_lr",
+                          "warmstart.batch": "model.tiny.warmstart_batch", "warmstart.seed": "model.tiny.seed",
+                          "warmstart.target_accuracy": "model.tiny.warmstart_target_accuracy",
+                          "warmstart.heldout_n": "data.arithmetic_heldout_n",
+                          "task.digits": "data.arithmetic_min_digits / data.arithmetic_max_digits",
+                          "moe": "model.tiny.num_experts / top_k / moe_intermediate_size",
+                          "tool": "model.tiny.tool_*"}.get(key, f"model.tiny.{key}")
+            raise MegarlError(
+                f"model.build_tiny: {cfg.model.path} holds a tiny model built with other settings ({config_key}: "
+                f"the cached build has {node!r}, the config {want!r}; a build by an older megarl records no "
+                "warmstart.max_steps); delete it to have it built again, point MEGARL_CACHE elsewhere, or set "
+                "model.build_tiny=false to use it as it is")
 
 
 def _check_model(cfg) -> dict:

@@ -21,8 +21,12 @@ def free_port() -> int:
 
 def subprocess_env() -> dict:
     """The environment of a child process: this one's, one OMP thread, no warnings, and the repo
-    root first on PYTHONPATH (so ``megarl`` and ``tests.plugins`` import from this checkout)."""
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+    root first on PYTHONPATH (so ``megarl`` and ``tests.plugins`` import from this checkout).
+
+    One thread because the suite's child processes share 2 cores (torchrun starts several);
+    ``MEGARL_TEST_THREADS=N`` gives them N instead, to check that no comparison depends on the
+    thread count (tests/_tolerance.py)."""
+    return dict(os.environ, OMP_NUM_THREADS=os.environ.get("MEGARL_TEST_THREADS", "1"), PYTHONWARNINGS="ignore",
                 PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from tests._dist import subprocess_env
+from tests._trackers import LOGGERS, check_trackers
 from tests._train_runs import (
     GRPO,
     ITERS,
@@ -20,6 +21,7 @@ from tests._train_runs import (
     check_same_run,
     checkpointed_run_cmd,
     kill_tree,
+    metrics,
     run_to_exit,
     uninterrupted,
 )
@@ -32,25 +34,33 @@ def _latest(run_dir):
     return int(open(p).read().strip().split("_")[1])
 
 
-def _kill_after_checkpoint(cmd, run_dir, at_least):
-    """Start the run, SIGKILL its whole process group as soon as checkpoint ``at_least`` is published."""
-    import tempfile
-
-    err = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=subprocess_env(), start_new_session=True)
+def _start_and_hold(cmd, log, k, env=None):
+    """Start ``cmd`` (with ``faults.hold_after_iteration`` naming ``k``) in its own session and wait
+    until it holds after iteration ``k``: its metrics row written, its checkpoint not yet.  The
+    stop or kill that follows lands there, whatever the machine's speed."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env or subprocess_env(),
+                                start_new_session=True)
+    marker = f"faults: holding after iteration {k} "
     t0 = time.time()
-    while _latest(run_dir) < at_least:
+    while marker not in open(log).read():
         if proc.poll() is not None:
-            err.seek(0)
-            raise AssertionError(f"the run ended (rc={proc.returncode}) before checkpoint {at_least}: "
-                                 f"{err.read()[-4000:]}")
+            raise AssertionError(f"the run ended (rc={proc.returncode}) before holding after iteration {k}: "
+                                 f"{open(log).read()[-4000:]}")
         if time.time() - t0 > 600:
             kill_tree(proc.pid)
-            raise AssertionError("no checkpoint within 600 s")
-        time.sleep(0.02)
+            raise AssertionError(f"no hold after iteration {k} within 600 s: {open(log).read()[-4000:]}")
+        time.sleep(0.05)
+    return proc
+
+
+def _kill_while_holding(cmd, log, k):
+    """SIGKILL the run's whole process tree while it holds after iteration ``k``: checkpoint ``k``
+    (written after iteration ``k - 1``) is the latest, iteration ``k``'s metrics row is already
+    written and must be written again, once, by the resumed run."""
+    proc = _start_and_hold(cmd + [f"faults.hold_after_iteration=[{k}]"], log, k)
     kill_tree(proc.pid)
     proc.wait()
-    return _latest(run_dir)
 
 
 PPO_EXTRA = ["critic.micro_batch_size=2", "critic.warmup_iters=1"]
@@ -64,43 +74,69 @@ PPO_EXTRA = ["critic.micro_batch_size=2", "critic.warmup_iters=1"]
 ], ids=["grpo-1proc", "ppo-1proc", "grpo-dp2", "ppo-dp2"])
 def test_exact_resume_after_kill(assets, tmp_path, tmp_path_factory, recipe, nproc, extra):
     a_dir, b_dir = uninterrupted(assets, tmp_path_factory, recipe, nproc, extra), str(tmp_path / "b")
-    killed_at = _kill_after_checkpoint(checkpointed_run_cmd(assets, b_dir, recipe, nproc, extra), b_dir, at_least=2)
-    assert 2 <= killed_at < ITERS, killed_at
+    _kill_while_holding(checkpointed_run_cmd(assets, b_dir, recipe, nproc, extra), str(tmp_path / "killed.log"), 2)
+    killed_at = _latest(b_dir)
+    assert killed_at == 2 and [m["iteration"] for m in metrics(b_dir)] == [0, 1, 2], killed_at
     out = run_to_exit(checkpointed_run_cmd(assets, b_dir, recipe, nproc, extra))
     assert f"resumed from {os.path.join(b_dir, 'checkpoints', f'iter_{killed_at:06d}')}" in out.stdout
     check_same_run(a_dir, b_dir, killed_at)
 
 
-def test_crash_mid_checkpoint_keeps_previous(assets, tmp_path):
+def _changed_tokenizer(model_dir, out_dir):
+    """A copy of ``model_dir``'s tokenizer whose ids are the same for these prompts but whose
+    contract is not: an NFC normalizer added after its own (the backend JSON the contract
+    hashes; ASCII prompts normalise to themselves)."""
+    import shutil
+
+    os.makedirs(out_dir)
+    for f in os.listdir(model_dir):
+        if f.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(os.path.join(model_dir, f), out_dir)
+    spec = json.load(open(os.path.join(out_dir, "tokenizer.json")))
+    own = spec.get("normalizer")
+    spec["normalizer"] = {"type": "Sequence", "normalizers": ([own] if own else []) + [{"type": "NFC"}]}
+    json.dump(spec, open(os.path.join(out_dir, "tokenizer.json"), "w"))
+    return out_dir
+
+
+def test_crash_mid_checkpoint_keeps_previous_and_a_changed_contract_is_refused(assets, tmp_path):
+    """A run that dies after writing checkpoint 3 but before publishing it keeps checkpoint 2
+    selected, with the half-written one left aside.  That run, as the crash left it, is the base
+    of every refusal: a changed reward, chat template or tokenizer is refused naming the field
+    (exit 2, nothing trained); the unchanged command resumes it from checkpoint 2, cleans the
+    leftover and finishes; a forced resume continues under a new run id; one flipped byte in a
+    checkpoint file is refused naming the file."""
     d = str(tmp_path / "crash")
-    out = run_to_exit(checkpointed_run_cmd(assets, d, GRPO, 1, ["faults.crash_during_checkpoint_at=3"]), expect=86)
+    base = checkpointed_run_cmd(assets, d, GRPO, 1, ["trainer.save_experience=true"])
+    run_to_exit(base + ["faults.crash_during_checkpoint_at=3"], expect=86)
     assert _latest(d) == 2
     leftovers = [x for x in os.listdir(os.path.join(d, "checkpoints")) if x.startswith(".tmp-")]
     assert leftovers, "the half-written checkpoint should still be there (never published)"
-    out = run_to_exit(checkpointed_run_cmd(assets, d, GRPO, 1, []))
-    assert "resumed from" in out.stdout and "iter_000002" in out.stdout
-    assert not [x for x in os.listdir(os.path.join(d, "checkpoints")) if x.startswith(".tmp-")]
-    assert _latest(d) == ITERS
-
-
-def test_resume_refuses_changed_contract_and_tampered_files(assets, tmp_path):
-    d = str(tmp_path / "run")
-    base = checkpointed_run_cmd(assets, d, GRPO, 1, ["trainer.iterations=2", "trainer.save_experience=true"])
-    run_to_exit(base)
+    rows_before = open(os.path.join(d, "metrics.jsonl")).read()
     # a changed reward config: refused with the field named, exit 2, nothing trained
-    bad = run_to_exit(base + ["reward.fn=tests.plugins.faulty_rewards:flat_even_prompts", "trainer.iterations=3"],
-                      expect=2)
+    bad = run_to_exit(base + ["reward.fn=tests.plugins.faulty_rewards:flat_even_prompts"], expect=2)
     assert "reward changed" in bad.stderr and "resume_force" in bad.stderr, bad.stderr[-2000:]
     # a changed chat template (the tokenizer contract): both fields named
     tpl = tmp_path / "template.jinja"
     tpl.write_text("{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}<|assistant|> ")
-    bad = run_to_exit(base + [f"model.chat_template={tpl}", "trainer.iterations=3"], expect=2)
+    bad = run_to_exit(base + [f"model.chat_template={tpl}"], expect=2)
     assert "chat_template" in bad.stderr and "tokenizer" in bad.stderr, bad.stderr[-2000:]
+    # a changed tokenizer (the same template and vocabulary, another normalizer): the tokenizer named
+    other = _changed_tokenizer(assets["model"], str(tmp_path / "other_tokenizer"))
+    bad = run_to_exit(base + [f"model.tokenizer={other}"], expect=2)
+    assert "tokenizer changed since the checkpoint" in bad.stderr and "chat_template" not in bad.stderr, \
+        bad.stderr[-2000:]
+    assert open(os.path.join(d, "metrics.jsonl")).read() == rows_before  # nothing was trained or written
+    # the unchanged command resumes from checkpoint 2 and finishes
+    out = run_to_exit(base)
+    assert "resumed from" in out.stdout and "iter_000002" in out.stdout
+    assert not [x for x in os.listdir(os.path.join(d, "checkpoints")) if x.startswith(".tmp-")]
+    assert _latest(d) == ITERS
     # forced: continues as a new run id
-    ok = run_to_exit(base + ["reward.fn=tests.plugins.faulty_rewards:flat_even_prompts", "trainer.iterations=3",
-                      "trainer.resume_force=true"])
+    ok = run_to_exit(base + ["reward.fn=tests.plugins.faulty_rewards:flat_even_prompts",
+                             f"trainer.iterations={ITERS + 1}", "trainer.resume_force=true"])
     assert "resumed from" in ok.stdout
-    assert batches(d)[-1].facts.run_id == "resume-test-forced2"
+    assert batches(d)[-1].facts.run_id == f"resume-test-forced{ITERS}"
     # one flipped byte in a checkpoint file: refused, naming the file
     latest = os.path.join(d, "checkpoints", f"iter_{_latest(d):06d}")
     victim = next(os.path.join(r, f) for r, _, fs in os.walk(os.path.join(latest, "actor_optim")) for f in fs
@@ -108,22 +144,19 @@ def test_resume_refuses_changed_contract_and_tampered_files(assets, tmp_path):
     data = bytearray(open(victim, "rb").read())
     data[len(data) // 2] ^= 0x01
     open(victim, "wb").write(bytes(data))
-    bad = run_to_exit(base + ["trainer.iterations=4"], expect=2)
+    bad = run_to_exit(base + [f"trainer.iterations={ITERS + 2}"], expect=2)
     assert os.path.basename(victim) in bad.stderr and "sha256" in bad.stderr, bad.stderr[-2000:]
 
 
-@pytest.mark.parametrize("saved", [["parallel.tp=2"], []], ids=["tp2_to_tp1", "dp2_to_dp1"])
-def test_resume_at_another_layout(assets, tmp_path, tmp_path_factory, saved):
-    """Saved by 2 processes (TP=2, or DP=2), resumed by one: the loaded actor's logical weights
-    hash to the checkpointed version's manifest (a bitwise check the trainer makes before it
-    continues), the optimizer state reshards, and the run goes on."""
+def test_resume_at_another_layout(assets, tmp_path, tmp_path_factory):
+    """Saved by 2 processes at DP=2, resumed by one: the loaded actor's logical weights hash to
+    the checkpointed version's manifest (a bitwise check the trainer makes before it continues),
+    the optimizer state reshards, and the run goes on.  (TP=2 -> TP=1: the TP=2 end-to-end run of
+    tests/test_train_e2e.py, resumed.)"""
     import shutil
 
     d = str(tmp_path / "run")
-    if saved:
-        run_to_exit(checkpointed_run_cmd(assets, d, GRPO, 2, ["trainer.iterations=2", *saved]))
-    else:  # a copy of the uninterrupted DP=2 run the exact-resume test made
-        shutil.copytree(uninterrupted(assets, tmp_path_factory, GRPO, 2, []), d)
+    shutil.copytree(uninterrupted(assets, tmp_path_factory, GRPO, 2, []), d)  # the exact-resume test's run
     k = _latest(d)
     out = run_to_exit(checkpointed_run_cmd(assets, d, GRPO, 1, [f"trainer.iterations={k + 1}"]))
     assert "at a different layout" in out.stdout and f"iter_{k:06d}" in out.stdout, out.stdout[-2000:]
@@ -132,42 +165,63 @@ def test_resume_at_another_layout(assets, tmp_path, tmp_path_factory, saved):
     assert state["layout"]["world"] == 1 and state["policy_version"]["optimizer_step"] == k + 1
 
 
-def test_sigterm_and_stop_file_checkpoint_then_resume_the_same_run(assets, tmp_path, tmp_path_factory):
-    """The two ways a scheduler ends a job on time: SIGTERM to the trainer, or <run_dir>/STOP
-    (written by launch/multinode.sh on Slurm's warning).  Each stops at the next commit with a
-    checkpoint and exit 0; the third start finishes (DONE), bitwise the uninterrupted run."""
+def test_every_way_a_run_is_stopped_checkpoints_and_resumes_the_same_run(assets, tmp_path, tmp_path_factory,
+                                                                         monkeypatch):
+    """The ways a scheduler ends a job on time, one after another in one run: <run_dir>/STOP
+    (written by launch/multinode.sh on Slurm's warning), SIGTERM, SIGUSR1 (Slurm's --signal), and
+    trainer.max_wall_minutes.  Each stops at the next commit with a checkpoint and exit 0 and
+    prints the command that continues the run; the last start runs the printed command as
+    printed and finishes (DONE), bitwise the uninterrupted run.  The run logs to every tracker:
+    across the five starts each tracker keeps one run, holding exactly what metrics.jsonl holds,
+    and samples.jsonl decodes the sealed experience (tests/_trackers.py)."""
     ref = uninterrupted(assets, tmp_path_factory, GRPO, 1, [])
     d = str(tmp_path / "run")
-    cmd = checkpointed_run_cmd(assets, d, GRPO, 1, [])
-    for how in ("stop_file", "sigterm"):
-        start = _latest(d)
+    wandb_dir = str(tmp_path / "wandb")
+    os.makedirs(wandb_dir)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", wandb_dir)
+    env = subprocess_env()
+    cmd = checkpointed_run_cmd(assets, d, GRPO, 1, [
+        LOGGERS, "trainer.log_samples_every=1", "trainer.log_samples_n=3", "trainer.log_samples_console=1",
+        "trainer.save_experience=true", "faults.hold_after_iteration=[0,1,2]"])
+    first_trackers = None
+    for k, how in enumerate(("stop_file", "sigterm", "sigusr1")):
         log = tmp_path / f"{how}.log"
-        with open(log, "w") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.DEVNULL, env=subprocess_env(),
-                                    start_new_session=True)
-        t0 = time.time()
-        # fresh: once a checkpoint exists; resumed: as soon as it says so (before its first iteration)
-        while _latest(d) < 1 if start < 0 else "resumed from" not in log.read_text():
-            assert proc.poll() is None and time.time() - t0 < 600, "the run ended before it could be stopped"
-            time.sleep(0.02)
-        if how == "sigterm":
-            proc.send_signal(signal.SIGTERM)
-        else:
-            open(os.path.join(d, "STOP"), "w").close()
-        rc = proc.wait(timeout=600)
+        proc = _start_and_hold(cmd, str(log), k, env=env)
+        try:
+            if how == "stop_file":
+                open(os.path.join(d, "STOP"), "w").close()
+            else:
+                proc.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGUSR1)
+            rc = proc.wait(timeout=600)
+        finally:
+            kill_tree(proc.pid)
         text = log.read_text()
-        assert rc == 0 and "stopping after" in text and "on a signal" in text, text[-2000:]
-        assert start < _latest(d) < ITERS and not os.path.exists(os.path.join(d, "DONE"))
-    stopped_at = _latest(d)
+        assert rc == 0 and f"stopping after {k + 1} iterations on a signal" in text, text[-2000:]
+        assert _latest(d) == k + 1 and not os.path.exists(os.path.join(d, "DONE"))
+        assert ("resumed from" in text) == (k > 0)
+        if k == 0:
+            assert "sample it0 p000/c00 | reward" in text, text[-2000:]  # trainer.log_samples_console
+            first_trackers = json.load(open(os.path.join(d, "trackers.json")))
+            assert first_trackers["run_id"] == "resume-test" and set(first_trackers) == {"run_id", "wandb", "mlflow"}
+    # trainer.max_wall_minutes: past the limit after iteration 3, it checkpoints and stops
+    wall = run_to_exit(cmd + ["trainer.max_wall_minutes=1e-6"])
+    assert "stopping after 4 iterations: trainer.max_wall_minutes reached" in wall.stdout, wall.stdout[-2000:]
+    assert _latest(d) == 4 and not os.path.exists(os.path.join(d, "DONE"))
     # the stop line prints the exact command that continues the run (trainer.run_dir named last)
-    printed = text.split("resume with: ", 1)[1].splitlines()[0]
+    printed = wall.stdout.split("resume with: ", 1)[1].splitlines()[0]
     args = shlex.split(printed)
     run_dir_arg = f"trainer.run_dir={d}"
     assert args[:3] == ["python", "-m", "megarl.train"] and args[-1] == run_dir_arg, printed
-    assert args[3:-1] == [a for a in cmd[3:] if a != run_dir_arg], printed
-    run_to_exit([sys.executable] + args[1:])  # the third start: the printed command, as printed
+    assert args[3:-1] == [a for a in cmd[3:] if a != run_dir_arg] + ["trainer.max_wall_minutes=1e-6"], printed
+    run_to_exit([sys.executable] + args[1:])  # the last start: the printed command, as printed
     assert os.path.isfile(os.path.join(d, "DONE"))
-    check_same_run(ref, d, killed_at=stopped_at, resumes=2)
+    # bitwise, but for one counter: the wall-clock stop evaluates the policy it stops at, so it
+    # published once more (one more KV flush) than the uninterrupted run
+    check_same_run(ref, d, killed_at=4, resumes=4, ignore=("e2e/count/kv_flushes",))
+    assert metrics(d)[-1]["e2e/count/kv_flushes"] == metrics(ref)[-1]["e2e/count/kv_flushes"] + 1
+    check_trackers(d, wandb_dir, tmp_path, assets["model"], first_trackers, starts=[0, 1, 2, 3, 4],
+                   samples_per_iteration=3)
     # a finished run started again says so in one line, exits 0, and leaves the run as it is
     before = open(os.path.join(d, "metrics.jsonl")).read()
     again = run_to_exit(cmd)

@@ -6,6 +6,7 @@ quarantined on rank 0 with on_failure=quarantine; the runner's counters are carr
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import Counter
 
@@ -31,9 +32,9 @@ class LengthReward:
 
     name, version = "length", "length/1"
 
-    def __init__(self, raise_for=(), invalid_for=(), hang_for=(), hang_s=0.3):
+    def __init__(self, raise_for=(), invalid_for=(), hang_for=()):
         self.raise_for, self.invalid_for, self.hang_for = set(raise_for), set(invalid_for), set(hang_for)
-        self.hang_s = hang_s
+        self.release = threading.Event()  # a hung call waits for it (the test sets it when done)
         self.seen = []
 
     def __call__(self, s):
@@ -43,7 +44,7 @@ class LengthReward:
         if s.sample_id in self.invalid_for:
             return RewardRecord(total=None, scorer_version=self.version, status="invalid", error="unparseable")
         if s.sample_id in self.hang_for:
-            time.sleep(self.hang_s)
+            self.release.wait(60.0)
         return RewardRecord(total=float(len(s.response_text.split())), components={"len": 1.0},
                             scorer_version=self.version)
 
@@ -139,13 +140,22 @@ def test_a_penalty_is_applied_only_where_reward_penalty_names_a_number(tmp_path)
 
 
 def test_a_timeout_is_a_status_and_counted(tmp_path):
+    """The hung call never returns while it is scored (it waits for the test), so its timeout is
+    certain; the healthy one returns in microseconds, and its limit of 1 s is a margin of
+    orders of magnitude on a loaded machine."""
     ss = samples(G=2)
-    fn = LengthReward(hang_for={ss[0].sample_id}, hang_s=0.4)
-    cfg = RewardConfig(timeout_s=0.05)
-    run = RewardRunner(fn, timeout_s=0.05, max_retries=0, backoff_s=0.0, max_workers=2)
+    fn = LengthReward(hang_for={ss[0].sample_id})
+    cfg = RewardConfig(timeout_s=1.0)
+    run = RewardRunner(fn, timeout_s=1.0, max_retries=0, backoff_s=0.0, max_workers=2)
     sc = Scorer(cfg, FakeTok(), run, None, Counter(), str(tmp_path / "q.jsonl"), True, max_new_tokens=6)
-    sc.score(ss)
+    try:
+        t0 = time.monotonic()
+        sc.score(ss)
+        waited = time.monotonic() - t0
+    finally:
+        fn.release.set()
     assert ss[0].record.status is RewardStatus.TIMEOUT and ss[0].record.total is None
+    assert "timeout_s=1.0" in ss[0].record.error and waited >= 1.0  # declared at the limit, not before
     assert ss[1].record.status is RewardStatus.OK
     assert (sc.counters["reward_call_timeouts"], sc.counters["reward_failures"]) == (1, 1)
 

@@ -24,10 +24,10 @@ def test_patched_surfaces_still_exist():
     from megatron.core.optimizer import clip_grads, optimizer
     from megatron.core.pipeline_parallel import schedules
 
-    # the CUDA-only assert we route around is still there (else the patch can go)
-    src = inspect.getsource(clip_grads.clip_grad_by_total_norm_fp32) if not cpu_compat._INSTALLED \
-        else inspect.getsource(sys.modules["megatron.core.optimizer.clip_grads"])
-    assert "torch.cuda.FloatTensor" in src
+    # the CUDA-only assert we route around is still there (else the patch can go): read from the
+    # module's source file, which holds the original whether or not install() rebound the name
+    src = inspect.getsource(clip_grads)
+    assert "def clip_grad_by_total_norm_fp32(" in src and "torch.cuda.FloatTensor" in src
     assert hasattr(optimizer, "clip_grad_by_total_norm_fp32")
     assert "inference_rng_tracker" in inspect.signature(
         tensor_parallel.random.initialize_rng_tracker).parameters
@@ -57,8 +57,6 @@ def test_moe_surfaces_still_need_the_accommodations():
     head = inspect.getsource(moe_utils).split("HAVE_TE = True", 1)[0]
     assert "te_general_gemm," in head and "except ImportError" in inspect.getsource(moe_utils)
     assert "torch.cuda.Stream()" in inspect.getsource(token_dispatcher.MoEAlltoAllTokenDispatcher.__init__)
-    if cpu_compat._INSTALLED:
-        assert "te_general_gemm" in vars(moe_utils)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None,
@@ -189,24 +187,38 @@ def test_scope_is_per_thread_and_composes_with_other_modes():
 
 
 def test_entry_points_exist():
-    """Every megatron entry point the mode is scoped to is still there (wrapped once installed)."""
+    """Every megatron entry point the mode is scoped to is still there (installed or not: the
+    wrapping is checked below, after an explicit install)."""
     for module, path in cpu_compat.ENTRY_POINTS:
         _owner, _name, fn = cpu_compat._resolve(module, path)
         assert callable(fn), (module, path)
-        if cpu_compat._INSTALLED:
-            assert getattr(fn, "_megarl_scoped", False), (module, path)
     from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer
 
     for cls in (FP32Optimizer, ChainedOptimizer):
         for name in ("step", "zero_grad", "state_dict", "load_state_dict", "sharded_state_dict"):
             assert name in cls.__dict__, (cls, name)
-            if cpu_compat._INSTALLED:
-                assert getattr(cls.__dict__[name], "_megarl_scoped", False), (cls, name)
 
 
 @CPU_ONLY
 def test_entry_points_are_wrapped_where_megarl_reaches_them():
     cpu_compat.install()
+    # every entry point and every optimizer method the mode is scoped to
+    for module, path in cpu_compat.ENTRY_POINTS:
+        _owner, _name, fn = cpu_compat._resolve(module, path)
+        assert getattr(fn, "_megarl_scoped", False), (module, path)
+    from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer
+
+    for cls in (FP32Optimizer, ChainedOptimizer):
+        for name in ("step", "zero_grad", "state_dict", "load_state_dict", "sharded_state_dict"):
+            assert getattr(cls.__dict__[name], "_megarl_scoped", False), (cls, name)
+    # the MoE router GEMM reads te_general_gemm, which install() binds on CPU
+    from megatron.core.transformer.moe import moe_utils
+
+    assert "te_general_gemm" in vars(moe_utils)
+    # the local attention takes THD (packed) sequences once installed
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    assert DotProductAttention.forward._megarl_thd
     from megatron.core import dist_checkpointing, tensor_parallel
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -318,5 +330,3 @@ def test_local_attention_thd_surface():
     src = inspect.getsource(attention.Attention.forward)
     assert "query = query.squeeze(1)" in src and "core_attn_out.reshape(core_attn_out.size(0), 1, -1)" in src
     assert "cu_seqlens" in inspect.signature(rope_utils._apply_rotary_pos_emb_thd).parameters
-    if cpu_compat._INSTALLED:
-        assert DotProductAttention.forward._megarl_thd

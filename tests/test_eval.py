@@ -255,17 +255,18 @@ def test_skip_drops_and_counts_the_bad_rows(tmp_path, capsys):
     assert drop_rows_missing_fields(load_cfg(f"data.train_path={bad}"), ds) is ds  # error mode: checked at start-up
 
 
-def test_the_start_up_check_is_quick_for_the_default_train_file_size(tmp_path):
-    import time
-
+def test_the_start_up_check_reads_a_default_size_train_file(tmp_path):
+    """Every row of a file of the default recipe's size, and a bad row at its end (its speed is
+    bench/startup_checks.py's to print: ~0.1 s for these 20,000 rows on one core)."""
     from megarl.data.fields_check import check_file
 
     rows = [{"id": f"r{i}", "prompt": f"what is {i} plus 1 ?", "answer": str(i + 1)} for i in range(20000)]
     path = _write_jsonl(tmp_path / "big.jsonl", rows)
-    t0 = time.perf_counter()
     found = check_file(path, ("answer",), reserved=("prompt", "messages", "id"))
     assert found.rows == 20000 and not found.bad
-    assert time.perf_counter() - t0 < 2.0  # ~0.1 s measured on one core
+    path = _write_jsonl(tmp_path / "bad_last.jsonl", rows[:-1] + [{"id": "last", "prompt": "what is 1 plus 1 ?"}])
+    found = check_file(path, ("answer",), reserved=("prompt", "messages", "id"), on_missing="skip")
+    assert found.rows == 20000 and [where for where, _ in found.bad] == [f"{path}:20000"], found.bad
 
 
 def test_train_refuses_the_file_before_any_model_loads(tmp_path, capsys):

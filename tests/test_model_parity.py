@@ -2,7 +2,8 @@
 
 Tiny random checkpoints of every supported family are written with ``save_pretrained``;
 megarl loads them at TP=1, TP=2, PP=2 and TP=2 x PP=2 (torchrun, gloo) and the full
-logits must match transformers' forward within 1e-4 (fp32).
+logits must match transformers' forward within ``NET_FP32_LOGPROB`` (fp32, two implementations:
+tests/_tolerance.py).
 """
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from megarl.models.tiny import FAMILIES, make_tiny_hf_checkpoint
 from tests._dist import torchrun
+from tests._tolerance import LAYOUT_FP32_LOGPROB, NET_FP32_LOGPROB, within
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
@@ -54,11 +56,17 @@ def test_logits_match_transformers(family_dirs, tmp_path, tp, pp):
         ref_logits, ref_lp = _reference(str(family_dirs / fam), tokens)
         got = torch.load(tmp_path / f"{fam}_tp{tp}_pp{pp}.pt")
         assert got["logits"].shape == ref_logits.shape, fam
+        # fp32, 2 layers, transformers vs megatron at this layout: two implementations, every
+        # reduction in another order (logits of the tiny init are |x| < ~5)
         err = (got["logits"] - ref_logits).abs().max().item()
-        assert err < 1e-4, f"{fam} tp={tp} pp={pp}: max |logit diff| = {err}"
+        assert within(err, NET_FP32_LOGPROB, f"model_parity/{fam}/tp{tp}pp{pp}/logits"), \
+            f"{fam} tp={tp} pp={pp}: max |logit diff| = {err}"
         lp_err = (got["log_probs"] - ref_lp).abs().max().item()
-        assert lp_err < 1e-4, f"{fam} tp={tp} pp={pp}: max |log-prob diff| = {lp_err}"
-        # packed forward-only passes (algo.pack_sequences) equal the padded ones at every layout
+        assert within(lp_err, NET_FP32_LOGPROB, f"model_parity/{fam}/tp{tp}pp{pp}/log_probs"), \
+            f"{fam} tp={tp} pp={pp}: max |log-prob diff| = {lp_err}"
+        # packed forward-only passes (algo.pack_sequences) equal the padded ones at every layout:
+        # one implementation, the GEMMs see other shapes (one packed row vs padded rows)
         pk_err = (got["packed_log_probs"] - got["padded_log_probs"]).abs().max().item()
-        assert got["padded_log_probs"].ne(0).any() and pk_err < 1e-5, \
+        assert got["padded_log_probs"].ne(0).any() and within(
+            pk_err, LAYOUT_FP32_LOGPROB, f"model_parity/{fam}/tp{tp}pp{pp}/packed_vs_padded"), \
             f"{fam} tp={tp} pp={pp}: max |packed - padded log-prob| = {pk_err}"

@@ -17,6 +17,7 @@ import torch
 
 from megarl.config import OptimSettings
 from megarl.models.tiny import make_tiny_hf_checkpoint
+from tests._tolerance import within
 
 E, K, C_AUX, C_Z = 4, 2, 0.05, 0.003
 
@@ -100,7 +101,11 @@ def test_aux_and_z_loss_gradient_is_the_coefficient_times_the_mean(moe_ckpt, meg
     for n, g in got.items():
         w = torch.zeros_like(g) if want[n] is None else want[n]
         err, scale = float((g - w).abs().max()), float(w.abs().max())
-        assert err <= 1e-5 * scale + 1e-9, f"{n}: max |grad - hand| {err:.3e} (max |hand| {scale:.3e})"
+        # fp32, megatron's aux / z losses through its autoscaler against autograd of the formulas
+        # on the same weights: two implementations of a 2-layer forward and backward; relative
+        # to the gradient's scale (the z-loss' gradients are ~1e-3 of the aux loss')
+        assert within(err, 1e-5 * scale + 1e-9, f"moe_losses/grad_rel/{n}"), \
+            f"{n}: max |grad - hand| {err:.3e} (max |hand| {scale:.3e})"
         reached += bool(w.abs().max() > 0)
     assert reached > len(router)  # and, through the hidden states, the layers below them
 

@@ -1,10 +1,16 @@
 """configs/grpo_moe_tiny.yaml end to end, shrunk: ``python -m megarl.train`` builds the built-in
 tiny Qwen3-MoE (``model.tiny.family=qwen3_moe``: a real warm start through megatron's MoE layer)
-into an empty cache, then trains GRPO with the rollout's routing recorded and the router's aux
-and z losses on.  One launch proves: the build's checkpoint and marker are a Qwen3-MoE of the
-configured experts (and the held-out accuracy is measured), the hf engine took the actor's
-expert weights every iteration, each sealed batch carries the routing of its tokens, and the
-router losses are reported per iteration with values their formulas allow."""
+into an empty cache, then trains GRPO with the rollout's routing recorded and replayed and the
+router's aux and z losses on.  One launch proves:
+
+* the build's checkpoint and marker are a Qwen3-MoE of the configured experts, and the marker's
+  held-out accuracy is the one :func:`megarl.tinymodel.heldout_accuracy` measures on it;
+* the hf engine served the actor's weights, experts included, every iteration: each sealed
+  batch's rollout log-probs are those of that iteration's export (transformers, teacher-forced);
+* each sealed batch carries the routing of its tokens: the recorded top-k experts are the ones
+  transformers' routers choose on that export, on every recorded token and MoE layer;
+* the router losses are reported every iteration, within the bounds their formulas imply (their
+  exact values and gradients are tests/test_moe_losses.py's)."""
 
 from __future__ import annotations
 
@@ -13,22 +19,51 @@ import os
 import subprocess
 import sys
 
+import torch
+
 from megarl.models.hf_config import load_spec
 from tests._dist import ROOT, subprocess_env
-from tests._train_runs import batches, metrics
+from tests._tolerance import NET_FP32_LOGPROB, max_abs_diff, within
+from tests._train_runs import batches, hf_response_log_probs, metrics
 
 RECIPE = os.path.join(ROOT, "configs", "grpo_moe_tiny.yaml")
 ITERS = 3
 
 
+def _export_routing(model, facts):
+    """Per row: the top-k expert sets transformers' routers choose at every recorded position
+    (``routing_token_mask``), teacher-forced on the row's real tokens, ``(positions, layers, k)``,
+    and the margin between each position's k-th and (k+1)-th router logit ``(positions, layers)``."""
+    from megarl.experience.schema import routing_token_mask
+
+    P, k = facts.prompt_len, facts.routed_experts.experts.shape[-1]
+    rec = routing_token_mask(facts.attention_mask)
+    out = []
+    for b in range(facts.batch_size):
+        am = facts.attention_mask[b]
+        n = int(facts.response_mask[b].sum())
+        tokens = torch.cat([facts.prompt_ids[b][am[:P] != 0], facts.response_ids[b][:n]])[None]
+        with torch.no_grad():
+            logits = model(tokens, output_router_logits=True).router_logits  # a tuple: (tokens, E) per layer
+        top = [lg.topk(k + 1, dim=-1) for lg in logits]
+        chosen = torch.stack([t.indices[:, :k] for t in top], dim=1)  # (tokens, layers, k)
+        margin = torch.stack([t.values[:, k - 1] - t.values[:, k] for t in top], dim=1)
+        cols = rec[b].nonzero()[:, 0]
+        out.append((cols, chosen[: len(cols)], margin[: len(cols)]))
+    return out
+
+
 def test_moe_tiny_recipe_builds_and_trains_with_router_losses(tmp_path):
+    from megarl.tinymodel import heldout_accuracy
+
     cache, run_dir = tmp_path / "cache", tmp_path / "run"
     overrides = ["model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.num_heads=2",
                  "model.tiny.num_kv_heads=1", "model.tiny.num_experts=4", "model.tiny.top_k=2",
                  "model.tiny.moe_intermediate_size=32", "model.tiny.warmstart_steps=20",
+                 "model.tiny.warmstart_target_accuracy=null",
                  "data.arithmetic_train_n=200", "data.arithmetic_heldout_n=16", "eval.n=16", "eval.every=0",
                  f"trainer.iterations={ITERS}", "trainer.prompts_per_iteration=4", "rollout.n=4",
-                 "trainer.save_experience=true", f"trainer.run_dir={run_dir}",
+                 "trainer.save_experience=true", "trainer.export_every=1", f"trainer.run_dir={run_dir}",
                  "actor.moe_aux_loss_coeff=0.01", "actor.moe_z_loss_coeff=0.001"]
     env = dict(subprocess_env(), MEGARL_CACHE=str(cache))
     proc = subprocess.run([sys.executable, "-m", "megarl.train", "--config", RECIPE, *overrides], env=env,
@@ -44,7 +79,9 @@ def test_moe_tiny_recipe_builds_and_trains_with_router_losses(tmp_path):
     with open(model / "tiny_model.json") as f:
         info = json.load(f)
     assert info["family"] == "qwen3_moe" and info["moe"] == {"num_experts": 4, "top_k": 2, "moe_intermediate_size": 32}
-    assert 0.0 <= info["heldout_accuracy_greedy"] <= 1.0 and info["warmstart"]["steps"] == 20
+    assert info["warmstart"]["steps"] == 20
+    # greedy decoding of one model on one CPU process: the same accuracy when measured again
+    assert heldout_accuracy(str(model), n=info["warmstart"]["heldout_n"]) == info["heldout_accuracy_greedy"]
 
     rows = metrics(str(run_dir))
     assert len(rows) == ITERS
@@ -54,11 +91,30 @@ def test_moe_tiny_recipe_builds_and_trains_with_router_losses(tmp_path):
         assert r["update/moe_z_loss"] > 0.0  # mean squared logsumexp of the router logits
         assert r["prep/routing/load_max_over_mean"] >= 1.0
         assert r["rollout/weight_sync_bytes"] > 0
-    for b in batches(str(run_dir)):
-        re = b.facts.routed_experts
+    sealed = batches(str(run_dir))
+    assert len(sealed) == ITERS
+    for k, b in enumerate(sealed):
+        f = b.facts
+        re = f.routed_experts
         assert re is not None and re.experts.shape[2:] == (2, 2)  # (rows, tokens, MoE layers, top_k)
-        assert re.experts.shape[:2] == b.facts.attention_mask.shape
+        assert re.experts.shape[:2] == f.attention_mask.shape
         assert int(re.experts.max()) < 4 and (re.producer.role, re.producer.backend) == ("rollout", "hf")
+        assert re.producer.version == f.policy_version[0]
+        # the engine served export k (experts included): its log-probs are that export's (fp32,
+        # transformers generate vs teacher-forced: two code paths, tests/_tolerance.py)
+        hf_model, (lp, _) = hf_response_log_probs(os.path.join(str(run_dir), "export", f"iter_{k}"), f)
+        err = max_abs_diff(lp, f.rollout_log_probs.values, f.response_mask != 0)
+        assert within(err, NET_FP32_LOGPROB, "moe_recipe/rollout_vs_export"), (k, err)
+        # and the recorded routing is what that export's routers choose, token by token, layer by
+        # layer -- wherever the choice is not a tie within the parity tolerance: the engine's
+        # cached decode and this teacher-forced forward may round a near-tie either way
+        decided = ties = 0
+        for row, (cols, chosen, margin) in enumerate(_export_routing(hf_model, f)):
+            same = (re.experts[row, cols].long().sort(dim=-1).values == chosen.sort(dim=-1).values).all(-1)
+            clear = margin > NET_FP32_LOGPROB
+            assert bool(same[clear].all()), (k, row)
+            decided, ties = decided + int(clear.sum()), ties + int((~clear).sum())
+        assert decided > 0 and ties <= 0.01 * decided, (decided, ties)
 
 
 def test_moe_recipe_keys_are_refused_naming_the_key():

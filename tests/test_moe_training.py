@@ -29,6 +29,7 @@ from megarl.models.hf_config import spec_from_hf_config
 from megarl.models.tiny import make_tiny_hf_checkpoint
 from megarl.rollout.weight_stream import TensorManifest
 from tests._dist import ROOT, torchrun
+from tests._tolerance import adam_weights_tol, within
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2)
 
@@ -93,12 +94,18 @@ def test_grpo_update_at_ep2_equals_ep1(launch):
     moved = max((ep1["weights"][k] - initial[k]).abs().max().item() for k in initial)
     assert moved > 1e-3
     for k in initial:
+        # two Adam steps (lr 3e-3) on gradients summed in another order (EP splits the experts,
+        # DP reduces over other groups): tests/_tolerance.py's Adam bound, gradient terms <= ~1e-3
         err = (ep2["weights"][k] - ep1["weights"][k]).abs().max().item()
-        assert err < 1e-6, f"{k}: EP=2 differs from EP=1 by {err} after one GRPO update"
+        assert within(err, adam_weights_tol(3e-3, 2, 1e-3), "moe_training/ep2_vs_ep1/weights"), \
+            f"{k}: EP=2 differs from EP=1 by {err} after one GRPO update"
     # clipping was active (clip_grad=0.1 below both steps' norms): the global norm is layout-invariant too
     assert min(ep1["metrics"]["update/grad_norm"], ep1["metrics"]["update/grad_norm_max"]) > 0.1
+    # norms and losses of fp32 gradients and log-probs summed in another order: relative 1e-5
+    # (measured <= 1.2e-7)
     for key in ("update/grad_norm", "update/grad_norm_max", "update/pg_loss"):
-        assert ep2["metrics"][key] == pytest.approx(ep1["metrics"][key], rel=1e-6), key
+        rel = abs(ep2["metrics"][key] - ep1["metrics"][key]) / abs(ep1["metrics"][key])
+        assert within(rel, 1e-5, f"moe_training/ep2_vs_ep1/{key}_rel"), (key, rel)
 
 
 def test_manifest_at_ep2_is_every_expert_once_in_canonical_order(launch):

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from megarl.models.tiny import make_tiny_hf_checkpoint
 from tests._dist import torchrun
+from tests._tolerance import adam_weights_tol, within
 
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)]
 
@@ -35,7 +36,14 @@ def test_one_step_matches_single_rank(runs, optimizer, tp, pp, dp):
     assert set(got["weights"]) == set(initial)
     moved = max((ref["weights"][k] - initial[k]).abs().max().item() for k in initial)
     assert moved > 1e-4, "the step did not change the weights; the comparison would be vacuous"
+    # the step at another layout sums the gradients in another order (fp32): SGD (lr 0.5) moves
+    # each weight by lr x its gradient, whose rounding is ~1e-6 relative; Adam (lr 1e-3) by the
+    # bound of tests/_tolerance.py (gradient terms <= ~1e-3)
+    tol = 1e-5 if optimizer == "sgd" else adam_weights_tol(1e-3, 1, 1e-3)
     for k in initial:
         err = (got["weights"][k] - ref["weights"][k]).abs().max().item()
-        assert err < 1e-5, f"{optimizer} tp={tp} pp={pp} dp={dp}: {k} differs by {err}"
-    assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+        assert within(err, tol, f"optim_step/{optimizer}/tp{tp}pp{pp}dp{dp}/weights"), \
+            f"{optimizer} tp={tp} pp={pp} dp={dp}: {k} differs by {err}"
+    # the norm of fp32 gradients summed in another order: relative 1e-5 (measured 3.5e-8)
+    rel = abs(got["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"]
+    assert within(rel, 1e-5, f"optim_step/{optimizer}/tp{tp}pp{pp}dp{dp}/grad_norm_rel"), rel

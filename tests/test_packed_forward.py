@@ -24,9 +24,13 @@ from megarl.models.forward import (
 from megarl.models.megatron_ckpt import load_model
 from megarl.models.tiny import make_tiny_hf_checkpoint
 from megarl.runtime import cpu_compat
+from tests._tolerance import LAYOUT_FP32_LOGPROB, LAYOUT_FP32_VALUE, within
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOL = 1e-5  # fp32; measured 0 (bitwise) on this CPU for the local attention's "repad" strategy
+# packed (THD) against padded rows: one implementation, fp32, 2 layers; the GEMMs see one packed
+# row instead of padded rows, so their blocking (and on another CPU their reduction order) may
+# differ.  Measured 0 (bitwise) here for the "repad" attention strategy.
+TOL, VTOL = LAYOUT_FP32_LOGPROB, LAYOUT_FP32_VALUE
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +78,7 @@ def test_packed_log_probs_equal_padded(ckpts, thd_attention):
             assert not packed[past].any() and padded[~past].ne(0).any()
             worst = max(worst, float((packed - padded).abs().max()))
     print(f"\nmax |packed - padded| log-prob ({thd_attention}): {worst:.3e}")
-    assert worst < TOL
+    assert within(worst, TOL, f"packed_forward/log_probs/{thd_attention}"), worst
 
 
 def test_packed_critic_values_equal_padded(ckpts, thd_attention):
@@ -90,7 +94,7 @@ def test_packed_critic_values_equal_padded(ckpts, thd_attention):
         assert per_token.ne(0).any() and boot.ne(0).all()
         worst = max(worst, float((per_token_p - per_token).abs().max()), float((boot_p - boot).abs().max()))
     print(f"\nmax |packed - padded| value ({thd_attention}): {worst:.3e}")
-    assert worst < TOL
+    assert within(worst, VTOL, f"packed_forward/values/{thd_attention}"), worst
 
 
 def test_full_rows_and_teacher_forced_positions(ckpts):
@@ -102,9 +106,10 @@ def test_full_rows_and_teacher_forced_positions(ckpts):
     for kw in ({}, {"lengths": lengths}):
         a = teacher_forced_log_probs(model, tokens, 4, **kw)
         b = teacher_forced_log_probs(model, tokens, 4, pack=True, **kw)
-        assert (a - b).abs().max() < TOL
-    assert (response_log_probs(model, prompt, response, attn, 3, temperature=0.7)
-            - response_log_probs(model, prompt, response, attn, 3, temperature=0.7, pack=True)).abs().max() < TOL
+        assert within((a - b).abs().max(), TOL, "packed_forward/teacher_forced"), float((a - b).abs().max())
+    err = (response_log_probs(model, prompt, response, attn, 3, temperature=0.7)
+           - response_log_probs(model, prompt, response, attn, 3, temperature=0.7, pack=True)).abs().max()
+    assert within(err, TOL, "packed_forward/response_log_probs_t07"), float(err)
 
 
 def test_attention_stays_inside_each_sequence(ckpts):
@@ -123,9 +128,10 @@ def test_attention_stays_inside_each_sequence(ckpts):
         starts = [0] + lengths.cumsum(0).tolist()
         for i, n in enumerate(lengths.tolist()):
             alone = model(tokens[i:i + 1, :n], torch.arange(n)[None], None)[0]
-            assert (packed[starts[i]:starts[i] + n] - alone).abs().max() < TOL, i
-            if i:
-                assert (leaky[starts[i]:starts[i] + n] - alone).abs().max() > 1e-3, i
+            err = (packed[starts[i]:starts[i] + n] - alone).abs().max()
+            assert within(err, TOL, "packed_forward/logits_vs_alone"), (i, float(err))
+            if i:  # attention across the boundary: far outside the tolerance
+                assert (leaky[starts[i]:starts[i] + n] - alone).abs().max() > 100 * TOL, i
 
 
 def test_scalar_values_with_empty_row(ckpts):
@@ -135,7 +141,7 @@ def test_scalar_values_with_empty_row(ckpts):
     lengths = torch.tensor([6, 0, 2])
     a = scalar_values(model, tokens, 0, lengths=lengths)
     b = scalar_values(model, tokens, 0, lengths=lengths, pack=True)
-    assert not b[1].any() and (a - b).abs().max() < TOL
+    assert not b[1].any() and within((a - b).abs().max(), VTOL, "packed_forward/values_empty_row"), float((a - b).abs().max())
 
 
 @pytest.mark.skipif(not cpu_compat.on_cpu(), reason="the local attention's THD path is a CPU accommodation")

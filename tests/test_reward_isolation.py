@@ -78,10 +78,15 @@ def test_gil_holding_scorer_is_a_timeout_and_the_trainer_keeps_running():
         assert [x.total for x in recs[:3]] == [1.0] * 3 and recs[5].total == 0.0
         assert "timeout_s=2.0" in recs[3].error
         # the two hogs run side by side and are declared at 2 s; the last sample waits for a
-        # replacement worker (a fork of the forkserver): no stall beyond timeout + grace + slack
-        assert wall < 2.0 + GRACE + 2.0, wall
+        # replacement worker (a fork of the forkserver).  The hogs would run for minutes: what
+        # is asserted is the kill at the timeout, with a slack of 5 s for forking replacements
+        # on a loaded machine
+        assert 2.0 <= wall < 2.0 + GRACE + 5.0, wall
+        # a hog holding the trainer's GIL would stall this thread for the whole 2 s timeout; in a
+        # worker process it cannot, and a gap of half the timeout leaves the scheduler of a busy
+        # machine (two hogs on two cores, and whatever runs beside the suite) a wide margin
         gaps = [b - a for a, b in zip(beats, beats[1:])]
-        assert max(gaps) < 0.5, max(gaps)
+        assert max(gaps) < 1.0, max(gaps)
         m = r.metrics()
         assert m["reward/gil_hog/timeouts"] == 2 and m["reward/gil_hog/worker_restarts"] == 2
         assert m["reward/gil_hog/latency_p50_s"] < 1.0 and m["reward/gil_hog/calls_per_s"] > 0

@@ -23,6 +23,7 @@ from megarl.data.tiny_tokenizer import build_tiny_tokenizer
 from megarl.data.tokenizer import TokenizerContract
 from megarl.models.tiny import make_tiny_hf_checkpoint
 from tests._dist import torchrun
+from tests._tolerance import NET_FP32_LOGPROB, within
 
 LAYOUTS = [(1, 1, False), (2, 1, True), (2, 2, False)]
 PROMPTS = ("what is 3 plus 4 ?", "compute 12 times 7 .", "solve : 100 minus 58 equals ?")
@@ -69,8 +70,11 @@ def test_token_and_log_prob_contracts(runs, tp, pp):
     assert g["argmax_mismatch"] == 0, "rollout ids are not the actor's greedy tokens"
     assert g["first_action_ok"] and s["first_action_ok"]
     assert "eos" in g["finish_reasons"] and "length" in g["finish_reasons"], g["finish_reasons"]
-    assert g["raw_err"] < 1e-4 and s["raw_err"] < 1e-4, (g["raw_err"], s["raw_err"])
-    assert s["processed_err"] is not None and s["processed_err"] < 1e-4, s["processed_err"]
+    # fp32, the hf engine vs the megatron actor at this layout: two implementations
+    assert within(g["raw_err"], NET_FP32_LOGPROB, f"actor_sync/tp{tp}pp{pp}/greedy_raw") and \
+        within(s["raw_err"], NET_FP32_LOGPROB, f"actor_sync/tp{tp}pp{pp}/sampled_raw"), (g["raw_err"], s["raw_err"])
+    assert s["processed_err"] is not None and within(s["processed_err"], NET_FP32_LOGPROB,
+                                                     f"actor_sync/tp{tp}pp{pp}/processed"), s["processed_err"]
     assert len(g["versions"]) == 1 and len(s["versions"]) == 1
 
 
@@ -93,7 +97,7 @@ def test_version_switch_after_optimizer_step(runs):
     assert r["export_manifest_equal"]
     assert r["after_activation_ids"] == r["fresh_ids"]
     assert r["after_activation_version"] == r["v1"]
-    assert r["greedy1"]["argmax_mismatch"] == 0 and r["greedy1"]["raw_err"] < 1e-4
+    assert r["greedy1"]["argmax_mismatch"] == 0 and within(r["greedy1"]["raw_err"], NET_FP32_LOGPROB, "actor_sync/v1_raw")
 
 
 def test_corrupted_bucket_is_caught(runs):

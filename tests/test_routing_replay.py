@@ -25,6 +25,7 @@ from megarl.rollout.protocol import GenerationRequest, SamplingParams
 from megarl.rollout.weight_stream import TensorManifest, hf_logical_tensors, iter_buckets
 from megarl.versions import PolicyVersion
 from tests._tiny_actor import ADAM
+from tests._tolerance import LAYOUT_FP32_LOGPROB, NET_FP32_LOGPROB, within
 
 #: wide init (routing depends on the input), 8 experts top-2 over 3 MoE layers
 SHAPE = dict(hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2, num_layers=3,
@@ -106,14 +107,19 @@ def test_replay_dispatches_the_recorded_experts_and_matches_the_rollout(moe):
     # replay: the dispatched top-k set equals the record on every recorded token and layer
     assert on["replay_differs"] == 0.0
     # fp32 rollout, fp32 trainer: the router agrees by itself too, and replay changes nothing
-    # but the order of the top-k inside the gate's softmax (float rounding)
+    # but the order of the top-k inside the gate's softmax: one model, one kernel family, a
+    # reordered sum of two expert outputs per MoE layer (3 layers)
     assert off["mismatch_tokens"] == 0.0 and on["mismatch_tokens"] == 0.0
-    assert float((lp_on - lp_off).abs().max()) < 1e-6
-    # the trainer's log-probs equal the rollout's to the dense parity tolerance
-    assert max_err(lp_on, c) < 1e-5
+    err = float((lp_on - lp_off).abs().max())
+    assert within(err, LAYOUT_FP32_LOGPROB, "routing_replay/on_vs_off"), err
+    # the trainer's log-probs equal the rollout's (fp32, transformers vs megatron: two kernel
+    # families through 3 wide-init layers) to the dense parity tolerance
+    err = max_err(lp_on, c)
+    assert within(err, NET_FP32_LOGPROB, "routing_replay/trainer_vs_rollout"), err
     # packed forwards lay the tokens out differently; the replay follows them
     lp_packed, packed = measured(model, c, replay=True, pack=True)
-    assert packed["replay_differs"] == 0.0 and max_err(lp_packed, c) < 1e-5
+    err = max_err(lp_packed, c)
+    assert packed["replay_differs"] == 0.0 and within(err, NET_FP32_LOGPROB, "routing_replay/packed_vs_rollout"), err
 
 
 def test_replay_is_not_the_routers_choice(moe):
@@ -128,7 +134,8 @@ def test_replay_is_not_the_routers_choice(moe):
     lp, st = measured(model, c, replay=True, experts=other)
     assert st["replay_differs"] == 0.0
     assert st["mismatch_tokens"] > 0.9  # the router's own choice differs from the forced one
-    assert max_err(lp, c) > 1e-3  # and the log-probs are those of the forced sub-network
+    # and the log-probs are those of the forced sub-network: far outside the parity tolerance
+    assert max_err(lp, c) > 100 * NET_FP32_LOGPROB
 
 
 def test_bf16_rollout_mismatch_measured_and_removed_by_replay(moe):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -29,6 +30,7 @@ import time
 import torch
 
 from tests._dist import free_port, subprocess_env
+from tests._tolerance import NET_FP32_LOGPROB, within
 from tests._train_runs import (
     GRPO,
     ITERS,
@@ -111,8 +113,10 @@ def _audit_labels(run_dir):
         for step in sorted(set(steps[pol].tolist())):
             _, (tf, _) = hf_response_log_probs(os.path.join(run_dir, "export", f"iter_{step}"), f)
             on = pol & (steps == step)
+            # fp32, each version's export through transformers vs the engine's sampling pass
             err = (tf - f.rollout_log_probs.values).abs()[on]
-            assert float(err.max()) < 1e-4, (f.iteration, step, float(err.max()))
+            assert within(err.max(), NET_FP32_LOGPROB, "split_async/token_version_log_probs"), \
+                (f.iteration, step, float(err.max()))
     return mixed
 
 
@@ -154,22 +158,27 @@ def test_async_eta2_bound_and_killed_rollout_rank_resumes(assets, tmp_path):
     # the same run, its rollout rank killed mid-load of v3 (iteration 3's publication)
     k = str(tmp_path / "killed")
     os.makedirs(k)
+    timeout_s = 10
     tail = checkpointed_run_cmd(assets, k, GRPO, 1, ASYNC2 + ["faults.kill_rollout_at_load=3",
-                                                              "placement.timeout_s=10"])[3:]
-    t0 = time.time()
+                                                              f"placement.timeout_s={timeout_s}"])[3:]
     procs = _launch_plain(tail, free_port(), k)
-    rcs = []
+    rcs, ended = [], []
     for p, out in procs:
         try:
             rcs.append(p.wait(timeout=300))
+            ended.append(time.time())
         finally:
             out.close()
-    waited = time.time() - t0
-    log0 = open(os.path.join(k, "rank0.log")).read()
+    log0, log1 = (open(os.path.join(k, f"rank{r}.log")).read() for r in (0, 1))
     assert rcs[1] == -9, rcs  # the drill: SIGKILL while receiving
     assert rcs[0] not in (0, None), log0[-3000:]
-    assert "rollout" in log0 and ("lost" in log0 or "bridge broadcast failed" in log0 or "heartbeat" in log0), log0[-3000:]
-    assert waited < 240, waited
+    # the trainer names the lost rank by its heartbeat, with the configured bound ...
+    assert re.search(rf"rollout0's heartbeat has not moved for \d+s \(placement.timeout_s={timeout_s}\)", log0), \
+        log0[-3000:]
+    # ... and is gone within it (plus the heartbeat's cadence and its own exit) after the kill
+    killed = float(re.search(r"killing rollout rank 0 while it receives \S+ \(at wall time ([0-9.]+)\)", log1)[1])
+    # (the heartbeat beats once a second: its last beat may precede the kill by up to one)
+    assert timeout_s - 1.5 <= ended[0] - killed <= timeout_s + 30, ended[0] - killed
     done = sorted(x for x in os.listdir(os.path.join(k, "checkpoints")) if x.startswith("iter_"))
     assert done[-1] == "iter_000003", done
 

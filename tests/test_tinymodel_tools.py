@@ -119,7 +119,8 @@ def test_tool_keys_default_and_accepted():
     cfg = load_config(GRPO, [])
     t = cfg.model.tiny
     assert (t.tool_demos, t.tool_only_steps, t.tool_min_digits, t.tool_max_digits, t.tool_role) == (0.0, 0, 4, 6, "user")
-    cfg = load_config(GRPO, ["model.tiny.tool_demos=0.2", "model.tiny.tool_only_steps=300"])
+    cfg = load_config(GRPO, ["model.tiny.tool_demos=0.2", "model.tiny.tool_only_steps=300",
+                             "model.tiny.warmstart_target_accuracy=null"])
     assert validate(cfg, 1) == 1
 
 
@@ -138,9 +139,10 @@ def test_builder_command_adds_tool_flags_only_when_demos(tmp_path, monkeypatch):
                                                          "model.tiny.tool_role=user"]))
     default, calc = seen
     assert default[2:] == ["megarl.tinymodel", "--out", str(tmp_path / "m"), "--hidden-size", "128", "--num-layers", "4",
-                           "--num-heads", "4", "--num-kv-heads", "2", "--intermediate-size", "256", "--steps", "470",
-                           "--lr", "0.002", "--batch", "64", "--seed", "0", "--min-digits", "1", "--max-digits", "2",
-                           "--overwrite"]
+                           "--num-heads", "4", "--num-kv-heads", "2", "--intermediate-size", "256", "--steps", "2000",
+                           "--lr", "0.002", "--batch", "64", "--target-accuracy", "0.3", "--heldout-n", "200",
+                           "--seed", "0",
+                           "--min-digits", "1", "--max-digits", "2", "--overwrite"]
     assert calc[:len(default)] == default
     assert calc[len(default):] == ["--tool-demos", "0.25", "--tool-only-steps", "9", "--tool-min-digits", "4",
                                    "--tool-max-digits", "6", "--tool-role", "user"]
@@ -198,3 +200,44 @@ def test_two_turn_demonstrations_teach_the_second_turn_not_the_wrong_guess(tok):
                for i in demos]
     right = sum(g.replace(" ", "") == probs[i]["answer"] for g, i in zip(guesses, demos))
     assert 0 < right < len(demos)  # some guesses right, some one digit off
+
+
+def test_a_cache_built_by_other_settings_is_refused_naming_the_key(tmp_path):
+    """The tiny model and the task files under MEGARL_CACHE are reused only when they are what
+    these settings build: a build by other model.tiny.* settings (or an older megarl) and a task
+    file of other data.arithmetic_* settings are refused, naming the setting or the file, before
+    anything trains on them."""
+    import json
+
+    import pytest
+
+    from megarl import train
+    from megarl.errors import MegarlError
+    from megarl.tinymodel import MARKER
+
+    model = tmp_path / "m"
+    model.mkdir()
+    cfg = load_config(GRPO, [f"model.path={model}", "model.build_tiny=true",
+                             f"data.train_path={tmp_path / 'train.jsonl'}", f"data.heldout_path={tmp_path / 'held.jsonl'}"])
+    info = {k: v for k, v in train._tiny_settings(cfg).items() if "." not in k}
+    info["warmstart"] = {k.split(".", 1)[1]: v for k, v in train._tiny_settings(cfg).items() if k.startswith("warmstart.")}
+    info["task"] = {"name": "arithmetic", "digits": [1, 2], "ops": ["plus"]}
+    (model / MARKER).write_text(json.dumps(info))
+    train.ensure_builtin_model(cfg)  # the same settings: reused, nothing built
+    info["warmstart"]["target_accuracy"] = None  # a build that ran a fixed step count
+    (model / MARKER).write_text(json.dumps(info))
+    with pytest.raises(MegarlError, match=r"model\.tiny\.warmstart_target_accuracy: the cached build has None, the config 0\.3"):
+        train.ensure_builtin_model(cfg)
+    del info["warmstart"]["max_steps"]  # a build of an older megarl
+    (model / MARKER).write_text(json.dumps(info))
+    with pytest.raises(MegarlError, match=r"model\.tiny\.warmstart_steps: the cached build has None"):
+        train.ensure_builtin_model(cfg)
+
+    train.ensure_builtin_task(cfg)  # writes both files
+    train.ensure_builtin_task(cfg)  # and takes them again as they are
+    held = [json.loads(line) for line in open(tmp_path / "held.jsonl")]
+    assert len({r["prompt"] for r in held}) == len(held) == 200  # the evaluation set: distinct problems
+    other = load_config(GRPO, [f"data.train_path={tmp_path / 'train.jsonl'}", f"data.heldout_path={tmp_path / 'held.jsonl'}",
+                               "data.arithmetic_max_digits=3"])
+    with pytest.raises(MegarlError, match=r"data\.build_arithmetic: .*train\.jsonl holds another train split"):
+        train.ensure_builtin_task(other)

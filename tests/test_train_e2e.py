@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tests._dist import ROOT, free_port, subprocess_env
+from tests._tolerance import LAYOUT_FP32_LOGPROB, NET_FP32_LOGPROB, formula_tol, max_abs_diff, within
 from tests._train_runs import GRPO, PPO, batches, hf_response_log_probs, metrics
 
 LR = 0.1
@@ -54,7 +55,9 @@ def check_structure(run_dir, algo, groups_per_publish):
     ms = metrics(run_dir)
     assert [m["iteration"] for m in ms] == [0, 1]
     run_id = os.path.basename(run_dir)
-    for k, b in enumerate(batches(run_dir)):
+    sealed = batches(run_dir)
+    assert len(sealed) == 2, "every iteration's sealed batch is saved (trainer.save_experience): none to check"
+    for k, b in enumerate(sealed):
         f, d = b.facts, b.derived
         assert b.sealed and f.iteration == k and f.run_id == run_id
         versions = set(f.policy_version)
@@ -79,7 +82,8 @@ def check_structure(run_dir, algo, groups_per_publish):
         assert bool((d.loss_mask <= f.response_mask).all())
         # rollout and actor agree on the same version (raw space)
         keep = f.response_mask != 0
-        assert (f.old_log_probs.values - f.rollout_log_probs.values)[keep].abs().max() < 1e-4
+        err = max_abs_diff(f.old_log_probs.values, f.rollout_log_probs.values, keep)
+        assert within(err, NET_FP32_LOGPROB, "train_e2e/old_vs_rollout"), err
         if algo == "ppo":
             assert f.values is not None and f.critic_version and d.returns is not None and d.estimator == "gae"
         else:
@@ -87,7 +91,8 @@ def check_structure(run_dir, algo, groups_per_publish):
         assert ms[k]["e2e/count/kv_flushes"] == (k + 1) * groups_per_publish
         # the export of v_k scores the experience like the actor that sealed it
         _, (lp, _) = hf_response_log_probs(os.path.join(run_dir, "export", f"iter_{k}"), f)
-        assert (lp - f.old_log_probs.values)[keep].abs().max() < 1e-4
+        err = max_abs_diff(lp, f.old_log_probs.values, keep)
+        assert within(err, NET_FP32_LOGPROB, "train_e2e/export_vs_old"), err
     for k in (0, 1, 2):
         assert os.path.isfile(os.path.join(run_dir, "export", f"iter_{k}", "tokenizer_config.json"))
     assert "eval/accuracy" in ms[0] and "eval/accuracy" in ms[-1]
@@ -121,10 +126,16 @@ def check_rung3(run_dir, assets):
         adv[idx] = 0.0 if std <= 1e-6 else (s - s.mean()) / std
     keep = f.response_mask != 0
     want_adv = adv[:, None].expand_as(f.response_mask).float()
-    assert (d.advantages - want_adv)[keep].abs().max() < 1e-6
+    # float32 GRPO advantages of groups of 4 digit-count rewards (<= 6 each) against float64 by hand:
+    # a mean, a Bessel std and a division, <= 12 operations on magnitudes summing to <= 30
+    err = max_abs_diff(d.advantages, want_adv, keep)
+    assert within(err, formula_tol(torch.float32, ops=12, scale=30.0), "train_e2e/rung3/advantages"), err
     # the loss of the single step, its gradient norm and the SGD update
     model, (lp, rows) = hf_response_log_probs(export0, f)
-    assert (lp - f.old_log_probs.values)[keep].abs().max() < 1e-5
+    # transformers against megatron (fp32, 2 layers of width 64, logits |x| < ~5): rung 3's 1e-5
+    # is NET_FP32_LOGPROB's budget for this smaller, narrower network (measured 9.5e-7)
+    err = max_abs_diff(lp, f.old_log_probs.values, keep)
+    assert within(err, 1e-5, "train_e2e/rung3/old_log_probs"), err
     old, ref = f.old_log_probs.values, f.ref_log_probs.values
     n_tok = float(keep.sum())
     pg_sum = torch.zeros((), dtype=torch.float32)
@@ -140,13 +151,19 @@ def check_rung3(run_dir, assets):
         kl_sum = kl_sum + (torch.expm1(dd) - dd).sum()
     beta = 0.001
     loss = pg_sum / n_tok + beta * kl_sum / n_tok
-    assert abs(float(pg_sum / n_tok) - m0["update/pg_loss"]) < 1e-5
-    assert abs(float(kl_sum / n_tok) - m0["update/kl_loss"]) < 1e-5
+    # token-means of per-token terms of those log-probs (|A| <= 2, ratios within 1e-5 of 1):
+    # the log-prob difference times |A|, plus a reordered fp32 mean
+    err = abs(float(pg_sum / n_tok) - m0["update/pg_loss"])
+    assert within(err, 1e-5, "train_e2e/rung3/pg_loss"), err
+    err = abs(float(kl_sum / n_tok) - m0["update/kl_loss"])
+    assert within(err, 1e-5, "train_e2e/rung3/kl_loss"), err
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     gnorm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads.values()))
     assert gnorm > 1e-3
-    assert abs(gnorm - m0["update/grad_norm"]) <= 1e-5 * max(1.0, gnorm), (gnorm, m0["update/grad_norm"])
+    # the gradients of two implementations, each entry within ~1e-6 relative: their norm too
+    err = abs(gnorm - m0["update/grad_norm"]) / max(1.0, gnorm)
+    assert within(err, 1e-5, "train_e2e/rung3/grad_norm_rel"), (gnorm, m0["update/grad_norm"])
     from safetensors.torch import load_file
 
     w1 = load_file(os.path.join(run_dir, "export", "iter_1", "model.safetensors"))
@@ -157,7 +174,8 @@ def check_rung3(run_dir, assets):
             worst = max(worst, float((w1[name] - want).abs().max()))
     moved = max(float((w1[n] - p.detach()).abs().max()) for n, p in model.named_parameters())
     assert moved > 1e-4, "the step did not change the weights: the comparison would be vacuous"
-    assert worst < 1e-5, worst
+    # SGD at lr 0.1: the weights differ by lr x the gradients' difference (measured 1.2e-7)
+    assert within(worst, 1e-5, "train_e2e/rung3/weights"), worst
 
 
 DENSE = ["reward.fn=tests.plugins.faulty_rewards:digit_count"]
@@ -188,11 +206,20 @@ def test_grpo_single_process(assets, tmp_path):
         assert os.path.getsize(os.path.join(run_dir, "plots", f"{stage}.png")) > 5000
 
 
-def test_grpo_torchrun_tp2(assets, tmp_path):
+def test_grpo_torchrun_tp2_then_resumed_at_tp1(assets, tmp_path):
+    """TP=2: structure and rung 3; then its last checkpoint, saved by 2 processes, is resumed by
+    one: the loaded actor's logical weights hash to the checkpointed version's manifest (a
+    bitwise check the trainer makes before it continues), the optimizer state reshards from TP=2
+    to TP=1, and the run goes on."""
     run_dir = str(tmp_path / "grpo_tp2")
-    run_train(assets, run_dir, GRPO, nproc=2, extra=["parallel.tp=2", *DENSE])
+    run_train(assets, run_dir, GRPO, nproc=2, extra=["parallel.tp=2", *DENSE, "trainer.checkpoint_every=2"])
     check_structure(run_dir, "grpo", groups_per_publish=1)
     check_rung3(run_dir, assets)
+    out = run_train(assets, run_dir, GRPO, nproc=1, extra=[*DENSE, "trainer.checkpoint_every=1", "trainer.iterations=3"])
+    assert "at a different layout" in out.stdout and "iter_000002" in out.stdout, out.stdout[-2000:]
+    state = json.load(open(os.path.join(run_dir, "checkpoints", "iter_000003", "state.json")))
+    assert state["layout"]["world"] == 1 and state["layout"]["tp"] == 1 and state["policy_version"]["optimizer_step"] == 3
+    assert [m["iteration"] for m in metrics(run_dir)] == [0, 1, 2]
 
 
 def test_grpo_torchrun_pp2(assets, tmp_path):
@@ -265,47 +292,37 @@ def test_ppo_torchrun_dp2(assets, tmp_path):
     assert "update/policy_loss" not in m[0] and "update/policy_loss" in m[1]  # critic warm-up first
 
 
-def test_reward_failures_are_statuses_not_zero(assets, tmp_path):
-    """p000's verifier raises, p001's hangs past the timeout: both groups are quarantined and
-    dropped whole; nothing is scored 0 for a failure; the counters say what happened."""
-    run_dir = str(tmp_path / "faults")
-    run_train(assets, run_dir, GRPO, extra=["reward.fn=tests.plugins.faulty_rewards:raise_or_hang",
-                                             "reward.timeout_s=0.3", "reward.max_retries=1",
+def test_a_hostile_scorer_is_statuses_never_zero_and_never_stalls_the_trainer(assets, tmp_path):
+    """p000's verifier raises, p001's spends minutes in one GIL-holding bigint call
+    (tests/plugins/hostile_rewards.py: raise_or_hog).  Under reward.isolation=auto a plug-in runs
+    in worker processes, and the hog's worker is killed at reward.timeout_s: each of p000's
+    samples is an error and each of p001's a timeout, both groups are quarantined and dropped
+    whole, nothing is scored 0 for a failure, the counters say what happened, and the reward
+    stage of an iteration lasts about its timeouts (the 4 hogs side by side on 4 workers, each
+    retried once), not minutes.  A healthy call takes microseconds: the 2 s limit never fires on
+    one, however busy the machine."""
+    run_dir = str(tmp_path / "hostile")
+    run_train(assets, run_dir, GRPO, extra=["reward.fn=tests.plugins.hostile_rewards:raise_or_hog",
+                                             "reward.timeout_s=2", "reward.max_retries=1", "reward.workers=4",
                                              "reward.on_failure=quarantine", "eval.every=0"])
     with open(os.path.join(run_dir, "quarantine.jsonl")) as fh:
         q = [json.loads(line) for line in fh]
     statuses = Counter(r["reward"]["status"] for r in q)
     assert statuses == {"error": 2 * G, "timeout": 2 * G}, statuses
     assert all(r["reward"]["total"] is None for r in q)
+    assert all("timeout_s=2.0" in r["reward"]["error"] for r in q if r["reward"]["status"] == "timeout")
+    assert all("verifier crashed" in r["reward"]["error"] for r in q if r["reward"]["status"] == "error")
     for b in batches(run_dir):
         assert {g.rsplit("/", 1)[1] for g in b.facts.group_id} == {"p002", "p003"}
         assert all(r.status.value == "ok" for r in b.facts.rewards)
     m = metrics(run_dir)
     assert all(x["rollout/groups_dropped"] == 2 and x["prep/reward_error"] == G and x["prep/reward_timeout"] == G
                for x in m)
-
-
-def test_gil_holding_scorer_is_a_timeout_in_a_worker_process(assets, tmp_path):
-    """p001's plug-in spends minutes in one GIL-holding bigint call (tests/plugins/hostile_rewards):
-    under reward.isolation=auto a plug-in runs in a worker process, killed at reward.timeout_s, so
-    each of p001's samples is a timeout, its group is dropped, and the reward stage of an
-    iteration lasts about one timeout (the 4 hogs run side by side on 4 workers), not minutes."""
-    run_dir = str(tmp_path / "gil")
-    run_train(assets, run_dir, GRPO, extra=["reward.fn=tests.plugins.hostile_rewards:gil_hog", "reward.timeout_s=2",
-                                             "reward.max_retries=0", "reward.workers=4", "reward.on_failure=quarantine",
-                                             "eval.every=0"])
-    with open(os.path.join(run_dir, "quarantine.jsonl")) as fh:
-        q = [json.loads(line) for line in fh]
-    assert Counter(r["reward"]["status"] for r in q) == {"timeout": 2 * G}
-    assert {r["prompt_id"] for r in q} and all("timeout_s=2.0" in r["reward"]["error"] for r in q)
-    for b in batches(run_dir):
-        assert {g.rsplit("/", 1)[1] for g in b.facts.group_id} == {"p000", "p002", "p003"}
-    m = metrics(run_dir)
-    assert all(x["rollout/groups_dropped"] == 1 and x["prep/reward_timeout"] == G for x in m)
     # iteration 0 also waits for the pool's first start (the forkserver imports torch once: 8.7 s
-    # measured on 2 busy CPUs); a call's timeout starts when it reaches a ready worker
+    # measured on 2 busy CPUs); a call's timeout starts when it reaches a ready worker.  Later:
+    # two attempts of 2 s + 0.5 s kill grace, and 5 s for forking replacements on a loaded machine
     stage = [x["e2e/stage_s/reward"] for x in m]
-    assert stage[0] < 30.0 and all(s < 2.0 + 0.5 + 2.5 for s in stage[1:]), stage  # measured [8.7, 3.5]
+    assert stage[0] < 60.0 and all(2 * 2.0 <= s < 2 * (2.0 + 0.5) + 5.0 for s in stage[1:]), stage
 
 
 def test_reward_penalty_only_when_configured(assets, tmp_path):
@@ -315,7 +332,7 @@ def test_reward_penalty_only_when_configured(assets, tmp_path):
     ok score carries an ``overlong`` component by its length, and a penalised failure none."""
     run_dir = str(tmp_path / "penalty")
     run_train(assets, run_dir, GRPO, extra=["reward.fn=tests.plugins.faulty_rewards:raise_or_hang",
-                                             "reward.timeout_s=0.3", "reward.max_retries=0",
+                                             "reward.timeout_s=2.0", "reward.max_retries=0",
                                              "reward.penalty.timeout=-1.0", "eval.every=0", "trainer.iterations=1",
                                              "algo.micro_batch_size=8", "reward.overlong_buffer=2",
                                              "rollout.max_new_tokens=6"])
@@ -376,7 +393,7 @@ def test_neural_reward_model_uses_its_own_template(assets, tmp_path):
         r = f.rewards[i]
         assert set(r.components) == {"reward_model"} and r.total == r.components["reward_model"]
         worst = max(worst, abs(r.total - want))
-    assert worst < 1e-4, worst
+    assert within(worst, 1e-4, "train_e2e/reward_model_vs_transformers"), worst
     assert len({r.total for r in f.rewards}) > 1
 
 
@@ -399,8 +416,12 @@ def test_dapo_dynamic_sampling_and_reference_refresh(assets, tmp_path):
         ratio = torch.exp(f.old_log_probs.values - f.rollout_log_probs.values)
         want = torch.where(keep, ratio.clamp(max=1.0000001), 0.0)
         assert b.derived.is_weights is not None and torch.equal(b.derived.is_weights != 0, keep)
-        assert (b.derived.is_weights - want).abs().max() < 1e-6
-        assert m[k]["prep/rollout_correction/tis_weight_mean"] == pytest.approx(float(want[keep].mean()), abs=1e-6)
+        err = max_abs_diff(b.derived.is_weights, want)
+        # the same float32 subtraction, exp (1 ulp) and clamp of the same sealed values, perhaps
+        # over other shapes (vectorised or not); their mean over <= 64 tokens of weights <= 1
+        assert within(err, formula_tol(torch.float32, ops=4, scale=2.0), "train_e2e/dapo/is_weights"), err
+        err = abs(m[k]["prep/rollout_correction/tis_weight_mean"] - float(want[keep].mean()))
+        assert within(err, formula_tol(torch.float32, ops=70, scale=64.0), "train_e2e/dapo/tis_weight_mean"), err
         assert 0.0 <= m[k]["prep/rollout_correction/tis_clipfrac"] <= 1.0
         groups = sorted(set(f.group_id))
         assert len(groups) == B and len(set(f.policy_version)) == 1
@@ -413,7 +434,9 @@ def test_dapo_dynamic_sampling_and_reference_refresh(assets, tmp_path):
     v1 = b1.policy_version[0]
     assert b1.ref_log_probs.producer.version == f"ref-{v1}"
     keep = b1.response_mask != 0
-    assert (b1.ref_log_probs.values - b1.old_log_probs.values)[keep].abs().max() < 1e-6
+    # the same weights, megatron's layers both times, perhaps in other micro-batch shapes
+    err = max_abs_diff(b1.ref_log_probs.values, b1.old_log_probs.values, keep)
+    assert within(err, LAYOUT_FP32_LOGPROB, "train_e2e/dapo/refreshed_ref_vs_old"), err
     assert batches(run_dir)[0].facts.ref_log_probs.producer.version == "ref-0"
 
 
@@ -429,7 +452,8 @@ def test_reuse_rollout_log_probs_after_parity_check(assets, tmp_path):
     ms = metrics(run_dir)
     assert ["prep/rollout_actor_logprob_max_abs_err" in m for m in ms] == [True, False, True]
     assert b1.facts.old_log_probs.producer.version == b1.facts.policy_version[0]
-    assert metrics(run_dir)[0]["prep/rollout_actor_logprob_max_abs_err"] < 1e-4
+    err = metrics(run_dir)[0]["prep/rollout_actor_logprob_max_abs_err"]
+    assert within(err, NET_FP32_LOGPROB, "train_e2e/reuse/parity_err"), err
     # a tolerance the measurement cannot meet stops the run, naming the key
     bad = subprocess.run([sys.executable, "-m", "megarl.train", "--config", GRPO, f"model.path={assets['model']}",
                           "model.build_tiny=false", f"data.train_path={assets['train']}", "data.heldout_path=null",

@@ -9,6 +9,7 @@ from megarl.models.hf_config import load_spec
 from megarl.models.megatron_ckpt import load_model
 from megarl.models.tiny import make_tiny_hf_checkpoint
 from megarl.models.weights import iter_hf_tensors
+from tests._tolerance import LAYOUT_FP32_LOGPROB, LAYOUT_FP32_VALUE, NET_FP32_LOGPROB, within
 
 
 def test_value_head_parity_and_export(tmp_path, megatron_world):
@@ -25,7 +26,9 @@ def test_value_head_parity_and_export(tmp_path, megatron_world):
     with torch.no_grad():
         want = ref(tokens).logits[..., 0]
     got = scalar_values(model, tokens)
-    assert (got - want).abs().max().item() < 1e-4
+    # fp32 values, transformers vs megatron: two implementations of the same 2-layer network
+    err = (got - want).abs().max().item()
+    assert within(err, NET_FP32_LOGPROB, "value_head/vs_transformers"), err
     src = load_file(f"{hf}/model.safetensors")
     out = dict(iter_hf_tensors(model))
     assert set(out) == set(src)
@@ -59,8 +62,9 @@ def test_length_sorted_micro_batches_equal_one_row_at_a_time(tmp_path, megatron_
         n = int(lengths[b]) - 1  # predicted positions of row b (0 for a lone prompt token)
         if n:
             alone = teacher_forced_log_probs(model, tokens[b:b + 1, :n + 1])[0]
-            assert (sorted_lp[b, :n] - alone).abs().max() < 1e-5, b
-            assert (full_lp[b, :n] - alone).abs().max() < 1e-5, b
+            # one implementation; the GEMMs see other batch and sequence shapes (fp32, 2 layers)
+            err = max(float((sorted_lp[b, :n] - alone).abs().max()), float((full_lp[b, :n] - alone).abs().max()))
+            assert within(err, LAYOUT_FP32_LOGPROB, "value_head/sorted_vs_alone"), (b, err)
         assert not sorted_lp[b, n:].any()
     per_response = response_log_probs(model, prompt, response, attn, micro_batch_size=2)
     assert per_response.shape == (B, R) and not per_response[rlen[:, None] <= torch.arange(R)].any()
@@ -68,5 +72,6 @@ def test_length_sorted_micro_batches_equal_one_row_at_a_time(tmp_path, megatron_
     full = scalar_values(model, tokens, 4)
     for b in range(B):
         n = int(lengths[b])
-        assert (values[b, :n] - full[b, :n]).abs().max() < 1e-5, b
+        err = float((values[b, :n] - full[b, :n]).abs().max())
+        assert within(err, LAYOUT_FP32_VALUE, "value_head/values_sorted_vs_full"), (b, err)
         assert not values[b, n:].any()

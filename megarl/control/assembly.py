@@ -111,7 +111,9 @@ def _rewards(cfg, injector, rank0: bool):
     if fn is not None and cfg.faults.reward_timeout_rate:
         from megarl.faults import FaultyRewardFunction
 
-        fn = FaultyRewardFunction(fn, injector, hang_s=1.5 * r.timeout_s + 0.05)
+        # an injected hang lasts ten timeouts: it is still hanging when the runner's timeout is
+        # declared however late a busy machine wakes the runner, so the count stays exact
+        fn = FaultyRewardFunction(fn, injector, hang_s=10.0 * r.timeout_s)
     runner = None
     if fn and rank0:
         from megarl.rewards.isolation import resolve_isolation

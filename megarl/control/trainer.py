@@ -203,7 +203,9 @@ class Trainer:
             bar.write(line)
         elif self.rank0:  # a log file, not a terminal: plain lines, no carriage returns
             print(line, flush=True)
-        signalled = any(gather_objects(self.stop_signal or (self.rank0 and os.path.exists(self.stop_file))))
+        if k in cfg.faults.hold_after_iteration:
+            self._hold_for_a_stop(k)
+        signalled = self._stop_requested()
         every = cfg.trainer.checkpoint_every
         if (every and done % every == 0) or signalled or (wall and done < total):
             with span("checkpoint", k, self.version.short_id):
@@ -217,6 +219,18 @@ class Trainer:
         if wall:
             return "wall"
         return "final" if done == total else ""
+
+    def _stop_requested(self) -> bool:
+        """Whether any rank was asked to stop (a signal, or rank 0 sees <run_dir>/STOP): collective."""
+        return any(gather_objects(self.stop_signal or (self.rank0 and os.path.exists(self.stop_file))))
+
+    def _hold_for_a_stop(self, k: int) -> None:
+        """``faults.hold_after_iteration``: wait here, every rank together, until a stop is asked
+        for (or the process is killed); the drill that makes a test's stop land at a known point."""
+        if self.rank0:
+            print(f"faults: holding after iteration {k} until a stop is asked for", flush=True)
+        while not self._stop_requested():
+            time.sleep(0.05)
 
     def iteration(self, k: int) -> Dict[str, float]:
         """publish -> produce -> prepare -> update -> commit, on committed version v."""

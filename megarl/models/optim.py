@@ -82,9 +82,24 @@ def wrap_for_training(model, cfg: OptimSettings, *, sgd_momentum: float = 0.0,
         use_distributed_optimizer=use_dist_opt,
     )
     optimizer = get_megatron_optimizer(ocfg, [ddp])
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(opt, "init_state_fn", "absent") is None:
+            # megatron gives SGD no state initialiser, and loading a checkpoint calls it
+            # (sharded_state_dict(is_loading=True)): without one no SGD run could resume
+            opt.init_state_fn = _init_sgd_state
     tconf.grad_scale_func = optimizer.scale_loss if (tconf.fp16 or tconf.bf16) else None
     tconf.no_sync_func = ddp.no_sync
     return ddp, optimizer
+
+
+def _init_sgd_state(opt, config=None) -> None:
+    """The state a torch SGD holds after a step, before one (what megatron's Adam initialiser does
+    for Adam): a zero momentum buffer per parameter when it keeps momentum, nothing otherwise."""
+    for group in opt.param_groups:
+        if group.get("momentum", 0.0):
+            for p in group["params"]:
+                if "momentum_buffer" not in opt.state[p]:
+                    opt.state[p]["momentum_buffer"] = torch.zeros_like(p.data)
 
 
 #: loss_fn(model_output, micro_batch) -> (loss share of the global loss, metrics dict)

@@ -101,10 +101,13 @@ def _num(name: str, value: Any, *, positive: bool = False, integer: bool = False
 
 
 class _Breaker:
-    """Consecutive-failure circuit breaker (closed -> open -> half-open probe -> closed/open)."""
+    """Consecutive-failure circuit breaker (closed -> open -> half-open probe -> closed/open).
 
-    def __init__(self, failures: int, reset_s: float):
-        self.threshold, self.reset_s = failures, reset_s
+    ``clock`` (monotonic seconds) is an attribute so that a test can step the reset period
+    instead of sleeping through it."""
+
+    def __init__(self, failures: int, reset_s: float, clock=time.monotonic):
+        self.threshold, self.reset_s, self.clock = failures, reset_s, clock
         self._lock = threading.Lock()
         self.state = "closed"
         self.consecutive = 0
@@ -118,7 +121,7 @@ class _Breaker:
         with self._lock:
             if self.state == "closed":
                 return True, False
-            if self.state == "open" and time.monotonic() - self.opened_at >= self.reset_s:
+            if self.state == "open" and self.clock() - self.opened_at >= self.reset_s:
                 self.state = "half_open"
                 self._probing = False
             if self.state == "half_open" and not self._probing:
@@ -144,7 +147,7 @@ class _Breaker:
                     log.warning("reward http: circuit breaker open for %.1fs after %d failed request(s): %s",
                                 self.reset_s, self.consecutive, error)
                 self.state = "open"
-                self.opened_at = time.monotonic()
+                self.opened_at = self.clock()
 
 
 class HttpReward:

@@ -67,8 +67,12 @@ def _broadcast(world: SplitWorld, t: torch.Tensor, what: str) -> None:
     try:
         world.bridge.broadcast(t, 0, datetime.timedelta(seconds=world.timeout_s)).wait()
     except RuntimeError as e:  # a closed connection or the timeout: the other side is gone
-        raise PeerLostError(f"{what}: the bridge broadcast failed ({str(e).splitlines()[0][:300]}); "
-                            f"placement.timeout_s={world.timeout_s:g}") from None
+        failed = f"{what}: the bridge broadcast failed ({str(e).splitlines()[0][:300]})"
+        # name the process that is gone by its heartbeat, as every other wait does
+        lost = world.name_the_lost_peer(world.timeout_s + 2.0)
+        if lost is not None:
+            raise PeerLostError(f"{lost}; {failed}") from None
+        raise PeerLostError(f"{failed}, while every peer still beats; placement.timeout_s={world.timeout_s:g}") from None
 
 
 class Ticket:
@@ -368,7 +372,11 @@ class RolloutService:
                     tensors[j] = part.view(meta[j][1])
             n += 1
             if self.kill_at_load is not None and version.optimizer_step == self.kill_at_load:
-                os.kill(os.getpid(), signal.SIGKILL)  # the drill: die mid-load, with no clean-up
+                # the drill: die mid-load, with no clean-up (the wall-clock time, for the test that
+                # measures how long the trainer takes to name this rank lost)
+                print(f"faults: killing rollout rank {self.world.rollout_index} while it receives "
+                      f"{version.short_id} (at wall time {time.time():.3f})", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
             yield [(meta[j][0], tensors[j]) for j in range(len(meta))]
 
     def _load(self, version: PolicyVersion, manifest: TensorManifest) -> None:

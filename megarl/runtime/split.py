@@ -170,6 +170,27 @@ class SplitWorld:
                     "its process is gone or stuck")
         return None
 
+    def peers(self) -> list:
+        """The names of the other side's processes (their heartbeats)."""
+        if self.role == "trainer":
+            return [f"rollout{i}" for i in range(self.rollout_ranks)]
+        return ["trainer"]
+
+    def name_the_lost_peer(self, wait_s: float) -> Optional[str]:
+        """After a collective with the other side failed: wait (at most ``wait_s``) until one of
+        its heartbeats has stalled for ``timeout_s`` and return :meth:`peer_lost`'s reason for
+        it, or None if every peer still beats by then.  A dead process's connection closes at
+        once, but which process died is known only from the heartbeat it no longer sends."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for peer in self.peers():
+                why = self.peer_lost(peer)
+                if why:
+                    return why
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.2)
+
     def to_rollout(self, i: int) -> Mailbox:
         return Mailbox(self.store, f"cmd/{i}", alive=lambda: self.peer_lost(f"rollout{i}"))
 

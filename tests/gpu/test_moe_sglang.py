@@ -364,7 +364,8 @@ def test_gpu_moe_check():
     if SKIP_REASON:
         pytest.skip(SKIP_REASON)
     proc = subprocess.run([sys.executable, os.path.abspath(__file__)], capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=ROOT))
+                          env=dict(os.environ, PYTHONPATH=ROOT),
+                          timeout=float(os.environ.get("MEGARL_GPU_MOE_TIMEOUT", 300)) + 30)
     print(proc.stdout[-8000:])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 

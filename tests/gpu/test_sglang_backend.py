@@ -534,14 +534,18 @@ def main(argv=None) -> int:
 
 
 def test_gpu_check():
-    """pytest entry: the whole check in a fresh process (SGLang's schedulers are processes)."""
+    """pytest entry: the dense check in a fresh process (SGLang's schedulers are processes).  The
+    MoE program is test_moe_sglang.py's own entry: ``pytest tests/gpu/`` runs each program once
+    (bash tests/gpu/run.sh runs both, as programs)."""
     import subprocess
 
     import pytest
 
     if SKIP_REASON:
         pytest.skip(SKIP_REASON)
-    proc = subprocess.run(["bash", os.path.join(ROOT, "tests", "gpu", "run.sh")], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=ROOT),
+                          timeout=float(os.environ.get("MEGARL_GPU_CHECK_TIMEOUT", 470)) + 30)
     print(proc.stdout[-8000:])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 

@@ -2,7 +2,9 @@
 
 ``ok`` echoes the action as a tool message and ends after two steps; ``raise`` raises in step;
 ``hang`` blocks in step until :data:`RELEASE` is set (the test sets it when done, so abandoned
-threads exit); ``sleep`` takes ``row["sleep_s"]`` then answers; ``nan`` / ``wrong_type`` /
+threads exit); ``sleep`` takes ``row["sleep_s"]`` then answers; ``barrier`` waits in step until
+``row["parties"]`` steps wait together (:data:`BARRIERS`, keyed by ``row["barrier"]``; broken
+after ``row["wait_s"]``): steps run one after another never get there; ``nan`` / ``wrong_type`` /
 ``bad_message`` / ``bool_flag`` return garbage; ``reset_raise`` / ``reset_hang`` fail in reset;
 ``close_hang`` hangs in ``close()``, which the others record in :data:`CLOSED`.
 """
@@ -14,6 +16,8 @@ from megarl.envs.protocol import Message, StepOutcome
 
 RELEASE = threading.Event()
 CLOSED = []  # tags of the instances whose close() returned
+BARRIERS: dict = {}  # name -> threading.Barrier shared by the steps of that row
+_BARRIERS_LOCK = threading.Lock()
 
 
 class FaultyEnv:
@@ -24,6 +28,10 @@ class FaultyEnv:
 
     def reset(self, row):
         self.mode, self.sleep_s = row["mode"], row.get("sleep_s", 0.0)
+        if self.mode == "barrier":
+            with _BARRIERS_LOCK:
+                self.barrier = BARRIERS.setdefault(row["barrier"], threading.Barrier(row["parties"]))
+            self.wait_s = row["wait_s"]
         if self.mode == "reset_raise":
             raise ConnectionError("sandbox refused the connection (injected)")
         if self.mode == "reset_hang":
@@ -39,6 +47,8 @@ class FaultyEnv:
             RELEASE.wait(30)
         if m == "sleep":
             time.sleep(self.sleep_s)
+        if m == "barrier":
+            self.barrier.wait(self.wait_s)  # BrokenBarrierError (an error status) if not concurrent
         if m == "nan":
             return StepOutcome((), {"correct": float("nan")}, True, False)
         if m == "wrong_type":

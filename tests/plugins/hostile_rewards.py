@@ -3,7 +3,8 @@
 Which sample misbehaves is read from its ids, so a test knows exactly what must happen:
 ``gil_hog`` spends minutes in one GIL-holding bigint call for the group ``.../p001``;
 ``crash`` dies in the worker (``os._exit`` for response "exit", a segfault for "segv");
-``unpicklable`` returns a record whose component value cannot be pickled.
+``unpicklable`` returns a record whose component value cannot be pickled; ``raise_or_hog``
+raises for ``.../p000`` and hogs the GIL for ``.../p001``.
 """
 
 import ctypes
@@ -46,3 +47,11 @@ def cpu_spin(sample):
         while True:
             pass
     return 1.0
+
+
+def raise_or_hog(sample):
+    """Two of the ways a verifier fails at once: ``.../p000``'s raises, ``.../p001``'s holds the GIL
+    for minutes (:func:`gil_hog`); the other groups are scored by the arithmetic rule."""
+    if sample.group_id.endswith("/p000"):
+        raise RuntimeError("verifier crashed (injected by the test)")
+    return gil_hog(sample)

@@ -8,7 +8,8 @@ its canonical text (operands of ``plus``/``times`` sorted, so ``3 plus 5`` and `
 in the same split): ``heldout`` iff ``sha256(text) % 10 == 0``, else ``train``.  Generators
 rejection-sample within their split, so train and heldout never share a problem whatever the
 seeds.  Within one split problems are drawn with replacement (a small digit range has few
-problems); a call is deterministic given ``(split, seed, n, digits, ops)``.
+problems), or ``distinct`` (an evaluation set: the recipes' held-out file); a call is
+deterministic given ``(split, seed, n, digits, ops, distinct)``.
 
 Scoring rule (:func:`score`): special-token markers (``<eos>``, ``<|end|>``, ``</s>``,
 ``<|im_end|>``, ...) and all whitespace are removed from the response; what is left must be
@@ -20,7 +21,7 @@ digit with spaces between them (``3 5 7 <eos>``).
 CLI::
 
     python -m megarl.data.tasks.arithmetic --split heldout --seed 0 --n 200 --out heldout.jsonl \\
-        [--min-digits 1 --max-digits 3 --ops plus,minus] [--overwrite]
+        [--min-digits 1 --max-digits 3 --ops plus,minus] [--distinct] [--overwrite]
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ OPS = ("plus", "minus", "times")
 SPLITS = ("train", "heldout")
 HELDOUT_MODULUS = 10  # heldout iff sha256(canonical text) % 10 == 0: about 10% of all problems
 _MAX_REJECTIONS = 100_000  # consecutive misses before a split is declared empty for these settings
+
+
+def problem_key(row: Mapping) -> str:
+    """The canonical problem of a row of this module (``12 plus 345`` and ``345 plus 12`` are one)."""
+    _what, _is, a, op, b, _q = str(row["prompt"]).split()
+    return _canonical(int(a), op, int(b))
 
 
 def _canonical(a: int, op: str, b: int) -> str:
@@ -86,6 +93,8 @@ def make_problems(
     n: int,
     digits: tuple[int, int] = (1, 3),
     ops: tuple[str, ...] = ("plus",),
+    distinct: bool = False,
+    exclude: Iterable[Mapping] = (),
 ) -> list[dict]:
     """``n`` problems of ``split``: ``{"id": "arith-<split>-<seed>-<i>", "prompt": "what is 12 plus
     345 ?", "answer": "357"}``.
@@ -93,22 +102,34 @@ def make_problems(
     Each operand has a number of digits drawn uniformly from ``digits`` (inclusive); the op is
     drawn uniformly from ``ops``; for ``minus`` the larger operand comes first, so answers are
     never negative.  Uses ``random.Random(seed)`` only.
+
+    ``distinct``: no problem twice (``3 plus 5`` and ``5 plus 3`` are one problem), as an
+    evaluation set needs.  Drawn with replacement, a digit range of ``(1, 2)`` puts a quarter of
+    the draws on the 55 one-digit sums, of which the held-out split holds five or six: one of
+    them right or wrong then moves a 200-problem accuracy by up to 7.5 points.
+
+    ``exclude``: rows (of this module) whose problems are never drawn -- a validation set kept
+    apart from the evaluation set of the same split.
     """
     ops = (ops,) if isinstance(ops, str) else tuple(ops)
     lo, hi = _check_args(split, n, digits, ops)
     rng = random.Random(seed)
-    rows = []
+    rows, seen = [], {problem_key(r) for r in exclude}
+    distinct = distinct or bool(seen)
     for i in range(n):
         for _ in range(_MAX_REJECTIONS):
             op = ops[rng.randrange(len(ops))]
             a, b = _operand(rng, lo, hi), _operand(rng, lo, hi)
             if op == "minus" and a < b:
                 a, b = b, a
-            if problem_split(a, op, b) == split:
+            if problem_split(a, op, b) == split and not (distinct and _canonical(a, op, b) in seen):
                 break
         else:
-            raise ValueError(f"no {split} problem found for digits={lo, hi} ops={ops} "
-                             f"after {_MAX_REJECTIONS} draws; widen the digit range")
+            raise ValueError(f"no {'new ' if distinct else ''}{split} problem found for digits={lo, hi} ops={ops} "
+                             f"after {_MAX_REJECTIONS} draws; widen the digit range"
+                             + (f" or ask for fewer than {n} distinct problems" if distinct else ""))
+        if distinct:
+            seen.add(_canonical(a, op, b))
         answer = a + b if op == "plus" else a - b if op == "minus" else a * b
         rows.append({"id": f"arith-{split}-{seed}-{i}", "prompt": f"what is {a} {op} {b} ?", "answer": str(answer)})
     return rows
@@ -171,6 +192,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--min-digits", type=int, default=1)
     p.add_argument("--max-digits", type=int, default=3)
     p.add_argument("--ops", default="plus", help="comma-separated, among " + ",".join(OPS))
+    p.add_argument("--distinct", action="store_true", help="no problem twice (an evaluation set)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     return p
 
@@ -186,7 +208,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if os.path.exists(args.out) and not args.overwrite:
         raise MegarlError(f"--out {args.out} already exists; pass --overwrite to replace it or choose another file")
     try:
-        rows = make_problems(args.split, args.seed, args.n, (args.min_digits, args.max_digits), ops)
+        rows = make_problems(args.split, args.seed, args.n, (args.min_digits, args.max_digits), ops,
+                             distinct=args.distinct)
     except ValueError as e:
         raise MegarlError(f"{e} (--split/--ops/--min-digits/--max-digits)") from e
     try:
