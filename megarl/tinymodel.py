@@ -497,7 +497,9 @@ def main(argv=None) -> None:
                           "1 <= min <= max")
     if a.family != "llama" and not 1 <= a.top_k <= a.num_experts:
         raise MegarlError(f"--top-k {a.top_k}: must be between 1 and --num-experts {a.num_experts}")
-    print(f"building the tiny model in {a.out} (warm start: {a.steps} steps through the megatron actor)", flush=True)
+    plan = (f"up to {a.steps} steps through the megatron actor, stopping at {a.target_accuracy:g} validation accuracy"
+            if a.target_accuracy > 0 else f"{a.steps} steps through the megatron actor")
+    print(f"building the tiny model in {a.out} (warm start: {plan})", flush=True)
     info = build(a.out, hidden_size=a.hidden_size, num_layers=a.num_layers, num_heads=a.num_heads,
                  num_kv_heads=a.num_kv_heads, intermediate_size=a.intermediate_size, steps=a.steps, lr=a.lr,
                  batch=a.batch, seed=a.seed, digits=(a.min_digits, a.max_digits), ops=tuple(a.ops.split(",")),
