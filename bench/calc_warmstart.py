@@ -42,7 +42,9 @@ def build(out: str, args) -> float:
     cmd = [sys.executable, "-m", "megarl.tinymodel", "--out", out, "--steps", str(args.steps), "--lr", str(args.lr),
            "--batch", str(args.batch), "--seed", str(args.seed), "--tool-demos", str(args.tool_demos),
            "--tool-min-digits", str(args.digits[0]), "--tool-max-digits", str(args.digits[1]),
-           "--tool-role", args.tool_role, "--tool-only-steps", str(args.tool_only_steps), "--overwrite"]
+           "--tool-role", args.tool_role, "--tool-only-steps", str(args.tool_only_steps),
+           "--target-accuracy", str(args.target_accuracy), "--tool-mixture-steps", str(args.tool_mixture_steps),
+           "--overwrite"]
     for flag in ("hidden_size", "num_layers", "intermediate_size"):
         if getattr(args, flag) is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
@@ -123,8 +125,12 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default="/tmp/megarl_calc_bench_model", help="where to build the model")
     # the defaults: the settings chosen for grpo_calc_tiny (the bench's table in the report)
     p.add_argument("--tool-demos", type=float, default=0.15)
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--tool-only-steps", type=int, default=900)
+    p.add_argument("--steps", type=int, default=1900)
+    p.add_argument("--tool-only-steps", type=int, default=1500,
+                   help="the onset phase's most steps (with --target-accuracy 0: exactly this many)")
+    p.add_argument("--target-accuracy", type=float, default=0.25,
+                   help="tool-use validation accuracy that ends the onset phase (0: a fixed step count)")
+    p.add_argument("--tool-mixture-steps", type=int, default=100)
     p.add_argument("--lr", type=float, default=4e-3)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seed", type=int, default=0, help="the build's seed")

@@ -65,6 +65,10 @@ class TinyModelConfig:
     #: rest answered at once, with loss on their first token: the decision not to call)
     tool_demos: float = 0.0
     tool_only_steps: int = 0  # the first warm-start steps that are demonstrations only (they teach copying)
+    #: with warmstart_target_accuracy: tool_only_steps is the most of an onset phase at the full
+    #: rate that stops at the target (tool-use validation); a tail of warmstart_steps -
+    #: tool_only_steps steps at a decaying rate follows, its last tool_mixture_steps the mixture
+    tool_mixture_steps: int = 100
     tool_min_digits: int = 4  # fewest digits per operand of the calculator build's sequences
     tool_max_digits: int = 6  # most digits per operand of the calculator build's sequences
     #: the role of the demonstrations' tool messages (the tiny vocabulary has no <|tool|>; the
@@ -293,7 +297,7 @@ class CriticConfig:
     path: Optional[str] = None  # None: initialised from the actor's weights (value head zero)
     optim: OptimSettings = field(default_factory=lambda: OptimSettings(lr=1.0e-5))
     value_clip: Optional[float] = 0.2  # PPO value clipping around the old values (null: off)
-    micro_batch_size: int = 8  # rows per critic forward/backward, per DP rank
+    micro_batch_size: int = 8  # rows per critic forward/backward, per DP rank (0: the whole mini-batch at once)
     warmup_iters: int = 0  # critic-only updates before the actor starts moving
     offload: bool = False  # on the host while the rollout engine runs (GPU)
 
@@ -754,9 +758,15 @@ def _validate_ranges(cfg: TrainConfig) -> None:
           f"{tiny.tool_min_digits} is above model.tiny.tool_max_digits={tiny.tool_max_digits}")
     _need(not (tiny.two_turn_demos and tiny.tool_demos), "model.tiny.two_turn_demos",
           f"is {tiny.two_turn_demos}, but model.tiny.tool_demos={tiny.tool_demos} builds the calculator's model")
-    _need(not (tiny.tool_demos > 0 and tiny.warmstart_target_accuracy), "model.tiny.warmstart_target_accuracy",
-          f"is {tiny.warmstart_target_accuracy}, but the calculator build (model.tiny.tool_demos={tiny.tool_demos}) "
-          "has no arithmetic validation set to stop on: set it to null")
+    tool_target = tiny.tool_demos > 0 and bool(tiny.warmstart_target_accuracy)
+    _need(not tool_target or 4 <= tiny.tool_only_steps <= tiny.warmstart_steps, "model.tiny.tool_only_steps",
+          f"is {tiny.tool_only_steps}: with model.tiny.warmstart_target_accuracy the calculator build's onset phase "
+          f"stops on it, so it must be between 4 (one validation check) and model.tiny.warmstart_steps="
+          f"{tiny.warmstart_steps} (the tail takes the difference)")
+    _need(not tool_target or tiny.tool_mixture_steps <= tiny.warmstart_steps - tiny.tool_only_steps,
+          "model.tiny.tool_mixture_steps",
+          f"is {tiny.tool_mixture_steps}, above the tail of model.tiny.warmstart_steps - model.tiny.tool_only_steps = "
+          f"{tiny.warmstart_steps - tiny.tool_only_steps} steps it ends")
     _need(bool(tiny.tool_role) and tiny.tool_role != "assistant", "model.tiny.tool_role",
           f"must be a role name other than 'assistant', got {tiny.tool_role!r}")
 
@@ -1023,7 +1033,8 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
           f"a mini-batch of {t.prompts_per_iteration} prompts x {r.n} samples / {a.num_mini_batches} = {mini} "
           f"is not divisible by dp x micro_batch_size = {dp} x {a.micro_batch_size}")
     if cfg.critic is not None:
-        _need(mini % (dp * cfg.critic.micro_batch_size) == 0, "critic.micro_batch_size",
+        cm = cfg.critic.micro_batch_size
+        _need(cm == 0 or mini % (dp * cm) == 0, "critic.micro_batch_size",
               f"a mini-batch of {mini} samples is not divisible by dp x critic.micro_batch_size = "
               f"{dp} x {cfg.critic.micro_batch_size}")
     return dp

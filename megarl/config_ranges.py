@@ -92,7 +92,7 @@ RANGES = {
     "model.tiny.seed": SEED,
     "model.tiny.num_experts": COUNT, "model.tiny.top_k": COUNT, "model.tiny.moe_intermediate_size": COUNT,
     "model.tiny.tool_demos": Range(lo=0, hi=1), "model.tiny.two_turn_demos": Range(lo=0, hi=1),
-    "model.tiny.tool_only_steps": COUNT0,
+    "model.tiny.tool_only_steps": COUNT0, "model.tiny.tool_mixture_steps": COUNT0,
     "model.tiny.tool_min_digits": COUNT, "model.tiny.tool_max_digits": COUNT,
     "model.vocab_multiple": COUNT,
     "parallel.tp": COUNT, "parallel.pp": COUNT, "parallel.ep": COUNT, "parallel.etp": Range(lo=1, null=True),
@@ -129,7 +129,7 @@ RANGES = {
     **{f"critic.optim.{k}": v for k, v in _OPTIM.items()},
     "reference.refresh_every": COUNT0,
     "critic.value_clip": Range(lo=0, lo_open=True, null=True),
-    "critic.micro_batch_size": COUNT,
+    "critic.micro_batch_size": COUNT0,  # 0: the whole mini-batch at once
     "critic.warmup_iters": COUNT0,
     "reward.model.weight": Range(),
     "reward.timeout_s": Range(lo=0, lo_open=True, null=True),

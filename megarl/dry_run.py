@@ -104,7 +104,7 @@ def batch_plan(cfg, dp: int) -> List[str]:
              f"  optimizer steps: {a.ppo_epochs} epoch(s) x {a.num_mini_batches} mini-batch(es) = {steps} per "
              f"iteration, {steps * t.iterations} in total ({t.iterations} iterations)"]
     if cfg.critic is not None:
-        cm = cfg.critic.micro_batch_size
+        cm = cfg.critic.micro_batch_size or per_rank
         lines.append(f"  critic: {per_rank // cm} micro-batch(es) of {cm} per DP rank; "
                      f"{cfg.critic.warmup_iters} critic-only warm-up iteration(s)")
     if a.dynamic_sampling.enabled:

@@ -2,7 +2,7 @@
 
     python -m megarl.tinymodel --out DIR [--target-accuracy 0.3 --steps 2000 --lr 2e-3 --batch 64 --max-digits 2 ...]
     python -m megarl.tinymodel --out DIR --family qwen3_moe --num-experts 8 --top-k 2 ...
-    python -m megarl.tinymodel --out DIR --tool-demos 0.25 --tool-only-steps 900 ... (the calculator build)
+    python -m megarl.tinymodel --out DIR --tool-demos 0.15 --target-accuracy 0.25 --tool-only-steps 1500 --steps 1900 ... (the calculator build)
     (or tools/make_tiny_model.py, the same program)
 
 1. writes the built-in word-level tokenizer (digits are single tokens) with its chat template;
@@ -38,6 +38,7 @@ from the last iterate; bench/warmstart.py measures this build.)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -66,10 +67,11 @@ def is_demo(i: int, share: float) -> bool:
     return int((i + 1) * share) > int(i * share)
 
 
-def tool_sequences(tok, rows, share: float, tool_role: str = "user", demos_first: int = 0):
+def tool_sequences(tok, rows, share: float, tool_role: str = "user", demos_first: int = 0, first_index: int = 0):
     """The calculator build's warm-start sequences: ``(prompts, responses, loss masks)``.
 
-    Row ``i`` is a tool-use demonstration when ``i < demos_first`` or
+    Row ``i`` (counted from ``first_index``: a slice renders as it does in the whole) is a
+    tool-use demonstration when ``i < demos_first`` or
     ``is_demo(i - demos_first, share)`` (:func:`is_demo`): prompt, call ``[ a + b ]``, the
     tool's result as a ``tool_role`` message, the answer; otherwise a direct answer.  Both are
     rendered by :func:`megarl.envs.render.render_conversation`, so a sequence holds exactly the
@@ -83,7 +85,7 @@ def tool_sequences(tok, rows, share: float, tool_role: str = "user", demos_first
 
     renderer = EnvTurnRenderer(tok)
     prompts, responses, masks = [], [], []
-    for i, row in enumerate(rows):
+    for i, row in enumerate(rows, start=first_index):
         demo = i < demos_first or is_demo(i - demos_first, share)
         conv = render_conversation(renderer, demonstration(row, use_tool=demo, tool_role=tool_role))
         prompts.append(conv.prompt_ids)
@@ -253,8 +255,8 @@ def build(out_dir: str, *, hidden_size: int = 128, num_layers: int = 4, num_head
           intermediate_size: int = 256, steps: int = 470, lr: float = 2e-3, batch: int = 64, seed: int = 0,
           digits=(1, 2), ops=("plus",), log_every: int = 50, family: str = "llama", num_experts: int = 8,
           top_k: int = 2, moe_intermediate_size: int = 128, tool_demos: float = 0.0, tool_digits=(4, 6),
-          tool_role: str = "user", tool_only_steps: int = 0, two_turn_demos: float = 0.0,
-          target_accuracy: float = 0.0, check_every: int = 4, validation_n: int = 256,
+          tool_role: str = "user", tool_only_steps: int = 0, tool_mixture_steps: int = 0,
+          two_turn_demos: float = 0.0, target_accuracy: float = 0.0, check_every: int = 4, validation_n: int = 256,
           heldout_n: int = 200) -> dict:
     """Build the tiny model into ``out_dir`` (must not hold a finished build); return its info.
 
@@ -270,10 +272,17 @@ def build(out_dir: str, *, hidden_size: int = 128, num_layers: int = 4, num_head
     ``tool_demos > 0`` builds the calculator recipe's model: every warm-start sequence is a
     calculator conversation on ``tool_digits``-digit operands (:func:`tool_sequences`), a
     ``tool_demos`` share of them solved with the tool (tool results as ``tool_role`` messages),
-    the rest answered at once; ``digits`` is then unused.  The first ``tool_only_steps`` steps
-    are demonstrations only: copying operands into the call and the result into the answer
-    takes many demonstrations to learn, while how often the model calls is set by the share of
-    the steps after them.  ``tool_demos == 0`` (the default) is the arithmetic build, unchanged.
+    the rest answered at once; ``digits`` is then unused.  The first steps are demonstrations
+    only: copying operands into the call and the result into the answer takes many
+    demonstrations to learn, while how often the model calls is set by the share of the
+    mixture's steps.  When copying sets in is as random as the arithmetic onset, so with
+    ``target_accuracy > 0`` the demonstrations run at the full rate until the teacher-forced
+    accuracy of tool-use conversations on ``validation_n`` validation rows (the call and the
+    answer) reaches it -- at most ``tool_only_steps`` steps, the onset phase --; then a tail of
+    ``steps - tool_only_steps`` steps decays the rate (cosine, to lr / 10), its last
+    ``tool_mixture_steps`` the mixture.  Without a target: ``tool_only_steps`` demonstration
+    steps, then the mixture, under one cosine decay over ``steps``.  ``tool_demos == 0`` (the
+    default) is the arithmetic build, unchanged.
 
     ``family="qwen3_moe"`` builds a Qwen3-MoE instead (``num_experts``, ``top_k``,
     ``moe_intermediate_size``; ``intermediate_size`` unused there: every layer is an MoE layer);
@@ -320,40 +329,59 @@ def build(out_dir: str, *, hidden_size: int = 128, num_layers: int = 4, num_head
 
     rt.initialize(tp=1, pp=1, seed=seed)
     model = load_model(random_dir)
-    if tool_demos > 0:
-        # the calculator build decays the learning rate (cosine, to lr / 10): copying a 6-digit
-        # operand right at temperature 1 needs a precise fit, and the last steps -- the mixture
-        # that sets how often the model calls -- must not undo it
+    # the calculator build with a target: its tool-only phase early-stops on tool-use validation
+    tool_target = tool_demos > 0 and target_accuracy > 0
+    if tool_demos > 0 and not tool_target:
+        # without a target the calculator build decays the learning rate (cosine, to lr / 10) over
+        # exactly `steps`: copying a 6-digit operand right at temperature 1 needs a precise fit,
+        # and the last steps -- the mixture that sets how often the model calls -- must not undo it
         settings = OptimSettings(optimizer="adam", lr=lr, min_lr=lr / 10, lr_decay_style="cosine", clip_grad=1.0,
                                  weight_decay=0.0)
+    elif tool_target:  # a constant rate until the onset; megatron's scheduler reads min_lr from the param groups
+        settings = OptimSettings(optimizer="adam", lr=lr, min_lr=lr / 10, clip_grad=1.0, weight_decay=0.0)
     else:  # the default build: a constant rate, as it always had
         settings = OptimSettings(optimizer="adam", lr=lr, clip_grad=1.0, weight_decay=0.0)
     ddp, opt = wrap_for_training(model, settings)
-    sched = lr_scheduler(opt, settings, steps) if tool_demos > 0 else None
+    sched = lr_scheduler(opt, settings, steps) if tool_demos > 0 and not tool_target else None
     V = model.megarl_spec.vocab_size
-    if tool_demos > 0 or two_turn_demos > 0:
+    problems = rows = None
+    if tool_demos > 0:  # every sequence a calculator conversation on tool_digits operands, rendered a step at a time
+        from megarl.envs.calculator import make_rows
+
+        rows = make_rows("train", seed, steps * batch, digits=tuple(tool_digits), ops=tuple(ops))
+    elif two_turn_demos > 0:
         prompts, answers, masks = warmstart_sequences(tok, steps=steps, batch=batch, seed=seed, digits=digits, ops=ops,
-                                                      tool_demos=tool_demos, tool_digits=tool_digits,
-                                                      tool_role=tool_role, tool_only_steps=tool_only_steps,
                                                       two_turn_demos=two_turn_demos)
-        problems = None
     else:  # the arithmetic build: the same sequences, tokenised a step at a time (a build may stop early)
         from megarl.data.tasks.arithmetic import make_problems
 
         problems = make_problems("train", seed, steps * batch, digits=tuple(digits), ops=tuple(ops))
     validation = None
-    if target_accuracy > 0:
+    if tool_target:  # tool-use demonstrations on distinct held-out rows: the call and the answer teacher-forced
+        validation = training_tensors(tok.pad_token_id, *tool_sequences(
+            tok, validation_problems(validation_n, heldout_n, tool_digits, ops), 1.0, tool_role))
+    elif target_accuracy > 0:
         validation = training_tensors(tok.pad_token_id, *_sequences(tok, validation_problems(validation_n, heldout_n,
                                                                                          digits, ops)))
+    # the step where the calculator build's mixture starts, and the step count.  With a target: an
+    # onset phase of demonstrations at the full rate, at most tool_only_steps, that ends at the
+    # first check reaching it; then a tail of steps - tool_only_steps steps decaying the rate
+    # (cosine, to lr / 10), demonstrations first, its last tool_mixture_steps the mixture
+    mixed_from = None if tool_target else min(tool_only_steps, steps)
+    end = tool_only_steps if tool_target else steps
     losses, checks, reached = [], [], None
-    for step in range(steps):
+    step = 0
+    while step < end:
         sl = slice(step * batch, (step + 1) * batch)
         if problems is not None:
             prompts, answers = _sequences(tok, problems[sl])
             tokens, mask = training_tensors(tok.pad_token_id, prompts, answers)
+        elif rows is not None:
+            demos_first = (step + 1 if mixed_from is None else mixed_from) * batch
+            tokens, mask = training_tensors(tok.pad_token_id, *tool_sequences(
+                tok, rows[sl], tool_demos, tool_role, demos_first=demos_first, first_index=step * batch))
         else:
-            tokens, mask = training_tensors(tok.pad_token_id, prompts[sl], answers[sl],
-                                            None if masks is None else masks[sl])
+            tokens, mask = training_tensors(tok.pad_token_id, prompts[sl], answers[sl], masks[sl])
         n = float(mask.sum())
 
         def loss_fn(output, mb):
@@ -365,26 +393,36 @@ def build(out_dir: str, *, hidden_size: int = 128, num_layers: int = 4, num_head
         if sched is not None:
             sched.step(increment=1)
         losses.append(res.metrics[0]["nll"])
-        if validation is not None and (step + 1) % check_every == 0:
+        if validation is not None and reached is None and (step + 1) % check_every == 0:
             acc = teacher_forced_accuracy(ddp, *validation, V)
             checks.append((step + 1, acc))
             if acc >= target_accuracy:
                 reached = step + 1
         if log_every and (step + 1) % log_every == 0:
-            note = f", validation accuracy {checks[-1][1]:.3f}" if checks else ""
-            print(f"  warm start step {step + 1}/{steps}: answer nll {sum(losses[-log_every:]) / log_every:.4f}"
+            # (a tool build's tail measures nothing: its last check is the onset's)
+            note = f", validation accuracy {checks[-1][1]:.3f}" if checks and reached in (None, step + 1) else ""
+            print(f"  warm start step {step + 1}/{end}: answer nll {sum(losses[-log_every:]) / log_every:.4f}"
                   f"{note}", flush=True)
-        if reached is not None:
-            print(f"  warm start: validation accuracy {checks[-1][1]:.3f} >= target {target_accuracy:g} at step "
-                  f"{reached}", flush=True)
-            break
+        step += 1
+        if reached == step:
+            print(f"  warm start: {'tool-use ' if tool_target else ''}validation accuracy {checks[-1][1]:.3f} >= "
+                  f"target {target_accuracy:g} at step {reached}", flush=True)
+            if not tool_target:
+                break
+            # copying has set in; the tail fits it precisely at a decaying rate, and its mixture --
+            # which sets how often the model calls -- runs at the lowest rates, so it cannot undo it
+            tail = steps - tool_only_steps
+            mixed_from, end = reached + tail - tool_mixture_steps, reached + tail
+            sched = lr_scheduler(opt, dataclasses.replace(settings, lr_decay_style="cosine"), tail)
     if validation is not None and reached is None:
         rt.shutdown()
         shutil.rmtree(work, ignore_errors=True)
         best = max(checks, key=lambda c: c[1]) if checks else (0, 0.0)
+        within = (f"--tool-only-steps {tool_only_steps} (model.tiny.tool_only_steps), its onset phase"
+                  if tool_target else f"--steps {steps} (model.tiny.warmstart_steps)")
         raise MegarlError(f"the warm start did not reach --target-accuracy {target_accuracy:g} "
-                          f"(model.tiny.warmstart_target_accuracy) within --steps {steps} "
-                          f"(model.tiny.warmstart_steps); its best validation accuracy was {best[1]:.3f} at step {best[0]}: "
+                          f"(model.tiny.warmstart_target_accuracy) within {within}; its best "
+                          f"{'tool-use ' if tool_target else ''}validation accuracy was {best[1]:.3f} at step {best[0]}: "
                           "raise the steps or the learning rate, or lower the target")
     staged = os.path.join(work, "model")
     export_hf(ddp, staged, tokenizer_dir=tok_dir)
@@ -408,6 +446,9 @@ def build(out_dir: str, *, hidden_size: int = 128, num_layers: int = 4, num_head
         # heldout_accuracy_greedy is then the no-tool baseline: answered at once, never calling
         info["tool"] = {"demos": tool_demos, "digits": list(tool_digits), "role": tool_role,
                         "only_steps": tool_only_steps}
+        if tool_target:  # where the onset phase ended (tool_only_steps is then its most), and the mixture
+            info["tool"]["mixture_steps"] = tool_mixture_steps
+            info["warmstart"]["tool_onset_steps"] = reached
     if two_turn_demos > 0:
         info["two_turn_demos"] = two_turn_demos
     if moe:
@@ -436,7 +477,9 @@ def main(argv=None) -> None:
     p.add_argument("--target-accuracy", type=float, default=None,
                    help="stop at the first check where the model's teacher-forced accuracy on distinct "
                         "held-out problems outside the evaluation set reaches this (0: run --steps steps; default "
-                        "0.3, and 0 for the calculator build, which has no such validation set)")
+                        "0.3, and 0 for the calculator build). The calculator build's tool-only phase stops on it, "
+                        "measured on tool-use demonstrations of such problems (the call and the answer), and its "
+                        "mixture follows")
     p.add_argument("--check-every", type=int, default=4, help="steps between two validation checks")
     p.add_argument("--validation-n", type=int, default=256, help="problems in the validation set")
     p.add_argument("--heldout-n", type=int, default=200,
@@ -460,6 +503,9 @@ def main(argv=None) -> None:
     p.add_argument("--tool-max-digits", type=int, default=6, help="calculator build: most digits per operand")
     p.add_argument("--tool-only-steps", type=int, default=0,
                    help="calculator build: the first warm-start steps that are demonstrations only")
+    p.add_argument("--tool-mixture-steps", type=int, default=100,
+                   help="calculator build with --target-accuracy: the last steps, those of the mixture (of the "
+                        "--steps - --tool-only-steps that follow the onset phase)")
     p.add_argument("--tool-role", default="user",
                    help="calculator build: the role of the tool's messages (the tiny vocabulary has no <|tool|>)")
     p.add_argument("--two-turn-demos", type=float, default=0.0,
@@ -479,9 +525,13 @@ def main(argv=None) -> None:
         raise MegarlError(f"--target-accuracy {a.target_accuracy} must be in [0, 1], "
                           f"--check-every {a.check_every}, --validation-n {a.validation_n} and --heldout-n "
                           f"{a.heldout_n} >= 1")
-    if a.target_accuracy > 0 and a.tool_demos > 0:
-        raise MegarlError("--target-accuracy: the calculator build (--tool-demos > 0) has no arithmetic validation set; "
-                          "pass --target-accuracy 0")
+    if a.target_accuracy > 0 and a.tool_demos > 0 and not (
+            a.check_every <= a.tool_only_steps and 0 <= a.tool_mixture_steps <= a.steps - a.tool_only_steps):
+        raise MegarlError(f"--tool-only-steps {a.tool_only_steps} / --tool-mixture-steps {a.tool_mixture_steps}: with "
+                          "--target-accuracy the calculator build's onset phase (at most --tool-only-steps) stops on "
+                          f"it and a tail of --steps {a.steps} - --tool-only-steps follows, its last "
+                          f"--tool-mixture-steps the mixture: need --check-every {a.check_every} <= --tool-only-steps "
+                          "and 0 <= --tool-mixture-steps <= --steps - --tool-only-steps")
     if not 0.0 <= a.tool_demos <= 1.0:
         raise MegarlError(f"--tool-demos {a.tool_demos}: must be in [0, 1]")
     if not 0.0 <= a.two_turn_demos <= 1.0 or (a.two_turn_demos and a.tool_demos):
@@ -497,8 +547,15 @@ def main(argv=None) -> None:
                           "1 <= min <= max")
     if a.family != "llama" and not 1 <= a.top_k <= a.num_experts:
         raise MegarlError(f"--top-k {a.top_k}: must be between 1 and --num-experts {a.num_experts}")
-    plan = (f"up to {a.steps} steps through the megatron actor, stopping at {a.target_accuracy:g} validation accuracy"
-            if a.target_accuracy > 0 else f"{a.steps} steps through the megatron actor")
+    if a.target_accuracy > 0 and a.tool_demos > 0:
+        tail = a.steps - a.tool_only_steps
+        plan = (f"tool-use demonstrations through the megatron actor until {a.target_accuracy:g} tool-use validation "
+                f"accuracy (at most {a.tool_only_steps} steps), then {tail - a.tool_mixture_steps} more and "
+                f"{a.tool_mixture_steps} of the mixture at a decaying rate")
+    elif a.target_accuracy > 0:
+        plan = f"up to {a.steps} steps through the megatron actor, stopping at {a.target_accuracy:g} validation accuracy"
+    else:
+        plan = f"{a.steps} steps through the megatron actor"
     print(f"building the tiny model in {a.out} (warm start: {plan})", flush=True)
     info = build(a.out, hidden_size=a.hidden_size, num_layers=a.num_layers, num_heads=a.num_heads,
                  num_kv_heads=a.num_kv_heads, intermediate_size=a.intermediate_size, steps=a.steps, lr=a.lr,
@@ -506,7 +563,8 @@ def main(argv=None) -> None:
                  family=a.family, num_experts=a.num_experts, top_k=a.top_k,
                  moe_intermediate_size=a.moe_intermediate_size, tool_demos=a.tool_demos,
                  tool_digits=(a.tool_min_digits, a.tool_max_digits), tool_role=a.tool_role,
-                 tool_only_steps=a.tool_only_steps, two_turn_demos=a.two_turn_demos,
+                 tool_only_steps=a.tool_only_steps, tool_mixture_steps=a.tool_mixture_steps,
+                 two_turn_demos=a.two_turn_demos,
                  target_accuracy=a.target_accuracy, check_every=a.check_every,
                  validation_n=a.validation_n, heldout_n=a.heldout_n)
     print(f"tiny model ready in {a.out}: held-out greedy accuracy {info['heldout_accuracy_greedy']:.3f} "

@@ -110,6 +110,8 @@ def ensure_builtin_model(cfg) -> None:
                 cmd += ["--tool-demos", str(t.tool_demos), "--tool-only-steps", str(t.tool_only_steps),
                         "--tool-min-digits", str(t.tool_min_digits), "--tool-max-digits", str(t.tool_max_digits),
                         "--tool-role", t.tool_role]
+                if t.warmstart_target_accuracy:  # its onset phase stops on the target; the tail ends in the mixture
+                    cmd += ["--tool-mixture-steps", str(t.tool_mixture_steps)]
             if t.two_turn_demos > 0:  # the two-turn build
                 cmd += ["--two-turn-demos", str(t.two_turn_demos)]
             env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
@@ -137,6 +139,8 @@ def _tiny_settings(cfg) -> dict:
     if t.tool_demos > 0:
         want["tool"] = {"demos": t.tool_demos, "digits": [t.tool_min_digits, t.tool_max_digits], "role": t.tool_role,
                         "only_steps": t.tool_only_steps}
+        if t.warmstart_target_accuracy:
+            want["tool"]["mixture_steps"] = t.tool_mixture_steps
     else:
         want["task.digits"] = [d.arithmetic_min_digits, d.arithmetic_max_digits]
     if t.two_turn_demos > 0:

@@ -312,19 +312,24 @@ def _with_critic(batch):
     return with_derived(seal(ExperienceBatch(facts)), derived)
 
 
-def test_critic_steps_use_the_critic_micro_batch_size(world):
+@pytest.mark.parametrize("actor_micro,critic_micro,actor_rows,critic_rows", [
+    (4, 1, [4], [1] * 4),
+    (2, 0, [2, 2], [4]),  # 0: the whole mini-batch in one micro-batch (the PPO recipe's)
+])
+def test_critic_steps_use_the_critic_micro_batch_size(world, actor_micro, critic_micro, actor_rows, critic_rows):
     """critic.micro_batch_size is the critic's own: its steps run in micro-batches of that many
-    rows while the actor's use algo.micro_batch_size (it was validated but ignored)."""
+    rows (0: all of the mini-batch's) while the actor's use algo.micro_batch_size (it was
+    validated but ignored)."""
     from megarl.config import load_config
 
     cfg = load_config(PPO_RECIPE, ["rollout.n=2", "trainer.prompts_per_iteration=4", "algo.num_mini_batches=2",
-                                        "algo.ppo_epochs=1", "algo.micro_batch_size=4", "critic.micro_batch_size=1",
-                                        "critic.warmup_iters=0"])
+                                   "algo.ppo_epochs=1", f"algo.micro_batch_size={actor_micro}",
+                                   f"critic.micro_batch_size={critic_micro}", "critic.warmup_iters=0"])
     learner, actor, batch, v, manifest, sm = setup(cfg)
     critic = FakeCritic()
     learner.critic = critic
     run(learner, _with_critic(batch), v, manifest)
-    assert [[len(mb) for mb in step] for step in actor.step_rows] == [[4], [4]]  # 2 mini-batches of 4 rows
-    assert [[len(mb) for mb in step] for step in critic.step_rows] == [[1] * 4, [1] * 4]
+    assert [[len(mb) for mb in step] for step in actor.step_rows] == [actor_rows] * 2  # 2 mini-batches of 4 rows
+    assert [[len(mb) for mb in step] for step in critic.step_rows] == [critic_rows] * 2
     # the same rows, in the same order, for both roles
     assert [sum(step, []) for step in critic.step_rows] == [sum(step, []) for step in actor.step_rows]

@@ -108,6 +108,10 @@ def test_default_build_sequences_unchanged(tok):
     (["model.tiny.tool_min_digits=7"], "model.tiny.tool_min_digits"),  # above tool_max_digits=6
     (["model.tiny.tool_role=assistant"], "model.tiny.tool_role"),
     (["model.tiny.tool_role=''"], "model.tiny.tool_role"),
+    # with a target (the default 0.3) the tool-only phase stops on it: it needs at least one check
+    (["model.tiny.tool_demos=0.2", "model.tiny.tool_only_steps=0"], "model.tiny.tool_only_steps"),
+    (["model.tiny.tool_demos=0.2", "model.tiny.tool_only_steps=2001"], "model.tiny.tool_only_steps"),
+    (["model.tiny.tool_demos=0.2", "model.tiny.tool_only_steps=1950"], "model.tiny.tool_mixture_steps"),
 ])
 def test_tool_keys_validated_by_name(overrides, key):
     with pytest.raises(ConfigError) as e:
@@ -144,8 +148,9 @@ def test_builder_command_adds_tool_flags_only_when_demos(tmp_path, monkeypatch):
                            "--seed", "0",
                            "--min-digits", "1", "--max-digits", "2", "--overwrite"]
     assert calc[:len(default)] == default
+    # with a target (the default's 0.3) the onset phase stops on it and the tail ends in the mixture
     assert calc[len(default):] == ["--tool-demos", "0.25", "--tool-only-steps", "9", "--tool-min-digits", "4",
-                                   "--tool-max-digits", "6", "--tool-role", "user"]
+                                   "--tool-max-digits", "6", "--tool-role", "user", "--tool-mixture-steps", "100"]
 
 
 def test_calculator_build_records_its_settings(tmp_path):
@@ -241,3 +246,67 @@ def test_a_cache_built_by_other_settings_is_refused_naming_the_key(tmp_path):
                                "data.arithmetic_max_digits=3"])
     with pytest.raises(MegarlError, match=r"data\.build_arithmetic: .*train\.jsonl holds another train split"):
         train.ensure_builtin_task(other)
+
+
+#: a child that runs ``python -m megarl.tinymodel ARGS`` with the validation accuracies scripted
+#: (argv[1], one per check) and every optimizer step's learning rate and demonstration count
+#: recorded: the build's control flow with real steps, its measure replaced
+_SCRIPTED_BUILD = """
+import json, sys
+import megarl.models.optim as optim
+import megarl.tinymodel as tm
+script = iter(json.loads(sys.argv[1]))
+tm.teacher_forced_accuracy = lambda model, tokens, mask, vocab_size: next(script)
+seen, real = [], optim.train_step
+def spy(ddp, opt, micro_batches, loss_fn):
+    mask = micro_batches[0]["mask"]
+    seen.append([opt.param_groups[0]["lr"], int((mask.sum(-1) > 1).sum())])  # a direct answer weighs 1 token
+    return real(ddp, opt, micro_batches, loss_fn)
+optim.train_step = spy
+try:
+    tm.main(sys.argv[2:])
+finally:
+    print("SEEN " + json.dumps(seen), flush=True)
+"""
+
+
+def test_calculator_build_stops_its_onset_phase_on_validation_then_runs_the_tail(tmp_path):
+    """With a target the calculator build's onset phase (demonstrations only, the full rate) ends
+    at the first check that reaches it; then exactly steps - tool_only_steps steps follow, the
+    rate decaying (cosine, to lr / 10), their last tool_mixture_steps the mixture; tiny_model.json
+    records where the phase ended.  Negative control: a phase that never reaches the target
+    fails naming model.tiny.tool_only_steps, and leaves no model."""
+    import json
+    import math
+    import subprocess
+    import sys
+
+    from tests._dist import subprocess_env
+
+    def build(out, accuracies, extra):
+        cmd = [sys.executable, "-c", _SCRIPTED_BUILD, json.dumps(accuracies), "--out", str(out), "--batch", "8",
+               "--hidden-size", "32", "--num-layers", "1", "--num-heads", "2", "--num-kv-heads", "1",
+               "--intermediate-size", "64", "--tool-demos", "0.5", "--tool-min-digits", "4", "--tool-max-digits", "5",
+               "--lr", "1e-3", "--target-accuracy", "0.9", "--check-every", "4", "--validation-n", "16",
+               "--tool-mixture-steps", "4", *extra]
+        p = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+        seen = [json.loads(line[5:]) for line in p.stdout.splitlines() if line.startswith("SEEN ")]
+        return p, seen[0] if seen else None
+
+    p, seen = build(tmp_path / "calc", [0.0, 0.5, 0.95, 0.0], ["--steps", "24", "--tool-only-steps", "16"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    # 12 steps of demonstrations only (the third check reached 0.9), then a tail of 24 - 16 = 8:
+    # 4 more demonstrations and 4 of the mixture (half of each batch), the rate decaying over it
+    assert [demos for _, demos in seen] == [8] * 16 + [4] * 4
+    tail = [1e-4 + (1e-3 - 1e-4) * 0.5 * (1 + math.cos(math.pi * k / 8)) for k in range(8)]
+    assert [lr for lr, _ in seen] == pytest.approx([1e-3] * 12 + tail, rel=1e-12)
+    info = json.loads((tmp_path / "calc" / "tiny_model.json").read_text())
+    assert (info["warmstart"]["steps"], info["warmstart"]["tool_onset_steps"]) == (20, 12)
+    assert info["warmstart"]["validation_accuracy"] == 0.95
+    assert info["tool"] == {"demos": 0.5, "digits": [4, 5], "role": "user", "only_steps": 16, "mixture_steps": 4}
+    assert "tool-use validation accuracy 0.950 >= target 0.9 at step 12" in p.stdout
+
+    p, seen = build(tmp_path / "never", [0.1, 0.2], ["--steps", "12", "--tool-only-steps", "8"])
+    assert p.returncode != 0 and len(seen) == 8 and not (tmp_path / "never").exists()
+    assert ("within --tool-only-steps 8 (model.tiny.tool_only_steps), its onset phase; its best tool-use "
+            "validation accuracy was 0.200 at step 8") in p.stderr, p.stderr[-2000:]
