@@ -142,17 +142,13 @@ def two_turn_sequences(tok, problems, share: float, seed: int):
 
 
 def warmstart_sequences(tok, *, steps: int, batch: int, seed: int, digits=(1, 2), ops=("plus",),
-                        tool_demos: float = 0.0, tool_digits=(4, 6), tool_role: str = "user",
-                        tool_only_steps: int = 0, two_turn_demos: float = 0.0):
-    """All ``steps * batch`` warm-start sequences, in step order: ``(prompts, responses, loss
-    masks)``; masks None means loss on every response token (the arithmetic build)."""
+                        two_turn_demos: float = 0.0):
+    """All ``steps * batch`` warm-start sequences of the arithmetic builds, in step order:
+    ``(prompts, responses, loss masks)``; masks None means loss on every response token.  (The
+    calculator build renders its conversations a step at a time, :func:`tool_sequences`: where
+    its mixture starts is known only when its onset phase ends.)"""
     from megarl.data.tasks.arithmetic import make_problems
-    from megarl.envs.calculator import make_rows
 
-    if tool_demos > 0:
-        # every sequence a calculator conversation on tool_digits operands: a share with the tool
-        rows = make_rows("train", seed, steps * batch, digits=tuple(tool_digits), ops=tuple(ops))
-        return tool_sequences(tok, rows, tool_demos, tool_role, demos_first=min(tool_only_steps, steps) * batch)
     # the default build: exactly the sequences it always had
     problems = make_problems("train", seed, steps * batch, digits=tuple(digits), ops=tuple(ops))
     if two_turn_demos > 0:
@@ -331,16 +327,14 @@ def build(out_dir: str, *, hidden_size: int = 128, num_layers: int = 4, num_head
     model = load_model(random_dir)
     # the calculator build with a target: its tool-only phase early-stops on tool-use validation
     tool_target = tool_demos > 0 and target_accuracy > 0
-    if tool_demos > 0 and not tool_target:
-        # without a target the calculator build decays the learning rate (cosine, to lr / 10) over
-        # exactly `steps`: copying a 6-digit operand right at temperature 1 needs a precise fit,
-        # and the last steps -- the mixture that sets how often the model calls -- must not undo it
-        settings = OptimSettings(optimizer="adam", lr=lr, min_lr=lr / 10, lr_decay_style="cosine", clip_grad=1.0,
-                                 weight_decay=0.0)
-    elif tool_target:  # a constant rate until the onset; megatron's scheduler reads min_lr from the param groups
-        settings = OptimSettings(optimizer="adam", lr=lr, min_lr=lr / 10, clip_grad=1.0, weight_decay=0.0)
-    else:  # the default build: a constant rate, as it always had
-        settings = OptimSettings(optimizer="adam", lr=lr, clip_grad=1.0, weight_decay=0.0)
+    # The default build: a constant rate, as it always had.  The calculator build decays it
+    # (cosine, to lr / 10): copying a 6-digit operand right at temperature 1 needs a precise fit,
+    # and the mixture that sets how often the model calls must not undo it -- over all `steps`
+    # without a target, over the tail after the onset with one (a constant rate until then;
+    # megatron's scheduler reads min_lr from the param groups, so they carry it from the start).
+    settings = OptimSettings(optimizer="adam", lr=lr, min_lr=lr / 10 if tool_demos > 0 else 0.0,
+                             lr_decay_style="cosine" if tool_demos > 0 and not tool_target else "constant",
+                             clip_grad=1.0, weight_decay=0.0)
     ddp, opt = wrap_for_training(model, settings)
     sched = lr_scheduler(opt, settings, steps) if tool_demos > 0 and not tool_target else None
     V = model.megarl_spec.vocab_size
