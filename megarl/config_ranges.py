@@ -88,6 +88,7 @@ RANGES = {
     "model.tiny.hidden_size": COUNT, "model.tiny.num_layers": COUNT, "model.tiny.num_heads": COUNT,
     "model.tiny.num_kv_heads": COUNT, "model.tiny.intermediate_size": COUNT,
     "model.tiny.warmstart_steps": COUNT0, "model.tiny.warmstart_lr": POS, "model.tiny.warmstart_batch": COUNT,
+    "model.tiny.warmstart_adam_beta2": Range(lo=0, hi=1, hi_open=True),
     "model.tiny.warmstart_target_accuracy": Range(lo=0, hi=1, lo_open=True, null=True),
     "model.tiny.seed": SEED,
     "model.tiny.num_experts": COUNT, "model.tiny.top_k": COUNT, "model.tiny.moe_intermediate_size": COUNT,

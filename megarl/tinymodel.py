@@ -25,7 +25,17 @@ differs moves a seed from one side to the other.  So the warm start is early-sto
 recipe's held-out file, its first ``--heldout-n`` distinct problems) does not hold, and that no
 training ever sees.  Every ``--check-every`` steps the model's teacher-forced validation accuracy
 is measured (every answer token and the EOS the argmax: what greedy decoding answers); the first
-check that reaches the target ends the warm start, and that model is exported.  ``--steps`` is
+check that reaches the target ends the warm start, and that model is exported.
+
+What that validation set measures is not the evaluation set's mix: the 1-2-digit held-out split
+is small (515 sums), the evaluation set takes nearly all of its one-by-two-digit sums (about
+half of the evaluation set), and what is left is ~97% two-by-two-digit sums.  A stop there
+says how far the model is on the hard sums; its evaluation accuracy then lands between 0.275
+and 0.335 on the AMD EPYC this was tuned on, and between 0.39 and 0.47 on an AVX-512 Xeon.
+``--validation train-mix`` measures the evaluation set's mix instead (train problems the warm
+start never draws): builds stopped there at 0.3 scored 0.29-0.33 on the Xeon, but at that
+point they know less, and 400 GRPO steps gained only +17 to +22 from them (the default's
+stop leaves a model that knows more than its greedy decoding shows, which RL recovers).  ``--steps`` is
 then the most it may take: a build that has not reached the target by then fails, naming it.
 The exported model is the last iterate of a constant learning rate, with its noise: its greedy
 decoding is behind what it has learnt, which is what RL recovers and builds on.  (Measured on
@@ -184,11 +194,44 @@ VALIDATION_SEED, EVALUATION_SEED = 2, 1
 
 def validation_problems(n: int, eval_n: int, digits, ops):
     """``n`` distinct problems of the held-out split that the evaluation set (the first ``eval_n``
-    distinct held-out problems of seed 1, the recipes' held-out file) does not hold."""
+    distinct held-out problems of seed 1, the recipes' held-out file) does not hold (the
+    calculator build's validation: its 4-6-digit held-out split is large)."""
     from megarl.data.tasks.arithmetic import make_problems
 
     evaluation = make_problems("heldout", EVALUATION_SEED, eval_n, digits=tuple(digits), ops=tuple(ops), distinct=True)
     return make_problems("heldout", VALIDATION_SEED, n, digits=tuple(digits), ops=tuple(ops), exclude=evaluation)
+
+
+def arithmetic_validation_problems(n: int, eval_n: int, digits, ops):
+    """The arithmetic build's validation set: ``n`` distinct problems of the **train** split with
+    the evaluation set's mix of kinds (op and operand digit counts,
+    :func:`~megarl.data.tasks.arithmetic.problem_stratum`), apportioned to ``n`` by largest
+    remainders.  The build never trains on them (its draws exclude them).
+
+    Why not held-out problems: the 1-2-digit held-out split is small (515 sums) and the
+    evaluation set's 200 take nearly all of its one-by-two-digit sums, so what is left of it is
+    ~97% two-by-two-digit sums, against ~50% in the evaluation set.  A stop measured there says
+    little about the evaluation set: builds stopped at the same validation accuracy scored
+    0.26 to 0.55 on it (measured on an AVX-512 Xeon, seeds 0-2)."""
+    from collections import Counter
+
+    from megarl.data.tasks.arithmetic import make_problems, problem_stratum
+
+    evaluation = make_problems("heldout", EVALUATION_SEED, eval_n, digits=tuple(digits), ops=tuple(ops), distinct=True)
+    counts = Counter(problem_stratum(r) for r in evaluation)
+    quota = {k: n * c / eval_n for k, c in counts.items()}
+    take = {k: int(q) for k, q in quota.items()}
+    for k in sorted(quota, key=lambda k: (take[k] - quota[k], k))[: n - sum(take.values())]:
+        take[k] += 1
+    pool = make_problems("train", VALIDATION_SEED, 4 * n, digits=tuple(digits), ops=tuple(ops), distinct=True)
+    rows = []
+    for k in sorted(take):
+        kind = [r for r in pool if problem_stratum(r) == k][: take[k]]
+        if len(kind) < take[k]:
+            raise MegarlError(f"the arithmetic validation set needs {take[k]} distinct train problems of kind {k}; "
+                              f"the split holds {len(kind)} among its first {len(pool)}: lower --validation-n")
+        rows += kind
+    return rows
 
 
 def teacher_forced_accuracy(model, tokens, mask, vocab_size: int) -> float:
@@ -243,6 +286,9 @@ def heldout_accuracy(model_dir: str, n: int = 200, seed: int = 1, digits=(1, 2),
     return good / len(probs)
 
 
+#: where an arithmetic build's early stop is measured (build's ``validation``)
+VALIDATIONS = ("heldout", "train-mix")
+
 #: the families the tiny model can be built in: the dense default and one mixture-of-experts
 FAMILIES = ("llama", "qwen3_moe")
 
@@ -253,13 +299,17 @@ def build(out_dir: str, *, hidden_size: int = 128, num_layers: int = 4, num_head
           top_k: int = 2, moe_intermediate_size: int = 128, tool_demos: float = 0.0, tool_digits=(4, 6),
           tool_role: str = "user", tool_only_steps: int = 0, tool_mixture_steps: int = 0,
           two_turn_demos: float = 0.0, target_accuracy: float = 0.0, check_every: int = 4, validation_n: int = 256,
-          heldout_n: int = 200) -> dict:
+          heldout_n: int = 200, adam_beta2: float = 0.999, validation: str = "heldout") -> dict:
     """Build the tiny model into ``out_dir`` (must not hold a finished build); return its info.
 
     ``target_accuracy > 0``: stop at the first check (every ``check_every`` steps) where the
-    model's teacher-forced accuracy on ``validation_n`` validation problems
-    (:func:`validation_problems`) reaches it; ``steps`` is then the most the warm start may take.
-    ``heldout_n``: the evaluation set's size (held apart from validation; the reported accuracy).
+    model's teacher-forced accuracy on ``validation_n`` validation problems reaches it; ``steps``
+    is then the most the warm start may take.  ``validation``: ``"heldout"`` (the default) draws
+    them from the held-out split outside the evaluation set (:func:`validation_problems`);
+    ``"train-mix"`` from the train split in the evaluation set's mix of kinds, kept out of the
+    warm start's draws (:func:`arithmetic_validation_problems`; the module docstring says what
+    each measures).  ``heldout_n``: the evaluation set's size (the reported accuracy).
+    ``adam_beta2``: Adam's second-moment decay.
 
     ``two_turn_demos > 0`` builds the two-turn recipe's model: the arithmetic build with that
     share of its sequences replaced by guess-feedback-answer demonstrations of the ``two_turn``
@@ -334,11 +384,20 @@ def build(out_dir: str, *, hidden_size: int = 128, num_layers: int = 4, num_head
     # megatron's scheduler reads min_lr from the param groups, so they carry it from the start).
     settings = OptimSettings(optimizer="adam", lr=lr, min_lr=lr / 10 if tool_demos > 0 else 0.0,
                              lr_decay_style="cosine" if tool_demos > 0 and not tool_target else "constant",
-                             clip_grad=1.0, weight_decay=0.0)
+                             clip_grad=1.0, weight_decay=0.0, adam_beta2=adam_beta2)
     ddp, opt = wrap_for_training(model, settings)
     sched = lr_scheduler(opt, settings, steps) if tool_demos > 0 and not tool_target else None
     V = model.megarl_spec.vocab_size
     problems = rows = None
+    # the validation problems of an arithmetic build with a target: the two-turn build's are
+    # held-out problems (its demonstrations are drawn apart from them), the others' train
+    # problems of the evaluation set's mix, excluded from the draws below
+    if validation not in VALIDATIONS:
+        raise MegarlError(f"validation {validation!r}: choose from {', '.join(VALIDATIONS)}")
+    held_apart = ()
+    if target_accuracy > 0 and tool_demos == 0:
+        held_apart = (arithmetic_validation_problems if validation == "train-mix" and two_turn_demos == 0
+                      else validation_problems)(validation_n, heldout_n, digits, ops)
     if tool_demos > 0:  # every sequence a calculator conversation on tool_digits operands, rendered a step at a time
         from megarl.envs.calculator import make_rows
 
@@ -346,17 +405,18 @@ def build(out_dir: str, *, hidden_size: int = 128, num_layers: int = 4, num_head
     elif two_turn_demos > 0:
         prompts, answers, masks = warmstart_sequences(tok, steps=steps, batch=batch, seed=seed, digits=digits, ops=ops,
                                                       two_turn_demos=two_turn_demos)
-    else:  # the arithmetic build: the same sequences, tokenised a step at a time (a build may stop early)
+    else:  # the arithmetic build, tokenised a step at a time (a build may stop early); with a
+        # target, its draws never hold a validation problem
         from megarl.data.tasks.arithmetic import make_problems
 
-        problems = make_problems("train", seed, steps * batch, digits=tuple(digits), ops=tuple(ops))
+        problems = make_problems("train", seed, steps * batch, digits=tuple(digits), ops=tuple(ops), distinct=False,
+                                 exclude=held_apart)
     validation = None
     if tool_target:  # tool-use demonstrations on distinct held-out rows: the call and the answer teacher-forced
         validation = training_tensors(tok.pad_token_id, *tool_sequences(
             tok, validation_problems(validation_n, heldout_n, tool_digits, ops), 1.0, tool_role))
     elif target_accuracy > 0:
-        validation = training_tensors(tok.pad_token_id, *_sequences(tok, validation_problems(validation_n, heldout_n,
-                                                                                         digits, ops)))
+        validation = training_tensors(tok.pad_token_id, *_sequences(tok, held_apart))
     # the step where the calculator build's mixture starts, and the step count.  With a target: an
     # onset phase of demonstrations at the full rate, at most tool_only_steps, that ends at the
     # first check reaching it; then a tail of steps - tool_only_steps steps decaying the rate
@@ -431,7 +491,9 @@ def build(out_dir: str, *, hidden_size: int = 128, num_layers: int = 4, num_head
             "warmstart": {"steps": len(losses), "max_steps": steps, "lr": lr, "batch": batch, "seed": seed,
                           "final_nll": losses[-1] if losses else None, "target_accuracy": target_accuracy or None,
                           "validation_accuracy": checks[-1][1] if checks else None,
-                          "heldout_n": heldout_n},
+                          "heldout_n": heldout_n, "adam_beta2": adam_beta2,
+                          "validation": ("train-mix" if validation == "train-mix" and not tool_demos and not
+                                         two_turn_demos else "heldout") if target_accuracy > 0 else None},
             "task": {"name": "arithmetic", "digits": list(digits), "ops": list(ops)},
             "heldout_accuracy_greedy": acc, "seconds": time.time() - t_start,
             "tokenizer_hash": tok.hash}
@@ -480,6 +542,11 @@ def main(argv=None) -> None:
                    help="problems in the evaluation set (the recipe's held-out file: data.arithmetic_heldout_n), kept "
                         "apart from validation; the reported held-out accuracy is on it")
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--adam-beta2", type=float, default=0.999, help="Adam's second-moment decay")
+    p.add_argument("--validation", default="heldout", choices=VALIDATIONS,
+                   help="where the early stop is measured (arithmetic builds): held-out problems outside the "
+                        "evaluation set, or train problems in the evaluation set's mix that the warm start never "
+                        "draws (train-mix)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-digits", type=int, default=1)
@@ -513,6 +580,8 @@ def main(argv=None) -> None:
         raise MegarlError(f"--out {a.out}: exists and is not a tiny model build; refusing to overwrite")
     if a.steps < 0 or a.batch < 1:
         raise MegarlError("--steps must be >= 0 and --batch >= 1")
+    if not 0.0 <= a.adam_beta2 < 1.0:
+        raise MegarlError(f"--adam-beta2 {a.adam_beta2}: must be in [0, 1)")
     if a.target_accuracy is None:
         a.target_accuracy = 0.0 if a.tool_demos > 0 else 0.3
     if not 0.0 <= a.target_accuracy <= 1.0 or a.check_every < 1 or a.validation_n < 1 or a.heldout_n < 1:
@@ -560,7 +629,8 @@ def main(argv=None) -> None:
                  tool_only_steps=a.tool_only_steps, tool_mixture_steps=a.tool_mixture_steps,
                  two_turn_demos=a.two_turn_demos,
                  target_accuracy=a.target_accuracy, check_every=a.check_every,
-                 validation_n=a.validation_n, heldout_n=a.heldout_n)
+                 validation_n=a.validation_n, heldout_n=a.heldout_n, adam_beta2=a.adam_beta2,
+                 validation=a.validation)
     print(f"tiny model ready in {a.out}: held-out greedy accuracy {info['heldout_accuracy_greedy']:.3f} "
           f"after {info['warmstart']['steps']} warm-start steps ({info['seconds']:.0f}s)", flush=True)
 

@@ -103,6 +103,8 @@ def ensure_builtin_model(cfg) -> None:
                    "--heldout-n", str(d.arithmetic_heldout_n),
                    "--seed", str(t.seed), "--min-digits", str(d.arithmetic_min_digits),
                    "--max-digits", str(d.arithmetic_max_digits), "--overwrite"]
+            if t.warmstart_adam_beta2 != 0.999 or t.warmstart_validation != "heldout":  # the default's stays
+                cmd += ["--adam-beta2", str(t.warmstart_adam_beta2), "--validation", t.warmstart_validation]
             if t.family != "llama":  # the dense build's command stays what it was
                 cmd += ["--family", t.family, "--num-experts", str(t.num_experts), "--top-k", str(t.top_k),
                         "--moe-intermediate-size", str(t.moe_intermediate_size)]
@@ -132,6 +134,10 @@ def _tiny_settings(cfg) -> dict:
             "warmstart.batch": t.warmstart_batch, "warmstart.seed": t.seed,
             "warmstart.target_accuracy": t.warmstart_target_accuracy or None,
             "warmstart.heldout_n": d.arithmetic_heldout_n}
+    if t.warmstart_adam_beta2 != 0.999:  # (a build by an older megarl records none: the default)
+        want["warmstart.adam_beta2"] = t.warmstart_adam_beta2
+    if t.warmstart_validation != "heldout" and t.warmstart_target_accuracy and not t.tool_demos and not t.two_turn_demos:
+        want["warmstart.validation"] = t.warmstart_validation
     if t.family == "llama":
         want["intermediate_size"] = t.intermediate_size
     else:
@@ -166,6 +172,8 @@ def _check_cached_model(cfg) -> None:
         if node != want:
             config_key = {"warmstart.max_steps": "model.tiny.warmstart_steps", "warmstart.lr": "model.tiny.warmstart_lr",
                           "warmstart.batch": "model.tiny.warmstart_batch", "warmstart.seed": "model.tiny.seed",
+                          "warmstart.adam_beta2": "model.tiny.warmstart_adam_beta2",
+                          "warmstart.validation": "model.tiny.warmstart_validation",
                           "warmstart.target_accuracy": "model.tiny.warmstart_target_accuracy",
                           "warmstart.heldout_n": "data.arithmetic_heldout_n",
                           "task.digits": "data.arithmetic_min_digits / data.arithmetic_max_digits",

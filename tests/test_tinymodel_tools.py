@@ -141,13 +141,16 @@ def test_builder_command_adds_tool_flags_only_when_demos(tmp_path, monkeypatch):
     train.ensure_builtin_model(load_config(GRPO, base))
     train.ensure_builtin_model(load_config(GRPO, base + ["model.tiny.tool_demos=0.25", "model.tiny.tool_only_steps=9",
                                                          "model.tiny.tool_role=user"]))
-    default, calc = seen
+    train.ensure_builtin_model(load_config(GRPO, base + ["model.tiny.warmstart_validation=train-mix",
+                                                         "model.tiny.warmstart_adam_beta2=0.98"]))
+    default, calc, mix = seen
     assert default[2:] == ["megarl.tinymodel", "--out", str(tmp_path / "m"), "--hidden-size", "128", "--num-layers", "4",
                            "--num-heads", "4", "--num-kv-heads", "2", "--intermediate-size", "256", "--steps", "2000",
                            "--lr", "0.002", "--batch", "64", "--target-accuracy", "0.3", "--heldout-n", "200",
                            "--seed", "0",
                            "--min-digits", "1", "--max-digits", "2", "--overwrite"]
     assert calc[:len(default)] == default
+    assert mix == default + ["--adam-beta2", "0.98", "--validation", "train-mix"]
     # with a target (the default's 0.3) the onset phase stops on it and the tail ends in the mixture
     assert calc[len(default):] == ["--tool-demos", "0.25", "--tool-only-steps", "9", "--tool-min-digits", "4",
                                    "--tool-max-digits", "6", "--tool-role", "user", "--tool-mixture-steps", "100"]
@@ -233,6 +236,13 @@ def test_a_cache_built_by_other_settings_is_refused_naming_the_key(tmp_path):
     (model / MARKER).write_text(json.dumps(info))
     with pytest.raises(MegarlError, match=r"model\.tiny\.warmstart_target_accuracy: the cached build has None, the config 0\.3"):
         train.ensure_builtin_model(cfg)
+    info["warmstart"]["target_accuracy"] = 0.3
+    (model / MARKER).write_text(json.dumps(info))
+    mix = load_config(GRPO, [f"model.path={model}", "model.build_tiny=true", "model.tiny.warmstart_validation=train-mix",
+                             f"data.train_path={tmp_path / 'train.jsonl'}", f"data.heldout_path={tmp_path / 'held.jsonl'}"])
+    with pytest.raises(MegarlError, match=r"model\.tiny\.warmstart_validation: the cached build has None, "
+                                          r"the config 'train-mix'"):
+        train.ensure_builtin_model(mix)  # a build stopped on held-out problems is not a train-mix build
     del info["warmstart"]["max_steps"]  # a build of an older megarl
     (model / MARKER).write_text(json.dumps(info))
     with pytest.raises(MegarlError, match=r"model\.tiny\.warmstart_steps: the cached build has None"):
@@ -310,3 +320,34 @@ def test_calculator_build_stops_its_onset_phase_on_validation_then_runs_the_tail
     assert p.returncode != 0 and len(seen) == 8 and not (tmp_path / "never").exists()
     assert ("within --tool-only-steps 8 (model.tiny.tool_only_steps), its onset phase; its best tool-use "
             "validation accuracy was 0.200 at step 8") in p.stderr, p.stderr[-2000:]
+
+
+def test_arithmetic_validation_set_has_the_evaluation_mix_and_is_never_trained_on():
+    """The arithmetic build stops on train-split problems with exactly the evaluation set's mix
+    of kinds (op, operand digit counts), which its own draws exclude.  Negative control: the
+    held-out validation it replaces holds almost none of the one-by-two-digit sums that are about
+    half of the evaluation set."""
+    from collections import Counter
+
+    from megarl.data.tasks.arithmetic import make_problems, problem_key, problem_split, problem_stratum
+    from megarl.tinymodel import EVALUATION_SEED, arithmetic_validation_problems, validation_problems
+
+    evaluation = make_problems("heldout", EVALUATION_SEED, 200, digits=(1, 2), distinct=True)
+    val = arithmetic_validation_problems(256, 200, (1, 2), ("plus",))
+    keys = [problem_key(r) for r in val]
+    assert len(set(keys)) == 256
+    assert all(problem_split(*(lambda a, op, b: (int(a), op, int(b)))(*k.split())) == "train" for k in keys)
+    ev_mix, val_mix = Counter(map(problem_stratum, evaluation)), Counter(map(problem_stratum, val))
+    assert set(val_mix) == set(ev_mix)
+    for kind, c in ev_mix.items():  # largest remainders: each kind within one problem of its share
+        assert abs(val_mix[kind] - 256 * c / 200) < 1, (kind, val_mix[kind], c)
+    one_by_two = ev_mix[("plus", 1, 2)] / 200
+    assert one_by_two > 0.4 and abs(val_mix[("plus", 1, 2)] / 256 - one_by_two) < 0.01
+    old = Counter(map(problem_stratum, validation_problems(256, 200, (1, 2), ("plus",))))
+    assert old[("plus", 1, 2)] / 256 < 0.1  # what the held-out validation measured instead
+    # the build's training draws never hold a validation problem, and otherwise repeat problems
+    draws = make_problems("train", 0, 20_000, digits=(1, 2), distinct=False, exclude=val)
+    assert not set(keys) & {problem_key(r) for r in draws}
+    assert len({problem_key(r) for r in draws}) < 20_000
+    unexcluded = make_problems("train", 0, 20_000, digits=(1, 2))
+    assert set(keys) & {problem_key(r) for r in unexcluded}  # without the exclusion they would be trained on

@@ -37,7 +37,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from megarl.errors import MegarlError, cli_main
 
-__all__ = ["OPS", "SPLITS", "make_problems", "problem_split", "score", "write_jsonl", "main"]
+__all__ = ["OPS", "SPLITS", "make_problems", "problem_split", "problem_stratum", "score", "write_jsonl", "main"]
 
 OPS = ("plus", "minus", "times")
 SPLITS = ("train", "heldout")
@@ -55,6 +55,13 @@ def _canonical(a: int, op: str, b: int) -> str:
     if op in ("plus", "times"):  # commutative: both operand orders are one problem
         a, b = max(a, b), min(a, b)
     return f"{a} {op} {b}"
+
+
+def problem_stratum(row: Mapping) -> tuple[str, int, int]:
+    """A row's kind of problem: its op and its operands' digit counts, fewer first
+    (``("plus", 1, 2)`` for ``7 plus 45``)."""
+    _what, _is, a, op, b, _q = str(row["prompt"]).split()
+    return (op, *sorted((len(a.lstrip("-")), len(b.lstrip("-")))))
 
 
 def problem_split(a: int, op: str, b: int) -> str:
@@ -93,7 +100,7 @@ def make_problems(
     n: int,
     digits: tuple[int, int] = (1, 3),
     ops: tuple[str, ...] = ("plus",),
-    distinct: bool = False,
+    distinct: bool | None = None,
     exclude: Iterable[Mapping] = (),
 ) -> list[dict]:
     """``n`` problems of ``split``: ``{"id": "arith-<split>-<seed>-<i>", "prompt": "what is 12 plus
@@ -109,20 +116,24 @@ def make_problems(
     them right or wrong then moves a 200-problem accuracy by up to 7.5 points.
 
     ``exclude``: rows (of this module) whose problems are never drawn -- a validation set kept
-    apart from the evaluation set of the same split.
+    apart from the evaluation set of the same split, or from the draws a model trains on.  With
+    ``exclude``, ``distinct`` defaults to True (a validation set); ``distinct=False`` draws with
+    replacement around the excluded problems (a training stream).
     """
     ops = (ops,) if isinstance(ops, str) else tuple(ops)
     lo, hi = _check_args(split, n, digits, ops)
     rng = random.Random(seed)
     rows, seen = [], {problem_key(r) for r in exclude}
-    distinct = distinct or bool(seen)
+    excluded = frozenset(seen)
+    distinct = bool(seen) if distinct is None else distinct
     for i in range(n):
         for _ in range(_MAX_REJECTIONS):
             op = ops[rng.randrange(len(ops))]
             a, b = _operand(rng, lo, hi), _operand(rng, lo, hi)
             if op == "minus" and a < b:
                 a, b = b, a
-            if problem_split(a, op, b) == split and not (distinct and _canonical(a, op, b) in seen):
+            key = _canonical(a, op, b)
+            if problem_split(a, op, b) == split and key not in (seen if distinct else excluded):
                 break
         else:
             raise ValueError(f"no {'new ' if distinct else ''}{split} problem found for digits={lo, hi} ops={ops} "
