@@ -49,8 +49,8 @@ class TinyModelConfig:
     warmstart_steps: int = 2000
     warmstart_lr: float = 2.0e-3  # the warm start's learning rate
     warmstart_batch: int = 64  # the warm start's batch size
-    #: Adam's second-moment decay in the warm start (the arithmetic recipes set 0.98: the
-    #: generalisation onset comes earlier and at a less random step than at 0.999)
+    #: Adam's second-moment decay in the warm start (0.98 with batches of 128 brought the
+    #: onset earlier on an AVX-512 Xeon; no recipe sets it yet: megarl/tinymodel.py says why)
     warmstart_adam_beta2: float = 0.999
     #: where the arithmetic build's early stop is measured: heldout (held-out problems outside
     #: the evaluation set, mostly two-by-two-digit sums) | train-mix (train problems in the

@@ -203,12 +203,12 @@ def validation_problems(n: int, eval_n: int, digits, ops):
 
 
 def arithmetic_validation_problems(n: int, eval_n: int, digits, ops):
-    """The arithmetic build's validation set: ``n`` distinct problems of the **train** split with
+    """The arithmetic build's ``train-mix`` validation set: ``n`` distinct problems of the **train** split with
     the evaluation set's mix of kinds (op and operand digit counts,
     :func:`~megarl.data.tasks.arithmetic.problem_stratum`), apportioned to ``n`` by largest
     remainders.  The build never trains on them (its draws exclude them).
 
-    Why not held-out problems: the 1-2-digit held-out split is small (515 sums) and the
+    Why not held-out problems (the default's): the 1-2-digit held-out split is small (515 sums) and the
     evaluation set's 200 take nearly all of its one-by-two-digit sums, so what is left of it is
     ~97% two-by-two-digit sums, against ~50% in the evaluation set.  A stop measured there says
     little about the evaluation set: builds stopped at the same validation accuracy scored
@@ -335,6 +335,8 @@ def build(out_dir: str, *, hidden_size: int = 128, num_layers: int = 4, num_head
     the warm start is the same code (megatron's MoE layer with aux and z losses off)."""
     if family not in FAMILIES:
         raise MegarlError(f"tiny model family {family!r}: choose from {', '.join(FAMILIES)}")
+    if validation not in VALIDATIONS:
+        raise MegarlError(f"validation {validation!r}: choose from {', '.join(VALIDATIONS)}")
     from megarl.config import OptimSettings
     from megarl.data.tiny_tokenizer import build_tiny_tokenizer
     from megarl.data.tokenizer import TokenizerContract
@@ -389,11 +391,9 @@ def build(out_dir: str, *, hidden_size: int = 128, num_layers: int = 4, num_head
     sched = lr_scheduler(opt, settings, steps) if tool_demos > 0 and not tool_target else None
     V = model.megarl_spec.vocab_size
     problems = rows = None
-    # the validation problems of an arithmetic build with a target: the two-turn build's are
-    # held-out problems (its demonstrations are drawn apart from them), the others' train
-    # problems of the evaluation set's mix, excluded from the draws below
-    if validation not in VALIDATIONS:
-        raise MegarlError(f"validation {validation!r}: choose from {', '.join(VALIDATIONS)}")
+    # the validation problems of an arithmetic build with a target: held-out problems, or with
+    # "train-mix" (not the two-turn build) train problems of the evaluation set's mix, excluded
+    # from the draws below
     held_apart = ()
     if target_accuracy > 0 and tool_demos == 0:
         held_apart = (arithmetic_validation_problems if validation == "train-mix" and two_turn_demos == 0

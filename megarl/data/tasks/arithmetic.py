@@ -45,9 +45,15 @@ HELDOUT_MODULUS = 10  # heldout iff sha256(canonical text) % 10 == 0: about 10% 
 _MAX_REJECTIONS = 100_000  # consecutive misses before a split is declared empty for these settings
 
 
+def _operands(row: Mapping) -> tuple[str, str, str]:
+    """``(a, op, b)`` as written in a row's prompt (``what is 12 plus 345 ?``)."""
+    _what, _is, a, op, b, _q = str(row["prompt"]).split()
+    return a, op, b
+
+
 def problem_key(row: Mapping) -> str:
     """The canonical problem of a row of this module (``12 plus 345`` and ``345 plus 12`` are one)."""
-    _what, _is, a, op, b, _q = str(row["prompt"]).split()
+    a, op, b = _operands(row)
     return _canonical(int(a), op, int(b))
 
 
@@ -60,7 +66,7 @@ def _canonical(a: int, op: str, b: int) -> str:
 def problem_stratum(row: Mapping) -> tuple[str, int, int]:
     """A row's kind of problem: its op and its operands' digit counts, fewer first
     (``("plus", 1, 2)`` for ``7 plus 45``)."""
-    _what, _is, a, op, b, _q = str(row["prompt"]).split()
+    a, op, b = _operands(row)
     return (op, *sorted((len(a.lstrip("-")), len(b.lstrip("-")))))
 
 
