@@ -8,6 +8,8 @@ setup(
     version="0.1.0",
     description="Megatron-native SPMD trainer for RLHF / RLVR (PPO, GRPO)",
     packages=find_packages(include=["megarl", "megarl.*"]),
+    # the stand-ins SGLang's CPU engine needs on PYTHONPATH (megarl/rollout/sglang_cpu): plain files, not packages
+    package_data={"megarl.rollout.sglang_cpu": ["pythonpath/*.py", "pythonpath/*/*.py"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.6",

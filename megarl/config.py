@@ -163,7 +163,7 @@ class AgentConfig:
 class RolloutConfig:
     """Generation: the engine, sampling parameters, samples per prompt, weight sync."""
 
-    backend: str = "hf"  # hf (transformers; CPU default) | sglang (GPU)
+    backend: str = "hf"  # hf (transformers; CPU default) | sglang (GPU; on CPU: megarl/rollout/sglang_cpu)
     temperature: float = 1.0  # sampling temperature of training rollouts
     top_p: float = 1.0  # nucleus sampling (1: off)
     top_k: int = -1  # top-k sampling (-1: off)

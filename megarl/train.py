@@ -278,6 +278,10 @@ def main(argv=None) -> dict:
     ensure_builtin_model(cfg)
     sources = _check_model(cfg)
 
+    if cfg.rollout.backend == "sglang":  # no CUDA device: SGLang's CPU engine needs its mends before
+        from megarl.rollout import sglang_cpu  # megatron or SGLang load (inert where CUDA exists)
+
+        sglang_cpu.prepare()
     import torch
 
     from megarl.control.trainer import Trainer

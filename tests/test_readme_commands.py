@@ -68,9 +68,13 @@ def test_readme_test_command_is_what_ci_runs():
     with open(README, encoding="utf-8") as f:
         commands = _bash_commands(f.read())
     with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
-        ci = [line.strip() for line in f if line.strip() and not line.startswith("#")][-1]
-    assert ci in commands, ci
-    assert "python -m pytest -q -p no:cacheprovider tests" in ci
+        ci = [line.strip() for line in f if line.strip() and not line.startswith(("#", "set ", "cd "))]
+    for line in ci:
+        assert line in commands, line
+    assert len(ci) == 2, ci
+    assert "python -m pytest -q -p no:cacheprovider tests" in ci[0]
+    # the real SGLang engine's tests, in the environment tools/sglang_env.sh builds
+    assert "tools/sglang_env.sh" in ci[1] and ci[1].endswith("tests/sglang_real")
 
 
 def _schema_has(path):

@@ -70,12 +70,18 @@ def create_engine(cfg, placement: Placement, config_dir: str, eos_token_ids: Seq
 
         return create_rollout_engine("hf", config_dir, eos_token_ids=list(eos_token_ids),
                                      pad_token_id=pad_token_id, device=str(device()))
+    from megarl.rollout import sglang_cpu
+
+    # no CUDA device: SGLang's CPU engine, through megarl's mends (inert where CUDA exists)
+    on_cpu = sglang_cpu.prepare()
     return create_rollout_engine(
         "sglang", config_dir, tp_size=r.tp, group=placement.process_group, eos_token_ids=list(eos_token_ids),
         mem_fraction_static=r.mem_fraction_static, seed=cfg.trainer.seed,
         deterministic_inference=r.deterministic_inference,
+        **({"device": "cpu", "dtype": "float32"} if on_cpu else {}),
         engine_kwargs={"enable_memory_saver": r.enable_memory_saver,
-                       **({"ep_size": r.ep} if r.ep > 1 else {})})  # SGLang's expert parallelism (MoE)
+                       **({"ep_size": r.ep} if r.ep > 1 else {}),  # SGLang's expert parallelism (MoE)
+                       **sglang_cpu.engine_kwargs()})
 
 
 def create_remote_engine(world, config_dir: str, eos_token_ids: Sequence[int], pad_token_id: int):

@@ -584,7 +584,8 @@ class SGLangRolloutEngine:
             raise EngineAsleepError(f"load_weights({version.short_id}): engine is asleep; wake() first")
         if self._loading is not None:
             raise RolloutBusyError(f"load_weights({version.short_id}): already loading {self._loading.short_id}")
-        _monkey_patch_torch_reductions()
+        if self.device.type == "cuda":  # it rewrites CUDA IPC handles' device index; a CPU tensor has none
+            _monkey_patch_torch_reductions()
         serializer = _serializer()
         bucket_cls = get_flattened_tensor_bucket_class()  # SGLang's own, never megarl's (weight_stream)
         self._loading, self._staged, self._staged_manifest = version, None, None

@@ -1,0 +1,52 @@
+"""megarl.train with ``rollout.backend=sglang`` on CPU: the GPU path's control flow, run for real
+with the real engine (one process: the hybrid placement, the engine in-process beside the actor)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+from tests._dist import subprocess_env
+from tests._tolerance import NET_FP32_LOGPROB, max_abs_diff, within
+from tests._train_runs import GRPO, batches, hf_response_log_probs, metrics
+
+ITERS = 3
+
+
+def test_grpo_trains_on_what_the_real_engine_sampled_with_the_version_it_was_sent(assets, tmp_path):
+    run_dir = str(tmp_path / "run")
+    cmd = [sys.executable, "-m", "megarl.train", "--config", GRPO, f"model.path={assets['model']}",
+           "model.build_tiny=false", f"data.train_path={assets['train']}", f"data.heldout_path={assets['heldout']}",
+           "data.build_arithmetic=false", "rollout.backend=sglang", f"trainer.iterations={ITERS}",
+           "trainer.run_id=sglang-cpu", f"trainer.run_dir={run_dir}", "trainer.prompts_per_iteration=4",
+           "rollout.n=4", "eval.n=8", "eval.every=1", "trainer.save_experience=true", "trainer.export_every=1",
+           "rollout.reuse_rollout_log_probs=true", "rollout.log_prob_parity_every=2", "actor.optim.lr=1.0e-2",
+           # a dense reward (digits in the response): every group has variance, so every update moves
+           "reward.fn=tests.plugins.faulty_rewards:digit_count"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), timeout=900)
+    assert proc.returncode == 0, f"--- stdout ---\n{proc.stdout[-5000:]}\n--- stderr ---\n{proc.stderr[-8000:]}"
+    assert os.path.isfile(os.path.join(run_dir, "DONE"))
+    ms = metrics(run_dir)
+    assert [m["iteration"] for m in ms] == list(range(ITERS))
+    # the parity check against the megatron actor ran on iterations 0 and 2, on the engine's samples
+    for k in (0, 2):
+        err = ms[k]["prep/rollout_actor_logprob_max_abs_err"]
+        assert within(err, NET_FP32_LOGPROB, "sglang_cpu/rollout_vs_actor"), (k, err)
+    sealed = batches(run_dir)
+    assert len(sealed) == ITERS, "every iteration's sealed batch is saved (trainer.save_experience)"
+    for k, b in enumerate(sealed):
+        f = b.facts
+        (v,) = set(f.policy_version)  # on-policy: every sample from the version just sent
+        assert re.fullmatch(rf"v{k}\.0-[0-9a-f]{{8}}", v), v
+        assert f.rollout_log_probs is not None and f.rollout_log_probs.producer.version == v
+        # what SGLang reported is what the export of v_k gives in transformers: the engine held
+        # exactly v_k's weights (none dropped or stale) and answered in the raw log-prob space
+        _, (lp, _) = hf_response_log_probs(os.path.join(run_dir, "export", f"iter_{k}"), f)
+        err = max_abs_diff(lp, f.rollout_log_probs.values, f.response_mask.bool())
+        assert within(err, NET_FP32_LOGPROB, "sglang_cpu/engine_vs_export"), (k, err)
+        if k:  # a trained version differs from the one before: the comparison above can fail
+            _, (prev, _) = hf_response_log_probs(os.path.join(run_dir, "export", f"iter_{k - 1}"), f)
+            assert max_abs_diff(prev, f.rollout_log_probs.values, f.response_mask.bool()) > 100 * NET_FP32_LOGPROB
+    assert "eval/accuracy" in ms[0] and "eval/accuracy" in ms[-1]
