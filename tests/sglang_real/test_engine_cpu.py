@@ -52,13 +52,15 @@ class MegatronActor:
         self.model = load_model(path)
         self.step = 0
 
-    def tensors(self):
+    def tensors(self, dtype=None):
         from megarl.models.weights import iter_hf_tensors
 
-        return list(iter_hf_tensors(self.model))
+        return list(iter_hf_tensors(self.model, dtype=dtype))
 
-    def commit(self):
-        named = self.tensors()
+    def commit(self, dtype=None):
+        """The next version, its manifest and its tensors (cast to the engine's ``dtype``, as
+        megarl's weight sync sends them)."""
+        named = self.tensors(dtype)
         manifest = TensorManifest.from_named_tensors(named)
         version = PolicyVersion(run_id="sglang-cpu", optimizer_step=self.step, update_attempt=0,
                                 weight_manifest_hash=manifest.global_hash,
@@ -81,9 +83,16 @@ class MegatronActor:
         lp = teacher_forced_log_probs(self.model, tokens, temperature=temperature)[0]
         return lp[len(result.prompt_ids) - 1:]
 
+    def logit_scale(self, results):
+        """The largest |logit| over the results' sequences (fp32)."""
+        from megarl.models.forward import full_logits
+
+        return max(float(full_logits(self.model, torch.tensor([list(r.prompt_ids) + list(r.response_ids)])).abs().max())
+                   for r in results)
+
 
 def load(engine, actor):
-    version, manifest, named = actor.commit()
+    version, manifest, named = actor.commit(engine.dtype)
     engine.load_weights(version, iter_buckets(named, 16 << 10), manifest)
     engine.activate(version)
     return version
@@ -179,3 +188,55 @@ def test_a_weight_update_changes_what_the_engine_serves_and_survives_sleep(engin
     load(engine, actor)
     again = engine.generate(PROMPTS, greedy)
     assert [r.response_ids for r in again] == [r.response_ids for r in after]
+
+
+def test_a_new_version_never_reads_the_old_versions_kv_cache(engine, actor, monkeypatch):
+    """SGLang's radix (prefix) cache stays on: a prompt generated under v leaves its KV there; after
+    v+1 is published the same prompt must be computed from v+1's weights, not v's cached prefix."""
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    long = [GenerationRequest("kv", tuple(range(20, 84)))]  # 64 prompt tokens: the prefix dominates
+
+    def err(r):
+        return float((r.raw_log_probs - actor.log_probs(r)).abs().max())
+
+    load(engine, actor)
+    engine.generate(long, greedy)  # v's KV of this prompt now sits in the radix cache
+    actor.perturb(scale=0.3, seed=11)
+    load(engine, actor)
+    (fresh,) = engine.generate(long, greedy)
+    assert err(fresh) < FP32_TOL, err(fresh)
+    # negative control: the backend's flushes skipped, the same sequence serves v+1's cached prefix to v+2
+    monkeypatch.setattr(engine, "flush_cache", lambda: None)
+    actor.perturb(scale=0.3, seed=12)
+    load(engine, actor)
+    (stale,) = engine.generate(long, greedy)
+    assert err(stale) > 100 * FP32_TOL, err(stale)
+    monkeypatch.undo()
+    engine.flush_cache()
+
+
+def test_bf16_engine_log_probs_match_the_fp32_actor_within_bf16_rounding(megatron_world, model_dir):
+    """A bf16 engine (the GPU default) against the fp32 actor on the same weights.  Each of the
+    model's layers rounds its output to bf16 (unit roundoff u = 2^-8), and the weights themselves
+    are rounded once: the logits carry about (layers + 1) * u * |logit| of error, and a log-prob
+    twice that (the logit and the log-sum-exp).  The tolerance is twice that bound (measured: the
+    error is ~1/7 of it); at T=0.5 the tempered log-probs (the wrong space) are off by about |logit|,
+    far outside it."""
+    from tests._tolerance import U
+
+    actor = MegatronActor(model_dir)  # the initial weights: the module's actor was perturbed by the tests above
+    e = SGLangRolloutEngine(model_dir, eos_token_ids=[EOS], dtype="bfloat16", device="cpu",
+                            engine_kwargs=sglang_cpu.engine_kwargs(4096))
+    try:
+        assert e.dtype == torch.bfloat16
+        load(e, actor)
+        out = e.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))
+        out += e.generate(PROMPTS, SamplingParams(temperature=0.5, top_p=0.9, max_new_tokens=8, n=2))
+    finally:
+        e.shutdown()
+    layers = 2
+    tol = 2 * 2 * (layers + 1) * U[torch.bfloat16] * actor.logit_scale(out)
+    worst = max(float((r.raw_log_probs - actor.log_probs(r)).abs().max()) for r in out)
+    assert worst < tol, (worst, tol)
+    gap = max(float((r.raw_log_probs - actor.log_probs(r, temperature=0.5)).abs().max()) for r in out[len(PROMPTS):])
+    assert gap > 3 * tol, (gap, tol)
