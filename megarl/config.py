@@ -189,6 +189,10 @@ class RolloutConfig:
     #: SGLang's enable_deterministic_inference: per-candidate seeds are honoured (and recorded in
     #: the experience) only with it; batch-invariant kernels make decoding slower
     deterministic_inference: bool = False
+    #: prove that a weight update wrote every engine parameter (SGLang's weight checker: the
+    #: parameters are reset to random values before the update and checksummed before and after;
+    #: an unwritten one fails the load, naming it): first (the engine's first load) | every | never
+    verify_engine_weights: str = "first"
     #: multi-turn agent rollouts (rollout.agent.env: "" = none)
     agent: AgentConfig = field(default_factory=AgentConfig)
 
@@ -902,6 +906,7 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
     _choice(a.partial_groups, "algo.partial_groups", ("drop", "allow_partial"))
     _choice(a.routing_replay, "algo.routing_replay", ROUTING_REPLAY)
     _choice(r.backend, "rollout.backend", ("hf", "sglang"))
+    _choice(r.verify_engine_weights, "rollout.verify_engine_weights", ("first", "every", "never"))
     _choice(cfg.reward.on_failure, "reward.on_failure", ("drop", "quarantine"))
     validate_eval_settings(cfg)
     _validate_reward_isolation(cfg)

@@ -83,6 +83,8 @@ def actor():
 
 def make_engine(model_dir, **kw):
     kw.setdefault("eos_token_ids", [CONTRACT_EOS])
+    # the fake has no weight checker; the real engine's tests (tests/sglang_real) prove the write check
+    kw.setdefault("verify_writes", "never")
     return SGLangRolloutEngine(model_dir, device="cpu", **kw)
 
 
@@ -384,7 +386,8 @@ def _tp2_worker(version: str) -> None:
         dist.broadcast_object_list(box, src=0)
         model = box[0]
         dist.barrier()
-        engine = SGLangRolloutEngine(model, tp_size=2, group=dist.group.WORLD, device="cpu", eos_token_ids=[CONTRACT_EOS])
+        engine = SGLangRolloutEngine(model, tp_size=2, group=dist.group.WORLD, device="cpu", eos_token_ids=[CONTRACT_EOS],
+                                     verify_writes="never")  # the fake has no weight checker
         assert (len(fake.engines) == 1) == (rank == 0)
         actor = HFActorStandIn.create(tiny_llama_config(eos_token_id=CONTRACT_EOS), dtype=torch.bfloat16)
         v0, m0 = actor.commit(0)
@@ -445,7 +448,7 @@ def test_routed_experts_are_recorded_from_0_5_7_on(desc):
 def moe_dir(tmp_path):
     from tests._standins import tiny_moe_config
 
-    tiny_moe_config("qwen3_moe", layers=3, mlp_only_layers=[1], decoder_sparse_step=1,
+    tiny_moe_config("qwen3_moe", layers=3, mlp_only_layers=[], decoder_sparse_step=1,
                     eos_token_id=CONTRACT_EOS).save_pretrained(tmp_path)
     return str(tmp_path)
 
@@ -457,7 +460,8 @@ def test_routed_experts_come_back_as_the_samples_routing(fake, desc, moe_dir):
         with pytest.raises(RolloutError, match="needs SGLang >= 0.5.7"):
             make_engine(moe_dir, return_routed_experts=True)
         return
-    moe_actor = HFActorStandIn.create(tiny_moe_config("qwen3_moe", layers=3, mlp_only_layers=[1], decoder_sparse_step=1,
+    # every layer sparse: SGLang's Qwen3-MoE has no dense layers (a config with some is refused, below)
+    moe_actor = HFActorStandIn.create(tiny_moe_config("qwen3_moe", layers=3, mlp_only_layers=[], decoder_sparse_step=1,
                                                       eos_token_id=CONTRACT_EOS), dtype=torch.bfloat16)
     engine = make_engine(moe_dir, return_routed_experts=True)
     assert fake.engine.kwargs["enable_return_routed_experts"] is True
@@ -468,10 +472,10 @@ def test_routed_experts_come_back_as_the_samples_routing(fake, desc, moe_dir):
     assert calls(fake.engine, "generate") and fake.engine.calls[-1][1]["return_routed_experts"] is True
     for res, sent in zip(results, fake.engine.routed, strict=True):
         r = res.routed_experts
-        assert r.backend == "sglang" and r.moe_layers == (0, 2) and r.num_experts == 4 and r.top_k == 2
+        assert r.backend == "sglang" and r.moe_layers == (0, 1, 2) and r.num_experts == 4 and r.top_k == 2
         assert r.experts.dtype == torch.uint8
-        assert r.experts.shape == (len(res.prompt_ids) + len(res.response_ids) - 1, 2, 2)
-        assert torch.equal(r.experts.long(), sent[:, [0, 2]].long())  # the dense layer 1 column dropped
+        assert r.experts.shape == (len(res.prompt_ids) + len(res.response_ids) - 1, 3, 2)
+        assert torch.equal(r.experts.long(), sent.long())
     # a plain request does not send the option (a release without it would refuse the name)
     engine.generate(prompts[:1], GREEDY)
     assert fake.engine.calls[-1][1].get("return_routed_experts") is None
@@ -507,3 +511,24 @@ def test_routed_experts_parser_reads_both_encodings_and_refuses_the_rest():
         routed_experts_from_sglang_output({"routed_experts": b64}, 3, layout, "req/0")
     with pytest.raises(RolloutError, match="outside"):
         routed_experts_from_sglang_output({"routed_experts": ids * 3}, 2, layout, "req/0")
+
+
+def test_a_write_check_the_engine_cannot_do_is_refused_at_start(fake, model_dir):
+    with pytest.raises(RolloutError, match="verify_engine_weights=never"):
+        make_engine(model_dir, verify_writes="first")
+    with pytest.raises(ValueError, match="verify_writes='sometimes'"):
+        make_engine(model_dir, verify_writes="sometimes")
+
+
+def test_a_qwen3_moe_with_dense_layers_is_refused_before_the_engine_starts(fake, tmp_path):
+    from tests._standins import tiny_moe_config
+
+    tiny_moe_config("qwen3_moe", layers=3, mlp_only_layers=[1]).save_pretrained(tmp_path)
+    with pytest.raises(RolloutError, match=r"mlp_only_layers=\[1\]"):
+        make_engine(str(tmp_path))
+    tiny_moe_config("qwen3_moe", layers=4, decoder_sparse_step=2).save_pretrained(tmp_path)
+    with pytest.raises(RolloutError, match="decoder_sparse_step=2"):
+        make_engine(str(tmp_path))
+    assert fake.engines == []  # refused before Engine() started anything
+    tiny_moe_config("qwen3_moe", layers=3, mlp_only_layers=[]).save_pretrained(tmp_path)  # all sparse: accepted
+    make_engine(str(tmp_path))

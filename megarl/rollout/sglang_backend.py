@@ -52,6 +52,14 @@ records.  Paths below are relative to ``python/sglang/srt`` of the release named
   backend (0.5.23 ``arg_groups/overrides.py``): decoding is slower.  ``deterministic_inference=True``
   turns it on; without it no seed is sent and ``GenerationResult.seed`` is None, because none
   was honoured.
+* A weight update that reports success is not proof that the engine holds the weights: a model's
+  ``load_weights`` skips names it has no parameter for (0.5.23's Qwen3-MoE treats every layer as
+  sparse and drops the dense MLP of ``mlp_only_layers``).  SGLang's weight checker
+  (``utils/weight_checker.py``, ``check_weights`` actions ``reset_tensors`` and ``checksum``)
+  proves every parameter was written: before the first hand-over the engine's parameters are set
+  to random values and checksummed; after the update any parameter whose checksum did not change
+  was not written, and the load fails naming it (``verify_writes``: the engine's first load, every
+  load, or never).  A fused parameter written only in part (q of a fused qkv) is not caught.
 * ``Engine()`` sets ``CUDA_DEVICE_MAX_CONNECTIONS`` (4 or 8) and NCCL variables in the calling
   process (``entrypoints/engine.py`` ``_set_envs_and_config``); megatron's TP/SP communication
   overlap relies on ``CUDA_DEVICE_MAX_CONNECTIONS=1`` and NCCL reads its variables when a
@@ -142,6 +150,23 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.f
 
 class BackendUnavailableError(RolloutError, ImportError):
     """A rollout backend's package is not installed."""
+
+
+class WeightsNotWrittenError(RolloutError):
+    """A load the engine reported as successful left engine parameters unwritten."""
+
+
+#: when a load proves every engine parameter was written (SGLangRolloutEngine ``verify_writes``)
+VERIFY_WRITES = ("first", "every", "never")
+
+
+def weight_checker_request():
+    """SGLang's ``CheckWeightsReqInput`` (None for a release without the weight checker)."""
+    try:
+        from sglang.srt.managers.io_struct import CheckWeightsReqInput
+    except ImportError:
+        return None
+    return CheckWeightsReqInput
 
 
 class WeightUpdateRejectedError(RolloutError):
@@ -398,6 +423,28 @@ def _torch_dtype(dtype) -> torch.dtype:
 # ---- the engine ---------------------------------------------------------------------------------
 
 
+def _refuse_dropped_layers(model_path) -> None:
+    """Refuse a model SGLang would load only in part: its Qwen3-MoE treats every decoder layer as
+    sparse (0.5.23 ``models/qwen3_moe.py``), so the dense MLP of ``mlp_only_layers`` has nowhere to
+    go and is skipped in silence."""
+    import json
+
+    path = os.path.join(os.fspath(model_path), "config.json")
+    if not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    if config.get("model_type") != "qwen3_moe":
+        return
+    dense = [f"mlp_only_layers={config['mlp_only_layers']}"] if config.get("mlp_only_layers") else []
+    if config.get("decoder_sparse_step", 1) not in (None, 1):
+        dense.append(f"decoder_sparse_step={config['decoder_sparse_step']}")
+    if dense:
+        raise RolloutError(f"sglang backend: {path} sets {' and '.join(dense)}, but SGLang's Qwen3-MoE treats every "
+                           "layer as sparse and would drop those layers' dense MLP weights in silence; use the hf "
+                           "backend, or a model whose every layer is a mixture-of-experts layer")
+
+
 class SGLangRolloutEngine:
     """One SGLang engine per inference group; every rank of the group constructs this object and
     calls every method (SPMD), the group's first rank owns ``sglang.Engine``.
@@ -435,8 +482,13 @@ class SGLangRolloutEngine:
         device: str | torch.device | None = None,
         engine_kwargs: dict | None = None,
         return_routed_experts: bool = False,
+        verify_writes: str = "first",
     ):
         sglang = import_sglang()
+        if verify_writes not in VERIFY_WRITES:
+            raise ValueError(f"sglang backend: verify_writes={verify_writes!r}; choose from {', '.join(VERIFY_WRITES)}")
+        self.verify_writes = verify_writes
+        self._loads_verified = 0
         import torch.distributed as dist
 
         self.group = group
@@ -483,6 +535,7 @@ class SGLangRolloutEngine:
                 raise RolloutError("sglang backend: this SGLang release records physical expert ids; with "
                                    "ep_num_redundant_experts they are not the model's experts")
             kwargs["enable_return_routed_experts"] = True
+        _refuse_dropped_layers(model_path)
         self.deterministic = bool(kwargs.get("enable_deterministic_inference")) or kwargs.get("rl_on_policy_target") is not None
         self._engine, error, status = None, None, (True, "", False)
         if self.rank_in_group == 0:
@@ -490,16 +543,23 @@ class SGLangRolloutEngine:
             try:
                 self._engine = sglang.Engine(**kwargs)
                 # the weight-update session API (0.5.21+): every rank must take the same branches
-                status = (True, "", all(hasattr(self._engine, m) for m in ("begin_weight_update", "end_weight_update")))
+                status = (True, "", all(hasattr(self._engine, m) for m in ("begin_weight_update", "end_weight_update")),
+                          weight_checker_request() is not None
+                          and hasattr(getattr(self._engine, "tokenizer_manager", None), "check_weights"))
             except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks know
-                error, status = e, (False, f"{type(e).__name__}: {e}", False)
+                error, status = e, (False, f"{type(e).__name__}: {e}", False, False)
             finally:
                 _restore_env(saved)
-        ok, message, self._has_session = self._broadcast(status)
+        ok, message, self._has_session, self._has_weight_checker = self._broadcast(status)
         if error is not None:
             raise error
         if not ok:
             raise RolloutError(f"SGLang Engine() failed on the inference group's first rank: {message}")
+        if verify_writes != "never" and not self._has_weight_checker:
+            raise RolloutError(f"sglang backend: verify_writes={verify_writes!r} needs SGLang's weight checker "
+                               "(Engine.tokenizer_manager.check_weights, sglang.srt.managers.io_struct."
+                               f"CheckWeightsReqInput); installed: {getattr(sglang, '__version__', '?')}. Set "
+                               "rollout.verify_engine_weights=never to load without proving every parameter was written")
         self._with_seed = self.deterministic and _supports_sampling_seed()
         self._active: PolicyVersion | None = None
         self._staged: PolicyVersion | None = None
@@ -589,6 +649,8 @@ class SGLangRolloutEngine:
         serializer = _serializer()
         bucket_cls = get_flattened_tensor_bucket_class()  # SGLang's own, never megarl's (weight_stream)
         self._loading, self._staged, self._staged_manifest = version, None, None
+        verify = self.verify_writes == "every" or (self.verify_writes == "first" and not self._loads_verified)
+        written_before: dict[str, str] | None = None  # group rank 0: checksums of the reset parameters
         t0 = time.perf_counter()
         received = TensorManifest()
         n_bytes = n_buckets = 0
@@ -625,6 +687,14 @@ class SGLangRolloutEngine:
                 else:
                     gathered = [payloads]
                 self._active = None  # in place from here: v is no longer what the engine holds
+                if verify and n_buckets == 1:  # every parameter to random values, and their checksums
+                    def reset():
+                        nonlocal written_before
+                        self._check_weights("reset_tensors")
+                        written_before = self._check_weights("checksum")
+                        return True, ""
+
+                    self._leader_call("check_weights(reset_tensors, checksum)", reset, RolloutError)
                 if not session and self._has_session:
                     session = True  # end_weight_update is owed even if begin fails half-way
                     self._leader_call("begin_weight_update()", lambda: _success(
@@ -642,6 +712,10 @@ class SGLangRolloutEngine:
             diff = expected_manifest.compare(received)
             if not diff.ok:
                 raise ManifestMismatchError(f"{version.short_id}: stream incomplete: {diff.describe()}", diff)
+            if verify and n_buckets:
+                self._leader_call("check_weights(checksum) after the update",
+                                  lambda: self._unwritten(written_before, version), WeightsNotWrittenError)
+                self._loads_verified += 1
             self.flush_cache()
             self._staged, self._staged_manifest = version, received
             self.last_load_error = None
@@ -671,6 +745,34 @@ class SGLangRolloutEngine:
             ), "update_weights_from_tensor")
             if not ok:
                 return False, message
+        return True, ""
+
+    def _check_weights(self, action: str) -> dict[str, str]:
+        """Group rank 0: SGLang's weight checker; ``checksum`` returns every parameter's checksum
+        by engine name (suffixed with the TP rank when there are several)."""
+        request = weight_checker_request()
+        ok, message, ranks, _ = self._engine.loop.run_until_complete(
+            self._engine.tokenizer_manager.check_weights(request(action=action), None))
+        if not ok:
+            raise RolloutError(f"SGLang check_weights(action={action!r}) failed: {message}")
+        sums = {}
+        for rank in ranks or ():
+            info = rank["parallelism_info"]
+            info = info[0] if isinstance(info, list) else info  # 0.5.23: one entry per runner role (the target)
+            for name, digest in rank["checksums"].items():
+                sums[name if info["tp_size"] == 1 else f"{name} (tp rank {info['tp_rank']})"] = digest
+        return sums
+
+    def _unwritten(self, before: dict[str, str] | None, version: PolicyVersion) -> tuple[bool, str]:
+        """Group rank 0, after an update: (ok, message naming every parameter it left as reset)."""
+        if not before:
+            return False, "the weight checker returned no parameter checksums before the update"
+        after = self._check_weights("checksum")
+        same = sorted(n for n, digest in before.items() if after.get(n) == digest)
+        if same:
+            return False, (f"{version.short_id}: the update reported success but left {len(same)} of {len(before)} engine "
+                           f"parameters unwritten (the model's loader skipped names it has no parameter for): "
+                           f"{', '.join(same[:12])}{' ...' if len(same) > 12 else ''}")
         return True, ""
 
     def activate(self, version: PolicyVersion) -> ActivationReport:
