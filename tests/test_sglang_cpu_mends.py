@@ -93,6 +93,7 @@ def test_the_stand_in_kernel_and_the_cpu_server_args():
     assert torch.equal(table, torch.tensor([[0, 0, 7, 8], [5, 6, 0, 0]]))
     with pytest.raises(NotImplementedError, match="rotate_input_ids_cpu"):
         sgl_kernel.rotate_input_ids_cpu()
+    assert sglang_cpu.backend_kwargs() == {"device": "cpu", "dtype": "float32"}
     kw = sglang_cpu.engine_kwargs(2048)
     assert kw == {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_graph": True,
                   "enable_memory_saver": False, "max_total_tokens": 2048}

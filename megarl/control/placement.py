@@ -73,12 +73,12 @@ def create_engine(cfg, placement: Placement, config_dir: str, eos_token_ids: Seq
     from megarl.rollout import sglang_cpu
 
     # no CUDA device: SGLang's CPU engine, through megarl's mends (inert where CUDA exists)
-    on_cpu = sglang_cpu.prepare()
+    sglang_cpu.prepare()
     return create_rollout_engine(
         "sglang", config_dir, tp_size=r.tp, group=placement.process_group, eos_token_ids=list(eos_token_ids),
         mem_fraction_static=r.mem_fraction_static, seed=cfg.trainer.seed,
         deterministic_inference=r.deterministic_inference, verify_writes=r.verify_engine_weights,
-        **({"device": "cpu", "dtype": "float32"} if on_cpu else {}),
+        **sglang_cpu.backend_kwargs(),
         engine_kwargs={"enable_memory_saver": r.enable_memory_saver,
                        **({"ep_size": r.ep} if r.ep > 1 else {}),  # SGLang's expert parallelism (MoE)
                        **sglang_cpu.engine_kwargs()})

@@ -92,6 +92,7 @@ must reload a version) unless nothing had been handed over yet, in which case it
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -423,26 +424,21 @@ def _torch_dtype(dtype) -> torch.dtype:
 # ---- the engine ---------------------------------------------------------------------------------
 
 
-def _refuse_dropped_layers(model_path) -> None:
+def _refuse_dropped_layers(config: dict, where: str) -> None:
     """Refuse a model SGLang would load only in part: its Qwen3-MoE treats every decoder layer as
-    sparse (0.5.23 ``models/qwen3_moe.py``), so the dense MLP of ``mlp_only_layers`` has nowhere to
-    go and is skipped in silence."""
-    import json
-
-    path = os.path.join(os.fspath(model_path), "config.json")
-    if not os.path.isfile(path):
+    sparse (0.5.23 ``models/qwen3_moe.py``), so the dense MLP of a layer that
+    :func:`moe_layout_from_config` finds dense (``mlp_only_layers``, ``decoder_sparse_step``) has
+    nowhere to go and is skipped in silence."""
+    layout = moe_layout_from_config(config)
+    text = config.get("text_config") or config
+    if text.get("model_type", config.get("model_type")) != "qwen3_moe" or layout is None:
         return
-    with open(path, encoding="utf-8") as f:
-        config = json.load(f)
-    if config.get("model_type") != "qwen3_moe":
-        return
-    dense = [f"mlp_only_layers={config['mlp_only_layers']}"] if config.get("mlp_only_layers") else []
-    if config.get("decoder_sparse_step", 1) not in (None, 1):
-        dense.append(f"decoder_sparse_step={config['decoder_sparse_step']}")
-    if dense:
-        raise RolloutError(f"sglang backend: {path} sets {' and '.join(dense)}, but SGLang's Qwen3-MoE treats every "
-                           "layer as sparse and would drop those layers' dense MLP weights in silence; use the hf "
-                           "backend, or a model whose every layer is a mixture-of-experts layer")
+    if len(layout.moe_layers) < layout.num_hidden_layers:
+        keys = " and ".join(f"{k}={text[k]}" for k in ("mlp_only_layers", "decoder_sparse_step") if k in text)
+        raise RolloutError(f"sglang backend: {where} sets {keys}, leaving layers "
+                           f"{sorted(set(range(layout.num_hidden_layers)) - set(layout.moe_layers))} dense, but "
+                           "SGLang's Qwen3-MoE treats every layer as sparse and would drop their dense MLP weights in "
+                           "silence; use the hf backend, or a model whose every layer is a mixture-of-experts layer")
 
 
 class SGLangRolloutEngine:
@@ -521,21 +517,21 @@ class SGLangRolloutEngine:
             kwargs["enable_deterministic_inference"] = True
         kwargs.update(engine_kwargs or {})
         self.moe_layout: MoELayout | None = None
+        config_path = os.path.join(os.fspath(model_path), "config.json")
+        with open(config_path, encoding="utf-8") as f:
+            model_config = json.load(f)
+        _refuse_dropped_layers(model_config, config_path)
         if return_routed_experts:
-            import json
-
             if not _generate_accepts("return_routed_experts"):
                 raise RolloutError(f"sglang backend: return_routed_experts needs SGLang >= 0.5.7 (Engine.generate "
                                    f"takes return_routed_experts); installed: {getattr(sglang, '__version__', '?')}")
-            with open(os.path.join(os.fspath(model_path), "config.json"), encoding="utf-8") as f:
-                self.moe_layout = moe_layout_from_config(json.load(f))
+            self.moe_layout = moe_layout_from_config(model_config)
             if self.moe_layout is None:
                 raise RolloutError(f"sglang backend: return_routed_experts, but {model_path} is a dense model")
             if kwargs.get("ep_num_redundant_experts") and not _captures_logical_ids():
                 raise RolloutError("sglang backend: this SGLang release records physical expert ids; with "
                                    "ep_num_redundant_experts they are not the model's experts")
             kwargs["enable_return_routed_experts"] = True
-        _refuse_dropped_layers(model_path)
         self.deterministic = bool(kwargs.get("enable_deterministic_inference")) or kwargs.get("rl_on_policy_target") is not None
         self._engine, error, status = None, None, (True, "", False)
         if self.rank_in_group == 0:

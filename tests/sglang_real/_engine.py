@@ -7,8 +7,6 @@ import torch
 
 from megarl.hashing import json_sha256
 from megarl.rollout.protocol import GenerationRequest
-from megarl.rollout.weight_stream import TensorManifest, iter_buckets
-from megarl.versions import PolicyVersion
 from tests._tolerance import NET_FP32_LOGPROB
 
 EOS = 3
@@ -31,7 +29,8 @@ def make_model_dir(tmp):
 
 
 class MegatronActor:
-    """The trainer side: the megatron model, its HF-named stream and its versions."""
+    """The trainer side: the megatron model, versioned and streamed by megarl's own weight sync
+    (``megarl.rollout.weight_sync``), as the trainer does it."""
 
     def __init__(self, path):
         from megarl.models.megatron_ckpt import load_model
@@ -46,16 +45,13 @@ class MegatronActor:
         return list(iter_hf_tensors(self.model, dtype=dtype))
 
     def commit(self, dtype=None):
-        """The next version, its manifest and its tensors (cast to the engine's ``dtype``, as
-        megarl's weight sync sends them)."""
-        named = self.tensors(dtype)
-        manifest = TensorManifest.from_named_tensors(named)
-        version = PolicyVersion(run_id="sglang-cpu", optimizer_step=self.step, update_attempt=0,
-                                weight_manifest_hash=manifest.global_hash,
-                                tokenizer_hash=json_sha256({"tokenizer": "none"}),
-                                model_config_hash=json_sha256({"path": "tiny"}))
+        """The next version and its manifest (checksums of the tensors cast to the engine's ``dtype``)."""
+        from megarl.rollout.weight_sync import actor_manifest, make_version
+
+        manifest = actor_manifest(self.model, dtype)
+        version = make_version(self.model, manifest, "sglang-cpu", self.step, json_sha256({"tokenizer": "none"}))
         self.step += 1
-        return version, manifest, named
+        return version, manifest
 
     @torch.no_grad()
     def perturb(self, scale, seed):
@@ -80,9 +76,11 @@ class MegatronActor:
 
 
 def load(engine, actor):
-    version, manifest, named = actor.commit(engine.dtype)
-    engine.load_weights(version, iter_buckets(named, 16 << 10), manifest)
+    """Commit the actor's next version, stream it into ``engine`` the trainer's way (small buckets,
+    so there are several), activate it."""
+    from megarl.rollout.weight_sync import sync_actor_to_engine
+
+    version, manifest = actor.commit(engine.dtype)
+    sync_actor_to_engine(actor.model, engine, version, manifest, bucket_bytes=16 << 10)
     engine.activate(version)
     return version
-
-

@@ -22,9 +22,9 @@ version) when a release moves it:
    ``pythonpath/sitecustomize.py`` installs them there, after the modules load, when
    ``MEGARL_SGLANG_CPU=1`` (set by :func:`prepare`, inherited by the children).
 
-Use: call :func:`prepare` before anything imports ``sglang``, and start the engine with
-:func:`engine_kwargs`.  Both do nothing where ``torch.cuda.is_available()`` (``prepare`` returns
-False, ``engine_kwargs`` returns ``{}``).  ``tests/sglang_real`` runs the real engine through it.
+Use: call :func:`prepare` before anything imports ``sglang``, and build the backend with
+:func:`backend_kwargs` and the engine with :func:`engine_kwargs`.  All do nothing where
+``torch.cuda.is_available()`` (``prepare`` returns False, the others ``{}``).  ``tests/sglang_real`` runs the real engine through it.
 """
 
 from __future__ import annotations
@@ -67,6 +67,15 @@ def prepare() -> bool:
 
     install()
     return True
+
+
+def backend_kwargs() -> dict:
+    """What megarl's ``SGLangRolloutEngine`` takes on CPU (``{}`` where CUDA exists): tensors staged
+    on the CPU, and fp32 (the CPU actor's dtype, so the log-prob parity check compares like with
+    like)."""
+    if not needed():
+        return {}
+    return {"device": "cpu", "dtype": "float32"}
 
 
 def engine_kwargs(max_total_tokens: int = 4096) -> dict:
