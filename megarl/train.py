@@ -273,15 +273,15 @@ def main(argv=None) -> dict:
     _check_reward(cfg)
     from megarl.data.fields_check import check_datasets_against_reward
 
+    if cfg.rollout.backend == "sglang":  # no CUDA device: SGLang's CPU engine needs its mends before
+        from megarl.rollout import sglang_cpu  # megatron or SGLang load, the tiny model's build included
+
+        sglang_cpu.prepare()  # (inert where CUDA exists)
     ensure_builtin_task(cfg)
     check_datasets_against_reward(cfg)  # every row carries what the reward reads (data.on_missing_fields)
     ensure_builtin_model(cfg)
     sources = _check_model(cfg)
 
-    if cfg.rollout.backend == "sglang":  # no CUDA device: SGLang's CPU engine needs its mends before
-        from megarl.rollout import sglang_cpu  # megatron or SGLang load (inert where CUDA exists)
-
-        sglang_cpu.prepare()
     import torch
 
     from megarl.control.trainer import Trainer

@@ -34,6 +34,7 @@ def tiny_llama_config(vocab_size: int = 320, hidden: int = 64, layers: int = 2, 
         eos_token_id=3,
         pad_token_id=0,
         tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],  # SGLang picks its model class by it
     )
     kw.update(overrides)
     return LlamaConfig(**kw)
@@ -98,12 +99,15 @@ def tiny_moe_config(family: str, vocab_size: int = 64, hidden: int = 32, layers:
     if family == "qwen3_moe":
         kw.update(num_experts=experts, moe_intermediate_size=16, intermediate_size=64, head_dim=hidden // 4)
         cls = Qwen3MoeConfig
+        kw["architectures"] = ["Qwen3MoeForCausalLM"]
     elif family == "qwen2_moe":
         kw.update(num_experts=experts, moe_intermediate_size=16, shared_expert_intermediate_size=16, intermediate_size=64)
         cls = Qwen2MoeConfig
+        kw["architectures"] = ["Qwen2MoeForCausalLM"]
     elif family == "mixtral":
         kw.update(num_local_experts=experts, intermediate_size=16)
         cls = MixtralConfig
+        kw["architectures"] = ["MixtralForCausalLM"]
     else:
         raise ValueError(f"unknown MoE family {family!r}")
     kw.update(overrides)

@@ -92,9 +92,9 @@ class FakeSGLang:
             setattr(bucket_mod, cls.__name__, cls)
         self.bucket_cls = bucket_cls
         ser_mod = self._module(d["serializer"]["module"])
-        ser_mod.MultiprocessingSerializer = _serializer_class(d, bucket_mod.__name__)
-        patch = self._module(d["patch_torch"]["module"])
         self.patched = []
+        ser_mod.MultiprocessingSerializer = _serializer_class(d, bucket_mod.__name__, self.patched)
+        patch = self._module(d["patch_torch"]["module"])
         setattr(patch, d["patch_torch"]["function"], lambda: self.patched.append(True))
         sp_mod = self._module("sglang.srt.sampling.sampling_params")
         sp_mod.SamplingParams = _sampling_params_class(d["sampling_params"]["fields"])
@@ -174,7 +174,7 @@ def _bucket_classes(spec: dict):
 # ---- MultiprocessingSerializer: plain pickle (no CUDA IPC on CPU), the release's admission rule --
 
 
-def _serializer_class(desc: dict, bucket_module: str):
+def _serializer_class(desc: dict, bucket_module: str, patched: list):
     safe = desc["serializer"]["safe_unpickler"]
     allowed_sglang = set(desc["serializer"]["allowed_sglang_globals"])
     prefixes = tuple(p for p in desc["serializer"].get("allowed_module_prefixes", ()) if p.startswith("sglang."))
@@ -191,6 +191,10 @@ def _serializer_class(desc: dict, bucket_module: str):
     class MultiprocessingSerializer:
         @staticmethod
         def serialize(obj, output_str: bool = False):
+            if patched and any(t.device.type == "cpu" for t in _tensors(obj)):
+                # monkey_patch_torch_reductions reduces every tensor as a CUDA one (its device index
+                # from the IPC handle): seen on 0.5.23 with a CPU tensor
+                raise IndexError("tuple index out of range")
             data = pickle.dumps(obj)
             return base64.b64encode(data).decode("utf-8") if output_str else data
 
@@ -201,6 +205,17 @@ def _serializer_class(desc: dict, bucket_module: str):
             return (_SafeUnpickler(io.BytesIO(data)) if safe else pickle.Unpickler(io.BytesIO(data))).load()
 
     return MultiprocessingSerializer
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
 
 
 def _sampling_params_class(fields: list[str]):
@@ -238,6 +253,8 @@ def _method(name: str, params: list[str], impl):
         self = bound.arguments.pop("self")
         if self.closed:
             raise RuntimeError(f"Engine.{name} after shutdown()")
+        if self.killed_by is not None:
+            raise SchedulerDied(f"Engine.{name}: this engine's schedulers were killed by {self.killed_by}")
         self.calls.append((name, dict(bound.arguments)))
         return impl(self, **bound.arguments)
 
@@ -263,6 +280,8 @@ class FakeEngine:
         self.deterministic = bool(kwargs.get("enable_deterministic_inference")) or kwargs.get("rl_on_policy_target") is not None
         with open(os.path.join(kwargs["model_path"], "config.json"), encoding="utf-8") as f:
             config = json.load(f)
+        if not config.get("architectures"):  # 0.5.23: a TypeError in its model registry, seen
+            raise TypeError("'NoneType' object is not iterable")
         self.vocab_size = int(config["vocab_size"])
         self.config = config
         self.routed: list[torch.Tensor] = []  # what generate(return_routed_experts=True) returned
@@ -278,6 +297,7 @@ class FakeEngine:
         self.calls: list[tuple[str, dict]] = []
         self.fail_next_update: str | None = None  # a test makes the next update answer success=False
         self.closed = False
+        self.killed_by: str | None = None
         self._fake.engines.append(self)
 
     # -- weights --
@@ -431,7 +451,13 @@ class FakeEngine:
         return {"output_ids": tokens, "meta_info": meta}
 
     def _shutdown(self):
+        # entrypoints/engine.py: kill_process_tree(os.getpid(), include_parent=False) -- every
+        # child process of the caller, so the schedulers of any other engine it started die too
+        # (seen on 0.5.23: a second engine's scheduler, and the test process with it)
         self.closed = True
+        for other in self._fake.engines:
+            if other is not self and not other.closed:
+                other.killed_by = "another engine's shutdown() in the same process (kill_process_tree of its caller)"
 
 
 GPU_WEIGHTS = "weights"

@@ -532,3 +532,60 @@ def test_a_qwen3_moe_with_dense_layers_is_refused_before_the_engine_starts(fake,
     assert fake.engines == []  # refused before Engine() started anything
     tiny_moe_config("qwen3_moe", layers=3, mlp_only_layers=[]).save_pretrained(tmp_path)  # all sparse: accepted
     make_engine(str(tmp_path))
+
+
+def test_a_config_without_architectures_is_refused_before_the_engine_starts(fake, tmp_path):
+    """SGLang picks its model class from config.json's ``architectures`` (0.5.23 fails without it in
+    its registry with a bare TypeError, as the fake does): the backend names the file and the key."""
+    tiny_llama_config(architectures=None).save_pretrained(tmp_path)
+    with pytest.raises(RolloutError, match=r"config\.json has architectures=None"):
+        make_engine(str(tmp_path))
+    assert fake.engines == []
+    with pytest.raises(TypeError):  # negative control: what SGLang itself says
+        sys.modules["sglang"].Engine(model_path=str(tmp_path))
+
+
+def test_on_cpu_torchs_reductions_are_left_alone(fake, model_dir, actor):
+    """SGLang's monkey_patch_torch_reductions rewrites a tensor's reduction as a CUDA IPC handle's;
+    on 0.5.23 it made the first real CPU load fail (IndexError).  The backend applies it only for
+    CUDA staging."""
+    engine = make_engine(model_dir)
+    load(engine, actor, 0)
+    assert fake.patched == []
+    # negative control: with the patch applied the same load fails as it did
+    sys.modules[fake.desc["patch_torch"]["module"]].__dict__[fake.desc["patch_torch"]["function"]]()
+    with pytest.raises(IndexError):
+        load(engine, actor, 1)
+
+
+def test_an_engine_shut_down_beside_another_takes_the_others_schedulers(fake, model_dir, actor):
+    """SGLang's Engine.shutdown() kills every child process of its caller: in one process, a second
+    engine's schedulers die with the first's shutdown (hence one engine per process)."""
+    a, b = make_engine(model_dir), make_engine(model_dir)
+    load(b, actor, 0)
+    a.shutdown()
+    with pytest.raises(SchedulerDied, match="kill_process_tree"):
+        b.generate(PROMPTS, GREEDY)
+
+
+def test_the_trainers_engine_records_routing_when_routing_replay_needs_it(fake, desc, moe_dir, monkeypatch):
+    """``algo.routing_replay`` reads the experts the engine routed each token to: the trainer's
+    engine (control/placement.create_engine, both placements) is started with SGLang's
+    ``enable_return_routed_experts`` then, and only then (found by the real engine on CPU: every
+    generate was refused and every group dropped)."""
+    from megarl.config import load_config
+    from megarl.control.placement import Placement, create_engine
+
+    if "enable_return_routed_experts" not in desc["server_args"]["fields"]:
+        pytest.skip(f"SGLang {desc['sglang_version']} has no routed-expert capture (refused at start, tested above)")
+    from megarl.rollout import sglang_cpu
+
+    monkeypatch.setattr(sglang_cpu, "prepare", lambda: False)  # the fake is imported already: no mends
+    recipe = os.path.join(ROOT, "configs", "grpo_moe_tiny.yaml")
+    one = Placement(num_groups=1, group_index=0, is_group_leader=True)
+    for replay, started_with in (("rollout", True), ("none", None)):
+        cfg = load_config(recipe, ["rollout.backend=sglang", f"algo.routing_replay={replay}",
+                                   "rollout.verify_engine_weights=never"])
+        engine = create_engine(cfg, one, moe_dir, [CONTRACT_EOS], 0)
+        assert fake.engines[-1].kwargs.get("enable_return_routed_experts") is started_with, replay
+        assert (engine.moe_layout is not None) is bool(started_with)

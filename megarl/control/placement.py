@@ -78,6 +78,9 @@ def create_engine(cfg, placement: Placement, config_dir: str, eos_token_ids: Seq
         "sglang", config_dir, tp_size=r.tp, group=placement.process_group, eos_token_ids=list(eos_token_ids),
         mem_fraction_static=r.mem_fraction_static, seed=cfg.trainer.seed,
         deterministic_inference=r.deterministic_inference, verify_writes=r.verify_engine_weights,
+        # routing replay reads the experts the engine routed each token to: SGLang records them
+        # only when started with enable_return_routed_experts
+        return_routed_experts=cfg.algo.routing_replay != "none",
         **sglang_cpu.backend_kwargs(),
         engine_kwargs={"enable_memory_saver": r.enable_memory_saver,
                        **({"ep_size": r.ep} if r.ep > 1 else {}),  # SGLang's expert parallelism (MoE)

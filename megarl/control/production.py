@@ -56,6 +56,7 @@ class GroupRolloutProducer:
         self.cfg, self.grouped, self.train_data, self.sampler = cfg, grouped, train_data, sampler
         self.engine, self.placement, self.scorer, self.sm = engine, placement, scorer, sm
         self.counters, self.run_id, self.quarantine_path = counters, run_id, quarantine_path
+        self.last_engine_error: str | None = None  # "group g: <error>", for the message of a failed iteration
 
     def produce(self, k: int, version: PolicyVersion, timer: StageTimer) -> ProducedRollout:
         cfg, a = self.cfg, self.cfg.algo
@@ -102,7 +103,10 @@ class GroupRolloutProducer:
             m["rollout/dapo_rounds"] = rnd + 1
         if not accepted:
             self.sm.fail(f"iteration {k}: no complete group survived rollout and scoring")
-            raise RuntimeError(f"iteration {k}: every group was dropped (see {self.quarantine_path} and the counters)")
+            cause = (f"; the engine failed {m['rollout/engine_errors']} time(s), last: {self.last_engine_error}"
+                     if m["rollout/engine_errors"] else "")
+            raise RuntimeError(f"iteration {k}: every group was dropped (see {self.quarantine_path} and the counters)"
+                               f"{cause}")
         bc = buffer.counters
         self.counters["groups_dropped"] += bc["dropped"]
         self.counters["samples_failed"] += bc["failed_candidates"]
@@ -167,6 +171,8 @@ class GroupRolloutProducer:
             self.sm.check_deadline(agree=all_ranks_agree)  # a late rollout fails before it is scored
             m["rollout/engine_errors"] += len(errors)
             self.counters["engine_errors"] += len(errors)
+            if errors:
+                self.last_engine_error = f"inference group {errors[-1][0]}: {errors[-1][1]}"
             expected = {(f"{q.request_id}/c{c:02d}", q.attempt): q for q in requests for c in q.candidates(G)}
             fresh, extra, seen = [], [], set()
             for r in results:

@@ -424,6 +424,16 @@ def _torch_dtype(dtype) -> torch.dtype:
 # ---- the engine ---------------------------------------------------------------------------------
 
 
+def _refuse_unnamed_architecture(config: dict, where: str) -> None:
+    """SGLang picks the model class from config.json's ``architectures``; without it 0.5.23 fails
+    inside its model registry with a bare ``TypeError`` (megarl's exports always write it; a config
+    saved from a bare transformers config object may not)."""
+    archs = config.get("architectures")
+    if not (isinstance(archs, list) and archs and all(isinstance(a, str) for a in archs)):
+        raise RolloutError(f"sglang backend: {where} has architectures={archs!r}; SGLang picks its model class from "
+                           "it: set it to the model's class, e.g. [\"LlamaForCausalLM\"] (megarl's HF exports write it)")
+
+
 def _refuse_dropped_layers(config: dict, where: str) -> None:
     """Refuse a model SGLang would load only in part: its Qwen3-MoE treats every decoder layer as
     sparse (0.5.23 ``models/qwen3_moe.py``), so the dense MLP of a layer that
@@ -520,6 +530,7 @@ class SGLangRolloutEngine:
         config_path = os.path.join(os.fspath(model_path), "config.json")
         with open(config_path, encoding="utf-8") as f:
             model_config = json.load(f)
+        _refuse_unnamed_architecture(model_config, config_path)
         _refuse_dropped_layers(model_config, config_path)
         if return_routed_experts:
             if not _generate_accepts("return_routed_experts"):

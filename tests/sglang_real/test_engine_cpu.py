@@ -11,7 +11,10 @@ through the backend's stream (the engine starts from dummy weights).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -22,7 +25,35 @@ from megarl.rollout.protocol import GenerationRequest, NoActiveVersionError, Sam
 from megarl.rollout.sglang_backend import SGLangRolloutEngine, WeightsNotWrittenError
 from megarl.rollout.sglang_cpu import mends
 from megarl.rollout.weight_stream import TensorManifest, iter_buckets
+from tests._dist import subprocess_env
 from tests.sglang_real._engine import EOS, FP32_TOL, PROMPTS, MegatronActor, load, make_model_dir
+
+# A fresh engine per HF export, in a child process (an engine's shutdown() kills every child of the
+# process that started it, so fresh engines never share this one's process): SGLang's own loader
+# reads the safetensors from disk, megarl's stream is not involved.
+FRESH_ENGINES = """
+import json, sys
+from megarl.rollout import sglang_cpu
+sglang_cpu.prepare()
+import sglang
+dirs, prompts, params = json.loads(sys.argv[1])
+out = []
+for d in dirs:
+    engine = sglang.Engine(model_path=d, skip_tokenizer_init=True, load_format="auto", dtype="float32",
+                           random_seed=0, log_level="error", **sglang_cpu.engine_kwargs(4096))
+    out.append([r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=[params] * len(prompts))])
+    engine.shutdown()
+print("FRESH " + json.dumps(out))
+"""
+
+
+def fresh_engine_outputs(export_dirs, prompts, max_new_tokens):
+    params = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "stop_token_ids": [EOS]}
+    proc = subprocess.run([sys.executable, "-c", FRESH_ENGINES, json.dumps([export_dirs, prompts, params])],
+                          capture_output=True, text=True, env=subprocess_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("FRESH ")]
+    return json.loads(line[len("FRESH "):])
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
@@ -116,6 +147,28 @@ def test_a_weight_update_changes_what_the_engine_serves_and_survives_sleep(engin
     assert [r.response_ids for r in again] == [r.response_ids for r in after]
 
 
+def test_every_synced_version_serves_what_a_fresh_engine_from_its_export_serves(engine, actor, tmp_path):
+    """Three versions streamed into one engine through megarl's path (buckets, manifest, session,
+    activate); after each, its greedy output equals that of a fresh engine that SGLang started from
+    that version's HF export (megarl.models.weights.export_hf: what the trainer writes)."""
+    from megarl.models.weights import export_hf
+
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    served, exports = [], []
+    for k in range(3):
+        if k:
+            actor.perturb(scale=0.3, seed=20 + k)
+        load(engine, actor)
+        served.append([list(r.response_ids) for r in engine.generate(PROMPTS, greedy)])
+        exports.append(str(tmp_path / f"v{k}"))
+        export_hf(actor.model, exports[-1])
+    fresh = fresh_engine_outputs(exports, [list(p.prompt_ids) for p in PROMPTS], greedy.max_new_tokens)
+    for k in range(3):
+        assert served[k] == fresh[k], f"version {k}: synced engine {served[k]} != fresh engine {fresh[k]}"
+    # negative control: the versions are told apart, so a stale or partly written engine would fail
+    assert served[1] != fresh[0] and served[2] != fresh[1]
+
+
 def test_a_new_version_never_reads_the_old_versions_kv_cache(engine, actor, monkeypatch):
     """SGLang's radix (prefix) cache stays on: a prompt generated under v leaves its KV there; after
     v+1 is published the same prompt must be computed from v+1's weights, not v's cached prefix."""
@@ -169,3 +222,65 @@ def test_a_load_that_leaves_an_engine_parameter_unwritten_fails_naming_it(engine
     monkeypatch.setattr(engine, "verify_writes", "every")
     load(engine, actor)
     assert engine.active_version is not None
+
+
+class _EchoTool:
+    """Answers the first action with one tool message, ends the episode at the second."""
+
+    def reset(self, row):
+        self.steps = 0
+        return ()
+
+    def step(self, action):
+        from megarl.envs.protocol import Message, StepOutcome
+
+        self.steps += 1
+        if self.steps >= 2:
+            return StepOutcome((), {"done": 1.0}, terminated=True, truncated=False)
+        return StepOutcome((Message("tool", "4 2"),), {}, terminated=False, truncated=False)
+
+
+def test_agent_sessions_continue_from_token_ids_on_the_real_engine(engine, actor, tmp_path):
+    """A multi-turn session on SGLang (megarl.rollout.agent): every turn is fed exactly the
+    trajectory so far as ``input_ids``, and the policy tokens' raw log-probs equal the megatron
+    actor's teacher-forced ones over the whole trajectory, environment tokens included."""
+    from megarl.data.tiny_tokenizer import build_tiny_tokenizer
+    from megarl.data.tokenizer import TokenizerContract
+    from megarl.envs.render import EnvTurnRenderer
+    from megarl.models.forward import teacher_forced_log_probs
+    from megarl.rollout.agent import POLICY, AgentLimits, AgentSessionEngine, audit
+
+    load(engine, actor)
+    # a stop token that prompt 0's greedy continuation reaches (the random model rarely emits EOS):
+    # its first turn ends there, so its session takes a second turn after the tool's answer
+    (first,) = engine.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=8))
+    k = next(i for i in range(2, len(first.response_ids)) if first.response_ids[i] not in first.response_ids[:i])
+    stop = first.response_ids[k]
+    build_tiny_tokenizer(str(tmp_path / "tok"))
+    contract = TokenizerContract.from_pretrained(str(tmp_path / "tok"))  # ids < 128: inside the vocabulary
+    agent = AgentSessionEngine(engine, env_factory=_EchoTool, renderer=EnvTurnRenderer(contract),
+                               limits=AgentLimits(max_turns=3, max_total_tokens=48),
+                               decode=lambda ids: " ".join(map(str, ids)), step_timeout_s=30.0, max_workers=4)
+    reqs = [GenerationRequest(q.request_id, q.prompt_ids, task={}) for q in PROMPTS]
+    results = agent.generate(reqs, SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=(stop,)))
+    multi = [r for r in results if len(r.episode.generated) >= 2]
+    assert multi, f"no session took a second turn: {[(r.request_id, r.finish_reason) for r in results]}"
+    err, control = 0.0, 0.0
+    for r in results:
+        t = r.episode
+        assert audit(t) == [], audit(t)
+        for j, g in enumerate(t.generated):  # each turn was fed exactly the trajectory so far, as ids
+            start = sum(len(x.response_ids) for x in t.generated[:j]) + sum(len(x) for x in t.rendered[:j])
+            assert g.prompt_ids == t.prompt_ids + tuple(t.response_ids[:start]), f"{r.request_id}: turn {j} input"
+        ids = torch.tensor([list(t.prompt_ids) + list(t.response_ids)])
+        lp = teacher_forced_log_probs(actor.model, ids)[0, len(t.prompt_ids) - 1:]
+        pol = torch.tensor(t.source) == POLICY
+        err = max(err, float((lp[pol] - r.raw_log_probs[pol]).abs().max()))
+        if len(t.generated) >= 2:  # negative control: the second turn scored without the tool's tokens
+            kept = [tok for tok, s in zip(t.response_ids, t.source) if s == POLICY]
+            lp_no_env = teacher_forced_log_probs(actor.model, torch.tensor([list(t.prompt_ids) + kept]))[0]
+            lp_no_env = lp_no_env[len(t.prompt_ids) - 1:]
+            second = torch.tensor(t.turn)[pol] >= 1
+            control = max(control, float((lp_no_env[second] - r.raw_log_probs[pol][second]).abs().max()))
+    assert err < FP32_TOL, f"agent trajectories: raw log-prob parity {err} >= {FP32_TOL}"
+    assert control > 100 * FP32_TOL, control
