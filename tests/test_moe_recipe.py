@@ -30,6 +30,28 @@ RECIPE = os.path.join(ROOT, "configs", "grpo_moe_tiny.yaml")
 ITERS = 3
 
 
+#: the MoE recipe shrunk for a test: a 2-layer, 4-expert tiny Qwen3-MoE built in 20 warm-start steps
+SHRUNK = ["model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.num_heads=2",
+          "model.tiny.num_kv_heads=1", "model.tiny.num_experts=4", "model.tiny.top_k=2",
+          "model.tiny.moe_intermediate_size=32", "model.tiny.warmstart_steps=20",
+          "model.tiny.warmstart_target_accuracy=null",
+          "data.arithmetic_train_n=200", "data.arithmetic_heldout_n=16", "eval.n=16", "eval.every=0"]
+
+
+def assert_routing_is_the_exports(hf_model, facts, k):
+    """The sealed batch's recorded routing is what the export's routers choose, token by token,
+    layer by layer -- wherever the choice is not a tie within the parity tolerance: the engine's
+    cached decode and this teacher-forced forward may round a near-tie either way (at most 1% are)."""
+    re = facts.routed_experts
+    decided = ties = 0
+    for row, (cols, chosen, margin) in enumerate(_export_routing(hf_model, facts)):
+        same = (re.experts[row, cols].long().sort(dim=-1).values == chosen.sort(dim=-1).values).all(-1)
+        clear = margin > NET_FP32_LOGPROB
+        assert bool(same[clear].all()), (k, row)
+        decided, ties = decided + int(clear.sum()), ties + int((~clear).sum())
+    assert decided > 0 and ties <= 0.01 * decided, (decided, ties)
+
+
 def _export_routing(model, facts):
     """Per row: the top-k expert sets transformers' routers choose at every recorded position
     (``routing_token_mask``), teacher-forced on the row's real tokens, ``(positions, layers, k)``,
@@ -57,12 +79,7 @@ def test_moe_tiny_recipe_builds_and_trains_with_router_losses(tmp_path):
     from megarl.tinymodel import heldout_accuracy
 
     cache, run_dir = tmp_path / "cache", tmp_path / "run"
-    overrides = ["model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.num_heads=2",
-                 "model.tiny.num_kv_heads=1", "model.tiny.num_experts=4", "model.tiny.top_k=2",
-                 "model.tiny.moe_intermediate_size=32", "model.tiny.warmstart_steps=20",
-                 "model.tiny.warmstart_target_accuracy=null",
-                 "data.arithmetic_train_n=200", "data.arithmetic_heldout_n=16", "eval.n=16", "eval.every=0",
-                 f"trainer.iterations={ITERS}", "trainer.prompts_per_iteration=4", "rollout.n=4",
+    overrides = [*SHRUNK, f"trainer.iterations={ITERS}", "trainer.prompts_per_iteration=4", "rollout.n=4",
                  "trainer.save_experience=true", "trainer.export_every=1", f"trainer.run_dir={run_dir}",
                  "actor.moe_aux_loss_coeff=0.01", "actor.moe_z_loss_coeff=0.001"]
     env = dict(subprocess_env(), MEGARL_CACHE=str(cache))
@@ -105,16 +122,8 @@ def test_moe_tiny_recipe_builds_and_trains_with_router_losses(tmp_path):
         hf_model, (lp, _) = hf_response_log_probs(os.path.join(str(run_dir), "export", f"iter_{k}"), f)
         err = max_abs_diff(lp, f.rollout_log_probs.values, f.response_mask != 0)
         assert within(err, NET_FP32_LOGPROB, "moe_recipe/rollout_vs_export"), (k, err)
-        # and the recorded routing is what that export's routers choose, token by token, layer by
-        # layer -- wherever the choice is not a tie within the parity tolerance: the engine's
-        # cached decode and this teacher-forced forward may round a near-tie either way
-        decided = ties = 0
-        for row, (cols, chosen, margin) in enumerate(_export_routing(hf_model, f)):
-            same = (re.experts[row, cols].long().sort(dim=-1).values == chosen.sort(dim=-1).values).all(-1)
-            clear = margin > NET_FP32_LOGPROB
-            assert bool(same[clear].all()), (k, row)
-            decided, ties = decided + int(clear.sum()), ties + int((~clear).sum())
-        assert decided > 0 and ties <= 0.01 * decided, (decided, ties)
+        # and the recorded routing is what that export's routers choose
+        assert_routing_is_the_exports(hf_model, f, k)
 
 
 def test_moe_recipe_keys_are_refused_naming_the_key():

@@ -577,7 +577,8 @@ def test_the_trainers_engine_records_routing_when_routing_replay_needs_it(fake, 
     from megarl.control.placement import Placement, create_engine
 
     if "enable_return_routed_experts" not in desc["server_args"]["fields"]:
-        pytest.skip(f"SGLang {desc['sglang_version']} has no routed-expert capture (refused at start, tested above)")
+        pytest.skip(f"SGLang {desc['sglang_version']} has no routed-expert capture: the backend refuses "
+                    "return_routed_experts at start (test_routed_experts_come_back_as_the_samples_routing)")
     from megarl.rollout import sglang_cpu
 
     monkeypatch.setattr(sglang_cpu, "prepare", lambda: False)  # the fake is imported already: no mends

@@ -261,22 +261,6 @@ def check_parity(ctx):
     return f"max |engine - actor| {raw_err:.4f} (raw), {scaled_err:.4f} vs log softmax(logits/T); {len(hot)} samples"
 
 
-class _EchoTool:
-    """Answers the first action with one tool message, ends the episode at the second."""
-
-    def reset(self, row):
-        self.steps = 0
-        return ()
-
-    def step(self, action):
-        from megarl.envs.protocol import Message, StepOutcome
-
-        self.steps += 1
-        if self.steps >= 2:
-            return StepOutcome((), {"done": 1.0}, terminated=True, truncated=False)
-        return StepOutcome((Message("tool", "4 2"),), {}, terminated=False, truncated=False)
-
-
 def check_agent_sessions(ctx):
     from megarl.data.tiny_tokenizer import build_tiny_tokenizer
     from megarl.data.tokenizer import TokenizerContract
@@ -284,11 +268,12 @@ def check_agent_sessions(ctx):
     from megarl.models.forward import teacher_forced_log_probs
     from megarl.rollout.agent import POLICY, AgentLimits, AgentSessionEngine, audit
     from megarl.rollout.protocol import GenerationRequest, SamplingParams
+    from tests.plugins.echo_tool import EchoTool
 
     tok_dir = os.path.join(ctx.work, "tiny_tokenizer")
     build_tiny_tokenizer(tok_dir)
     contract = TokenizerContract.from_pretrained(tok_dir)  # ids < 128: inside the random model's vocabulary
-    agent = AgentSessionEngine(ctx.engine, env_factory=_EchoTool, renderer=EnvTurnRenderer(contract),
+    agent = AgentSessionEngine(ctx.engine, env_factory=EchoTool, renderer=EnvTurnRenderer(contract),
                                limits=AgentLimits(max_turns=3, max_total_tokens=4 * MAX_NEW),
                                decode=lambda ids: " ".join(map(str, ids)), step_timeout_s=10.0, max_workers=4)
     # greedy: prompt 0's first turn ends on EOS (row 1), so its session takes a second turn

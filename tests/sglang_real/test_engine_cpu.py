@@ -224,22 +224,6 @@ def test_a_load_that_leaves_an_engine_parameter_unwritten_fails_naming_it(engine
     assert engine.active_version is not None
 
 
-class _EchoTool:
-    """Answers the first action with one tool message, ends the episode at the second."""
-
-    def reset(self, row):
-        self.steps = 0
-        return ()
-
-    def step(self, action):
-        from megarl.envs.protocol import Message, StepOutcome
-
-        self.steps += 1
-        if self.steps >= 2:
-            return StepOutcome((), {"done": 1.0}, terminated=True, truncated=False)
-        return StepOutcome((Message("tool", "4 2"),), {}, terminated=False, truncated=False)
-
-
 def test_agent_sessions_continue_from_token_ids_on_the_real_engine(engine, actor, tmp_path):
     """A multi-turn session on SGLang (megarl.rollout.agent): every turn is fed exactly the
     trajectory so far as ``input_ids``, and the policy tokens' raw log-probs equal the megatron
@@ -249,6 +233,7 @@ def test_agent_sessions_continue_from_token_ids_on_the_real_engine(engine, actor
     from megarl.envs.render import EnvTurnRenderer
     from megarl.models.forward import teacher_forced_log_probs
     from megarl.rollout.agent import POLICY, AgentLimits, AgentSessionEngine, audit
+    from tests.plugins.echo_tool import EchoTool
 
     load(engine, actor)
     # a stop token that prompt 0's greedy continuation reaches (the random model rarely emits EOS):
@@ -258,7 +243,7 @@ def test_agent_sessions_continue_from_token_ids_on_the_real_engine(engine, actor
     stop = first.response_ids[k]
     build_tiny_tokenizer(str(tmp_path / "tok"))
     contract = TokenizerContract.from_pretrained(str(tmp_path / "tok"))  # ids < 128: inside the vocabulary
-    agent = AgentSessionEngine(engine, env_factory=_EchoTool, renderer=EnvTurnRenderer(contract),
+    agent = AgentSessionEngine(engine, env_factory=EchoTool, renderer=EnvTurnRenderer(contract),
                                limits=AgentLimits(max_turns=3, max_total_tokens=48),
                                decode=lambda ids: " ".join(map(str, ids)), step_timeout_s=30.0, max_workers=4)
     reqs = [GenerationRequest(q.request_id, q.prompt_ids, task={}) for q in PROMPTS]
