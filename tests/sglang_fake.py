@@ -5,7 +5,8 @@
 names, what they return, whether ``update_weights_from_tensor`` needs a weight-update session,
 which memory tags exist and what resuming an unreleased one does, which ``ServerArgs`` and
 ``sampling_params`` names are accepted, how ``FlattenedTensorBucket`` lays out a bucket, which
-classes the serializer admits, and which environment variables ``Engine()`` sets in its caller.
+classes the serializer admits, which environment variables ``Engine()`` sets in its caller, and
+what its weight checker does (actions, request fields, the shape of the answer).
 :class:`FakeSGLang` turns that into importable ``sglang.*`` modules whose ``Engine`` enforces
 every one of those rules, so ``SGLangRolloutEngine`` runs unmodified against it.  Only the
 engine (its scheduler processes, kernels and model) is fake: the fake "model" emits tokens from a
@@ -17,6 +18,7 @@ Where SGLang's behaviour was not read from source the fake is stricter than SGLa
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import inspect
@@ -98,6 +100,10 @@ class FakeSGLang:
         setattr(patch, d["patch_torch"]["function"], lambda: self.patched.append(True))
         sp_mod = self._module("sglang.srt.sampling.sampling_params")
         sp_mod.SamplingParams = _sampling_params_class(d["sampling_params"]["fields"])
+        checker = d.get("weight_checker")
+        if checker is not None:
+            io_mod = self._module(checker["request"]["module"])
+            io_mod.CheckWeightsReqInput = _check_weights_request_class(checker["request"]["fields"])
         engine_mod = self._module(d["engine"]["module"])
         engine_cls = _engine_class(self)
         engine_cls.__module__, engine_cls.__qualname__ = engine_mod.__name__, "Engine"
@@ -298,7 +304,47 @@ class FakeEngine:
         self.fail_next_update: str | None = None  # a test makes the next update answer success=False
         self.closed = False
         self.killed_by: str | None = None
+        self.loop = asyncio.new_event_loop()  # Engine.loop: what the tokenizer manager's coroutines run on
+        self.tokenizer_manager = _TokenizerManager(self)
         self._fake.engines.append(self)
+
+    # -- the weight checker (utils/weight_checker.py, 0.5.7+) --
+
+    def _parameters(self) -> dict[str, tuple]:
+        """The engine model's parameters: the HF checkpoint names of the config (SGLang's own
+        fuse q/k/v and gate/up; the backend compares checksums by whatever names come back)."""
+        from megarl.models.hf_config import spec_from_hf_config
+        from megarl.models.mapping import hf_shapes
+
+        return hf_shapes(spec_from_hf_config(self.config))
+
+    def check_weights(self, action: str):
+        """(success, message, per-TP-rank checksum payloads or None), as the schedulers answer.
+        ``reset_tensors`` sets every parameter to random values (what an update leaves unwritten
+        keeps them); ``checksum`` hashes every parameter (one that was never written, a constant
+        of its name: the dummy load format's random weights)."""
+        actions = self._fake.desc["weight_checker"]["actions"]
+        if action not in actions:
+            return False, f"Unsupported action={action!r}", None  # WeightChecker.handle raises; the scheduler reports it
+        if action == "reset_tensors":
+            dtype = getattr(torch, str(self.kwargs.get("dtype", "bfloat16")).replace("auto", "float32"))
+            gen = torch.Generator().manual_seed(len(self.calls))
+            for name, shape in self._parameters().items():
+                self.weights[name] = torch.randn(shape, generator=gen).to(dtype)
+            self.weights_state = "reset"  # random values: served as such until an update lands
+        if action != "checksum":
+            return True, "Success.", None
+        sums = {}
+        for name in self._parameters():
+            t = self.weights.get(name)
+            raw = (name.encode() + b"/dummy") if t is None else t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            sums[name] = hashlib.sha256(raw).hexdigest()[:16]
+        overall = hashlib.sha256("".join(f"{n}{c}" for n, c in sorted(sums.items())).encode()).hexdigest()
+        return True, "Success.", [
+            {"checksums": dict(sums), "per_gpu_checksum": overall,
+             "parallelism_info": {"role": "target", "tp_rank": r, "tp_size": self.tp_size, "dp_rank": 0, "dp_size": 1,
+                                  "pp_rank": 0, "pp_size": 1, "rank": r, "size": self.tp_size}}
+            for r in range(self.tp_size)]
 
     # -- weights --
 
@@ -455,12 +501,57 @@ class FakeEngine:
         # child process of the caller, so the schedulers of any other engine it started die too
         # (seen on 0.5.23: a second engine's scheduler, and the test process with it)
         self.closed = True
+        self.loop.close()
         for other in self._fake.engines:
             if other is not self and not other.closed:
                 other.killed_by = "another engine's shutdown() in the same process (kill_process_tree of its caller)"
 
 
 GPU_WEIGHTS = "weights"
+
+
+@dataclass
+class CheckWeightsReqOutput:
+    success: bool
+    message: str
+
+
+class _TokenizerManager:
+    """``Engine.tokenizer_manager``: only ``check_weights``, where the release has the checker,
+    answering in the release's recorded shape (0.5.23: ``(success, message, ranks,
+    per_engine_checksum)``; 0.5.7: ``CheckWeightsReqOutput``)."""
+
+    def __init__(self, engine: FakeEngine):
+        self._engine = engine
+        checker = engine._fake.desc.get("weight_checker")
+        if checker is not None:
+            self.check_weights = self._check_weights
+            self._tuple = checker["tokenizer_manager_returns"].startswith("Tuple")
+
+    async def _check_weights(self, obj, request=None):
+        engine = self._engine
+        if engine.killed_by is not None:
+            raise SchedulerDied(f"check_weights: this engine's schedulers were killed by {engine.killed_by}")
+        engine.calls.append(("check_weights", {"action": obj.action}))
+        ok, message, ranks = engine.check_weights(obj.action)
+        if not self._tuple:
+            return CheckWeightsReqOutput(success=ok, message=message)
+        overall = None if ranks is None else hashlib.sha256(
+            "".join(r["per_gpu_checksum"] for r in ranks).encode()).hexdigest()
+        return ok, message, ranks, overall
+
+
+def _check_weights_request_class(fields: list[str]):
+    class CheckWeightsReqInput:
+        def __init__(self, **kwargs):
+            unknown = set(kwargs) - set(fields)
+            if unknown:
+                raise TypeError(f"CheckWeightsReqInput got unexpected keyword arguments {sorted(unknown)}")
+            if "action" not in kwargs:
+                raise TypeError("CheckWeightsReqInput needs action")
+            self.__dict__.update(kwargs)
+
+    return CheckWeightsReqInput
 
 
 def _eos_ids(value) -> set[int]:

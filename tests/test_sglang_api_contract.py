@@ -81,10 +81,17 @@ def actor():
     return HFActorStandIn.create(tiny_llama_config(eos_token_id=CONTRACT_EOS), dtype=torch.bfloat16)
 
 
+def checksums_weights() -> bool:
+    """The installed (fake) release's weight checker has the ``checksum`` action (0.5.23)."""
+    checker = sys.modules["sglang"].Engine._fake.desc.get("weight_checker")
+    return checker is not None and "checksum" in checker["actions"]
+
+
 def make_engine(model_dir, **kw):
     kw.setdefault("eos_token_ids", [CONTRACT_EOS])
-    # the fake has no weight checker; the real engine's tests (tests/sglang_real) prove the write check
-    kw.setdefault("verify_writes", "never")
+    # the write check (the backend's default) where the release can checksum its parameters;
+    # the others refuse it at start (test_a_write_check_the_engine_cannot_do_is_refused_at_start)
+    kw.setdefault("verify_writes", "first" if checksums_weights() else "never")
     return SGLangRolloutEngine(model_dir, device="cpu", **kw)
 
 
@@ -222,7 +229,8 @@ def test_without_the_session_every_update_is_refused_and_the_load_fails(fake, de
     engine._has_session = False  # the backend as it was: no begin/end around the updates
     with pytest.raises(WeightUpdateRejectedError, match=re.escape("begin_weight_update() and end_weight_update()")):
         engine.load_weights(version, iter_buckets(actor.named_tensors(), BUCKET), manifest)
-    assert fake.engine.weights_state == "dummy" and engine.active_version is None
+    assert fake.engine.weights_state in ("dummy", "reset") and engine.active_version is None
+    # (no update landed: "reset" is the write check's random values before the first one)
 
 
 def test_a_corrupted_bucket_is_refused_before_any_hand_over(fake, model_dir, actor):
@@ -387,7 +395,8 @@ def _tp2_worker(version: str) -> None:
         model = box[0]
         dist.barrier()
         engine = SGLangRolloutEngine(model, tp_size=2, group=dist.group.WORLD, device="cpu", eos_token_ids=[CONTRACT_EOS],
-                                     verify_writes="never")  # the fake has no weight checker
+                                     # every TP rank's checksums, where the release has them
+                                     verify_writes="first" if checksums_weights() else "never")
         assert (len(fake.engines) == 1) == (rank == 0)
         actor = HFActorStandIn.create(tiny_llama_config(eos_token_id=CONTRACT_EOS), dtype=torch.bfloat16)
         v0, m0 = actor.commit(0)
@@ -396,6 +405,7 @@ def _tp2_worker(version: str) -> None:
         if rank == 0:
             per_rank = [kw["named_tensors"] for n, kw in fake.engine.calls if n == "update_weights_from_tensor"]
             assert per_rank and all(len(p) == 2 for p in per_rank)  # one payload per TP rank
+            assert engine._loads_verified == int(checksums_weights())  # both TP ranks' checksums compared
             fake.engine.fail_next_update = "refused on purpose"
         try:
             engine.load_weights(v0, iter_buckets(actor.named_tensors(), BUCKET), m0)
@@ -514,10 +524,54 @@ def test_routed_experts_parser_reads_both_encodings_and_refuses_the_rest():
 
 
 def test_a_write_check_the_engine_cannot_do_is_refused_at_start(fake, model_dir):
-    with pytest.raises(RolloutError, match="verify_engine_weights=never"):
+    """0.5.3 has no weight checker; 0.5.7's has no ``checksum`` action and answers a
+    ``CheckWeightsReqOutput``: both refused at start naming the key.  0.5.23's checksums every
+    parameter: the engine starts, having asked for them once."""
+    if checksums_weights():
         make_engine(model_dir, verify_writes="first")
+        assert [c for c in fake.engine.calls if c[0] == "check_weights"] == [("check_weights", {"action": "checksum"})]
+    else:
+        with pytest.raises(RolloutError, match="verify_engine_weights=never"):
+            make_engine(model_dir, verify_writes="first")
     with pytest.raises(ValueError, match="verify_writes='sometimes'"):
         make_engine(model_dir, verify_writes="sometimes")
+
+
+def test_a_load_that_leaves_an_engine_parameter_unwritten_fails_naming_it(fake, model_dir, actor, monkeypatch):
+    """The fake's loader, as SGLang's, keeps what it has no parameter for out of the model: a
+    stream with the layer-1 post-attention norm renamed (its manifest with it, so megarl's own
+    checks pass) leaves that parameter as the checker reset it, and the load fails naming it,
+    with no version active.  The real engine's test is tests/sglang_real/test_engine_cpu.py."""
+    import dataclasses
+
+    from megarl.rollout.sglang_backend import WeightsNotWrittenError
+    from megarl.rollout.weight_stream import TensorManifest
+
+    if not checksums_weights():
+        pytest.skip(f"SGLang {sys.modules['sglang'].__version__} cannot checksum its parameters: refused at start "
+                    "(test_a_write_check_the_engine_cannot_do_is_refused_at_start)")
+    engine = make_engine(model_dir, verify_writes="every")
+    load(engine, actor, 0)
+    version, _ = actor.commit(1)
+    named = [(n, t.to(engine.dtype)) for n, t in actor.named_tensors()]
+    bad = [(n.replace("layers.1.post_attention_layernorm", "layers.1.post_attention_layernorm_renamed"), t)
+           for n, t in named]
+    assert [n for n, _ in bad] != [n for n, _ in named]
+    bad_manifest = TensorManifest.from_named_tensors(bad)
+    bad_version = dataclasses.replace(version, weight_manifest_hash=bad_manifest.global_hash)
+    with pytest.raises(WeightsNotWrittenError, match=r"left 1 of \d+ engine parameters unwritten.*"
+                                                     r"model\.layers\.1\.post_attention_layernorm\.weight"):
+        engine.load_weights(bad_version, iter_buckets(bad, BUCKET), bad_manifest)
+    assert engine.active_version is None and "post_attention_layernorm" in engine.last_load_error
+    # negative control: without the check the same stream loads "successfully"
+    monkeypatch.setattr(engine, "verify_writes", "never")
+    engine.load_weights(bad_version, iter_buckets(bad, BUCKET), bad_manifest)
+    engine.activate(bad_version)
+    # a correct stream passes the check, after resetting every parameter first
+    monkeypatch.setattr(engine, "verify_writes", "every")
+    load(engine, actor, 2)
+    actions = [c[1]["action"] for c in fake.engine.calls if c[0] == "check_weights"]
+    assert actions[-3:] == ["reset_tensors", "checksum", "checksum"], actions
 
 
 def test_a_qwen3_moe_with_dense_layers_is_refused_before_the_engine_starts(fake, tmp_path):

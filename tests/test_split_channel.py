@@ -225,3 +225,96 @@ def test_segments_continue_from_the_exact_tokens_and_label_each_with_its_version
         assert cont.response_ids == r.response_ids[3:]
         assert within(max_abs_diff(cont.raw_log_probs, r.raw_log_probs[3:]), NET_FP32_LOGPROB,
                       "split_channel/continued_vs_fresh")
+
+
+class _LoadsInPlace:
+    """The hf engine as SGLang behaves: a load overwrites the weights being served, so from the
+    start of ``load_weights`` until ``activate`` no version is active and ``generate`` is refused.
+    ``hold_first_generate`` (set by the test) is called inside the first generate call: it returns
+    once the trainer's next command has reached the rollout rank, so that command is certainly an
+    in-flight one (taken between segments)."""
+
+    def __init__(self, engine):
+        self.engine, self.unserved, self.hold_first_generate, self.calls = engine, False, None, 0
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    @property
+    def active_version(self):
+        return None if self.unserved else self.engine.active_version
+
+    def load_weights(self, version, buckets, manifest):
+        self.unserved = True
+        return self.engine.load_weights(version, buckets, manifest)
+
+    def activate(self, version):
+        report = self.engine.activate(version)
+        self.unserved = False
+        return report
+
+    def generate(self, requests, sampling):
+        from megarl.rollout.protocol import NoActiveVersionError
+
+        if self.unserved:
+            raise NoActiveVersionError("generate refused: no version is active (loaded in place, not activated)")
+        self.calls += 1
+        out = self.engine.generate(requests, sampling)
+        if self.calls == 1 and self.hold_first_generate is not None:
+            self.hold_first_generate()
+        return out
+
+
+def test_an_engine_that_loads_in_place_waits_between_segments_for_the_activation(tmp_path):
+    """An in-flight update on an engine that serves nothing between a load and its activation
+    (SGLang): the rollout rank takes the load between two segments and waits for the activation
+    the trainer sends after it, rather than generating the next segment on no version.  The
+    trainer sends it late on purpose (0.5 s after the load was reported)."""
+    actor = HFActorStandIn.create(tiny_llama_config(initializer_range=0.3), seed=0)
+    config_dir = actor.export_config(tmp_path / "cfg")
+    trainer, rollout = _worlds(timeout_s=TIMEOUT_S)
+    engines = []
+
+    def make_engine(d, eos, pad):
+        engines.append(_LoadsInPlace(HFRolloutEngine(d, eos_token_ids=eos, pad_token_id=pad)))
+        return engines[0]
+
+    service = RolloutService(rollout, make_engine, device=torch.device("cpu"), segment_tokens=2)
+    failure = []
+    thread = threading.Thread(target=_serve, args=(service, failure), daemon=True)
+    thread.start()
+    try:
+        remote = RemoteEngine(trainer, {"config_dir": config_dir, "eos_token_ids": [], "pad_token_id": 0},
+                              device=torch.device("cpu"))
+        v0 = _publish(remote, actor, 0)
+
+        def until_the_load_is_sent():
+            deadline = time.monotonic() + TIMEOUT_S
+            while not service.inbox.ready():
+                assert time.monotonic() < deadline, "the trainer's load never arrived"
+                time.sleep(0.01)
+
+        engines[0].hold_first_generate = until_the_load_is_sent
+        ticket = remote.submit(PROMPTS, GREEDY, segmented=True)
+        actor.perturb(scale=0.2, seed=5)
+        v1, m1 = actor.commit(1)
+        remote.load_weights(v1, iter_buckets(actor.named_tensors(), BUCKET), m1)
+        time.sleep(0.5)  # the activation comes late: the rollout rank must wait for it
+        assert remote.activate(v1).version_id == v1.short_id
+        results = remote.collect(ticket)
+        for r in results:
+            assert r.token_versions == (v0.short_id,) * 2 + (v1.short_id,) * 6, r.token_versions
+        assert remote.stats["inflight_activations"] == 1
+        remote.close()
+        thread.join(timeout=10)
+        assert not thread.is_alive() and not failure
+    finally:
+        trainer.close()
+        rollout.close()
+
+
+def _serve(service, failure):
+    try:
+        service.serve()
+    except Exception as e:  # noqa: BLE001 -- the test reads it
+        failure.append(e)

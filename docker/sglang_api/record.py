@@ -29,7 +29,9 @@ What is recorded (paths relative to ``python/sglang/srt`` of the release):
   stops on come from; ``sampling_seed``: whether a per-request seed needs deterministic inference;
 * ``routed_experts``: the request option and server flag that return each request's routed
   experts (0.5.7+), where the output puts them, in which encoding, dtype, rows and layers, and
-  whether the captured ids are logical or physical experts.
+  whether the captured ids are logical or physical experts;
+* ``weight_checker``: ``CheckWeightsReqInput``'s fields, the actions SGLang's weight checker
+  accepts and what ``TokenizerManager.check_weights`` returns (None before 0.5.7).
 """
 
 from __future__ import annotations
@@ -404,6 +406,34 @@ def record_routed_experts(src: Source, engine: dict, server_args: dict) -> dict:
     return out
 
 
+def record_weight_checker(src: Source) -> dict | None:
+    """SGLang's weight checker (``utils/weight_checker.py``, 0.5.7+), or None: the fields of
+    ``CheckWeightsReqInput``, the actions ``WeightChecker.handle`` accepts, and what the tokenizer
+    manager's ``check_weights`` returns (0.5.23: ``(success, message, ranks, per_engine_checksum)``
+    with each rank's parameter checksums; 0.5.7: a ``CheckWeightsReqOutput`` and no checksum)."""
+    io_rel, rel = "managers/io_struct.py", "utils/weight_checker.py"
+    req = _class(src.tree(io_rel), "CheckWeightsReqInput") if src.exists(io_rel) else None
+    checker = _class(src.tree(rel), "WeightChecker") if src.exists(rel) else None
+    if req is None or checker is None:
+        return None
+    fields = [n.target.id for n in req.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
+    handle = _methods(checker)["handle"]
+    actions = sorted({c.comparators[0].value for c in ast.walk(handle)
+                      if isinstance(c, ast.Compare) and isinstance(c.left, ast.Name) and c.left.id == "action"
+                      and isinstance(c.comparators[0], ast.Constant)})
+    returns = None
+    for mrel in src.files("managers"):
+        if "tokenizer" not in mrel:
+            continue
+        for node in ast.walk(src.tree(mrel)):
+            if isinstance(node, ast.AsyncFunctionDef) and node.name == "check_weights" and node.returns is not None:
+                returns = returns or f"{ast.unparse(node.returns)} ({mrel}:{node.lineno})"
+    return {"request": {"module": "sglang.srt.managers.io_struct", "class": "CheckWeightsReqInput",
+                        "fields": fields, "source": f"{io_rel}:{req.lineno}"},
+            "actions": actions, "actions_source": f"{rel}:{handle.lineno}",
+            "tokenizer_manager_returns": returns}
+
+
 def record(src_root: str) -> dict:
     src = Source(src_root)
     version = _release_version(src)
@@ -425,6 +455,7 @@ def record(src_root: str) -> dict:
         "sampling_seed": record_sampling_seed(src),
         "eos": record_eos(src),
         "routed_experts": record_routed_experts(src, engine, record_server_args(src)),
+        "weight_checker": record_weight_checker(src),
     }
 
 

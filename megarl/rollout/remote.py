@@ -18,8 +18,8 @@ path is unchanged.  Every wait is bounded: by the other side's heartbeat (a lost
 :class:`~megarl.runtime.split.PeerLostError`, never a hang) and, for the bridge collectives, by
 ``placement.timeout_s``.
 
-Run on CPU only (gloo, the hf engine): SGLang on a rollout rank and the NCCL bridge are written
-for the same protocol and have never run (no GPU was lent).
+Run on CPU (gloo) with the hf engine and with SGLang's CPU engine on the rollout rank; the NCCL
+bridge and SGLang on a GPU are written for the same protocol and have never run (no GPU was lent).
 """
 
 from __future__ import annotations
@@ -330,16 +330,20 @@ class RolloutService:
                 raise RolloutError(f"rollout rank {self.world.rollout_index}: unknown command {kind!r}")
             idle_from = time.perf_counter()
 
-    def _version_command(self, msg: tuple) -> None:
+    def _version_command(self, msg: tuple) -> bool:
+        """Execute a load or an activation; True when it succeeded."""
         t0 = time.perf_counter()
+        ok = True
         if msg[0] == "load":
-            self._load(msg[1], TensorManifest.from_dict(msg[2]))
+            ok = self._load(msg[1], TensorManifest.from_dict(msg[2]))
         else:
             try:
                 self.outbox.send(("activated", self.engine.activate(msg[1])))
             except RolloutError as e:
+                ok = False
                 self.outbox.send(("activate_failed", f"{type(e).__name__}: {e}"))
         self.totals["load_s"] += time.perf_counter() - t0
+        return ok
 
     def _between_segments(self) -> None:
         """An in-flight weight update: a load or activation the trainer sent while this rank
@@ -348,9 +352,23 @@ class RolloutService:
         engine is idle between segments, so its flush at activation always succeeds."""
         if self.segment_delay_s:
             time.sleep(self.segment_delay_s)  # faults.rollout_segment_delay_s: a straggler
-        while self.inbox.ready() and self.inbox.peek()[0] in ("load", "activate"):
+        loaded = False
+        while True:
+            if self.inbox.ready():
+                kind = self.inbox.peek()[0]
+            elif loaded and self.engine.active_version is None:
+                # an engine that loads in place (SGLang: the new weights overwrite the served
+                # ones) serves no version between a load and its activation, which the trainer
+                # sends as soon as the load is reported: wait for it rather than fail the next
+                # segment (an engine that stages aside, hf, keeps serving the old version)
+                kind = self.inbox.peek(what="the activation of the version just loaded")[0]
+            else:
+                return
+            if kind not in ("load", "activate"):
+                return
             msg = self.inbox.recv()
-            self._version_command(msg)
+            ok = self._version_command(msg)
+            loaded = msg[0] == "load" and ok
             if msg[0] == "activate":
                 self.totals["inflight_activations"] += 1
 
@@ -379,7 +397,7 @@ class RolloutService:
                 os.kill(os.getpid(), signal.SIGKILL)
             yield [(meta[j][0], tensors[j]) for j in range(len(meta))]
 
-    def _load(self, version: PolicyVersion, manifest: TensorManifest) -> None:
+    def _load(self, version: PolicyVersion, manifest: TensorManifest) -> bool:
         self.outbox.send(("receiving", version.short_id))
         stream = self._buckets(version)
         try:
@@ -396,3 +414,5 @@ class RolloutService:
             for _ in stream:  # an engine that stopped reading early still leaves the stream in step
                 pass
             self.outbox.send(("loaded", report))
+            return True
+        return False

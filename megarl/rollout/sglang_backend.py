@@ -60,6 +60,8 @@ records.  Paths below are relative to ``python/sglang/srt`` of the release named
   to random values and checksummed; after the update any parameter whose checksum did not change
   was not written, and the load fails naming it (``verify_writes``: the engine's first load, every
   load, or never).  A fused parameter written only in part (q of a fused qkv) is not caught.
+  The checksums are asked for once at start: 0.5.7's checker has no ``checksum`` action and 0.5.3
+  has none, so the check is refused there at start, not at the first load.
 * ``Engine()`` sets ``CUDA_DEVICE_MAX_CONNECTIONS`` (4 or 8) and NCCL variables in the calling
   process (``entrypoints/engine.py`` ``_set_envs_and_config``); megatron's TP/SP communication
   overlap relies on ``CUDA_DEVICE_MAX_CONNECTIONS=1`` and NCCL reads its variables when a
@@ -551,22 +553,23 @@ class SGLangRolloutEngine:
                 self._engine = sglang.Engine(**kwargs)
                 # the weight-update session API (0.5.21+): every rank must take the same branches
                 status = (True, "", all(hasattr(self._engine, m) for m in ("begin_weight_update", "end_weight_update")),
-                          weight_checker_request() is not None
-                          and hasattr(getattr(self._engine, "tokenizer_manager", None), "check_weights"))
+                          self._weight_checker_problem() if verify_writes != "never" else None)
             except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks know
-                error, status = e, (False, f"{type(e).__name__}: {e}", False, False)
+                error, status = e, (False, f"{type(e).__name__}: {e}", False, None)
             finally:
                 _restore_env(saved)
-        ok, message, self._has_session, self._has_weight_checker = self._broadcast(status)
+        ok, message, self._has_session, checker_problem = self._broadcast(status)
         if error is not None:
             raise error
         if not ok:
             raise RolloutError(f"SGLang Engine() failed on the inference group's first rank: {message}")
-        if verify_writes != "never" and not self._has_weight_checker:
-            raise RolloutError(f"sglang backend: verify_writes={verify_writes!r} needs SGLang's weight checker "
-                               "(Engine.tokenizer_manager.check_weights, sglang.srt.managers.io_struct."
-                               f"CheckWeightsReqInput); installed: {getattr(sglang, '__version__', '?')}. Set "
-                               "rollout.verify_engine_weights=never to load without proving every parameter was written")
+        self._has_weight_checker = verify_writes != "never" and checker_problem is None
+        if verify_writes != "never" and checker_problem is not None:
+            raise RolloutError(f"sglang backend: verify_writes={verify_writes!r} needs SGLang's weight checker with "
+                               "per-parameter checksums (Engine.tokenizer_manager.check_weights(CheckWeightsReqInput("
+                               f"action='checksum')), SGLang 0.5.23); installed: {getattr(sglang, '__version__', '?')}: "
+                               f"{checker_problem}. Set rollout.verify_engine_weights=never to load without proving "
+                               "every parameter was written")
         self._with_seed = self.deterministic and _supports_sampling_seed()
         self._active: PolicyVersion | None = None
         self._staged: PolicyVersion | None = None
@@ -754,12 +757,29 @@ class SGLangRolloutEngine:
                 return False, message
         return True, ""
 
+    def _weight_checker_problem(self) -> str | None:
+        """Group rank 0, at start: None when the engine's weight checker returns every
+        parameter's checksum (asked once here), else why not -- 0.5.3 has no checker, 0.5.7's
+        answers ``CheckWeightsReqOutput`` and has no ``checksum`` action."""
+        if weight_checker_request() is None or not hasattr(getattr(self._engine, "tokenizer_manager", None),
+                                                           "check_weights"):
+            return "it has no weight checker"
+        try:
+            sums = self._check_weights("checksum")
+        except RolloutError as e:
+            return str(e)
+        return None if sums else "its weight checker returned no parameter checksums"
+
     def _check_weights(self, action: str) -> dict[str, str]:
         """Group rank 0: SGLang's weight checker; ``checksum`` returns every parameter's checksum
         by engine name (suffixed with the TP rank when there are several)."""
         request = weight_checker_request()
-        ok, message, ranks, _ = self._engine.loop.run_until_complete(
+        out = self._engine.loop.run_until_complete(
             self._engine.tokenizer_manager.check_weights(request(action=action), None))
+        if not (isinstance(out, tuple) and len(out) == 4):
+            raise RolloutError(f"SGLang check_weights(action={action!r}) answered {type(out).__name__} "
+                               f"({str(out)[:200]}), not (success, message, ranks, per_engine_checksum)")
+        ok, message, ranks, _ = out
         if not ok:
             raise RolloutError(f"SGLang check_weights(action={action!r}) failed: {message}")
         sums = {}

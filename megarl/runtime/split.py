@@ -101,9 +101,12 @@ class Mailbox:
     def ready(self) -> bool:
         return self._has_peeked or self.store.check([f"{self.name}/{self.received}"])
 
-    def peek(self) -> Any:
-        """The next message without taking it (call only when :meth:`ready`)."""
+    def peek(self, what: Optional[str] = None) -> Any:
+        """The next message without taking it: call only when :meth:`ready`, or name ``what``
+        is awaited to block for it as :meth:`recv` does."""
         if not self._has_peeked:
+            if what is not None:
+                self._wait(f"{self.name}/{self.received}", None, what)
             self._peeked = pickle.loads(self.store.get(f"{self.name}/{self.received}"))
             self._has_peeked = True
         return self._peeked
@@ -117,6 +120,13 @@ class Mailbox:
             self.store.delete_key(key)
             self.received += 1
             return obj
+        self._wait(key, timeout_s, what)
+        data = self.store.get(key)
+        self.store.delete_key(key)
+        self.received += 1
+        return pickle.loads(data)
+
+    def _wait(self, key: str, timeout_s: Optional[float], what: str) -> None:
         t0, pause, looked = time.monotonic(), 0.0005, None
         while not self.store.check([key]):
             now = time.monotonic()
@@ -130,10 +140,6 @@ class Mailbox:
                 raise PeerLostError(f"waiting for {what} on {self.name}: nothing after {timeout_s:.0f}s")
             time.sleep(pause)
             pause = min(pause * 2, 0.005)  # a reply is waited on several times an iteration: keep latency low
-        data = self.store.get(key)
-        self.store.delete_key(key)
-        self.received += 1
-        return pickle.loads(data)
 
 
 @dataclass
