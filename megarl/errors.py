@@ -16,6 +16,11 @@ class MegarlError(Exception):
     """Bad input that the user can fix; the message says what and where."""
 
 
+class ConfigError(MegarlError, ValueError):
+    """A config key with a value that cannot run; the message names the key.  Lives here, in the
+    leaf every layer may import, and is re-exported by :mod:`megarl.config`."""
+
+
 def cli_main(fn):
     """Decorate a ``main()``: a :class:`MegarlError` becomes one line on stderr and exit 2."""
 

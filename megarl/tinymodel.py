@@ -337,7 +337,7 @@ def build(out_dir: str, *, hidden_size: int = 128, num_layers: int = 4, num_head
         raise MegarlError(f"tiny model family {family!r}: choose from {', '.join(FAMILIES)}")
     if validation not in VALIDATIONS:
         raise MegarlError(f"validation {validation!r}: choose from {', '.join(VALIDATIONS)}")
-    from megarl.config import OptimSettings
+    from megarl.config.schema import OptimSettings
     from megarl.data.tiny_tokenizer import build_tiny_tokenizer
     from megarl.data.tokenizer import TokenizerContract
     from megarl.envs.render import EnvTurnRenderer

@@ -12,256 +12,39 @@ files, then -- after every train and held-out row was checked against the reward
 model: built once, cached at their paths); then torch.distributed and megatron
 come up, the run directory gets the resolved config and its hash, and the loop runs.  Before
 any model loads the run directory is checked too (writable; a finished run is left as it is and
-the command exits 0; megarl/run_dir.py), and a stopped run prints the command that resumes it.
+the command exits 0; megarl/runtime/run_dir.py), and a stopped run prints the command that resumes it.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import time
 
-from megarl.errors import MegarlError, cli_main
-
-_DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
-             "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
-             "TORCHELASTIC_USE_AGENT_STORE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "ROLE_NAME")
-
-
-def _wait_for(path: str, what: str, timeout_s: float = 3600.0) -> None:
-    t0 = time.time()
-    while not os.path.exists(path):
-        if time.time() - t0 > timeout_s:
-            raise MegarlError(f"timed out after {timeout_s:.0f}s waiting for rank 0 to build {what} ({path})")
-        time.sleep(1.0)
-
-
-def ensure_builtin_task(cfg) -> None:
-    """Write the recipe's built-in arithmetic task files if they are missing (rank 0 writes, the
-    other ranks wait for them).  The held-out file holds distinct problems (an evaluation set:
-    :func:`megarl.data.tasks.arithmetic.make_problems`).  A file already there must hold exactly
-    what these settings write -- a cache made by other ``data.arithmetic_*`` settings or an older
-    megarl is refused, naming the file, never used in silence."""
-    rank = int(os.environ.get("RANK", "0"))
-    d = cfg.data
-    if d.build_arithmetic:
-        want = [(d.train_path, "train", d.arithmetic_train_n, 0)]
-        if d.heldout_path:
-            want.append((d.heldout_path, "heldout", d.arithmetic_heldout_n, 1))
-        for path, split, n, seed in want:
-            if rank != 0:
-                if not os.path.exists(path):
-                    _wait_for(path, f"the arithmetic {split} split")
-                continue
-            from megarl.data.tasks.arithmetic import make_problems, write_jsonl
-
-            rows = make_problems(split, seed, n, digits=(d.arithmetic_min_digits, d.arithmetic_max_digits),
-                                 distinct=split == "heldout")
-            if os.path.exists(path):
-                _check_cached_task(path, rows, split)
-                continue
-            write_jsonl(path, rows)
-            print(f"wrote the built-in arithmetic {split} split: {path} ({n} problems)", flush=True)
-
-
-def _check_cached_task(path: str, rows, split: str) -> None:
-    import json
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            cached = [json.loads(line) for line in f if line.strip()]
-    except (OSError, ValueError) as e:
-        raise MegarlError(f"data.build_arithmetic: {path} exists but cannot be read as the built-in {split} "
-                          f"split ({type(e).__name__}: {e}); delete it to have it written again") from None
-    if cached != rows:
-        raise MegarlError(f"data.build_arithmetic: {path} holds another {split} split than these settings write "
-                          "(other data.arithmetic_* values, or a cache from an older megarl); delete it to have it "
-                          "written again, point MEGARL_CACHE elsewhere, or set data.build_arithmetic=false to use "
-                          "the file as it is")
-
-
-def ensure_builtin_model(cfg) -> None:
-    """Build the recipe's built-in tiny model if it is missing (rank 0 builds, the other ranks
-    wait for the finished marker).  The build runs as a plain single process, outside this job's
-    process group."""
-    from megarl.tinymodel import MARKER, is_built
-
-    rank = int(os.environ.get("RANK", "0"))
-    d, m = cfg.data, cfg.model
-    if m.build_tiny and is_built(m.path):
-        _check_cached_model(cfg)
-    if m.build_tiny and not is_built(m.path):
-        if rank == 0:
-            t = m.tiny
-            cmd = [sys.executable, "-m", "megarl.tinymodel", "--out", m.path, "--hidden-size", str(t.hidden_size),
-                   "--num-layers", str(t.num_layers), "--num-heads", str(t.num_heads),
-                   "--num-kv-heads", str(t.num_kv_heads), "--intermediate-size", str(t.intermediate_size),
-                   "--steps", str(t.warmstart_steps), "--lr", str(t.warmstart_lr), "--batch", str(t.warmstart_batch),
-                   "--target-accuracy", str(t.warmstart_target_accuracy or 0),
-                   "--heldout-n", str(d.arithmetic_heldout_n),
-                   "--seed", str(t.seed), "--min-digits", str(d.arithmetic_min_digits),
-                   "--max-digits", str(d.arithmetic_max_digits), "--overwrite"]
-            if t.warmstart_adam_beta2 != 0.999 or t.warmstart_validation != "heldout":  # the default's stays
-                cmd += ["--adam-beta2", str(t.warmstart_adam_beta2), "--validation", t.warmstart_validation]
-            if t.family != "llama":  # the dense build's command stays what it was
-                cmd += ["--family", t.family, "--num-experts", str(t.num_experts), "--top-k", str(t.top_k),
-                        "--moe-intermediate-size", str(t.moe_intermediate_size)]
-            if t.tool_demos > 0:  # the calculator build; without it the command stays what it was
-                cmd += ["--tool-demos", str(t.tool_demos), "--tool-only-steps", str(t.tool_only_steps),
-                        "--tool-min-digits", str(t.tool_min_digits), "--tool-max-digits", str(t.tool_max_digits),
-                        "--tool-role", t.tool_role]
-                if t.warmstart_target_accuracy:  # its onset phase stops on the target; the tail ends in the mixture
-                    cmd += ["--tool-mixture-steps", str(t.tool_mixture_steps)]
-            if t.two_turn_demos > 0:  # the two-turn build
-                cmd += ["--two-turn-demos", str(t.two_turn_demos)]
-            env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
-            print(f"model.path {m.path} is missing: building the built-in tiny model (cached for later runs)",
-                  flush=True)
-            if subprocess.run(cmd, env=env).returncode != 0:
-                raise MegarlError(f"model.build_tiny: building the tiny model into {m.path} failed (see above)")
-        else:
-            _wait_for(os.path.join(m.path, MARKER), "the tiny model")
-
-
-def _tiny_settings(cfg) -> dict:
-    """What ``tiny_model.json`` records of a build made with these ``model.tiny.*`` settings."""
-    t, d = cfg.model.tiny, cfg.data
-    want = {"family": t.family, "hidden_size": t.hidden_size, "num_layers": t.num_layers,
-            "num_heads": t.num_heads, "num_kv_heads": t.num_kv_heads,
-            "warmstart.max_steps": t.warmstart_steps, "warmstart.lr": t.warmstart_lr,
-            "warmstart.batch": t.warmstart_batch, "warmstart.seed": t.seed,
-            "warmstart.target_accuracy": t.warmstart_target_accuracy or None,
-            "warmstart.heldout_n": d.arithmetic_heldout_n}
-    if t.warmstart_adam_beta2 != 0.999:  # (a build by an older megarl records none: the default)
-        want["warmstart.adam_beta2"] = t.warmstart_adam_beta2
-    if t.warmstart_validation != "heldout" and t.warmstart_target_accuracy and not t.tool_demos and not t.two_turn_demos:
-        want["warmstart.validation"] = t.warmstart_validation
-    if t.family == "llama":
-        want["intermediate_size"] = t.intermediate_size
-    else:
-        want["moe"] = {"num_experts": t.num_experts, "top_k": t.top_k, "moe_intermediate_size": t.moe_intermediate_size}
-    if t.tool_demos > 0:
-        want["tool"] = {"demos": t.tool_demos, "digits": [t.tool_min_digits, t.tool_max_digits], "role": t.tool_role,
-                        "only_steps": t.tool_only_steps}
-        if t.warmstart_target_accuracy:
-            want["tool"]["mixture_steps"] = t.tool_mixture_steps
-    else:
-        want["task.digits"] = [d.arithmetic_min_digits, d.arithmetic_max_digits]
-    if t.two_turn_demos > 0:
-        want["two_turn_demos"] = t.two_turn_demos
-    return want
-
-
-def _check_cached_model(cfg) -> None:
-    """A tiny model already at ``model.path`` must be the build of these ``model.tiny.*``
-    settings: one made by other settings, or by an older megarl, is refused naming the first
-    setting that differs -- never trained on in silence."""
-    import json
-
-    from megarl.tinymodel import MARKER
-
-    path = os.path.join(cfg.model.path, MARKER)
-    with open(path) as f:
-        info = json.load(f)
-    for key, want in _tiny_settings(cfg).items():
-        node = info
-        for part in key.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        if node != want:
-            config_key = {"warmstart.max_steps": "model.tiny.warmstart_steps", "warmstart.lr": "model.tiny.warmstart_lr",
-                          "warmstart.batch": "model.tiny.warmstart_batch", "warmstart.seed": "model.tiny.seed",
-                          "warmstart.adam_beta2": "model.tiny.warmstart_adam_beta2",
-                          "warmstart.validation": "model.tiny.warmstart_validation",
-                          "warmstart.target_accuracy": "model.tiny.warmstart_target_accuracy",
-                          "warmstart.heldout_n": "data.arithmetic_heldout_n",
-                          "task.digits": "data.arithmetic_min_digits / data.arithmetic_max_digits",
-                          "moe": "model.tiny.num_experts / top_k / moe_intermediate_size",
-                          "tool": "model.tiny.tool_*"}.get(key, f"model.tiny.{key}")
-            raise MegarlError(
-                f"model.build_tiny: {cfg.model.path} holds a tiny model built with other settings ({config_key}: "
-                f"the cached build has {node!r}, the config {want!r}; a build by an older megarl records no "
-                "warmstart.max_steps); delete it to have it built again, point MEGARL_CACHE elsewhere, or set "
-                "model.build_tiny=false to use it as it is")
-
-
-def _check_model(cfg) -> dict:
-    """Resolve Hub ids to local snapshots (megarl/hub.py), then check the model, data and role
-    paths without loading weights.  Returns what was resolved from the Hub (for run.json)."""
-    from megarl.config import ConfigError, validate_model_fit
-    from megarl.data.prompts import check_source
-    from megarl.hub import resolve_sources
-    from megarl.models.hf_config import ModelConfigError, load_spec
-
-    sources = resolve_sources(cfg)
-    if not os.path.isdir(cfg.model.path):
-        raise ConfigError(f"model.path: {cfg.model.path} is not a directory (an HF or megarl checkpoint, or a Hub "
-                          "id like Qwen/Qwen2.5-0.5B-Instruct); or set model.build_tiny=true to build the built-in "
-                          "tiny model there")
-    try:
-        spec = load_spec(cfg.model.path)
-    except ModelConfigError as e:
-        raise ConfigError(f"model.path: {e}") from None
-    if spec.value_head:
-        raise ConfigError(f"model.path: {cfg.model.path} is a value-head model; the actor needs a causal LM")
-    validate_model_fit(cfg, spec, where=os.path.join(cfg.model.path, "config.json"))
-    for key, path in (("data.train_path", cfg.data.train_path), ("data.heldout_path", cfg.data.heldout_path)):
-        if path is not None:
-            try:
-                check_source(path)  # a file, a directory of files, a `datasets` directory or a Hub dataset
-            except MegarlError as e:
-                raise ConfigError(f"{key}: {e}") from None
-    for key, path in (("critic.path", cfg.critic.path if cfg.critic else None),
-                      ("reward.model.path", cfg.reward.model.path), ("reference.path", cfg.reference.path)):
-        if path is not None and not os.path.isfile(os.path.join(path, "config.json")):
-            raise ConfigError(f"{key}: {path} has no config.json (expected an HF or megarl checkpoint)")
-    return sources
-
-
-def _check_reward(cfg) -> None:
-    """Build the reward function once, before any model: a bad ``reward.*`` fails fast."""
-    if cfg.reward.fn:
-        from megarl.data.fields_check import configured_reward
-
-        configured_reward(cfg)  # the start-up data check reads its field declaration from this object
-
-
-def write_run_files(cfg, run_dir: str, cfg_hash: str, world: int, dp: int, sources: dict | None = None) -> None:
-    from omegaconf import OmegaConf
-
-    os.makedirs(run_dir, exist_ok=True)
-    OmegaConf.save(OmegaConf.structured(cfg), os.path.join(run_dir, "config.yaml"))
-    info = {"config_hash": cfg_hash, "recipe": cfg.recipe, "run_id": cfg.trainer.run_id,
-            "world_size": world, "tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp,
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "argv": sys.argv}
-    if sources:  # Hub ids the config named: id, revision and the commit the run loaded
-        info["sources"] = sources
-    with open(os.path.join(run_dir, "run.json"), "w") as f:
-        json.dump(info, f, indent=1)
+from megarl.errors import cli_main
 
 
 @cli_main
 def main(argv=None) -> dict:
-    from megarl.cli import parse_args
+    from megarl.commands.cli import parse_args
 
-    args = parse_args(argv)
+    args = parse_args(argv, description=__doc__ or "")
     if args.print_config:
-        from megarl.cli import print_config
+        from megarl.commands.cli import print_config
 
         return print_config(args.config, args.overrides)
 
-    from megarl.config import ConfigError, config_hash, default_run_dir, load_config, require_installed, validate
+    from megarl.commands.startup import (check_model, check_reward, ensure_builtin_model, ensure_builtin_task,
+                                         write_run_files)
+    from megarl.config import config_hash, default_run_dir, load_config, require_installed, validate
 
     cfg = load_config(args.config, args.overrides)
     if args.dry_run:
-        from megarl.dry_run import dry_run
+        from megarl.commands.dry_run import dry_run
 
         return dry_run(cfg, world_size=args.world_size)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dp = validate(cfg, world)
     require_installed(cfg)  # rollout.backend=sglang without sglang: the install command, now
-    from megarl.run_dir import check_start_paths, inspect_run_dir, start_decision
+    from megarl.runtime.run_dir import check_start_paths, inspect_run_dir, start_decision
 
     check_start_paths(cfg)  # an unwritable trainer.run_dir fails here, before any model loads
     if cfg.trainer.run_dir:
@@ -270,7 +53,7 @@ def main(argv=None) -> dict:
             if int(os.environ.get("RANK", "0")) == 0:
                 print(f"megarl.train: {finished}", flush=True)
             return {"finished": True}
-    _check_reward(cfg)
+    check_reward(cfg)
     from megarl.data.fields_check import check_datasets_against_reward
 
     if cfg.rollout.backend == "sglang":  # no CUDA device: SGLang's CPU engine needs its mends before
@@ -280,7 +63,7 @@ def main(argv=None) -> dict:
     ensure_builtin_task(cfg)
     check_datasets_against_reward(cfg)  # every row carries what the reward reads (data.on_missing_fields)
     ensure_builtin_model(cfg)
-    sources = _check_model(cfg)
+    sources = check_model(cfg)
 
     import torch
 

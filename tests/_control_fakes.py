@@ -18,6 +18,7 @@ from megarl.control.state_machine import (
     SealEvidence,
 )
 from megarl.data.prompts import PromptRecord
+from megarl.experience.groups import candidate_of, candidate_sample_id
 from megarl.experience.schema import (
     DerivedTensors,
     ExperienceBatch,
@@ -104,10 +105,6 @@ def failed_record(status: str = "error", error: str = "ValueError: scorer crashe
     return RewardRecord(total=None, scorer_version=SCORER, status=RewardStatus(status), error=error)
 
 
-def candidate_of(sample_id: str) -> int:
-    return int(sample_id.rsplit("/c", 1)[1])
-
-
 class FakeScorer:
     """A SampleScorer: ``rule(sample)`` returns a total (float) or a failed RewardRecord.
     Default rule: the candidate index (so every group of G > 1 has a reward spread)."""
@@ -143,7 +140,7 @@ class FakeRolloutEngine:
 
     Faults, keyed by ``(sample_id, attempt)`` (sample id ``<request_id>/cCC``):
     ``lose`` -- the result is withheld and delivered late, with the next call's results
-    (as :class:`megarl.faults.FaultyRolloutEngine` does); ``duplicate`` -- delivered twice;
+    (as :class:`megarl.runtime.faults.FaultyRolloutEngine` does); ``duplicate`` -- delivered twice;
     ``abort`` -- finish reason ABORT.  ``fail_calls``: call numbers (0-based) that raise a
     RolloutError.  ``extra_late``: results appended to the first call's output.
     ``on_call(i, engine)``: a hook run at the start of call i."""
@@ -166,7 +163,7 @@ class FakeRolloutEngine:
     def result(self, request_id, c, prompt_ids, sampling, attempt=0, version_id=None):
         seed = None if sampling.greedy else candidate_seed(sampling.seed, request_id, c)
         resp = fake_response(seed if seed is not None else sum(prompt_ids))
-        finish = FinishReason.ABORT if (f"{request_id}/c{c:02d}", attempt) in self.abort else FinishReason.EOS
+        finish = FinishReason.ABORT if (candidate_sample_id(request_id, c), attempt) in self.abort else FinishReason.EOS
         return GenerationResult(request_id, c, tuple(prompt_ids), resp, finish, fake_log_probs(resp), None,
                                 version_id or self.version_id, seed=seed, attempt=attempt)
 
@@ -183,7 +180,7 @@ class FakeRolloutEngine:
         for q in requests:
             for c in q.candidates(sampling.n):
                 r = self.result(q.request_id, c, q.prompt_ids, sampling, q.attempt)
-                key = (f"{q.request_id}/c{c:02d}", q.attempt)
+                key = (candidate_sample_id(q.request_id, c), q.attempt)
                 if key in self.lose:
                     self._late.append(r)
                     continue
@@ -203,7 +200,7 @@ def make_samples(v: PolicyVersion, rewards_by_group, *, run_id="run", k=0, versi
         gid = f"{run_id}/it{k}/r0/p{j:03d}"
         for c, total in enumerate(rewards):
             resp = tuple(range(5, 5 + 1 + (i % 3)))
-            samples.append(Sample(prompt_id=f"q{j}", group_id=gid, sample_id=f"{gid}/c{c:02d}", request_id=gid,
+            samples.append(Sample(prompt_id=f"q{j}", group_id=gid, sample_id=candidate_sample_id(gid, c), request_id=gid,
                                   prompt_ids=(1,) * (1 + j % 2) + (10 + j, 2), response_ids=resp,
                                   raw_log_probs=-0.05 * torch.arange(1, len(resp) + 1, dtype=torch.float32) - 0.01 * i,
                                   finish_reason=FinishReason.EOS,

@@ -84,7 +84,7 @@ def check_trackers(run_dir, wandb_dir, tmp_path, tokenizer_dir, first_trackers, 
     from mlflow.tracking import MlflowClient
 
     from megarl.data.tokenizer import TokenizerContract
-    from megarl.trackers import mlflow_key
+    from megarl.observability.trackers import mlflow_key
 
     assert json.load(open(os.path.join(run_dir, "trackers.json"))) == first_trackers  # the same tracker runs
     rows = metrics(run_dir)

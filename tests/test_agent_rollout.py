@@ -376,7 +376,7 @@ def test_agent_training_refuses_what_would_score_the_trajectory_as_one_response(
 
 
 def test_sample_logs_show_the_environment_output_between_marks(setup):
-    from megarl.sample_log import _trajectory_text
+    from megarl.observability.sample_log import _trajectory_text
 
     contract = setup[0]
     enc = lambda text: contract.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731

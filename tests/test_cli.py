@@ -48,7 +48,7 @@ def _one_error(proc, key):
 def test_help_lists_every_key_from_the_schema_without_torch(tmp_path):
     """--help names the module (not train.py), lists every section and key of the schema with
     the comment written next to the field, and imports neither torch nor omegaconf."""
-    from megarl.config_help import iter_keys
+    from megarl.config.help import iter_keys
 
     code = ("import sys, runpy; sys.argv = ['x', '--help']\n"
             "try:\n    runpy.run_module('megarl.train', run_name='__main__')\n"
@@ -66,7 +66,7 @@ def test_help_lists_every_key_from_the_schema_without_torch(tmp_path):
     assert len(keys) > 150
     for k in keys:
         assert f"  {k.key} " in out, k.key
-    # descriptions come from the comments in megarl/config.py: a trailing one and a `#:` block
+    # descriptions come from the comments in megarl/config/schema.py: a trailing one and a `#:` block
     row = next(line for line in out.splitlines() if line.strip().startswith("rollout.n "))
     assert "samples per prompt; the group size G for group estimators" in row and "[>= 1]" in row
     row = next(line for line in out.splitlines() if line.strip().startswith("rollout.max_retries "))
@@ -79,7 +79,7 @@ def test_help_lists_every_key_from_the_schema_without_torch(tmp_path):
 
 
 def _numeric_keys():
-    from megarl.config_help import iter_keys
+    from megarl.config.help import iter_keys
 
     out = []
     for k in iter_keys():
@@ -94,13 +94,13 @@ def _numeric_keys():
 
 
 def test_every_numeric_key_has_a_range_rule():
-    """A numeric key added to the schema without a rule in megarl/config_ranges.py fails here."""
-    from megarl.config_ranges import RANGES
+    """A numeric key added to the schema without a rule in megarl/config/ranges.py fails here."""
+    from megarl.config.ranges import RANGES
 
     keys = _numeric_keys()
     assert "rollout.top_p" in keys and "trainer.profile_iterations" in keys and "critic.optim.lr" in keys
     missing = [k for k in keys if k not in RANGES]
-    assert not missing, f"numeric keys without a range in megarl/config_ranges.py: {missing}"
+    assert not missing, f"numeric keys without a range in megarl/config/ranges.py: {missing}"
     stale = [k for k in RANGES if k not in keys]
     assert not stale, f"rules for keys that are not in the schema: {stale}"
 
@@ -108,7 +108,7 @@ def test_every_numeric_key_has_a_range_rule():
 def test_every_range_rule_refuses_its_bad_values_naming_the_key():
     """For every numeric key, each value just outside its range (and nan) is refused by
     validate() naming that key; the recipes' own values pass."""
-    from megarl.config_ranges import RANGES
+    from megarl.config.ranges import RANGES
 
     base = {GRPO: load_config(GRPO, []), PPO: load_config(PPO, [])}
     for cfg in base.values():
@@ -197,7 +197,7 @@ def test_startup_errors_are_one_line_naming_the_key(tmp_path):
     ro.chmod(0o500)
     try:
         if os.access(str(ro), os.W_OK):  # root: a mode-500 directory is writable, so it is accepted
-            from megarl.run_dir import check_writable
+            from megarl.runtime.run_dir import check_writable
 
             check_writable("trainer.run_dir", str(ro / "run"))
         else:
@@ -340,7 +340,7 @@ def test_print_config_and_dry_run_on_every_recipe(tmp_path):
 
 def test_param_count_matches_the_published_sizes():
     """Hand-checked against the published parameter counts (Qwen2-7B 7.62 B, Llama-3-8B 8.03 B)."""
-    from megarl.dry_run import count_params
+    from megarl.commands.dry_run import count_params
     from megarl.models.hf_config import spec_from_hf_config
 
     q = count_params(spec_from_hf_config(QWEN2_7B), 128, 1, 1)
@@ -354,7 +354,7 @@ def test_param_count_matches_the_published_sizes():
 
 
 def test_resume_command_names_the_run_dir():
-    from megarl.run_dir import resume_command
+    from megarl.runtime.run_dir import resume_command
 
     argv = ["/x/megarl/train.py", "--config", "configs/grpo_arith_tiny.yaml", "trainer.iterations=5",
             "trainer.run_dir=/old"]
@@ -366,8 +366,8 @@ def test_resume_command_names_the_run_dir():
 
 
 def test_run_dir_decisions(tmp_path):
-    """The table in megarl/run_dir.py, on directories laid out as runs leave them."""
-    from megarl.run_dir import inspect_run_dir, start_decision
+    """The table in megarl/runtime/run_dir.py, on directories laid out as runs leave them."""
+    from megarl.runtime.run_dir import inspect_run_dir, start_decision
 
     def cfg(*ov):
         return load_config(GRPO, ["trainer.iterations=3", *ov])

@@ -73,7 +73,7 @@ def test_duplicates_late_and_foreign_results_are_ignored_and_counted():
 
 
 def test_a_scorer_failure_is_unscored_not_wrong_and_is_shown():
-    from megarl.metrics import progress_line
+    from megarl.observability.metrics import progress_line
 
     rule = lambda s: failed_record() if s.prompt_id == "q1" else RIGHT[s.prompt_id]  # noqa: E731
     ev, progress = make(FakeRolloutEngine(V.short_id), rule=rule)
@@ -89,7 +89,7 @@ def test_a_scorer_failure_is_unscored_not_wrong_and_is_shown():
 def test_nothing_scored_is_no_accuracy_at_all():
     """The issue's case: a held-out file whose rows lack the reward's field -- every score fails;
     the accuracy is not a number (null in metrics.jsonl), the progress line says why."""
-    from megarl.metrics import MetricsWriter, progress_line
+    from megarl.observability.metrics import MetricsWriter, progress_line
 
     ev, progress = make(FakeRolloutEngine(V.short_id), rule=lambda s: failed_record("invalid", "no 'answer'"))
     m = ev.evaluate(0, V)

@@ -19,7 +19,7 @@ from megarl.algo.kl import FixedKLController
 from megarl.control import learning
 from megarl.control.learning import Learner, UpdateFailure, combine_steps, policy_loss_config
 from megarl.control.state_machine import Phase
-from megarl.metrics import StageTimer
+from megarl.observability.metrics import StageTimer
 from megarl.rollout.weight_stream import TensorManifest
 from megarl.versions import PolicyVersion
 from tests._control_fakes import H, load_cfg, phases, sealed_batch, sm_sealed

@@ -17,9 +17,9 @@ from megarl.control.interfaces import ProducedRollout, RunProgress
 from megarl.control.preparation import ExperiencePreparer, RolloutParityError
 from megarl.control.state_machine import CompletionConditionError, Phase
 from megarl.experience.schema import SamplingConfig
-from megarl.experience.staleness import StalenessError
 from megarl.experience.seal import load_sealed
-from megarl.metrics import StageTimer
+from megarl.experience.staleness import StalenessError
+from megarl.observability.metrics import StageTimer
 from megarl.runtime import data_parallel
 from tests._control_fakes import load_cfg, make_samples, phases, sm_generating, version
 from tests._tolerance import formula_tol

@@ -15,7 +15,7 @@ from megarl.control.production import GroupRolloutProducer, training_sampling
 from megarl.control.state_machine import IterationState, Phase
 from megarl.data.prompts import PromptSampler
 from megarl.experience.schema import FinishReason, RewardStatus, SamplingConfig
-from megarl.metrics import StageTimer
+from megarl.observability.metrics import StageTimer
 from megarl.rollout.protocol import GenerationRequest, candidate_seed
 from tests._control_fakes import (
     Dataset,

@@ -5,8 +5,8 @@ import torch
 
 from megarl.config import FaultsConfig
 from megarl.control.placement import Placement, generate_everywhere
-from megarl.faults import FaultInjector, FaultyRolloutEngine, FaultyRewardFunction
 from megarl.rollout.protocol import FinishReason, GenerationRequest, GenerationResult, RolloutError, SamplingParams
+from megarl.runtime.faults import FaultInjector, FaultyRolloutEngine, FaultyRewardFunction
 
 
 def test_decisions_are_deterministic_keyed_and_near_the_rate():
@@ -98,7 +98,7 @@ def _loss(output, mb):
 
 
 def test_faulty_actor_poisons_the_last_step_of_a_listed_iteration_once():
-    from megarl.faults import FaultyActor
+    from megarl.runtime.faults import FaultyActor
 
     inj = FaultInjector(FaultsConfig(fail_optimizer_step_at=[1], fail_optimizer_step_kind="nan",
                                      fail_optimizer_step_rank=0), seed=0, rank=0, world=1)
@@ -117,7 +117,7 @@ def test_faulty_actor_poisons_the_last_step_of_a_listed_iteration_once():
 def test_faulty_actor_raises_after_the_optimizer_applied_the_step():
     import pytest
 
-    from megarl.faults import FaultyActor, InjectedFault
+    from megarl.runtime.faults import FaultyActor, InjectedFault
 
     inj = FaultInjector(FaultsConfig(fail_optimizer_step_at=[0], fail_optimizer_step_rank=-1), seed=0, rank=1, world=2)
     actor = _Actor()

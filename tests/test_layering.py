@@ -197,3 +197,179 @@ def test_only_the_wiring_imports_the_phase_components():
         for line in _violations(path, tuple(f"megarl.control.{c}" for c in PHASE_COMPONENTS)):
             users.append(line)
     assert not users, "only megarl/control/assembly.py and trainer.py may import phase components:\n" + "\n".join(users)
+
+
+# ---- the whole package: no import circles, and direction rules ----------------------------
+
+
+def _module_graph(root: Path = ROOT) -> dict:
+    """megarl's import graph, lazy imports included: module -> {imported module: first line}.
+    ``from a import b`` is an edge to ``a.b`` when that is a module, else to ``a`` (whose
+    ``__init__`` defines ``b``); a name inside a module is an edge to that module.  A package's
+    own ``__init__`` running because a submodule is imported is Python's mechanics, not an edge."""
+    pkg = root / "megarl"
+    modules = {_module_name(p, root): p for p in pkg.rglob("*.py")}
+
+    def owner(name: str):
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict = {m: {} for m in modules}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")
+                    base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+                    mod = ".".join(base) + (f".{node.module}" if node.module else "")
+                else:
+                    mod = node.module or ""
+                targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod for a in node.names]
+            elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                    and isinstance(node.args[0].value, str):
+                fn = node.func
+                if (fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", None)) in ("import_module", "__import__"):
+                    targets = [node.args[0].value]
+            for t in targets:
+                if _matches(t, "megarl"):
+                    o = owner(t)
+                    if o is not None and o != name:
+                        graph[name].setdefault(o, node.lineno)
+    return graph
+
+
+def _circles(graph: dict) -> list:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _describe(circle: list, graph: dict) -> str:
+    return "  " + " | ".join(f"{a} -> {b} (line {graph[a][b]})" for a in circle for b in circle if b in graph[a])
+
+
+def test_no_import_circles():
+    graph = _module_graph()
+    assert len(graph) > 100  # the walk saw the package
+    circles = _circles(graph)
+    assert not circles, "import circles (lazy imports included):\n" + "\n".join(_describe(c, graph) for c in circles)
+
+
+def test_the_circle_finder_finds_a_lazy_circle(tmp_path):
+    pkg = tmp_path / "megarl"
+    (pkg / "a").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a" / "__init__.py").write_text("")
+    (pkg / "a" / "x.py").write_text("from megarl.a.y import f\n")
+    (pkg / "a" / "y.py").write_text("def f():\n    from megarl.a import z\n")
+    (pkg / "a" / "z.py").write_text("from . import x\n")
+    (pkg / "b.py").write_text("import megarl.a.x\n")
+    graph = _module_graph(tmp_path)
+    assert _circles(graph) == [["megarl.a.x", "megarl.a.y", "megarl.a.z"]]
+    (pkg / "a" / "z.py").write_text("")
+    assert _circles(_module_graph(tmp_path)) == []
+
+
+#: who may not import whom: a package (prefix) -> the packages it must not reach.  The commands
+#: and entry points sit on top; control and roles orchestrate; the rest are used by them.
+TOP = ("megarl.train", "megarl.eval", "megarl.quickstart", "megarl.commands")
+DIRECTION = {
+    "megarl.config.schema": ("megarl",),  # the schema: no feature, only the leaf vocabulary (below)
+    "megarl.config": TOP + ("megarl.control", "megarl.roles", "megarl.rollout", "megarl.experience",
+                            "megarl.evaluation", "megarl.data", "megarl.runtime"),
+    "megarl.models": TOP + ("megarl.control", "megarl.roles", "megarl.rollout", "megarl.rewards", "megarl.envs",
+                            "megarl.data", "megarl.evaluation", "megarl.observability", "megarl.algo"),
+    "megarl.roles": TOP + ("megarl.control", "megarl.evaluation"),
+    "megarl.data": TOP + ("megarl.control", "megarl.roles", "megarl.rollout", "megarl.models", "megarl.evaluation",
+                          "megarl.observability", "megarl.algo", "megarl.runtime"),
+    # a built-in task defines its own scoring (megarl/data/tasks): rewards may read it
+    "megarl.rewards": TOP + ("megarl.control", "megarl.roles", "megarl.rollout", "megarl.models",
+                             "megarl.evaluation", "megarl.observability", "megarl.algo", "megarl.envs",
+                             "megarl.runtime", "megarl.config"),
+    "megarl.envs": TOP + ("megarl.control", "megarl.roles", "megarl.rollout", "megarl.models", "megarl.evaluation",
+                          "megarl.observability", "megarl.algo", "megarl.runtime", "megarl.config"),
+    "megarl.observability": TOP + ("megarl.control", "megarl.roles", "megarl.rollout", "megarl.models",
+                                   "megarl.data", "megarl.rewards", "megarl.envs", "megarl.evaluation",
+                                   "megarl.algo", "megarl.experience", "megarl.runtime"),
+    "megarl.runtime": TOP + ("megarl.control", "megarl.roles", "megarl.evaluation", "megarl.rewards", "megarl.envs",
+                             "megarl.data", "megarl.algo", "megarl.observability"),
+    "megarl.control": TOP,
+    "megarl.evaluation": TOP + ("megarl.roles",),
+}
+#: what every module may import whatever its rules: the leaf vocabulary
+LEAF_VOCABULARY = ("megarl.errors", "megarl.hashing", "megarl.versions", "megarl.dotted", "megarl.splitmix")
+#: upward imports that exist today, each to be removed by moving the check to the place that
+#: assembles the run (issue 30): the list may only shrink
+KNOWN_UPWARD = {
+    "megarl/config/validation.py": ("megarl.algo", "megarl.envs", "megarl.models", "megarl.observability",
+                                    "megarl.rewards"),
+    "megarl/data/fields_check.py": ("megarl.rewards",),
+    "megarl/evaluation/core.py": ("megarl.control",),
+    "megarl/runtime/checkpoint.py": ("megarl.rollout",),
+}
+
+
+def _direction_violations(root: Path = ROOT) -> list:
+    graph = _module_graph(root)
+    out = []
+    for name, edges in sorted(graph.items()):
+        rules = [p for p in DIRECTION if _matches(name, p)]
+        if not rules:
+            continue
+        rule = max(rules, key=len)  # the most specific package's rule
+        rel = str(Path(*name.split(".")).with_suffix(".py"))
+        if not (root / rel).is_file():
+            rel = str(Path(*name.split(".")) / "__init__.py")
+        allowed = KNOWN_UPWARD.get(rel, ())
+        for target, line in sorted(edges.items()):
+            if _matches(target, rule) or any(_matches(target, ok) for ok in LEAF_VOCABULARY + allowed):
+                continue
+            if any(_matches(target, bad) for bad in DIRECTION[rule]):
+                out.append(f"{rel}:{line}: imports {target} ({rule} must not import {', '.join(DIRECTION[rule])})")
+    return out
+
+
+def test_imports_run_downward():
+    bad = _direction_violations()
+    assert not bad, "imports that run upward:\n" + "\n".join(bad)
+
+
+def test_known_upward_imports_still_exist():
+    # the allowance may only shrink: an entry whose import is gone must be deleted
+    graph = _module_graph()
+    for rel, targets in KNOWN_UPWARD.items():
+        name = _module_name(ROOT / rel)
+        for t in targets:
+            assert any(_matches(e, t) for e in graph[name]), f"{rel} no longer imports {t}: drop it from KNOWN_UPWARD"

@@ -291,7 +291,7 @@ QWEN3_30B_A3B = {
 def test_param_count_of_a_real_moe_config():
     """Qwen3-30B-A3B: 30.53 B parameters; at tp 2 x ep 8 (etp 1) the experts split eight ways and
     the rest two ways."""
-    from megarl.dry_run import count_params
+    from megarl.commands.dry_run import count_params
 
     spec = spec_from_hf_config(QWEN3_30B_A3B)
     assert spec.moe.num_experts == 128 and spec.moe.top_k == 8 and spec.moe.norm_topk_prob

@@ -25,7 +25,7 @@ from megarl.control.preparation import ExperiencePreparer
 from megarl.control.state_machine import CompletionConditionError, IterationStateMachine, Phase, SealEvidence
 from megarl.experience.schema import LogProbProducer, LogProbs, SamplingConfig
 from megarl.experience.seal import load_sealed
-from megarl.metrics import StageTimer
+from megarl.observability.metrics import StageTimer
 from megarl.runtime import data_parallel
 from megarl.versions import VersionError, behaviour_ids, behaviour_label
 from tests._control_fakes import load_cfg, make_samples, sm_generating, version

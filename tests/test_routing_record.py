@@ -189,8 +189,8 @@ def test_routing_replay_config():
 def test_preparation_seals_the_samples_routing(tmp_path, monkeypatch):
     """algo.routing_replay=rollout: each sample's routing lands in the sealed, saved record with
     the version it was generated on; a sample without routing stops the iteration."""
+    from megarl.observability.metrics import StageTimer
     from megarl.runtime import data_parallel
-    from megarl.metrics import StageTimer
     from test_control_preparation import REWARDS, cfg_, setup
     from tests._control_fakes import make_samples, version
 

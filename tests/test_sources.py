@@ -87,13 +87,13 @@ def test_hub_id_or_local_path(tmp_path, monkeypatch):
         assert not is_hub_id(path), path
 
     # the start-up check: a mistyped local path is "not a directory", never looked up on the Hub
+    from megarl.commands.startup import check_model
     from megarl.config import ConfigError, TrainConfig
-    from megarl.train import _check_model
 
     cfg = TrainConfig()
     cfg.model.path = "runs/tiny-modle"
     with pytest.raises(ConfigError, match=r"^model.path: runs/tiny-modle is not a directory \(an HF or megarl"):
-        _check_model(cfg)
+        check_model(cfg)
 
 
 def test_offline_cache_resolves_and_loads(hub_cache, tiny_ckpt, megatron_world):

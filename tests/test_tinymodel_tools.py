@@ -133,15 +133,15 @@ def test_builder_command_adds_tool_flags_only_when_demos(tmp_path, monkeypatch):
     the calculator flags."""
     import subprocess
 
-    from megarl import train
+    from megarl.commands import startup
 
     seen = []
     monkeypatch.setattr(subprocess, "run", lambda cmd, env=None: seen.append(cmd) or subprocess.CompletedProcess(cmd, 0))
     base = [f"model.path={tmp_path / 'm'}", "model.build_tiny=true"]
-    train.ensure_builtin_model(load_config(GRPO, base))
-    train.ensure_builtin_model(load_config(GRPO, base + ["model.tiny.tool_demos=0.25", "model.tiny.tool_only_steps=9",
+    startup.ensure_builtin_model(load_config(GRPO, base))
+    startup.ensure_builtin_model(load_config(GRPO, base + ["model.tiny.tool_demos=0.25", "model.tiny.tool_only_steps=9",
                                                          "model.tiny.tool_role=user"]))
-    train.ensure_builtin_model(load_config(GRPO, base + ["model.tiny.warmstart_validation=train-mix",
+    startup.ensure_builtin_model(load_config(GRPO, base + ["model.tiny.warmstart_validation=train-mix",
                                                          "model.tiny.warmstart_adam_beta2=0.98"]))
     default, calc, mix = seen
     assert default[2:] == ["megarl.tinymodel", "--out", str(tmp_path / "m"), "--hidden-size", "128", "--num-layers", "4",
@@ -219,7 +219,7 @@ def test_a_cache_built_by_other_settings_is_refused_naming_the_key(tmp_path):
 
     import pytest
 
-    from megarl import train
+    from megarl.commands import startup
     from megarl.errors import MegarlError
     from megarl.tinymodel import MARKER
 
@@ -227,35 +227,35 @@ def test_a_cache_built_by_other_settings_is_refused_naming_the_key(tmp_path):
     model.mkdir()
     cfg = load_config(GRPO, [f"model.path={model}", "model.build_tiny=true",
                              f"data.train_path={tmp_path / 'train.jsonl'}", f"data.heldout_path={tmp_path / 'held.jsonl'}"])
-    info = {k: v for k, v in train._tiny_settings(cfg).items() if "." not in k}
-    info["warmstart"] = {k.split(".", 1)[1]: v for k, v in train._tiny_settings(cfg).items() if k.startswith("warmstart.")}
+    info = {k: v for k, v in startup._tiny_settings(cfg).items() if "." not in k}
+    info["warmstart"] = {k.split(".", 1)[1]: v for k, v in startup._tiny_settings(cfg).items() if k.startswith("warmstart.")}
     info["task"] = {"name": "arithmetic", "digits": [1, 2], "ops": ["plus"]}
     (model / MARKER).write_text(json.dumps(info))
-    train.ensure_builtin_model(cfg)  # the same settings: reused, nothing built
+    startup.ensure_builtin_model(cfg)  # the same settings: reused, nothing built
     info["warmstart"]["target_accuracy"] = None  # a build that ran a fixed step count
     (model / MARKER).write_text(json.dumps(info))
     with pytest.raises(MegarlError, match=r"model\.tiny\.warmstart_target_accuracy: the cached build has None, the config 0\.3"):
-        train.ensure_builtin_model(cfg)
+        startup.ensure_builtin_model(cfg)
     info["warmstart"]["target_accuracy"] = 0.3
     (model / MARKER).write_text(json.dumps(info))
     mix = load_config(GRPO, [f"model.path={model}", "model.build_tiny=true", "model.tiny.warmstart_validation=train-mix",
                              f"data.train_path={tmp_path / 'train.jsonl'}", f"data.heldout_path={tmp_path / 'held.jsonl'}"])
     with pytest.raises(MegarlError, match=r"model\.tiny\.warmstart_validation: the cached build has None, "
                                           r"the config 'train-mix'"):
-        train.ensure_builtin_model(mix)  # a build stopped on held-out problems is not a train-mix build
+        startup.ensure_builtin_model(mix)  # a build stopped on held-out problems is not a train-mix build
     del info["warmstart"]["max_steps"]  # a build of an older megarl
     (model / MARKER).write_text(json.dumps(info))
     with pytest.raises(MegarlError, match=r"model\.tiny\.warmstart_steps: the cached build has None"):
-        train.ensure_builtin_model(cfg)
+        startup.ensure_builtin_model(cfg)
 
-    train.ensure_builtin_task(cfg)  # writes both files
-    train.ensure_builtin_task(cfg)  # and takes them again as they are
+    startup.ensure_builtin_task(cfg)  # writes both files
+    startup.ensure_builtin_task(cfg)  # and takes them again as they are
     held = [json.loads(line) for line in open(tmp_path / "held.jsonl")]
     assert len({r["prompt"] for r in held}) == len(held) == 200  # the evaluation set: distinct problems
     other = load_config(GRPO, [f"data.train_path={tmp_path / 'train.jsonl'}", f"data.heldout_path={tmp_path / 'held.jsonl'}",
                                "data.arithmetic_max_digits=3"])
     with pytest.raises(MegarlError, match=r"data\.build_arithmetic: .*train\.jsonl holds another train split"):
-        train.ensure_builtin_task(other)
+        startup.ensure_builtin_task(other)
 
 
 #: a child that runs ``python -m megarl.tinymodel ARGS`` with the validation accuracies scripted

@@ -1,4 +1,4 @@
-"""Experiment trackers and sample logs (megarl/trackers.py, megarl/sample_log.py), in-process:
+"""Experiment trackers and sample logs (megarl/observability/trackers.py, megarl/observability/sample_log.py), in-process:
 the config error paths (an unknown logger, a tracker that is not installed) and a failing
 tracker.
 
@@ -62,8 +62,8 @@ def test_a_tracker_that_is_not_installed_names_its_extra(monkeypatch, name):
 
 
 def test_a_failing_tracker_is_dropped_and_metrics_jsonl_goes_on(tmp_path, capsys):
-    from megarl.metrics import MetricsWriter
-    from megarl.trackers import Tracker
+    from megarl.observability.metrics import MetricsWriter
+    from megarl.observability.trackers import Tracker
 
     class Broken(Tracker):
         """A backend whose service went away mid-run (what call_guarded must survive)."""
@@ -83,7 +83,7 @@ def test_a_failing_tracker_is_dropped_and_metrics_jsonl_goes_on(tmp_path, capsys
 
 
 def test_sample_rows_are_the_first_samples_of_groups_spread_over_the_batch():
-    from megarl.sample_log import pick_rows
+    from megarl.observability.sample_log import pick_rows
 
     groups = [f"g{i // 4}" for i in range(16)]  # 4 groups of 4, in group order
     assert pick_rows(groups, 2) == [0, 8]
@@ -95,7 +95,7 @@ def test_sample_rows_are_the_first_samples_of_groups_spread_over_the_batch():
 
 def test_a_resume_drops_the_sample_rows_of_the_iterations_that_run_again(tmp_path):
     from megarl.config import TrainerConfig
-    from megarl.sample_log import SampleLogger
+    from megarl.observability.sample_log import SampleLogger
 
     path = tmp_path / "samples.jsonl"
     path.write_text("".join(json.dumps({"iteration": k, "sample_id": f"s{k}"}) + "\n" for k in (0, 0, 1, 2, 3)))

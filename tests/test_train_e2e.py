@@ -244,7 +244,7 @@ def test_grpo_torchrun_dp2(assets, tmp_path):
 def check_timeline(run_dir, ranks, iteration):
     """Valid Chrome trace JSON per rank (what Perfetto loads), every phase a labelled span, and the
     summary tool's critical path over the ranks."""
-    from megarl.profiling import parse_label
+    from megarl.observability.profiling import parse_label
 
     (v,) = set(batches(run_dir)[iteration].facts.policy_version)
     paths = [os.path.join(run_dir, "profile", f"iter_{iteration}.rank{r}.json") for r in range(ranks)]

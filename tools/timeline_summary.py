@@ -4,7 +4,7 @@
     python tools/timeline_summary.py RUN_DIR/profile/iter_3.rank*.json [--json out.json]
 
 Reads the Chrome trace of each rank (the ``megarl/<phase> it=.. role=.. v=..`` spans of
-``megarl/profiling.py``) and prints, per phase in the order it ran: the slowest rank's duration
+``megarl/observability/profiling.py``) and prints, per phase in the order it ran: the slowest rank's duration
 and its share of the iteration, the time each rank spent inside collectives during the phase
 (waiting for the others), and the straggler -- the rank that waited least, i.e. the one the
 others waited for.  The critical path of a synchronous iteration is its phases in order, each
@@ -23,7 +23,7 @@ from typing import List, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megarl.profiling import parse_label  # noqa: E402
+from megarl.observability.profiling import parse_label  # noqa: E402
 
 COLLECTIVE = re.compile(r"gloo|nccl|c10d|all_?reduce|all_?gather|broadcast|barrier|reduce_scatter|"
                         r"alltoall|record_param_comms", re.I)

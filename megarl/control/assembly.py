@@ -62,8 +62,8 @@ def assemble(cfg, model_path: str, tokenizer_dir: str) -> Parts:
     from megarl.algo.kl import AdaptiveKLController, FixedKLController
     from megarl.data.prompts import PromptSampler, load_configured_dataset
     from megarl.data.tokenizer import TokenizerContract
-    from megarl.faults import FaultInjector
     from megarl.roles.actor import Actor
+    from megarl.runtime.faults import FaultInjector
 
     template = open(cfg.model.chat_template).read() if cfg.model.chat_template else None
     tok = TokenizerContract.from_pretrained(tokenizer_dir, chat_template=template)
@@ -109,7 +109,7 @@ def _rewards(cfg, injector, rank0: bool):
     r = cfg.reward
     fn = build_reward_function(r.fn, r.kwargs, r.components) if r.fn else None
     if fn is not None and cfg.faults.reward_timeout_rate:
-        from megarl.faults import FaultyRewardFunction
+        from megarl.runtime.faults import FaultyRewardFunction
 
         # an injected hang lasts ten timeouts: it is still hanging when the runner's timeout is
         # declared however late a busy machine wakes the runner, so the count stays exact
@@ -208,7 +208,7 @@ def assemble_engine(cfg, tok, config_dir: str, injector) -> EngineParts:
     engine = (create_remote_engine(split, config_dir, eos, pad) if split is not None
               else create_engine(cfg, placement, config_dir, eos, pad))
     if engine is not None and (cfg.faults.rollout_error_rate or cfg.faults.duplicate_result_rate):
-        from megarl.faults import FaultyRolloutEngine
+        from megarl.runtime.faults import FaultyRolloutEngine
 
         engine = FaultyRolloutEngine(engine, injector)
     sync_dtype = broadcast_object(engine.dtype if engine is not None and dist.get_rank() == 0 else None)
@@ -300,7 +300,7 @@ def wire_components(cfg, parts: Parts, eng: EngineParts, *, sm, progress, run_di
         save_dir=os.path.join(run_dir, "experience") if cfg.trainer.save_experience and rank0 else None)
     learning_actor = parts.actor
     if parts.injector is not None:
-        from megarl.faults import FaultyActor
+        from megarl.runtime.faults import FaultyActor
 
         learning_actor = FaultyActor(parts.actor, parts.injector, cfg.algo.ppo_epochs * cfg.algo.num_mini_batches)
     learner = Learner(cfg, actor=learning_actor, critic=parts.critic, sm=sm, kl_ctl=parts.kl_ctl, counters=counters,

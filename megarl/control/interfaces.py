@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Protocol
 import torch
 
 from megarl.experience.schema import FinishReason, RewardRecord, SampleRouting
-from megarl.metrics import StageTimer
+from megarl.observability.metrics import StageTimer
 from megarl.versions import PolicyVersion
 
 

@@ -29,12 +29,12 @@ from megarl.control.batch import plan_mini_batches
 from megarl.control.state_machine import IterationStateMachine
 from megarl.errors import MegarlError
 from megarl.experience.schema import ExperienceBatch, LogProbs
-from megarl.metrics import StageTimer
 from megarl.models.forward import gather_response, token_log_probs_from_logits, vocab_parallel_entropy
 from megarl.models.router_replay import record_to_rows
+from megarl.observability.metrics import StageTimer
+from megarl.roles.common import sequence_length, step_tensors
 from megarl.rollout.weight_stream import TensorManifest
 from megarl.rollout.weight_sync import actor_manifest
-from megarl.roles.common import sequence_length, step_tensors
 from megarl.runtime.data_parallel import all_ranks_agree, dp_rank, gather_objects
 from megarl.versions import PolicyVersion
 

@@ -46,7 +46,7 @@ def make_placement(backend: str, rollout_tp: int, split: bool = False) -> Placem
         return Placement(num_groups=dp_size(), group_index=dp_rank() if lead else -1, is_group_leader=lead)
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % rollout_tp:
-        from megarl.config import ConfigError
+        from megarl.errors import ConfigError
 
         raise ConfigError(f"rollout.tp={rollout_tp} does not divide the world size {world}")
     mine = None

@@ -35,8 +35,8 @@ from megarl.experience.groups import group_index
 from megarl.experience.schema import DerivedTensors, ExperienceBatch, ExperienceFacts, LogProbProducer, LogProbs
 from megarl.experience.seal import save_sealed, seal, with_derived
 from megarl.experience.staleness import StalenessError, check_staleness, staleness_metrics, token_ages
-from megarl.metrics import StageTimer
 from megarl.models.router_replay import RecordRouting, RoutingStats
+from megarl.observability.metrics import StageTimer
 from megarl.runtime import data_parallel
 from megarl.runtime.data_parallel import gather_objects, local_rows, map_rows
 from megarl.versions import PolicyVersion, step_of_short_id

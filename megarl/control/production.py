@@ -22,9 +22,9 @@ import torch
 from megarl.control.interfaces import ProducedRollout, Sample, SampleScorer
 from megarl.control.placement import Placement, collect_everywhere, generate_everywhere
 from megarl.control.state_machine import IterationStateMachine
-from megarl.experience.groups import CandidateStatus, GroupBuffer, GroupPolicy
+from megarl.experience.groups import CandidateStatus, GroupBuffer, GroupPolicy, candidate_of, candidate_sample_id
 from megarl.experience.schema import FinishReason, RewardStatus
-from megarl.metrics import StageTimer
+from megarl.observability.metrics import StageTimer
 from megarl.rollout.protocol import GenerationRequest, SamplingParams
 from megarl.rollout.segmented import started_on
 from megarl.runtime.data_parallel import all_ranks_agree
@@ -83,7 +83,7 @@ class GroupRolloutProducer:
             requests = self._requests(k, rnd, records)
             for q, rec in zip(requests, records):
                 by_group[q.request_id] = rec
-                buffer.open_group(q.request_id, rec.prompt_id, round_v, [f"{q.request_id}/c{c:02d}" for c in range(G)])
+                buffer.open_group(q.request_id, rec.prompt_id, round_v, [candidate_sample_id(q.request_id, c) for c in range(G)])
             m["rollout/prompts"] += len(records)
             sampling = training_sampling(cfg.rollout, cfg.trainer.seed, k, rnd,
                                          return_routed_experts=a.routing_replay != "none")
@@ -173,10 +173,10 @@ class GroupRolloutProducer:
             self.counters["engine_errors"] += len(errors)
             if errors:
                 self.last_engine_error = f"inference group {errors[-1][0]}: {errors[-1][1]}"
-            expected = {(f"{q.request_id}/c{c:02d}", q.attempt): q for q in requests for c in q.candidates(G)}
+            expected = {(candidate_sample_id(q.request_id, c), q.attempt): q for q in requests for c in q.candidates(G)}
             fresh, extra, seen = [], [], set()
             for r in results:
-                key = (f"{r.request_id}/c{r.candidate_index:02d}", r.attempt)
+                key = (candidate_sample_id(r.request_id, r.candidate_index), r.attempt)
                 # a result of another version is not the candidate's: it stays lost (regenerated on v);
                 # a response a newer version finished mid-way (in-flight update) started on v
                 if key in expected and key not in seen and started_on(r) == v:
@@ -185,7 +185,7 @@ class GroupRolloutProducer:
                 else:
                     extra.append(r)
             samples = [Sample(prompt_id=by_group[r.request_id].prompt_id, group_id=r.request_id,
-                              sample_id=f"{r.request_id}/c{r.candidate_index:02d}", request_id=r.request_id,
+                              sample_id=candidate_sample_id(r.request_id, r.candidate_index), request_id=r.request_id,
                               prompt_ids=r.prompt_ids, response_ids=r.response_ids, raw_log_probs=r.raw_log_probs,
                               finish_reason=r.finish_reason, policy_version=r.policy_version, seed=r.seed,
                               prompt=by_group[r.request_id], routed_experts=r.routed_experts,
@@ -222,7 +222,7 @@ class GroupRolloutProducer:
                     self.counters["results_ignored"] += 1
                     continue
                 buffer.report(group_id=r.request_id, prompt_id=by_group[r.request_id].prompt_id,
-                              sample_id=f"{r.request_id}/c{r.candidate_index:02d}", policy_version=started_on(r),
+                              sample_id=candidate_sample_id(r.request_id, r.candidate_index), policy_version=started_on(r),
                               attempt=r.attempt, status=CandidateStatus.OK, payload=None)
             by_req: Dict[tuple, List[int]] = {}
             for rr in (x for x in retry_reqs if x is not None):
@@ -232,7 +232,7 @@ class GroupRolloutProducer:
                                   policy_version=rr.policy_version, attempt=rr.attempt,
                                   status=CandidateStatus.FATAL, reason=f"version {rr.policy_version} is not loaded")
                     continue
-                by_req.setdefault((rr.group_id, rr.attempt), []).append(int(rr.sample_id.rsplit("/c", 1)[1]))
+                by_req.setdefault((rr.group_id, rr.attempt), []).append(candidate_of(rr.sample_id))
             requests = [GenerationRequest(gid, tuple(by_group[gid].prompt_ids), candidate_indices=tuple(sorted(cs)),
                                           attempt=att, task=by_group[gid].task())
                         for (gid, att), cs in sorted(by_req.items())]

@@ -29,18 +29,18 @@ from typing import Dict, Optional
 
 import torch.distributed as dist
 
-from megarl.config import TrainConfig
+from megarl.config.schema import TrainConfig
 from megarl.control.assembly import assemble, assemble_engine, wire_components
 from megarl.control.evaluation import Exporter
 from megarl.control.interfaces import RunProgress
 from megarl.control.persistence import RunPersistence
 from megarl.control.state_machine import IterationStateMachine, PhaseDeadlines, UpdateEvidence
-from megarl.metrics import MetricsWriter, StageTimer, progress_line
-from megarl.profiling import IterationProfiler, span
+from megarl.observability.metrics import MetricsWriter, StageTimer, progress_line
+from megarl.observability.profiling import IterationProfiler, span
+from megarl.observability.sample_log import SampleLogger
 from megarl.rollout.weight_sync import actor_manifest, make_version
-from megarl.run_dir import resume_command
 from megarl.runtime.data_parallel import broadcast_object, dp_size, gather_objects
-from megarl.sample_log import SampleLogger
+from megarl.runtime.run_dir import resume_command
 
 
 class Trainer:

@@ -15,6 +15,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from megarl.control.interfaces import Sample, SampleScorer
 from megarl.control.placement import Placement, generate_everywhere
 from megarl.evaluation.estimators import LOST, Candidate, PromptOutcome
+from megarl.experience.groups import candidate_sample_id
 from megarl.experience.schema import RewardStatus
 from megarl.rollout.protocol import GenerationRequest, GenerationResult, SamplingParams
 
@@ -74,7 +75,7 @@ def evaluate_prompts(records: Sequence, request_ids: Sequence[str], *, engine, p
             if r is None:
                 continue
             # n=1 keeps the request id as the sample id (what training's evaluation always used)
-            sid = req.request_id if sampling.n == 1 else f"{req.request_id}/c{c:02d}"
+            sid = req.request_id if sampling.n == 1 else candidate_sample_id(req.request_id, c)
             samples.append(Sample(prompt_id=rec.prompt_id, group_id=req.request_id, sample_id=sid,
                                   request_id=req.request_id, prompt_ids=req.prompt_ids, response_ids=r.response_ids,
                                   raw_log_probs=r.raw_log_probs, finish_reason=r.finish_reason,
@@ -85,7 +86,7 @@ def evaluate_prompts(records: Sequence, request_ids: Sequence[str], *, engine, p
     for i, (rec, req) in enumerate(zip(records, requests)):
         cands = []
         for c in range(sampling.n):
-            sid = req.request_id if sampling.n == 1 else f"{req.request_id}/c{c:02d}"
+            sid = req.request_id if sampling.n == 1 else candidate_sample_id(req.request_id, c)
             s = scored.get((req.request_id, sid))
             if s is None:
                 cands.append(Candidate(index=c, status=LOST))

@@ -30,6 +30,16 @@ class CandidateStatus(str, Enum):
 PARTIAL_RULES = ("drop", "allow_partial")
 
 
+def candidate_sample_id(request_id: str, candidate: int) -> str:
+    """The id of candidate ``candidate`` of request (group) ``request_id``: ``<request_id>/cNN``."""
+    return f"{request_id}/c{candidate:02d}"
+
+
+def candidate_of(sample_id: str) -> int:
+    """The candidate index in a :func:`candidate_sample_id`."""
+    return int(sample_id.rsplit("/c", 1)[1])
+
+
 class GroupContractError(ValueError):
     """A sample offered to the wrong group (other prompt, unknown candidate)."""
 
@@ -197,10 +207,6 @@ class GroupBuffer:
     def knows(self, group_id: str) -> bool:
         """Whether ``group_id`` was opened here (it may be closed by now)."""
         return group_id in self._groups or group_id in self._closed
-
-    @property
-    def open_groups(self) -> list[str]:
-        return list(self._groups)
 
 
 def group_index(group_ids: Sequence[str], real_sizes: Mapping[str, int] | None = None) -> tuple[torch.Tensor, tuple[str, ...]]:

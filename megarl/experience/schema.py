@@ -701,13 +701,6 @@ class ExperienceBatch:
         return self.content_hash is not None
 
 
-def seal(batch: ExperienceBatch) -> ExperienceBatch:
-    """Make ``batch`` read-only (see :mod:`megarl.experience.seal`)."""
-    from megarl.experience.seal import seal as _seal
-
-    return _seal(batch)
-
-
 def batch_tensors(batch: ExperienceBatch) -> dict[str, torch.Tensor]:
     """Every tensor of the batch under a stable dotted name (``facts.old_log_probs``, ...)."""
     out: dict[str, torch.Tensor] = {}

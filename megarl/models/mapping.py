@@ -386,23 +386,3 @@ def hf_from_shards(rule: ParamRule, shards: Sequence[torch.Tensor], spec: ModelS
         dst.view(view.shape).copy_(view)
         merged[name] = dst
     return merged
-
-
-def shard_shape(rule: ParamRule, spec: ModelSpec, tp: int, padded_vocab: int) -> Tuple[int, ...]:
-    """Shape of one TP shard of ``rule`` (known on every rank without communication); ``tp`` is
-    the size of ``rule.tp_group``."""
-    H, F = spec.hidden_size, spec.ffn_hidden_size
-    q, kv = spec.num_attention_heads * spec.head_dim, spec.num_query_groups * spec.head_dim
-    shapes = hf_shapes(spec)
-    if rule.kind == REPLICATED:
-        return shapes[rule.hf_names[0]]
-    if rule.kind == ROW:
-        full = shapes[rule.hf_names[0]]
-        return (full[0], full[1] // tp)
-    if rule.kind == VOCAB:
-        return (padded_vocab // tp, H)
-    if rule.kind == GATE_UP:
-        return (2 * (F if rule.ffn is None else rule.ffn) // tp,) + shapes[rule.hf_names[0]][1:]
-    if rule.kind == QKV:
-        return ((q + 2 * kv) // tp,) + shapes[rule.hf_names[0]][1:]
-    raise MappingError(f"{rule.megatron_name}: unknown layout kind {rule.kind!r}")

@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megarl.config import OptimSettings
+from megarl.config.schema import OptimSettings
 from megarl.runtime import cpu_compat
 
 

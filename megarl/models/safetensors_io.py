@@ -124,20 +124,6 @@ class HFCheckpointReader:
             raise CheckpointError(f"{path}: cannot read '{name}' (truncated file?): {e}") from None
         return t.contiguous()
 
-    def check_shapes(self, expected: Dict[str, Tuple[int, ...]], config_path: str) -> None:
-        """Every expected tensor exists with the shape the config implies."""
-        for name, shape in expected.items():
-            if name not in self._where:
-                raise CheckpointError(
-                    f"{self.model_dir}: tensor '{name}' required by {config_path} is missing"
-                )
-            got = self.shape(name)
-            if tuple(got) != tuple(shape):
-                raise CheckpointError(
-                    f"{self.path_of(name)}: tensor '{name}' has shape {list(got)} but "
-                    f"{config_path} implies {list(shape)}"
-                )
-
 
 def write_hf_checkpoint(
     out_dir: str,

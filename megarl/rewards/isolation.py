@@ -141,7 +141,7 @@ def _worker_main(conn, spec: dict, owner_pid: int, max_memory_mb, cpu_time_s) ->
         if max_memory_mb is not None:
             limit = int(max_memory_mb) * 1024 * 1024
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-        from megarl.rewards import build_reward_function
+        from megarl.rewards.registry import build_reward_function
 
         fn = build_reward_function(spec["fn"], spec.get("kwargs"), spec.get("components"))
     except BaseException as e:  # noqa: BLE001 -- reported to the pool, which fails every call with it

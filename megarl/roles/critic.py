@@ -33,7 +33,7 @@ class Critic(HostOffload):
         if cfg.path is not None:
             self.model = load_model(cfg.path, tp=tp, pp=pp, vocab_multiple=vocab_multiple)
             if not unwrap(self.model).megarl_spec.value_head:
-                from megarl.config import ConfigError
+                from megarl.errors import ConfigError
 
                 raise ConfigError(f"critic.path: {cfg.path} is not a value-head checkpoint "
                                   "(expected an HF *ForTokenClassification with num_labels=1)")

@@ -302,7 +302,6 @@ class ActorOffloader:
         self._groups = {k: _StorageGroup(k, preserve=(k != "grads" or preserve_grads))
                         for k in self.KINDS}
         self._offloaded = False
-        self._last_bytes: Dict[str, int] = {k: 0 for k in self.KINDS}
 
     @property
     def is_offloaded(self) -> bool:
@@ -329,7 +328,7 @@ class ActorOffloader:
                 g.onload()
             raise
         _empty_cache(claims.device)
-        self._offloaded, self._last_bytes = True, moved
+        self._offloaded = True
         return dict(moved)
 
     def onload(self) -> None:
@@ -353,10 +352,6 @@ class ActorOffloader:
             yield self
         finally:
             self.onload()
-
-    def offloaded_bytes(self) -> Dict[str, int]:
-        """Device bytes released by the current (or last) offload, per kind."""
-        return dict(self._last_bytes)
 
     def host_bytes(self) -> int:
         """Host bytes held by the host copies (pinned on CUDA)."""
@@ -391,7 +386,6 @@ class ReferenceOffloader:
                                 "model is a trainable actor: use ActorOffloader")
         self.keep_host_buffers = keep_host_buffers
         self._group = _StorageGroup("reference params")
-        self._bytes = 0
 
     @property
     def is_offloaded(self) -> bool:
@@ -404,9 +398,9 @@ class ReferenceOffloader:
                                     "offloaded; call onload() first")
         claims = _Claims(_model_device(self.chunks))
         _add_module_tensors(claims, "params", self.chunks)
-        self._bytes = self._group.offload(claims.storages("params"), claims.device)
+        released = self._group.offload(claims.storages("params"), claims.device)
         _empty_cache(claims.device)
-        return self._bytes
+        return released
 
     def onload(self) -> None:
         if not self._group.offloaded:
@@ -425,7 +419,3 @@ class ReferenceOffloader:
             yield self
         finally:
             self.offload()
-
-    def offloaded_bytes(self) -> int:
-        return self._bytes
-

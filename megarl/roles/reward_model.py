@@ -26,7 +26,7 @@ class RewardModel:
     def __init__(self, path: str, tp: int, pp: int, tokenizer: Optional[str] = None,
                  chat_template: Optional[str] = None, vocab_multiple: int = 128, offload: bool = False,
                  micro_batch_size: int = 8, pack: bool = False):
-        from megarl.config import ConfigError
+        from megarl.errors import ConfigError
 
         self.model = load_model(path, tp=tp, pp=pp, vocab_multiple=vocab_multiple)
         if not unwrap(self.model).megarl_spec.value_head:

@@ -136,7 +136,7 @@ ENTRY_POINTS = (
     ("megatron.core.distributed.distributed_data_parallel", "DistributedDataParallel.broadcast_params"),
     ("megatron.core.distributed.distributed_data_parallel", "DistributedDataParallel.start_param_sync"),
     # the optimizer: construction and every state-touching method (megarl.models.optim,
-    # megarl.checkpoint); the methods of each optimizer class are in _OPTIMIZER_METHODS
+    # megarl.runtime.checkpoint); the methods of each optimizer class are in _OPTIMIZER_METHODS
     ("megatron.core.optimizer", "get_megatron_optimizer"),
     # the pipeline schedules get_forward_backward_func returns (it reads these module globals)
     ("megatron.core.pipeline_parallel.schedules", "forward_backward_no_pipelining"),
@@ -144,7 +144,7 @@ ENTRY_POINTS = (
     ("megatron.core.pipeline_parallel.schedules", "forward_backward_pipelining_with_interleaving"),
     # tensor-parallel helpers megarl calls directly (megarl.models.forward)
     ("megatron.core.tensor_parallel.cross_entropy", "vocab_parallel_cross_entropy"),
-    # dist_checkpointing (megarl.models.megatron_ckpt, megarl.checkpoint)
+    # dist_checkpointing (megarl.models.megatron_ckpt, megarl.runtime.checkpoint)
     ("megatron.core.dist_checkpointing.serialization", "save"),
     ("megatron.core.dist_checkpointing.serialization", "load"),
 )

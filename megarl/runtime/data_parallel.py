@@ -9,7 +9,7 @@ the last row; padded rows are dropped from the gathered result.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, List
 
 import torch
 import torch.distributed as dist
@@ -103,11 +103,3 @@ def all_ranks_agree(flag: bool) -> bool:
     t = t.to(device())
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return bool(t.item())
-
-
-def split_even(items: Sequence[Any], parts: int) -> List[List[Any]]:
-    """Contiguous, equal-length chunks (len(items) must divide)."""
-    if len(items) % parts:
-        raise ValueError(f"{len(items)} items do not split into {parts} equal parts")
-    k = len(items) // parts
-    return [list(items[i * k:(i + 1) * k]) for i in range(parts)]

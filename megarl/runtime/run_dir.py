@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from megarl.config import ConfigError
+from megarl.errors import ConfigError
 
 DONE = "DONE"
 
@@ -57,7 +57,7 @@ class RunDirState:
 
 
 def inspect_run_dir(run_dir: str) -> RunDirState:
-    from megarl.checkpoint import CheckpointError, find_latest
+    from megarl.runtime.checkpoint import CheckpointError, find_latest
 
     done = None
     done_path = os.path.join(run_dir, DONE)

@@ -101,7 +101,7 @@ def console_line(row: dict) -> str:
 
 
 class SampleLogger:
-    """Rank 0 logs (``enabled``); ``metrics`` is the run's :class:`~megarl.metrics.MetricsWriter`
+    """Rank 0 logs (``enabled``); ``metrics`` is the run's :class:`~megarl.observability.metrics.MetricsWriter`
     (its trackers get the tables).  ``resumed_at``: rows of iterations from there on (they run
     again) are dropped from ``samples.jsonl``, as ``metrics.jsonl`` drops theirs."""
 

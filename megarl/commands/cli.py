@@ -1,5 +1,5 @@
 """The command line of ``python -m megarl.train``: its flags, ``--help`` with every config key
-(from the schema, :mod:`megarl.config_help`), and ``--print-config``.
+(from the schema, :mod:`megarl.config.help`), and ``--print-config``.
 
 Nothing here imports torch: ``--help`` and ``--print-config`` answer in a fraction of a second.
 """
@@ -24,13 +24,12 @@ finished run started again says so and exits 0.
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from megarl import train
-    from megarl.config_help import sections_help
+def build_parser(description: str = "") -> argparse.ArgumentParser:
+    """The parser of ``python -m megarl.train``; ``description`` is the entry point's usage text."""
+    from megarl.config.help import sections_help
 
-    doc = (train.__doc__ or "").strip()
     p = argparse.ArgumentParser(
-        prog="python -m megarl.train", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="python -m megarl.train", description=description.strip(), formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=USAGE_EXAMPLES + "\n" + sections_help())
     p.add_argument("--config", required=True, metavar="RECIPE.yaml", help="a YAML recipe (configs/*.yaml)")
     p.add_argument("--print-config", action="store_true",
@@ -45,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = build_parser()
+def parse_args(argv=None, description: str = "") -> argparse.Namespace:
+    p = build_parser(description)
     args = p.parse_args(argv)
     if args.world_size is not None and not args.dry_run:
         p.error("--world-size goes with --dry-run (a real run's world size is torchrun's)")

@@ -181,10 +181,10 @@ def _memory_lines(cfg, spec, dp: int) -> List[str]:
 
 def dry_run(cfg, world_size: Optional[int] = None) -> dict:
     """Check and plan; print one line per check; return the plan (for tests)."""
+    from megarl.commands.startup import check_model, check_reward
     from megarl.config import missing_packages, validate, validate_model_fit
-    from megarl.run_dir import check_start_paths, inspect_run_dir, start_decision
+    from megarl.runtime.run_dir import check_start_paths, inspect_run_dir, start_decision
     from megarl.tinymodel import is_built
-    from megarl.train import _check_model, _check_reward
 
     simulated = world_size is not None
     world = world_size if simulated else int(os.environ.get("WORLD_SIZE", "1"))
@@ -194,7 +194,7 @@ def dry_run(cfg, world_size: Optional[int] = None) -> dict:
     not_checked = []
     for key, msg in missing_packages(cfg):
         if not simulated:
-            from megarl.config import ConfigError
+            from megarl.errors import ConfigError
 
             raise ConfigError(f"{key}: {msg}")
         not_checked.append(f"{key}: {msg.split(';')[0]}")
@@ -212,7 +212,7 @@ def dry_run(cfg, world_size: Optional[int] = None) -> dict:
         lines.append(f"ok   trainer.run_dir: {run_dir}: {what}")
     else:
         lines.append("ok   trainer.run_dir: runs/ is writable (default: runs/<recipe>-<timestamp>)")
-    _check_reward(cfg)
+    check_reward(cfg)
     if cfg.rollout.agent.env:  # validated with its arguments above (validate_agent_settings)
         ag = cfg.rollout.agent
         lines.append(f"ok   rollout.agent: environment {ag.env} loads; it scores each episode "
@@ -235,7 +235,7 @@ def dry_run(cfg, world_size: Optional[int] = None) -> dict:
         from megarl.models.hf_config import load_spec
 
         check_datasets_against_reward(cfg)
-        _check_model(cfg)  # also resolves Hub ids to their local snapshots, as a start does
+        check_model(cfg)  # also resolves Hub ids to their local snapshots, as a start does
         spec = load_spec(cfg.model.path)
         validate_model_fit(cfg, spec, where=os.path.join(cfg.model.path, "config.json"))
         p = cfg.parallel

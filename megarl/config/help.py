@@ -20,7 +20,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Tuple
 
-from megarl import config as schema_module
+from megarl.config import schema as schema_module
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ def _one_line(text: str, width: int = 110) -> str:
 
 @functools.lru_cache(maxsize=1)
 def _field_comments() -> Dict[Tuple[str, str], str]:
-    """``(class name, field name) -> comment`` for every dataclass field in megarl/config.py."""
+    """``(class name, field name) -> comment`` for every dataclass field in megarl/config/schema.py."""
     with open(schema_module.__file__, encoding="utf-8") as f:
         source = f.read()
     comments: Dict[int, Tuple[str, bool]] = {}  # line -> (text, is the line a comment alone)
@@ -145,7 +145,7 @@ def _show(v: Any) -> str:
 
 
 def _line(k: KeyDoc, width: int) -> str:
-    from megarl.config_ranges import RANGES
+    from megarl.config.ranges import RANGES
 
     rule = RANGES.get(k.key)
     doc = _one_line(k.doc) + (f" [{'each ' if rule.each else ''}{rule.describe()}]" if rule else "")

@@ -1,7 +1,7 @@
 """Experiment trackers: where each iteration's metrics (and the sample tables) go besides JSONL.
 
 ``trainer.loggers`` names them: ``jsonl`` (``<run_dir>/metrics.jsonl``, written by
-:class:`megarl.metrics.MetricsWriter`; the source of truth, always on), ``tensorboard``
+:class:`megarl.observability.metrics.MetricsWriter`; the source of truth, always on), ``tensorboard``
 (``<run_dir>/tensorboard/``), ``wandb`` and ``mlflow``.  wandb and mlflow are optional extras,
 imported here only when a run names them; :func:`megarl.config.validate` refuses a named one that
 is not installed, naming the extra.
@@ -203,7 +203,7 @@ def open_trackers(cfg, run_dir: str, run_id: str, resumed_at: Optional[int]) -> 
     opened on rank 0.  ``resumed_at``: the iteration a resume continues from (None: a fresh
     start); the tracker runs of ``<run_dir>/trackers.json`` are continued only on a resume of the
     same megarl run id."""
-    from megarl.config import config_hash, to_dict
+    from megarl.config.loading import config_hash, to_dict
 
     names = [n for n in cfg.trainer.loggers if n != "jsonl"]
     if not names:

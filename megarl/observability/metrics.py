@@ -15,12 +15,12 @@ import time
 from contextlib import contextmanager
 from typing import Dict, Optional, Sequence
 
-from megarl.profiling import span
+from megarl.observability.profiling import span
 
 
 class StageTimer:
     """Wall seconds per named stage of one iteration, in the order first entered.  Each stage is
-    also a timeline span (``megarl.profiling.span``) labelled with the iteration, the policy
+    also a timeline span (``megarl.observability.profiling.span``) labelled with the iteration, the policy
     version and the stage's counters."""
 
     def __init__(self, iteration: Optional[int] = None, version: Optional[str] = None):
@@ -61,7 +61,7 @@ def _clean(v):
 
 class MetricsWriter:
     """One row per iteration to ``<run_dir>/metrics.jsonl`` (the source of truth), then the same
-    numeric values to every tracker (:mod:`megarl.trackers`: TensorBoard, wandb, mlflow) at
+    numeric values to every tracker (:mod:`megarl.observability.trackers`: TensorBoard, wandb, mlflow) at
     ``step = iteration``.  Rank 0 writes; other ranks hold a writer that does nothing."""
 
     def __init__(self, run_dir: str, enabled: bool, trackers: Sequence = ()):
@@ -74,7 +74,7 @@ class MetricsWriter:
     def for_run(cls, cfg, run_dir: str, run_id: str, enabled: bool, resumed_at: Optional[int]) -> "MetricsWriter":
         """The writer of a training run: the trackers ``trainer.loggers`` names, opened on rank 0
         (continuing the tracker runs of ``<run_dir>/trackers.json`` on a resume)."""
-        from megarl.trackers import open_trackers
+        from megarl.observability.trackers import open_trackers
 
         return cls(run_dir, enabled, open_trackers(cfg, run_dir, run_id, resumed_at) if enabled else ())
 
@@ -87,7 +87,7 @@ class MetricsWriter:
         self._f.write(json.dumps(row) + "\n")
         self._f.flush()
         if self.trackers:
-            from megarl.trackers import call_guarded
+            from megarl.observability.trackers import call_guarded
 
             values = {k: v for k, v in row.items()
                       if k not in ("iteration", "time") and isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -96,7 +96,7 @@ class MetricsWriter:
     def log_table(self, iteration: int, columns, rows) -> None:
         """A sample table to every tracker that has tables."""
         if self.trackers:
-            from megarl.trackers import call_guarded
+            from megarl.observability.trackers import call_guarded
 
             call_guarded(self.trackers, "log_table", iteration, list(columns), rows)
 
@@ -105,7 +105,7 @@ class MetricsWriter:
             self._f.close()
             self._f = None
         if self.trackers:
-            from megarl.trackers import call_guarded
+            from megarl.observability.trackers import call_guarded
 
             call_guarded(self.trackers, "close")
             self.trackers = []

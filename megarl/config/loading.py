@@ -1,0 +1,136 @@
+"""Loading a recipe: the YAML merged onto the schema, ``key=value`` overrides merged as an omegaconf
+dotlist (an unknown key or a value of the wrong type is refused with the key's full name), and
+the resolved config's hash."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any, Optional
+
+from megarl.config.schema import CriticConfig, TrainConfig
+from megarl.errors import ConfigError
+from megarl.hashing import json_sha256
+
+
+# ---- loading ---------------------------------------------------------------------------------
+
+
+def _closest_key(key: str) -> str:
+    """`` (did you mean X?)`` for the schema key nearest to a mistyped one, or ``""``."""
+    import difflib
+
+    from megarl.config.help import schema_keys
+
+    close = difflib.get_close_matches(key, schema_keys(), n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean {close[0]}?)"
+    if "." not in key:  # a top-level key: name the sections (python -m megarl.train --help lists their keys)
+        return f" (the top level holds: {', '.join(f.name for f in dataclasses.fields(TrainConfig))})"
+    return ""
+
+
+def _omegaconf_error(e: Exception, where: str, key: Optional[str] = None) -> ConfigError:
+    """omegaconf's exception as one line that blames ``where`` (the recipe file, or the one
+    override that caused it) and names the key in the schema's words."""
+    from omegaconf.errors import ConfigKeyError
+
+    key = getattr(e, "full_key", None) or getattr(e, "key", None) or key
+    msg = (getattr(e, "msg", None) or str(e)).strip().splitlines()[0]
+    if isinstance(e, ConfigKeyError) and key:
+        return ConfigError(f"{where}: unknown key {key}{_closest_key(str(key))}")
+    if "is not a ListConfig" in msg and key:
+        value = getattr(e, "value", None)
+        example = value if isinstance(value, (int, float, str)) and not isinstance(value, bool) else 3
+        return ConfigError(f"{where}: {key} expects a list, e.g. {key}=[{example}]")
+    if "is not a subclass of" in msg and key:  # a scalar given for a whole section
+        return ConfigError(f"{where}: {key} is a section; set its keys ({key}.<key>=...), not a value")
+    return ConfigError(f"{where}: {key}: {msg}" if key else f"{where}: {msg}")
+
+
+def merge_config(path: Optional[str], overrides: list[str] = ()):
+    """The recipe and the overrides merged onto the schema: an omegaconf ``DictConfig``, not yet
+    resolved (``--print-config`` shows it; :func:`load_config` turns it into a
+    :class:`TrainConfig`).  A bad recipe is blamed on its file, a bad override on the override."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    schema = OmegaConf.structured(TrainConfig)
+    merged = schema
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ConfigError(f"--config {path}: file not found")
+        try:
+            recipe = OmegaConf.load(path)
+        except Exception as e:  # yaml syntax
+            raise ConfigError(f"{path}: not a valid YAML recipe ({str(e).splitlines()[0]})") from None
+        try:
+            if recipe.get("critic") is not None:
+                # an Optional[dataclass] node merges only onto a structured default
+                schema.critic = OmegaConf.structured(CriticConfig)
+            merged = OmegaConf.merge(schema, recipe)
+        except OmegaConfBaseException as e:
+            raise _omegaconf_error(e, path) from None
+    for ov in overrides:
+        if "=" not in ov:
+            raise ConfigError(f"override {ov!r}: expected key=value")
+        key = ov.split("=", 1)[0]
+        try:
+            if ov.startswith("critic.") and merged.critic is None:
+                merged.critic = OmegaConf.structured(CriticConfig)
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([ov]))
+        except OmegaConfBaseException as e:
+            raise _omegaconf_error(e, f"override {ov!r}", key=key) from None
+    return merged
+
+
+def load_config(path: Optional[str], overrides: list[str] = ()) -> TrainConfig:
+    """YAML recipe + dotlist overrides merged onto the schema; a typed :class:`TrainConfig`.
+
+    Unknown keys, wrong types and missing required keys raise :class:`ConfigError` naming the
+    key (and, for a typo, the closest key).  Relative paths in the recipe stay relative to the
+    working directory (like every CLI).
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    merged = merge_config(path, overrides)
+    missing = sorted(OmegaConf.missing_keys(merged))
+    if missing:
+        raise ConfigError(f"{path or 'config'}: required key(s) not set: {', '.join(missing)} "
+                          f"(set {'them' if len(missing) > 1 else 'it'} in the recipe or as key=value)")
+    try:
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise _omegaconf_error(e, path or "config") from None
+    if path is not None and cfg.recipe == "custom":
+        cfg.recipe = os.path.splitext(os.path.basename(path))[0]
+    return cfg
+
+
+def to_dict(cfg: TrainConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def config_hash(cfg: TrainConfig, *, exclude: tuple[str, ...] = ("trainer.run_dir", "trainer.run_id")) -> str:
+    """:func:`megarl.hashing.json_sha256` of the resolved config (where the run writes is not part
+    of it); written to run.json."""
+    d = to_dict(cfg)
+    for dotted in exclude:
+        node = d
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.get(p) or {}
+        node.pop(leaf, None)
+    return json_sha256(d)
+
+
+def section_hash(section: Any) -> str:
+    """:func:`megarl.hashing.json_sha256` of a config section (a dataclass, as a dict) or of any
+    JSON-able value: what a resumed run must share with its checkpoint."""
+    return json_sha256(dataclasses.asdict(section) if dataclasses.is_dataclass(section) else section)
+
+
+def default_run_dir(cfg: TrainConfig) -> str:
+    return os.path.join("runs", f"{cfg.recipe}-{time.strftime('%Y%m%d-%H%M%S')}")

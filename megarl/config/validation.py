@@ -1,0 +1,466 @@
+"""Validation: what a type cannot express -- sizes that must divide, settings the chosen algorithm
+would ignore, a KL with no reference -- checked before any model is built, each failure a
+:class:`~megarl.errors.ConfigError` naming the key."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from megarl.config.schema import ALGORITHMS, ROUTING_REPLAY, TINY_FAMILIES, TINY_VALIDATIONS, TrainConfig
+from megarl.errors import ConfigError
+
+
+# ---- validation ------------------------------------------------------------------------------
+
+
+def _need(ok: bool, key: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {msg}")
+
+
+def _choice(value: str, key: str, choices) -> None:
+    _need(value in choices, key, f"{value!r} is not one of {list(choices)}")
+
+
+def _validate_reward_isolation(cfg: TrainConfig) -> None:
+    from megarl.rewards.isolation import ISOLATION_MODES, resolve_isolation
+
+    rw = cfg.reward
+    _choice(rw.isolation, "reward.isolation", ISOLATION_MODES)
+    _need(rw.workers >= 1, "reward.workers", f"must be >= 1, got {rw.workers}")
+    _need(rw.kill_grace_s > 0, "reward.kill_grace_s", f"must be > 0 seconds, got {rw.kill_grace_s}")
+    _need(rw.max_memory_mb is None or rw.max_memory_mb >= 64, "reward.max_memory_mb",
+          f"must be >= 64 (the worker's whole address space) or null, got {rw.max_memory_mb}")
+    _need(rw.cpu_time_s is None or rw.cpu_time_s > 0, "reward.cpu_time_s", f"must be > 0 or null, got {rw.cpu_time_s}")
+    if rw.fn is not None and resolve_isolation(rw.isolation, rw.fn, list(rw.components or [])) == "thread":
+        for key in ("max_memory_mb", "cpu_time_s"):
+            _need(getattr(rw, key) is None, f"reward.{key}",
+                  f"limits worker processes, but reward.fn {rw.fn!r} runs on threads (reward.isolation="
+                  f"{rw.isolation}); set reward.isolation=process or drop the limit")
+    _need(not (cfg.faults.reward_timeout_rate and rw.isolation == "process"), "reward.isolation",
+          "'process' cannot carry faults.reward_timeout_rate (the fault wrapper lives in the trainer); use thread or auto")
+
+
+def _validate_trackers(cfg: TrainConfig) -> None:
+    """trainer.loggers names known trackers whose packages are installed (found, not imported:
+    wandb and mlflow are imported only by a run that logs to them), and the sample-table keys."""
+    import importlib.util
+
+    from megarl.observability.trackers import TRACKER_PACKAGES
+
+    t = cfg.trainer
+    for name in t.loggers:
+        _choice(name, "trainer.loggers", tuple(TRACKER_PACKAGES))
+    dup = sorted({n for n in t.loggers if list(t.loggers).count(n) > 1})
+    _need(not dup, "trainer.loggers", f"lists {dup[0] if dup else ''!r} more than once")
+    for name in t.loggers:
+        module, install = TRACKER_PACKAGES[name]
+        _need(module is None or importlib.util.find_spec(module) is not None, "trainer.loggers",
+              f"names {name!r}, but the {module} package is not installed: {install}")
+    _need(t.wandb.mode in (None, "online", "offline"), "trainer.wandb.mode",
+          f"{t.wandb.mode!r} is not one of ['online', 'offline', null]")
+    _need(t.log_samples_every >= 0, "trainer.log_samples_every", f"must be >= 0 (0 = off), got {t.log_samples_every}")
+    _need(t.log_samples_n >= 1, "trainer.log_samples_n", f"must be >= 1, got {t.log_samples_n}")
+    _need(0 <= t.log_samples_console <= t.log_samples_n, "trainer.log_samples_console",
+          f"must be in [0, trainer.log_samples_n={t.log_samples_n}], got {t.log_samples_console}")
+
+
+def validate_eval_settings(cfg: TrainConfig) -> None:
+    """The ``eval`` section and the data-vs-reward keys (also all that ``python -m megarl.eval``
+    validates: it trains nothing)."""
+    e = cfg.eval
+    _choice(cfg.data.on_missing_fields, "data.on_missing_fields", ("error", "skip"))
+    if cfg.reward.required_fields is not None:
+        from megarl.rewards.base import RewardConfigError
+        from megarl.rewards.declarations import normalise_requirements
+
+        try:
+            normalise_requirements(list(cfg.reward.required_fields), "reward.required_fields")
+        except RewardConfigError as err:
+            raise ConfigError(str(err)) from None
+    _need(e.samples_per_prompt >= 1, "eval.samples_per_prompt", f"must be >= 1, got {e.samples_per_prompt}")
+    _need(e.max_new_tokens is None or e.max_new_tokens >= 1, "eval.max_new_tokens",
+          f"must be >= 1 or null (rollout.max_new_tokens), got {e.max_new_tokens}")
+    _need(e.temperature > 0, "eval.temperature",
+          f"must be > 0 (the greedy accuracy is always decoded at 0), got {e.temperature}")
+    _need(0 < e.top_p <= 1, "eval.top_p", f"must be in (0, 1], got {e.top_p}")
+    for i, k in enumerate(e.k):
+        _need(1 <= k <= e.samples_per_prompt, f"eval.k[{i}]",
+              f"must be in [1, eval.samples_per_prompt={e.samples_per_prompt}], got {k}")
+    _need(bool(e.source_field), "eval.source_field", "must be a non-empty field name")
+
+
+def _validate_ranges(cfg: TrainConfig) -> None:
+    """Every numeric key within its range (the table in :mod:`megarl.config.ranges`), and the
+    bounds that pair two keys."""
+    from megarl.config.ranges import range_errors
+
+    for key, msg in range_errors(cfg):
+        raise ConfigError(f"{key}: {msg}")
+    for key, o in (("actor.optim", cfg.actor.optim),) + ((("critic.optim", cfg.critic.optim),) if cfg.critic else ()):
+        _need(o.min_lr <= o.lr, f"{key}.min_lr",
+              f"{o.min_lr} is above {key}.lr={o.lr} (the schedule decays lr to min_lr)")
+    for k, v in cfg.reward.penalty.items():
+        _need(not isinstance(v, float) or math.isfinite(v), f"reward.penalty.{k}", f"must be finite or null, got {v}")
+    d = cfg.data
+    _need(d.arithmetic_min_digits <= d.arithmetic_max_digits, "data.arithmetic_min_digits",
+          f"{d.arithmetic_min_digits} is above data.arithmetic_max_digits={d.arithmetic_max_digits}")
+    tiny = cfg.model.tiny
+    _choice(tiny.family, "model.tiny.family", TINY_FAMILIES)
+    _choice(tiny.warmstart_validation, "model.tiny.warmstart_validation", TINY_VALIDATIONS)
+    _need(tiny.family == "llama" or tiny.top_k <= tiny.num_experts, "model.tiny.top_k",
+          f"{tiny.top_k} is above model.tiny.num_experts={tiny.num_experts}")
+    _need(tiny.tool_min_digits <= tiny.tool_max_digits, "model.tiny.tool_min_digits",
+          f"{tiny.tool_min_digits} is above model.tiny.tool_max_digits={tiny.tool_max_digits}")
+    _need(not (tiny.two_turn_demos and tiny.tool_demos), "model.tiny.two_turn_demos",
+          f"is {tiny.two_turn_demos}, but model.tiny.tool_demos={tiny.tool_demos} builds the calculator's model")
+    tool_target = tiny.tool_demos > 0 and bool(tiny.warmstart_target_accuracy)
+    _need(not tool_target or 4 <= tiny.tool_only_steps <= tiny.warmstart_steps, "model.tiny.tool_only_steps",
+          f"is {tiny.tool_only_steps}: with model.tiny.warmstart_target_accuracy the calculator build's onset phase "
+          f"stops on it, so it must be between 4 (one validation check) and model.tiny.warmstart_steps="
+          f"{tiny.warmstart_steps} (the tail takes the difference)")
+    _need(not tool_target or tiny.tool_mixture_steps <= tiny.warmstart_steps - tiny.tool_only_steps,
+          "model.tiny.tool_mixture_steps",
+          f"is {tiny.tool_mixture_steps}, above the tail of model.tiny.warmstart_steps - model.tiny.tool_only_steps = "
+          f"{tiny.warmstart_steps - tiny.tool_only_steps} steps it ends")
+    _need(bool(tiny.tool_role) and tiny.tool_role != "assistant", "model.tiny.tool_role",
+          f"must be a role name other than 'assistant', got {tiny.tool_role!r}")
+
+
+def _validate_rollout_groups(cfg: TrainConfig, world_size: int) -> None:
+    """SGLang inference groups of rollout.tp consecutive ranks must tile the world."""
+    r = cfg.rollout
+    _need(r.backend != "sglang" or world_size % r.tp == 0, "rollout.tp",
+          f"{r.tp} does not divide the world size {world_size} (inference groups of rollout.tp GPUs tile the world)")
+    _need(r.ep == 1 or (r.backend == "sglang" and r.tp % r.ep == 0), "rollout.ep",
+          f"{r.ep} needs rollout.backend=sglang with rollout.ep dividing rollout.tp={r.tp} (SGLang splits each "
+          "inference group's TP ranks into expert-parallel ones)")
+
+
+def validate_agent_settings(cfg: TrainConfig) -> None:
+    """``rollout.agent``: the environment loads with its arguments (a misspelt argument or an
+    unimportable plug-in fails here, naming the key), and an agent has a chat template to render
+    the environment's messages with."""
+    ag = cfg.rollout.agent
+    _need(isinstance(ag.env_args, dict) and all(isinstance(k, str) for k in ag.env_args), "rollout.agent.env_args",
+          f"must be a mapping of argument names to values, got {ag.env_args!r}")
+    if not ag.env:
+        _need(not ag.env_args, "rollout.agent.env_args",
+              f"is set ({sorted(ag.env_args)}) but rollout.agent.env is empty (no agent)")
+        return
+    from megarl.envs.protocol import EnvConfigError, load_environment
+
+    try:
+        load_environment(ag.env, **ag.env_args)
+    except EnvConfigError as e:
+        raise ConfigError(str(e)) from None
+    _need(cfg.data.apply_chat_template, "data.apply_chat_template",
+          f"is false, but rollout.agent.env={ag.env!r} renders the environment's messages with the chat template "
+          "(the prompt must be templated by the same one)")
+    # an agent's episode is scored by its environment's reward components; what would score the
+    # token list as one response (a rule on the decoded text, a reward model, the overlong
+    # punishment over environment tokens too) is refused rather than silently mixed in
+    rw = cfg.reward
+    _need(rw.fn is None, "reward.fn", f"is {rw.fn!r}, but rollout.agent.env={ag.env!r} scores each episode by the "
+          "environment's reward components; set reward.fn: null")
+    _need(rw.model.path is None, "reward.model.path",
+          f"is set, but rollout.agent.env={ag.env!r} scores each episode by the environment; unset it")
+    _need(rw.overlong_buffer is None, "reward.overlong_buffer",
+          f"is set, but rollout.agent.env={ag.env!r} budgets episodes with rollout.agent.max_total_tokens; unset it")
+    _need(cfg.algo.routing_replay == "none", "algo.routing_replay",
+          f"is {cfg.algo.routing_replay!r}, but routing replay of multi-turn agent trajectories is not supported "
+          "(each turn's routing would have to be joined); set algo.routing_replay: none")
+
+
+PLACEMENTS = ("hybrid", "split")
+ASYNC_CORRECTIONS = ("decoupled", "tis", "mask")
+
+
+def trainer_world_size(cfg: TrainConfig, world_size: int) -> int:
+    """The ranks that train: the whole world in hybrid placement, all but the rollout ranks in split."""
+    return world_size - cfg.placement.rollout_ranks if cfg.placement.mode == "split" else world_size
+
+
+def _validate_placement(cfg: TrainConfig, world_size: int) -> None:
+    """``placement`` and ``async_rl``: the split of the world, and the staleness bound's required
+    off-policy correction."""
+    pl, an, r = cfg.placement, cfg.async_rl, cfg.rollout
+    _choice(pl.mode, "placement.mode", PLACEMENTS)
+    if pl.mode == "split":
+        _need(world_size > pl.rollout_ranks, "placement.rollout_ranks",
+              f"{pl.rollout_ranks} leaves no trainer rank in a world of {world_size} (torchrun --nproc-per-node "
+              f"must be at least {pl.rollout_ranks + 1})")
+        _need(r.backend == "hf" or r.tp == 1, "rollout.tp",
+              f"is {r.tp}: in split placement every rollout rank runs its own engine (rollout.tp=1)")
+        _need(not r.enable_memory_saver or r.backend == "hf", "rollout.enable_memory_saver",
+              "time-slices one GPU pool; split placement gives the engines their own devices (set it to false)")
+    if an.max_staleness > 0:
+        _need(pl.mode == "split", "async_rl.max_staleness",
+              f"is {an.max_staleness}, which needs placement.mode=split (generation runs ahead on the rollout "
+              "ranks; partial rollouts in hybrid placement are not built)")
+        _need(an.correction is not None, "async_rl.correction",
+              f"must be chosen when async_rl.max_staleness={an.max_staleness} > 0: one of {list(ASYNC_CORRECTIONS)} "
+              "(the rollout's log-probs are the behaviour policy, the recomputed old ones the proximal)")
+        _need(not r.reuse_rollout_log_probs, "rollout.reuse_rollout_log_probs",
+              f"must be false with async_rl.max_staleness={an.max_staleness}: stale rollout log-probs are the "
+              "behaviour policy, never the proximal one PPO clips against")
+        a_rc = cfg.algo.rollout_correction
+        _need(a_rc.token_is_cap is None and a_rc.seq_mask_threshold is None, "algo.rollout_correction",
+              "is set together with async_rl.correction, which already corrects the same log-prob gap (use one)")
+        _need(cfg.trainer.resume_experience == "rerun", "trainer.resume_experience",
+              f"'reuse' replays one synchronous sealed batch; with async_rl.max_staleness={an.max_staleness} "
+              "a checkpoint gives the in-flight prompts back instead (use 'rerun')")
+    if an.segment_tokens:
+        _need(pl.mode == "split", "async_rl.segment_tokens",
+              "applies versions published while the rollout ranks generate, which needs placement.mode=split")
+        _need(cfg.algo.routing_replay == "none", "algo.routing_replay",
+              "records routing per response; responses generated in segments (async_rl.segment_tokens) have none")
+        _need(not r.agent.env, "rollout.agent.env", "agent turns are not generated in segments (async_rl.segment_tokens)")
+    _need(not cfg.faults.rollout_segment_delay_s or an.segment_tokens, "faults.rollout_segment_delay_s",
+          "delays generation segments, which needs async_rl.segment_tokens > 0")
+    if an.correction is not None:
+        _choice(an.correction, "async_rl.correction", ASYNC_CORRECTIONS)
+        if an.correction == "tis":
+            _need(an.is_cap is not None, "async_rl.is_cap", "must be set (>= 1) with async_rl.correction=tis")
+
+
+def validate(cfg: TrainConfig, world_size: int) -> int:
+    """Check everything a type cannot; return the data-parallel size.  Reads no model weights."""
+    from megarl.algo.aggregation import AGG_MODES
+    from megarl.algo.kl import KL_ESTIMATORS
+    from megarl.algo.registry import advantage_names, advantage_needs, policy_loss_names
+
+    import megarl.algo.advantages  # noqa: F401  (registers the estimators)
+    import megarl.algo.policy_loss  # noqa: F401
+
+    _validate_ranges(cfg)
+    _validate_placement(cfg, world_size)
+    world_size = trainer_world_size(cfg, world_size)
+    _validate_rollout_groups(cfg, world_size)
+    validate_agent_settings(cfg)
+    a, r, t, p = cfg.algo, cfg.rollout, cfg.trainer, cfg.parallel
+    _choice(a.name, "algo.name", ALGORITHMS)
+    _choice(a.advantage, "algo.advantage", advantage_names())
+    _choice(a.policy_loss, "algo.policy_loss", policy_loss_names())
+    _choice(a.agg_mode, "algo.agg_mode", AGG_MODES)
+    _choice(a.zero_std_rule, "algo.zero_std_rule", ("epsilon", "skip"))
+    _choice(a.kl.placement, "algo.kl.placement", ("none", "loss", "reward"))
+    _choice(a.kl.estimator, "algo.kl.estimator", KL_ESTIMATORS)
+    _choice(a.partial_groups, "algo.partial_groups", ("drop", "allow_partial"))
+    _choice(a.routing_replay, "algo.routing_replay", ROUTING_REPLAY)
+    _choice(r.backend, "rollout.backend", ("hf", "sglang"))
+    _choice(r.verify_engine_weights, "rollout.verify_engine_weights", ("first", "every", "never"))
+    _choice(cfg.reward.on_failure, "reward.on_failure", ("drop", "quarantine"))
+    validate_eval_settings(cfg)
+    _validate_reward_isolation(cfg)
+    _validate_trackers(cfg)
+    _choice(cfg.trainer.resume, "trainer.resume", ("auto", "never"))
+    _need(cfg.trainer.checkpoint_every >= 0, "trainer.checkpoint_every", "must be >= 0")
+    _need(cfg.trainer.checkpoint_keep >= 1, "trainer.checkpoint_keep", "must be >= 1")
+    _choice(t.resume_experience, "trainer.resume_experience", ("rerun", "reuse"))
+    _choice(t.on_update_failure, "trainer.on_update_failure", ("retry", "skip", "stop"))
+    _choice(t.update_rollback, "trainer.update_rollback", ("memory", "none"))
+    _need(t.max_update_retries >= 0, "trainer.max_update_retries", "must be >= 0")
+    for phase, limit in vars(t.phase_timeout_s).items():
+        _need(limit is None or limit > 0, f"trainer.phase_timeout_s.{phase}", f"must be > 0 seconds or null, got {limit}")
+    _need(t.update_rollback == "memory" or t.on_update_failure == "stop", "trainer.on_update_failure",
+          f"{t.on_update_failure!r} needs trainer.update_rollback=memory (without a copy of version v "
+          "the only recovery is a restart from the last checkpoint: use 'stop')")
+    _need(r.max_retries >= 0, "rollout.max_retries", "must be >= 0")
+    f = cfg.faults
+    for key in ("rollout_error_rate", "duplicate_result_rate", "reward_timeout_rate"):
+        _need(0.0 <= getattr(f, key) < 1.0, f"faults.{key}", f"must be in [0, 1), got {getattr(f, key)}")
+    _choice(f.fail_optimizer_step_kind, "faults.fail_optimizer_step_kind", ("exception", "nan"))
+    _need(-1 <= f.fail_optimizer_step_rank < world_size, "faults.fail_optimizer_step_rank",
+          f"must be -1 (the last rank) or a rank in [0, {world_size}), got {f.fail_optimizer_step_rank}")
+    _need(not f.reward_timeout_rate or cfg.reward.timeout_s is not None, "faults.reward_timeout_rate",
+          "injects calls that hang past reward.timeout_s, which is null (no timeout)")
+    for k in ("error", "timeout", "invalid"):
+        _need(k in cfg.reward.penalty, f"reward.penalty.{k}", "must be given (null for no penalty)")
+    extra = sorted(set(cfg.reward.penalty) - {"error", "timeout", "invalid"})
+    _need(not extra, f"reward.penalty.{extra[0] if extra else ''}", "unknown status; expected error, timeout, invalid")
+    for k, v in cfg.reward.penalty.items():
+        _need(v is None or isinstance(v, (int, float)), f"reward.penalty.{k}", f"must be a number or null, got {v!r}")
+
+    # the algorithm and the roles it reads: the estimator's registry entry says what it needs
+    needs = advantage_needs(a.advantage)
+    critic_free = [n for n in advantage_names() if not advantage_needs(n).critic and not advantage_needs(n).step_rewards]
+    if a.name == "grpo":
+        _need(not needs.critic, "algo.advantage",
+              f"{a.advantage!r} needs a critic; algo.name=grpo has none (use one of {critic_free})")
+        _need(cfg.critic is None, "critic",
+              "is set but algo.name=grpo trains no critic; remove the critic section or use algo.name=ppo")
+    else:
+        _need(cfg.critic is not None, "critic", "algo.name=ppo needs a critic section (critic: {} for the defaults)")
+        critic_ests = [n for n in advantage_names() if advantage_needs(n).critic]
+        _need(needs.critic, "algo.advantage",
+              f"algo.name=ppo uses the critic: expected one of {critic_ests}, got {a.advantage!r}")
+    _need(not needs.step_rewards, "algo.advantage",
+          f"{a.advantage!r} reads per-step process rewards, which no reward function in megarl produces "
+          f"(use one of {critic_free})")
+    if needs.groups:
+        _need(r.n >= 2, "rollout.n", f"the group estimator {a.advantage!r} needs G >= 2 samples per prompt, got {r.n}")
+    _need(not a.dynamic_sampling.enabled or needs.groups, "algo.dynamic_sampling.enabled",
+          "filters zero-spread groups, which only exist with a group estimator")
+    _need(a.dynamic_sampling.max_rounds >= 1, "algo.dynamic_sampling.max_rounds", "must be >= 1")
+    if a.kl.placement == "none":
+        _need(a.kl.beta == 0, "algo.kl.beta", f"is {a.kl.beta} but algo.kl.placement is 'none' (the KL would be ignored)")
+    else:
+        _need(a.kl.beta > 0 or a.kl.adaptive, "algo.kl.beta", f"must be > 0 with algo.kl.placement={a.kl.placement!r}")
+        _need(cfg.reference.enabled, "reference.enabled",
+              f"is false but algo.kl.beta={a.kl.beta} > 0 with placement {a.kl.placement!r} needs a reference model")
+    if a.kl.placement == "reward":
+        _need(a.kl.estimator == "k1", "algo.kl.estimator", "must be 'k1' (the signed log-ratio) with placement 'reward'")
+        _need(a.name == "ppo", "algo.kl.placement", "'reward' shapes per-token rewards for GAE (algo.name=ppo); GRPO puts the KL in the loss")
+    _need(not a.kl.adaptive or a.kl.placement != "none", "algo.kl.adaptive", "needs a KL placement")
+    if a.partial_groups == "allow_partial":
+        _need(a.min_partial_size is not None and 1 <= a.min_partial_size <= r.n, "algo.min_partial_size",
+              f"must be in [1, rollout.n={r.n}] with algo.partial_groups=allow_partial")
+    if cfg.reward.model.path is None:
+        for key in ("tokenizer", "chat_template"):
+            _need(getattr(cfg.reward.model, key) is None, f"reward.model.{key}",
+                  "is set but reward.model.path is not: there is no reward model to use it")
+        _need(cfg.reward.fn is not None or bool(r.agent.env), "reward.fn",
+              "is null and no reward_model.path is given: nothing scores the samples")
+    if r.reuse_rollout_log_probs:
+        _need(r.backend == "hf" or r.temperature == 1.0, "rollout.reuse_rollout_log_probs",
+              "raw-space rollout log-probs are needed")
+    rc = a.rollout_correction
+    _need(rc.token_is_cap is None or rc.token_is_cap >= 1, "algo.rollout_correction.token_is_cap",
+          f"must be >= 1 or null, got {rc.token_is_cap}")
+    _need(rc.seq_mask_threshold is None or rc.seq_mask_threshold > 0, "algo.rollout_correction.seq_mask_threshold",
+          f"must be > 0 or null, got {rc.seq_mask_threshold}")
+    _choice(rc.seq_mask_stat, "algo.rollout_correction.seq_mask_stat", ("max_abs", "mean"))
+    if rc.token_is_cap is not None or rc.seq_mask_threshold is not None:
+        _need(not r.reuse_rollout_log_probs, "algo.rollout_correction",
+              "compares the actor's old log-probs with the rollout's; rollout.reuse_rollout_log_probs=true "
+              "makes them the same tensor (set it to false)")
+    ob = cfg.reward.overlong_buffer
+    _need(ob is None or 0 < ob <= r.max_new_tokens, "reward.overlong_buffer",
+          f"must be in (0, rollout.max_new_tokens={r.max_new_tokens}] or null, got {ob}")
+    _need(r.log_prob_parity_every >= 0, "rollout.log_prob_parity_every",
+          f"must be >= 0 (0 = check parity on the first iteration only), got {r.log_prob_parity_every}")
+    _need(r.log_prob_parity_tol > 0, "rollout.log_prob_parity_tol", f"must be > 0, got {r.log_prob_parity_tol}")
+
+    # positive sizes
+    for key, v in (("trainer.iterations", t.iterations), ("trainer.prompts_per_iteration", t.prompts_per_iteration),
+                   ("rollout.n", r.n), ("rollout.max_new_tokens", r.max_new_tokens),
+                   ("algo.ppo_epochs", a.ppo_epochs), ("algo.num_mini_batches", a.num_mini_batches),
+                   ("data.max_prompt_tokens", cfg.data.max_prompt_tokens), ("parallel.tp", p.tp),
+                   ("parallel.pp", p.pp), ("rollout.bucket_mb", r.bucket_mb), ("rollout.tp", r.tp),
+                   ("eval.n", cfg.eval.n)):
+        _need(v >= 1, key, f"must be >= 1, got {v}")
+    _need(r.temperature > 0, "rollout.temperature", f"must be > 0 for training rollouts, got {r.temperature}")
+    for key, o in (("actor.optim", cfg.actor.optim),) + ((("critic.optim", cfg.critic.optim),) if cfg.critic else ()):
+        _choice(o.optimizer, f"{key}.optimizer", ("adam", "sgd"))
+        _choice(o.lr_decay_style, f"{key}.lr_decay_style", ("constant", "linear", "cosine"))
+        _need(o.lr > 0, f"{key}.lr", f"must be > 0, got {o.lr}")
+
+    # layout
+    mp = p.tp * p.pp
+    _need(world_size % mp == 0, "parallel.tp",
+          f"tp x pp = {p.tp} x {p.pp} = {mp} does not divide the world size {world_size} "
+          f"(tp x pp x dp must equal the number of processes)")
+    dp = world_size // mp
+    _need(p.ep >= 1, "parallel.ep", f"must be >= 1, got {p.ep}")
+    _need(p.etp is None or p.etp >= 1, "parallel.etp", f"must be >= 1 or null, got {p.etp}")
+    etp = p.tp if p.etp is None else p.etp
+    _need(world_size % (etp * p.ep * p.pp) == 0, "parallel.ep",
+          f"etp x ep x pp = {etp} x {p.ep} x {p.pp} does not divide the world size {world_size} "
+          "(megatron takes the expert-parallel ranks from the data-parallel ones)")
+    # batch arithmetic: whole groups per mini-batch, equal micro-batches on every DP rank
+    _need(t.prompts_per_iteration % a.num_mini_batches == 0, "algo.num_mini_batches",
+          f"{a.num_mini_batches} does not divide trainer.prompts_per_iteration={t.prompts_per_iteration} "
+          "(a mini-batch holds whole groups)")
+    for key, v in (("algo.micro_batch_size", a.micro_batch_size),
+                   ("algo.forward_micro_batch_size", a.forward_micro_batch_size)):
+        _need(v >= 0, key, f"must be >= 1, or 0 for the whole batch in one pass, got {v}")
+    if a.pack_sequences:
+        from megarl.models.forward import packing_unsupported_reason
+
+        why = packing_unsupported_reason()
+        _need(why is None, "algo.pack_sequences", f"is true, but {why}")
+        # megatron's allgather token dispatcher all-gathers equal token counts over the EP group;
+        # each rank's packed sequence has its own
+        _need(p.ep == 1, "algo.pack_sequences",
+              f"is true with parallel.ep={p.ep}: packed sequences have a different token count on each "
+              "expert-parallel rank, which the MoE token dispatcher cannot gather; set algo.pack_sequences=false")
+    mini = t.prompts_per_iteration * r.n // a.num_mini_batches
+    _need(a.micro_batch_size == 0 or mini % (dp * a.micro_batch_size) == 0, "algo.micro_batch_size",
+          f"a mini-batch of {t.prompts_per_iteration} prompts x {r.n} samples / {a.num_mini_batches} = {mini} "
+          f"is not divisible by dp x micro_batch_size = {dp} x {a.micro_batch_size}")
+    if cfg.critic is not None:
+        cm = cfg.critic.micro_batch_size
+        _need(cm == 0 or mini % (dp * cm) == 0, "critic.micro_batch_size",
+              f"a mini-batch of {mini} samples is not divisible by dp x critic.micro_batch_size = "
+              f"{dp} x {cfg.critic.micro_batch_size}")
+    return dp
+
+
+def missing_packages(cfg: TrainConfig) -> list:
+    """``(key, message)`` for each optional package the config needs that is not installed here
+    (found, not imported).  A real start raises the first (:func:`require_installed`); a dry run
+    simulating another machine reports them as not checked here."""
+    import importlib.util
+
+    out = []
+    if cfg.rollout.backend == "sglang" and importlib.util.find_spec("sglang") is None:
+        out.append(("rollout.backend", "'sglang' is not installed here; install the GPU extra: "
+                                       'pip install -e ".[gpu]" (or use the Dockerfile)'))
+    return out
+
+
+def require_installed(cfg: TrainConfig) -> None:
+    for key, msg in missing_packages(cfg):
+        raise ConfigError(f"{key}: {msg}")
+
+
+def validate_model_fit(cfg: TrainConfig, spec, where: str) -> None:
+    """Heads / KV heads / FFN / layers / vocab padding against TP and PP, experts against EP and
+    expert TP (config.json only)."""
+    from megarl.models.hf_config import ExpertFitError, ModelConfigError, check_expert_fit, check_parallel_fit
+
+    p = cfg.parallel
+    try:
+        check_parallel_fit(spec, p.tp, p.pp, where=where, experts=False)
+    except ModelConfigError as e:
+        raise ConfigError(f"parallel.tp/parallel.pp: {e}") from None
+    try:
+        check_expert_fit(spec, p.tp, p.ep, p.etp, where=where)
+    except ExpertFitError as e:
+        raise ConfigError(f"parallel.{e.size}: {e}") from None
+    # megatron-core's MoELayer refuses to train at TP > 1 without sequence parallelism, which
+    # megarl does not enable: refused here instead of in the first update
+    _need(getattr(spec, "moe", None) is None or p.tp == 1, "parallel.tp",
+          f"={p.tp} with the mixture-of-experts model {where}: megatron-core trains MoE layers at tp > 1 only "
+          "with sequence parallelism, which megarl does not enable yet; use parallel.tp=1 with parallel.ep")
+    _need(cfg.model.vocab_multiple % p.tp == 0, "model.vocab_multiple",
+          f"{cfg.model.vocab_multiple} is not divisible by parallel.tp={p.tp} (the padded vocabulary is split over TP)")
+    experts = moe_num_experts(spec)
+    _need(cfg.rollout.ep == 1 or (experts is not None and experts % cfg.rollout.ep == 0), "rollout.ep",
+          f"{cfg.rollout.ep} must divide the number of routed experts of {where} "
+          f"({experts if experts is not None else f'none: {spec.architecture} is dense'})")
+    for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        _need(getattr(cfg.actor, key) in (None, 0.0) or moe_num_experts(spec) is not None, f"actor.{key}",
+              f"is {getattr(cfg.actor, key)}, but {where} describes a dense model ({spec.architecture}: no router "
+              f"to regularise); use actor.{key}={'null' if key == 'moe_z_loss_coeff' else '0'}")
+    if cfg.algo.routing_replay != "none":
+        _need(moe_num_experts(spec) is not None, "algo.routing_replay",
+              f"is {cfg.algo.routing_replay!r}, but {where} describes a dense model "
+              f"({spec.architecture}: no routed experts); use algo.routing_replay=none")
+
+
+def moe_num_experts(spec) -> Optional[int]:
+    """The number of routed experts of an MoE model spec, None for a dense one (the spec's
+    ``moe.num_experts`` when it has one, else config.json's ``num_experts`` / ``num_local_experts``
+    / ``n_routed_experts``)."""
+    moe = getattr(spec, "moe", None)
+    n = getattr(moe, "num_experts", None)
+    if n is None:
+        raw = getattr(spec, "raw_config", None) or {}
+        for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+            if raw.get(key):
+                n = raw[key]
+                break
+    return int(n) if n else None
