@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""PNG plots of the bench results the README's Performance section quotes.
+"""PNG plots of the bench results docs/performance.md quotes.
 
     python bench/plot_perf.py [--dir docs/perf]
 

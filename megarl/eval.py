@@ -141,8 +141,7 @@ def evaluate_model(cfg, model_dir: str, tokenizer_dir: str, data_path: str, *, l
 
     e, d = cfg.eval, cfg.data
     check_datasets_against_reward(cfg, [("--data", data_path, d.heldout_split, d.heldout_subset)])
-    template = open(cfg.model.chat_template).read() if cfg.model.chat_template else None
-    tok = TokenizerContract.from_pretrained(tokenizer_dir, chat_template=template)
+    tok = TokenizerContract.load(tokenizer_dir, cfg.model.chat_template)
     data = load_configured_dataset(d, tok, data_path, split=d.heldout_split, subset=d.heldout_subset)
     data = drop_rows_missing_fields(cfg, data)
     records = list(data.records[:limit] if limit else data.records)

@@ -168,25 +168,39 @@ SHARED_CONTROL = ("megarl.control.interfaces", "megarl.control.state_machine", "
 WIRING = ("assembly", "trainer")
 
 
+def _phase_of(stem: str):
+    """The phase a module of megarl/control belongs to: the phase itself, or one of its variants
+    (``<phase>_<variant>.py``: a part composed into the phase, e.g. ``production_ahead``)."""
+    return next((c for c in PHASE_COMPONENTS if stem == c or stem.startswith(c + "_")), None)
+
+
+def _phase_modules():
+    return sorted(p.stem for p in (PKG / "control").glob("*.py") if _phase_of(p.stem) is not None)
+
+
 def test_control_layout_is_the_phase_components():
     # Guard against a rename leaving a phase unchecked, and against a phase growing back into
-    # one module: every module of megarl/control is a phase, shared infrastructure or wiring.
+    # one module: every module of megarl/control is a phase (or a variant of one), shared
+    # infrastructure or wiring.
     present = {p.stem for p in (PKG / "control").glob("*.py")} - {"__init__"}
     expected = set(PHASE_COMPONENTS) | {m.rpartition(".")[2] for m in SHARED_CONTROL} | set(WIRING)
-    assert present == expected, f"megarl/control holds {sorted(present)}, the layout names {sorted(expected)}"
+    assert present - set(_phase_modules()) == expected - set(PHASE_COMPONENTS), \
+        f"megarl/control holds {sorted(present)}, the layout names {sorted(expected)} and phase variants"
+    assert set(PHASE_COMPONENTS) <= present
     for name in present:
         lines = len((PKG / "control" / f"{name}.py").read_text().splitlines())
         assert lines <= 500, f"megarl/control/{name}.py has {lines} lines; split it (at most ~500 per module)"
 
 
-@pytest.mark.parametrize("component", PHASE_COMPONENTS)
+@pytest.mark.parametrize("component", _phase_modules())
 def test_phase_components_import_each_other_only_through_interfaces(component):
     path = PKG / "control" / f"{component}.py"
+    own = f"megarl.control.{_phase_of(component)}"  # a variant composes into its own phase
     bad = [v for v in _violations(path, ("megarl.control",))
-           if not any(_matches(v.rpartition(" imports ")[2], ok) for ok in SHARED_CONTROL)
+           if not any(_matches(v.rpartition(" imports ")[2], ok) for ok in SHARED_CONTROL + (own,))
            and v.rpartition(" imports ")[2] != "megarl.control"]
-    assert not bad, (f"megarl/control/{component}.py may import only {', '.join(SHARED_CONTROL)} from "
-                     "megarl.control (phases talk through the driver):\n" + "\n".join(bad))
+    assert not bad, (f"megarl/control/{component}.py may import only {', '.join(SHARED_CONTROL)} (and its own "
+                     "phase) from megarl.control (phases talk through the driver):\n" + "\n".join(bad))
 
 
 def test_only_the_wiring_imports_the_phase_components():
@@ -194,7 +208,9 @@ def test_only_the_wiring_imports_the_phase_components():
     for path in sorted(PKG.rglob("*.py")):
         if path.parent == PKG / "control" and path.stem in WIRING:
             continue
-        for line in _violations(path, tuple(f"megarl.control.{c}" for c in PHASE_COMPONENTS)):
+        mine = _phase_of(path.stem) if path.parent == PKG / "control" else None
+        others = tuple(f"megarl.control.{c}" for c in _phase_modules() if _phase_of(c) != mine)
+        for line in _violations(path, others):
             users.append(line)
     assert not users, "only megarl/control/assembly.py and trainer.py may import phase components:\n" + "\n".join(users)
 

@@ -1,6 +1,8 @@
-"""The README's commands work as printed: every training command on a recipe of configs/ sets
-every required key and validates at the world size it launches (torchrun's --nproc-per-node,
-sbatch's --nodes x 8 GPUs of launch/multinode.sh), and the test command is the one .ci/run runs."""
+"""The README's commands work as printed, and so do those of the reference pages it links
+(``docs/*.md``): every training command on a recipe of configs/ sets every required key and
+validates at the world size it launches (torchrun's --nproc-per-node, sbatch's --nodes x 8 GPUs of
+launch/multinode.sh), every config key they name exists, and the README's test command is the one
+.ci/run runs."""
 
 import os
 import re
@@ -10,6 +12,17 @@ from megarl.config import load_config, validate
 from tests._dist import ROOT
 
 README = os.path.join(ROOT, "README.md")
+#: the README and the reference pages that hold what moved out of it
+PAGES = [README] + sorted(os.path.join(ROOT, "docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))
+                          if f.endswith(".md"))
+
+
+def _all_pages() -> str:
+    text = []
+    for path in PAGES:
+        with open(path, encoding="utf-8") as f:
+            text.append(f.read())
+    return "\n".join(text)
 
 
 def _bash_commands(text):
@@ -44,8 +57,7 @@ def _training_launch(cmd):
 
 
 def test_readme_training_commands_validate():
-    with open(README, encoding="utf-8") as f:
-        commands = _bash_commands(f.read())
+    commands = _bash_commands(_all_pages())
     checked = []
     for cmd in commands:
         launch = _training_launch(cmd)
@@ -58,7 +70,7 @@ def test_readme_training_commands_validate():
         cfg = load_config(os.path.join(ROOT, config), overrides)  # a required key left unset fails here
         validate(cfg, world)
         checked.append((config, world))
-    # at least the four launch lines of "Training: recipes and overrides"
+    # at least the four launch lines of docs/recipes.md
     for want in [("configs/grpo_arith_tiny.yaml", 1), ("configs/ppo_arith_tiny.yaml", 2),
                  ("configs/grpo_qwen2_7b.yaml", 8), ("configs/ppo_llama3_8b.yaml", 16)]:
         assert want in checked, (want, checked)
@@ -109,8 +121,7 @@ def test_readme_keys_exist():
 
     from megarl.config import TrainConfig
 
-    with open(README, encoding="utf-8") as f:
-        text = f.read()
+    text = _all_pages()
     sections = "|".join(f.name for f in dataclasses.fields(TrainConfig))
     keys = {m.group(1) for m in re.finditer(rf"(?<![\w/.])((?:{sections})\.[a-z_][a-z_0-9.]*[a-z_0-9])\b", text)
             if text[m.end():m.end() + 1] != "*"}  # data.arithmetic_*: a family, not a key

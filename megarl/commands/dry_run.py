@@ -246,8 +246,7 @@ def dry_run(cfg, world_size: Optional[int] = None) -> dict:
                      f"{spec.hidden_size}, {spec.num_attention_heads} heads / {spec.num_query_groups} KV heads: "
                      f"fits tp {p.tp} x pp {p.pp}{experts}")
         tok_dir = cfg.model.tokenizer or cfg.model.path
-        template = open(cfg.model.chat_template).read() if cfg.model.chat_template else None
-        tok = TokenizerContract.from_pretrained(tok_dir, chat_template=template)
+        tok = TokenizerContract.load(tok_dir, cfg.model.chat_template)
         lines.append(f"ok   tokenizer: {tok_dir}: loads (contract {tok.hash[:12]})")
         lines += _load_datasets(cfg, tok)
     else:

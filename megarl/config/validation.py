@@ -226,20 +226,38 @@ def _validate_placement(cfg: TrainConfig, world_size: int) -> None:
 
 
 def validate(cfg: TrainConfig, world_size: int) -> int:
-    """Check everything a type cannot; return the data-parallel size.  Reads no model weights."""
-    from megarl.algo.aggregation import AGG_MODES
-    from megarl.algo.kl import KL_ESTIMATORS
-    from megarl.algo.registry import advantage_names, advantage_needs, policy_loss_names
-
-    import megarl.algo.advantages  # noqa: F401  (registers the estimators)
-    import megarl.algo.policy_loss  # noqa: F401
-
+    """Check everything a type cannot; return the data-parallel size.  Reads no model weights.
+    The checks run section by section, in a fixed order (the first failing key is the one named)."""
     _validate_ranges(cfg)
     _validate_placement(cfg, world_size)
     world_size = trainer_world_size(cfg, world_size)
     _validate_rollout_groups(cfg, world_size)
     validate_agent_settings(cfg)
-    a, r, t, p = cfg.algo, cfg.rollout, cfg.trainer, cfg.parallel
+    _validate_choices(cfg)
+    validate_eval_settings(cfg)
+    _validate_reward_isolation(cfg)
+    _validate_trackers(cfg)
+    _validate_trainer(cfg)
+    _validate_faults(cfg, world_size)
+    _validate_reward_penalty(cfg)
+    _validate_algorithm(cfg)
+    _validate_sizes(cfg)
+    dp = _validate_layout(cfg, world_size)
+    _validate_batches(cfg, dp)
+    return dp
+
+
+def _validate_choices(cfg: TrainConfig) -> None:
+    """Every key whose value is one of a set: the algorithm's names (from its registries), the
+    rollout backend, failure handling."""
+    from megarl.algo.aggregation import AGG_MODES
+    from megarl.algo.kl import KL_ESTIMATORS
+    from megarl.algo.registry import advantage_names, policy_loss_names
+
+    import megarl.algo.advantages  # noqa: F401  (registers the estimators)
+    import megarl.algo.policy_loss  # noqa: F401  (registers the policy losses)
+
+    a, r = cfg.algo, cfg.rollout
     _choice(a.name, "algo.name", ALGORITHMS)
     _choice(a.advantage, "algo.advantage", advantage_names())
     _choice(a.policy_loss, "algo.policy_loss", policy_loss_names())
@@ -252,9 +270,12 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
     _choice(r.backend, "rollout.backend", ("hf", "sglang"))
     _choice(r.verify_engine_weights, "rollout.verify_engine_weights", ("first", "every", "never"))
     _choice(cfg.reward.on_failure, "reward.on_failure", ("drop", "quarantine"))
-    validate_eval_settings(cfg)
-    _validate_reward_isolation(cfg)
-    _validate_trackers(cfg)
+
+
+def _validate_trainer(cfg: TrainConfig) -> None:
+    """``trainer``: resume, checkpoints, update failures and rollback, phase deadlines; the
+    rollout's retries."""
+    t, r = cfg.trainer, cfg.rollout
     _choice(cfg.trainer.resume, "trainer.resume", ("auto", "never"))
     _need(cfg.trainer.checkpoint_every >= 0, "trainer.checkpoint_every", "must be >= 0")
     _need(cfg.trainer.checkpoint_keep >= 1, "trainer.checkpoint_keep", "must be >= 1")
@@ -268,6 +289,10 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
           f"{t.on_update_failure!r} needs trainer.update_rollback=memory (without a copy of version v "
           "the only recovery is a restart from the last checkpoint: use 'stop')")
     _need(r.max_retries >= 0, "rollout.max_retries", "must be >= 0")
+
+
+def _validate_faults(cfg: TrainConfig, world_size: int) -> None:
+    """``faults``: rates in [0, 1), the failing rank in the world."""
     f = cfg.faults
     for key in ("rollout_error_rate", "duplicate_result_rate", "reward_timeout_rate"):
         _need(0.0 <= getattr(f, key) < 1.0, f"faults.{key}", f"must be in [0, 1), got {getattr(f, key)}")
@@ -276,6 +301,10 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
           f"must be -1 (the last rank) or a rank in [0, {world_size}), got {f.fail_optimizer_step_rank}")
     _need(not f.reward_timeout_rate or cfg.reward.timeout_s is not None, "faults.reward_timeout_rate",
           "injects calls that hang past reward.timeout_s, which is null (no timeout)")
+
+
+def _validate_reward_penalty(cfg: TrainConfig) -> None:
+    """``reward.penalty``: a number or null for each failure status, and no other key."""
     for k in ("error", "timeout", "invalid"):
         _need(k in cfg.reward.penalty, f"reward.penalty.{k}", "must be given (null for no penalty)")
     extra = sorted(set(cfg.reward.penalty) - {"error", "timeout", "invalid"})
@@ -283,6 +312,16 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
     for k, v in cfg.reward.penalty.items():
         _need(v is None or isinstance(v, (int, float)), f"reward.penalty.{k}", f"must be a number or null, got {v!r}")
 
+
+def _validate_algorithm(cfg: TrainConfig) -> None:
+    """``algo`` and the roles it reads (the estimator's registry entry says what it needs): the
+    critic, groups, the KL and its reference, partial groups, the reward's source, rollout
+    correction, the log-prob parity check."""
+    from megarl.algo.registry import advantage_names, advantage_needs
+
+    import megarl.algo.advantages  # noqa: F401  (registers the estimators)
+
+    a, r = cfg.algo, cfg.rollout
     # the algorithm and the roles it reads: the estimator's registry entry says what it needs
     needs = advantage_needs(a.advantage)
     critic_free = [n for n in advantage_names() if not advantage_needs(n).critic and not advantage_needs(n).step_rewards]
@@ -343,6 +382,10 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
           f"must be >= 0 (0 = check parity on the first iteration only), got {r.log_prob_parity_every}")
     _need(r.log_prob_parity_tol > 0, "rollout.log_prob_parity_tol", f"must be > 0, got {r.log_prob_parity_tol}")
 
+
+def _validate_sizes(cfg: TrainConfig) -> None:
+    """Sizes that must be positive; the training temperature; the optimizers."""
+    a, r, t, p = cfg.algo, cfg.rollout, cfg.trainer, cfg.parallel
     # positive sizes
     for key, v in (("trainer.iterations", t.iterations), ("trainer.prompts_per_iteration", t.prompts_per_iteration),
                    ("rollout.n", r.n), ("rollout.max_new_tokens", r.max_new_tokens),
@@ -357,6 +400,10 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
         _choice(o.lr_decay_style, f"{key}.lr_decay_style", ("constant", "linear", "cosine"))
         _need(o.lr > 0, f"{key}.lr", f"must be > 0, got {o.lr}")
 
+
+def _validate_layout(cfg: TrainConfig, world_size: int) -> int:
+    """``parallel``: tp x pp and etp x ep x pp divide the world; returns the data-parallel size."""
+    p = cfg.parallel
     # layout
     mp = p.tp * p.pp
     _need(world_size % mp == 0, "parallel.tp",
@@ -369,6 +416,12 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
     _need(world_size % (etp * p.ep * p.pp) == 0, "parallel.ep",
           f"etp x ep x pp = {etp} x {p.ep} x {p.pp} does not divide the world size {world_size} "
           "(megatron takes the expert-parallel ranks from the data-parallel ones)")
+    return dp
+
+
+def _validate_batches(cfg: TrainConfig, dp: int) -> None:
+    """Batch arithmetic: whole groups per mini-batch, equal micro-batches on every DP rank; packing."""
+    a, r, t, p = cfg.algo, cfg.rollout, cfg.trainer, cfg.parallel
     # batch arithmetic: whole groups per mini-batch, equal micro-batches on every DP rank
     _need(t.prompts_per_iteration % a.num_mini_batches == 0, "algo.num_mini_batches",
           f"{a.num_mini_batches} does not divide trainer.prompts_per_iteration={t.prompts_per_iteration} "
@@ -395,7 +448,6 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
         _need(cm == 0 or mini % (dp * cm) == 0, "critic.micro_batch_size",
               f"a mini-batch of {mini} samples is not divisible by dp x critic.micro_batch_size = "
               f"{dp} x {cfg.critic.micro_batch_size}")
-    return dp
 
 
 def missing_packages(cfg: TrainConfig) -> list:

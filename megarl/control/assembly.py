@@ -65,8 +65,7 @@ def assemble(cfg, model_path: str, tokenizer_dir: str) -> Parts:
     from megarl.roles.actor import Actor
     from megarl.runtime.faults import FaultInjector
 
-    template = open(cfg.model.chat_template).read() if cfg.model.chat_template else None
-    tok = TokenizerContract.from_pretrained(tokenizer_dir, chat_template=template)
+    tok = TokenizerContract.load(tokenizer_dir, cfg.model.chat_template)
     d = cfg.data
     train_data = load_configured_dataset(d, tok, d.train_path, split=d.train_split, subset=d.train_subset)
     heldout = (load_configured_dataset(d, tok, d.heldout_path, split=d.heldout_split, subset=d.heldout_subset)
@@ -232,8 +231,7 @@ def serve_rollout_rank(cfg, world) -> dict:
     if cfg.rollout.agent.env:
         from megarl.data.tokenizer import TokenizerContract
 
-        template = open(cfg.model.chat_template).read() if cfg.model.chat_template else None
-        tok = TokenizerContract.from_pretrained(cfg.model.tokenizer or cfg.model.path, chat_template=template)
+        tok = TokenizerContract.load(cfg.model.tokenizer or cfg.model.path, cfg.model.chat_template)
 
         def make_generator(engine):
             return agent_engine(cfg, tok, engine)[0]
@@ -268,9 +266,7 @@ def wire_components(cfg, parts: Parts, eng: EngineParts, *, sm, progress, run_di
 
     agentic = bool(cfg.rollout.agent.env)
     rollout_engine = eng.engine
-    if agentic:  # a second rollout producer: every candidate a session with the environment
-        from megarl.control.production import AgentRolloutProducer
-
+    if agentic:  # every candidate a session with the environment
         split = cfg.placement.mode == "split"  # the sessions run on the rollout ranks (serve_rollout_rank)
         rollout_engine, report = agent_engine(cfg, parts.tok, None if split else eng.engine)
         if split:
@@ -288,12 +284,17 @@ def wire_components(cfg, parts: Parts, eng: EngineParts, *, sm, progress, run_di
         engine=rollout_engine, placement=eng.placement,
         scorer=episode_scorer(cfg, parts.tok, counters, quarantine, rank0) if agentic else scorer(True), sm=sm,
         counters=counters, run_id=run_id, quarantine_path=quarantine)
+    admission = None
     if cfg.async_rl.max_staleness > 0:  # generation runs ahead on the rollout ranks, within the bound
-        from megarl.control.production import AsyncAgentRolloutProducer, AsyncGroupRolloutProducer
+        from megarl.control.production_ahead import AheadAdmission
 
-        producer = (AsyncAgentRolloutProducer if agentic else AsyncGroupRolloutProducer)(cfg, **producer_kwargs)
-    else:
-        producer = (AgentRolloutProducer if agentic else GroupRolloutProducer)(cfg, **producer_kwargs)
+        admission = AheadAdmission(cfg)
+    observers = []
+    if agentic:
+        from megarl.control.production_agent import AgentEpisodeMetrics
+
+        observers.append(AgentEpisodeMetrics())
+    producer = GroupRolloutProducer(cfg, **producer_kwargs, admission=admission, observers=observers)
     preparer = ExperiencePreparer(
         cfg, actor=parts.actor, reference=parts.reference, critic=parts.critic, time_slice=time_slice, sm=sm,
         kl_ctl=parts.kl_ctl, progress=progress, pad_id=eng.pad_id, run_id=run_id,

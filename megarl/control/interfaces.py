@@ -70,14 +70,18 @@ class ProducedRollout:
 class RolloutProducer(Protocol):
     """Produces the experience of one iteration on the version the engines serve.
 
-    The synchronous generator (:class:`megarl.control.production.GroupRolloutProducer`) is the
-    first implementation; agentic (multi-turn) and asynchronous (bounded-staleness) producers
-    meet the same interface.  A producer must return only complete, scored groups generated on
-    ``version`` (or, for a bounded-staleness producer, within its declared bound), and count
-    everything it dropped.
+    The group producer (:class:`megarl.control.production.GroupRolloutProducer`) is the
+    implementation; agentic (multi-turn) and asynchronous (bounded-staleness) production are parts
+    composed into it (:mod:`megarl.control.production_agent`, :mod:`megarl.control.production_ahead`).
+    A producer must return only complete, scored groups generated on ``version`` (or, for a
+    bounded-staleness producer, within its declared bound), and count everything it dropped.
     """
 
     def produce(self, k: int, version: PolicyVersion, timer: StageTimer) -> ProducedRollout: ...
+
+    def in_flight(self) -> Optional[dict]:
+        """What a checkpoint taken now drops (generation submitted ahead), or None."""
+        ...
 
 
 class SampleScorer(Protocol):

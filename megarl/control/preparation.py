@@ -74,9 +74,45 @@ class ExperiencePreparer:
 
     def prepare(self, k: int, version: PolicyVersion, produced: ProducedRollout, timer: StageTimer):
         """Returns the sealed batch with its derived tensors, and the ``prep/*`` metrics."""
-        cfg, a = self.cfg, self.cfg.algo
         v = version.short_id
         samples = produced.samples
+        c = self._collate(k, samples, v)
+        m: Dict[str, float] = {}
+        self.time_slice.release()
+        self.actor.onload()
+        ntok = float(c.attention_mask.sum())
+        # the behaviour policy: v, or every older version that generated a policy token (async)
+        rollout_lp = LogProbs(c.rollout_log_probs, LogProbProducer("rollout", c.behaviour_version, "raw"))
+        old = self._old_log_probs(k, v, c, rollout_lp, len(samples), ntok, timer, m)
+        keep = c.response_mask != 0
+        ref = self._reference_log_probs(c, old, keep, len(samples), ntok, timer, m)
+        values, bootstrap = self._critic_values(c, keep, len(samples), ntok, timer, m)
+        facts = ExperienceFacts(
+            run_id=self.run_id, iteration=k,
+            prompt_id=tuple(s.prompt_id for s in samples), group_id=tuple(s.group_id for s in samples),
+            sample_id=tuple(s.sample_id for s in samples),
+            prompt_ids=c.prompt_ids, response_ids=c.response_ids, attention_mask=c.attention_mask,
+            response_mask=c.response_mask, finish_reason=tuple(s.finish_reason for s in samples),
+            policy_version=tuple(s.policy_version for s in samples),
+            sampling=produced.sampling, request_id=tuple(s.request_id for s in samples),
+            seed=tuple(s.seed for s in samples), rewards=tuple(s.record for s in samples),
+            rollout_log_probs=rollout_lp, old_log_probs=old, ref_log_probs=ref, values=values,
+            critic_version=self.critic.version if self.critic is not None else None,
+            routed_experts=c.routed_experts, token_origins=c.token_origins)
+        sealed = self._seal(facts, version, produced, c, m)
+        with timer.stage("advantages"):
+            derived, adv_m = self.advantages(facts, produced.real_sizes, bootstrap)
+        m.update(adv_m)
+        batch = with_derived(sealed, derived)
+        if self.save_dir is not None:
+            save_sealed(batch, os.path.join(self.save_dir, f"iter_{k:06d}"))
+        return batch, m
+
+    def _collate(self, k: int, samples, v: str):
+        """The samples as padded tensors: single-turn responses; agent trajectories and responses
+        that span versions (in-flight weight updates) with per-token origins; the engine's
+        recorded routing with them under ``algo.routing_replay``."""
+        a = self.cfg.algo
         routing = None
         if a.routing_replay != "none":
             lacking = [s.sample_id for s in samples if s.routed_experts is None]
@@ -89,35 +125,34 @@ class ExperiencePreparer:
             if not all(s.episode is not None for s in samples):
                 raise RuntimeError(f"iteration {k}: agent trajectories mixed with single-turn samples in one batch")
             ep = [s.episode for s in samples]
-            c = collate_trajectories([s.prompt_ids for s in samples], [s.response_ids for s in samples],
-                                     [s.raw_log_probs for s in samples], [t.source for t in ep], [t.turn for t in ep],
-                                     [t.token_versions for t in ep], self.pad_id, routing=routing, version=v,
-                                     sample_versions=[s.policy_version for s in samples])
-        elif any(s.token_versions is not None for s in samples):
+            return collate_trajectories([s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                                        [s.raw_log_probs for s in samples], [t.source for t in ep], [t.turn for t in ep],
+                                        [t.token_versions for t in ep], self.pad_id, routing=routing, version=v,
+                                        sample_versions=[s.policy_version for s in samples])
+        if any(s.token_versions is not None for s in samples):
             # responses that span versions (in-flight weight updates): every token keeps its own
             # version in the record's token origins, all of them policy tokens of one turn
-            c = collate_trajectories([s.prompt_ids for s in samples], [s.response_ids for s in samples],
-                                     [s.raw_log_probs for s in samples], [[1] * len(s.response_ids) for s in samples],
-                                     [[0] * len(s.response_ids) for s in samples],
-                                     [s.token_versions or (s.policy_version,) * len(s.response_ids) for s in samples],
-                                     self.pad_id, routing=routing, version=v,
-                                     sample_versions=[s.policy_version for s in samples])
-        else:
-            c = collate([s.prompt_ids for s in samples], [s.response_ids for s in samples],
-                        [s.raw_log_probs for s in samples], self.pad_id, routing=routing, version=v,
-                        sample_versions=[s.policy_version for s in samples])
-        mbs, pack = a.forward_micro_batch_size, a.pack_sequences
-        m: Dict[str, float] = {}
-        self.time_slice.release()
-        self.actor.onload()
-        ntok = float(c.attention_mask.sum())
-        # the behaviour policy: v, or every older version that generated a policy token (async)
-        rollout_lp = LogProbs(c.rollout_log_probs, LogProbProducer("rollout", c.behaviour_version, "raw"))
+            return collate_trajectories([s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                                        [s.raw_log_probs for s in samples], [[1] * len(s.response_ids) for s in samples],
+                                        [[0] * len(s.response_ids) for s in samples],
+                                        [s.token_versions or (s.policy_version,) * len(s.response_ids) for s in samples],
+                                        self.pad_id, routing=routing, version=v,
+                                        sample_versions=[s.policy_version for s in samples])
+        return collate([s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                       [s.raw_log_probs for s in samples], self.pad_id, routing=routing, version=v,
+                       sample_versions=[s.policy_version for s in samples])
+
+    def _old_log_probs(self, k: int, v: str, c, rollout_lp, n: int, ntok: float, timer: StageTimer, m: dict):
+        """The proximal (old) log-probs: the rollout's when ``rollout.reuse_rollout_log_probs``
+        (after the token-by-token parity check that iteration runs), else the actor's on v (with
+        the recorded routing for an MoE batch); the rollout/actor gap in ``m``."""
+        cfg = self.cfg
+        mbs, pack = cfg.algo.forward_micro_batch_size, cfg.algo.pack_sequences
         every = cfg.rollout.log_prob_parity_every
         check_parity = cfg.rollout.reuse_rollout_log_probs and (
             not self.progress.parity_checked or (every > 0 and k % every == 0))
         reuse = cfg.rollout.reuse_rollout_log_probs and not check_parity
-        with timer.stage("old_log_prob", samples=len(samples), tokens=int(ntok)):
+        with timer.stage("old_log_prob", samples=n, tokens=int(ntok)):
             t0 = time.perf_counter()
             if reuse:
                 old = rollout_lp
@@ -143,47 +178,50 @@ class ExperiencePreparer:
                         f"rollout.reuse_rollout_log_probs: measured max |rollout - actor| log-prob "
                         f"{float(diff.max()):.3e} > rollout.log_prob_parity_tol={cfg.rollout.log_prob_parity_tol}")
                 self.progress.parity_checked = True
-        ref = None
-        if self.reference is not None:
-            with timer.stage("ref_log_prob", samples=len(samples), tokens=int(ntok)):
-                t0 = time.perf_counter()
-                vals = map_rows(lambda *t: self.reference.log_probs(*t, mbs, pack=pack), c.prompt_ids,
-                                c.response_ids, c.attention_mask).cpu()
-                ref = LogProbs(vals, LogProbProducer("reference", self.reference.version, "raw"))
-                m["prep/ref_log_prob_s"] = time.perf_counter() - t0
-                m["prep/ref_tokens_per_s"] = ntok / max(m["prep/ref_log_prob_s"], 1e-9)
-            d = (old.values - ref.values)[keep]
-            m["prep/old_ref_logprob_max_abs_diff"] = float(d.abs().max())
-            m["update/kl_ref"] = float(masked_mean(kl_k3(old.values, ref.values), keep))
-            m["update/kl_ref_k1"] = float(masked_mean(kl_k1(old.values, ref.values), keep))
-        values = bootstrap = None
-        if self.critic is not None:
-            self.critic.onload()
-            with timer.stage("critic_values", samples=len(samples), tokens=int(ntok)):
-                t0 = time.perf_counter()
-                R = c.response_ids.shape[1]
+        return old
 
-                def crit(*t):
-                    pt, b = self.critic.values(*t, mbs, pack=pack)
-                    return torch.cat([pt, b[:, None]], 1)
+    def _reference_log_probs(self, c, old, keep, n: int, ntok: float, timer: StageTimer, m: dict):
+        """The reference model's log-probs (None without one) and the KL to it, in ``m``."""
+        if self.reference is None:
+            return None
+        mbs, pack = self.cfg.algo.forward_micro_batch_size, self.cfg.algo.pack_sequences
+        with timer.stage("ref_log_prob", samples=n, tokens=int(ntok)):
+            t0 = time.perf_counter()
+            vals = map_rows(lambda *t: self.reference.log_probs(*t, mbs, pack=pack), c.prompt_ids,
+                            c.response_ids, c.attention_mask).cpu()
+            ref = LogProbs(vals, LogProbProducer("reference", self.reference.version, "raw"))
+            m["prep/ref_log_prob_s"] = time.perf_counter() - t0
+            m["prep/ref_tokens_per_s"] = ntok / max(m["prep/ref_log_prob_s"], 1e-9)
+        d = (old.values - ref.values)[keep]
+        m["prep/old_ref_logprob_max_abs_diff"] = float(d.abs().max())
+        m["update/kl_ref"] = float(masked_mean(kl_k3(old.values, ref.values), keep))
+        m["update/kl_ref_k1"] = float(masked_mean(kl_k1(old.values, ref.values), keep))
+        return ref
 
-                both = map_rows(crit, c.prompt_ids, c.response_ids, c.attention_mask).cpu()
-                values, bootstrap = both[:, :R] * keep, both[:, R]
-                m["prep/critic_s"] = time.perf_counter() - t0
-                m["prep/critic_tokens_per_s"] = ntok / max(m["prep/critic_s"], 1e-9)
-        facts = ExperienceFacts(
-            run_id=self.run_id, iteration=k,
-            prompt_id=tuple(s.prompt_id for s in samples), group_id=tuple(s.group_id for s in samples),
-            sample_id=tuple(s.sample_id for s in samples),
-            prompt_ids=c.prompt_ids, response_ids=c.response_ids, attention_mask=c.attention_mask,
-            response_mask=c.response_mask, finish_reason=tuple(s.finish_reason for s in samples),
-            policy_version=tuple(s.policy_version for s in samples),
-            sampling=produced.sampling, request_id=tuple(s.request_id for s in samples),
-            seed=tuple(s.seed for s in samples), rewards=tuple(s.record for s in samples),
-            rollout_log_probs=rollout_lp, old_log_probs=old, ref_log_probs=ref, values=values,
-            critic_version=self.critic.version if self.critic is not None else None,
-            routed_experts=c.routed_experts, token_origins=c.token_origins)
-        try:  # the hard per-token bound at consumption (the producer declares it; synchronous: 0)
+    def _critic_values(self, c, keep, n: int, ntok: float, timer: StageTimer, m: dict):
+        """The critic's per-token values and bootstrap values ((None, None) without a critic)."""
+        if self.critic is None:
+            return None, None
+        mbs, pack = self.cfg.algo.forward_micro_batch_size, self.cfg.algo.pack_sequences
+        self.critic.onload()
+        with timer.stage("critic_values", samples=n, tokens=int(ntok)):
+            t0 = time.perf_counter()
+            R = c.response_ids.shape[1]
+
+            def crit(*t):
+                pt, b = self.critic.values(*t, mbs, pack=pack)
+                return torch.cat([pt, b[:, None]], 1)
+
+            both = map_rows(crit, c.prompt_ids, c.response_ids, c.attention_mask).cpu()
+            values, bootstrap = both[:, :R] * keep, both[:, R]
+            m["prep/critic_s"] = time.perf_counter() - t0
+            m["prep/critic_tokens_per_s"] = ntok / max(m["prep/critic_s"], 1e-9)
+        return values, bootstrap
+
+    def _seal(self, facts, version: PolicyVersion, produced: ProducedRollout, c, m: dict):
+        """The hard per-token staleness bound (the producer declares it; synchronous: 0), then the
+        batch sealed, its evidence handed to the state machine, every rank's hash the same."""
+        try:
             ages = check_staleness(facts, version.optimizer_step, produced.max_staleness)
         except StalenessError:
             self.sm.fail("a policy token beyond the staleness bound")
@@ -203,13 +241,7 @@ class ExperiencePreparer:
         hashes = gather_objects(sealed.content_hash)
         if len(set(hashes)) != 1:
             raise RuntimeError(f"ranks sealed different experience: {hashes}")
-        with timer.stage("advantages"):
-            derived, adv_m = self.advantages(facts, produced.real_sizes, bootstrap)
-        m.update(adv_m)
-        batch = with_derived(sealed, derived)
-        if self.save_dir is not None:
-            save_sealed(batch, os.path.join(self.save_dir, f"iter_{k:06d}"))
-        return batch, m
+        return sealed
 
     def _old_log_probs_routed(self, c, mbs: int, pack: bool):
         """The old log-probs of an MoE batch with its recorded routing: replayed under

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -43,6 +42,52 @@ def _percentile(x: torch.Tensor, q: float) -> float:
     return float(torch.quantile(x.float(), q)) if x.numel() else 0.0
 
 
+class PromptAdmission(Protocol):
+    """Where each round's prompts come from, and on which version they are generated: drawn now
+    (:class:`DrawNow`), or submitted ahead within a staleness bound
+    (:class:`megarl.control.production_ahead.AheadAdmission`)."""
+
+    #: the staleness bound this admission keeps (optimizer steps)
+    max_staleness: int
+
+    def attach(self, producer: "GroupRolloutProducer") -> None: ...
+
+    def draw_round(self, k: int, rnd: int, v: str) -> tuple:
+        """Round ``rnd`` of iteration ``k``: ``(the version its groups are generated on, the
+        prompts, the generation already submitted for them or None)``."""
+        ...
+
+    def in_flight(self) -> Optional[dict]: ...
+
+
+@runtime_checkable
+class RolloutObserver(Protocol):
+    """Sees an iteration's production: ``before`` it, every scored candidate (``observe``,
+    accepted or not), and the produced rollout ``after`` it, whose metrics it may add to."""
+
+    def before(self, k: int, version: PolicyVersion) -> None: ...
+
+    def observe(self, samples: List[Sample]) -> None: ...
+
+    def after(self, k: int, out: ProducedRollout) -> None: ...
+
+
+class DrawNow:
+    """The synchronous admission: every round's B prompts drawn when it starts, generated on the
+    version the engines serve (``max_staleness`` 0)."""
+
+    max_staleness = 0
+
+    def attach(self, producer: "GroupRolloutProducer") -> None:
+        self.producer = producer
+
+    def draw_round(self, k: int, rnd: int, v: str) -> tuple:
+        return self.producer.draw_now(v)
+
+    def in_flight(self) -> Optional[dict]:
+        return None
+
+
 class GroupRolloutProducer:
     """Args: ``cfg`` the run config (reads ``rollout``, ``algo`` group and dynamic-sampling keys,
     ``trainer.prompts_per_iteration`` and ``trainer.seed``); ``grouped`` whether the estimator
@@ -52,13 +97,36 @@ class GroupRolloutProducer:
 
     def __init__(self, cfg, *, grouped: bool, train_data, sampler, engine, placement: Placement,
                  scorer: SampleScorer, sm: IterationStateMachine, counters: Counter, run_id: str,
-                 quarantine_path: str):
+                 quarantine_path: str, admission: Optional["PromptAdmission"] = None,
+                 observers: Sequence["RolloutObserver"] = ()):
         self.cfg, self.grouped, self.train_data, self.sampler = cfg, grouped, train_data, sampler
         self.engine, self.placement, self.scorer, self.sm = engine, placement, scorer, sm
         self.counters, self.run_id, self.quarantine_path = counters, run_id, quarantine_path
         self.last_engine_error: str | None = None  # "group g: <error>", for the message of a failed iteration
+        self.admission = admission if admission is not None else DrawNow()
+        self.admission.attach(self)
+        # an admission that also observes (the asynchronous one: its metrics) wraps the others
+        self.observers = [o for o in (self.admission, *observers) if isinstance(o, RolloutObserver)]
+
+    @property
+    def max_staleness(self) -> int:
+        """The bound this producer declares: its admission's (0: every policy token generated on
+        the version trained from)."""
+        return self.admission.max_staleness
+
+    def in_flight(self) -> Optional[dict]:
+        """What a checkpoint now drops (generation submitted ahead), or None."""
+        return self.admission.in_flight()
 
     def produce(self, k: int, version: PolicyVersion, timer: StageTimer) -> ProducedRollout:
+        for o in self.observers:
+            o.before(k, version)
+        out = self._produce(k, version, timer)
+        for o in reversed(self.observers):  # nested: the first observer sees the others' metrics
+            o.after(k, out)
+        return out
+
+    def _produce(self, k: int, version: PolicyVersion, timer: StageTimer) -> ProducedRollout:
         cfg, a = self.cfg, self.cfg.algo
         B, G = cfg.trainer.prompts_per_iteration, cfg.rollout.n
         v = version.short_id
@@ -127,13 +195,11 @@ class GroupRolloutProducer:
                                metrics=rollout_metrics(accepted, dict(m), timing["generate"]),
                                max_staleness=self.max_staleness)
 
-    #: the bound this producer declares (every policy token generated on the version trained from)
-    max_staleness = 0
-
     def _draw_round(self, k: int, rnd: int, v: str):
-        """Round ``rnd`` of iteration ``k``: ``(the version its groups are generated on, the
-        prompts, the generation already submitted for them or None)``.  Here: B prompts drawn
-        now, generated now on ``v``."""
+        return self.admission.draw_round(k, rnd, v)
+
+    def draw_now(self, v: str):
+        """B prompts drawn now, generated now on ``v`` (a round no admission prepared)."""
         B = self.cfg.trainer.prompts_per_iteration
         return v, [self.train_data.records[i] for i in self.sampler.next_indices(B)], None
 
@@ -143,7 +209,9 @@ class GroupRolloutProducer:
                 for j, rec in enumerate(records)]
 
     def _observe(self, samples: List[Sample]) -> None:
-        """Every scored candidate, accepted or not (a subclass's metrics see failures too)."""
+        """Every scored candidate, accepted or not (an observer's metrics see failures too)."""
+        for o in self.observers:
+            o.observe(samples)
 
     def _generate_groups(self, requests: List[GenerationRequest], by_group: dict, buffer: GroupBuffer,
                          sampling: SamplingParams, v: str, timer: StageTimer, timing: dict, m: Counter,
@@ -236,127 +304,6 @@ class GroupRolloutProducer:
             requests = [GenerationRequest(gid, tuple(by_group[gid].prompt_ids), candidate_indices=tuple(sorted(cs)),
                                           attempt=att, task=by_group[gid].task())
                         for (gid, att), cs in sorted(by_req.items())]
-
-
-@dataclass
-class _Ahead:
-    """One iteration's first round, submitted before its turn."""
-
-    version: str  # the version the engines served when it was submitted: it is generated on it
-    indices: List[int]  # its prompts' dataset indices (given back to the sampler by a checkpoint)
-    ticket: object  # the engine holder's handle on the results (None on the other ranks)
-
-
-class AsyncGroupRolloutProducer(GroupRolloutProducer):
-    """Generation runs ahead of training by up to eta = ``async_rl.max_staleness`` optimizer steps
-    (split placement: the rollout ranks generate while the trainer ranks train).
-
-    Admission reserves each batch's consumer in advance (NeMo-RL's target-step reservation, in
-    its simplest exact form): right after version v_k is published, iteration k + eta's prompts
-    are drawn and submitted.  The rollout ranks execute commands in order, so that batch is
-    generated on v_k -- every token of it is then exactly eta steps old when iteration k + eta
-    trains on it, never older -- and at most eta batches are ever waiting (the backpressure: the
-    queue is bounded by admission, and consumed oldest first, by target iteration).  The hard
-    check at consumption (:func:`megarl.experience.staleness.check_staleness`, in preparation)
-    stays independent of this arithmetic: the producer declares eta, preparation refuses any
-    policy token beyond it.
-
-    Everything after the first round is the synchronous producer's: the group buffer, scoring,
-    regeneration by sample id (on the version the candidate was generated by: a candidate lost
-    from a batch generated on an older version fails rather than being filled from a newer one)
-    and DAPO's further rounds, which are generated on the current version (age 0).
-
-    ``in_flight()`` is what a checkpoint deliberately drops: the batches submitted for later
-    iterations; their prompts go back to the sampler, so a resume draws them first."""
-
-    def __init__(self, cfg, **kwargs):
-        super().__init__(cfg, **kwargs)
-        self.max_staleness = cfg.async_rl.max_staleness
-        self.last_iteration = cfg.trainer.iterations - 1
-        self.ahead: Dict[int, _Ahead] = {}
-        self._returned_counted = False
-        self._last_produce = None
-
-    def _admit(self, k: int, v: str) -> None:
-        """Submit every iteration up to ``k + eta`` (never past the run's last) not yet submitted."""
-        cfg = self.cfg
-        B = cfg.trainer.prompts_per_iteration
-        first = max(self.ahead, default=k - 1) + 1
-        for t in range(max(first, k), min(k + self.max_staleness, self.last_iteration) + 1):
-            indices = self.sampler.next_indices(B)
-            requests = self._requests(t, 0, [self.train_data.records[i] for i in indices])
-            sampling = training_sampling(cfg.rollout, cfg.trainer.seed, t, 0,
-                                         return_routed_experts=cfg.algo.routing_replay != "none")
-            ticket = self.engine.submit(requests, sampling) if self.placement.holds_engine else None
-            self.ahead[t] = _Ahead(v, indices, ticket)
-
-    def _draw_round(self, k: int, rnd: int, v: str):
-        if rnd == 0:
-            a = self.ahead.pop(k)
-            return a.version, [self.train_data.records[i] for i in a.indices], a
-        return super()._draw_round(k, rnd, v)
-
-    def produce(self, k: int, version: PolicyVersion, timer: StageTimer) -> ProducedRollout:
-        if not self._returned_counted:  # a resume: the prompts the checkpoint gave back are drawn first
-            self.counters["in_flight_prompts_returned"] += len(self.sampler.returned)
-            self._returned_counted = True
-        now = time.perf_counter()
-        self._admit(k, version.short_id)
-        stats0 = dict(getattr(self.engine, "stats", {}))
-        out = super().produce(k, version, timer)
-        m = out.metrics
-        m["async/queue_depth"] = float(len(self.ahead))  # batches submitted for later iterations
-        m["async/max_staleness"] = float(self.max_staleness)
-        if self._last_produce is not None:  # the trainer's wait for this batch, over the last iteration
-            m["async/idle_share/trainer"] = m["rollout/generate_s"] / max(now - self._last_produce, 1e-9)
-        stats = getattr(self.engine, "stats", {})
-        busy = stats.get("generate_s", 0.0) - stats0.get("generate_s", 0.0)
-        idle = stats.get("idle_s", 0.0) - stats0.get("idle_s", 0.0)
-        # responses that a version published mid-generation finished (async_rl.segment_tokens)
-        m["rollout/mixed_version_share"] = sum(s.token_versions is not None for s in out.samples) / len(out.samples)
-        if "inflight_activations" in stats:
-            m["async/inflight_activations"] = stats["inflight_activations"] - stats0.get("inflight_activations", 0.0)
-        if busy + idle > 0:  # the rollout ranks' own account since the last batch (rank 0 writes metrics)
-            m["async/idle_share/rollout"] = idle / (busy + idle + stats.get("load_s", 0.0) - stats0.get("load_s", 0.0))
-        self._last_produce = now
-        return out
-
-    def in_flight(self) -> dict:
-        """What a checkpoint now drops: the iterations submitted ahead, their groups, their prompts."""
-        its = sorted(self.ahead)
-        return {"iterations": its, "groups": sum(len(self.ahead[t].indices) for t in its),
-                "prompt_indices": [i for t in its for i in self.ahead[t].indices]}
-
-
-class AgentRolloutProducer(GroupRolloutProducer):
-    """The agent producer: the same groups, ids, regeneration and group rule as
-    :class:`GroupRolloutProducer`, with every candidate a multi-turn session
-    (``engine`` is a :class:`megarl.rollout.agent.AgentSessionEngine`: a candidate's result is
-    its whole trajectory) scored by its environment
-    (:class:`megarl.control.scoring.EpisodeScorer`).  Adds ``rollout/agent/*`` over every
-    finished trajectory (environment errors, timeouts and invalid steps of dropped groups
-    included) and ``rollout/agent/accepted/*`` over the trained ones: turns and tool calls per
-    trajectory, the tool-call rate, the environment-token share, per-step latency, finish
-    reasons."""
-
-    def produce(self, k: int, version: PolicyVersion, timer: StageTimer) -> ProducedRollout:
-        from megarl.rollout.agent import agent_metrics
-
-        self._episodes: list = []
-        out = super().produce(k, version, timer)
-        # over every finished trajectory, failed ones too: a dropped group's environment errors count
-        out.metrics.update(agent_metrics(self._episodes))
-        out.metrics.update(agent_metrics([s.episode for s in out.samples], prefix="rollout/agent/accepted"))
-        return out
-
-    def _observe(self, samples: List[Sample]) -> None:
-        self._episodes.extend(s.episode for s in samples)
-
-
-class AsyncAgentRolloutProducer(AsyncGroupRolloutProducer, AgentRolloutProducer):
-    """Agent sessions admitted up to eta steps ahead: the asynchronous producer's admission and
-    bound, the agent producer's trajectories and metrics (the sessions run on the rollout ranks,
-    each trajectory whole on the version its batch started on)."""
 
 
 #: finish reasons of a trajectory the limits cut (bootstrapped, not terminal): the token budget,

@@ -108,11 +108,10 @@ class Trainer:
 
     def close(self) -> None:
         """Stop what the run started outside this process (split placement: the rollout ranks)."""
-        close = getattr(self.engine, "close", None)
-        if close is None:
+        if self.engine is None:  # a rank that holds no engine
             return
         try:
-            close()
+            self.engine.close()
         except Exception as e:  # noqa: BLE001 -- the run is ending; never hide why it ended
             print(f"closing the rollout ranks: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
@@ -209,7 +208,7 @@ class Trainer:
         every = cfg.trainer.checkpoint_every
         if (every and done % every == 0) or signalled or (wall and done < total):
             with span("checkpoint", k, self.version.short_id):
-                in_flight = self.producer.in_flight() if hasattr(self.producer, "in_flight") else None
+                in_flight = self.producer.in_flight()
                 path = self.persistence.save(done, self.run_id, self.version, self.manifest.global_hash,
                                              in_flight=in_flight)
             if self.rank0:

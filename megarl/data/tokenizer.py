@@ -77,6 +77,17 @@ class TokenizerContract:
             raise FileNotFoundError(f"tokenizer directory {path} does not exist")
         return cls.from_tokenizer(AutoTokenizer.from_pretrained(path), chat_template, source=path)
 
+    @classmethod
+    def load(cls, tokenizer_dir: str | os.PathLike, chat_template_file: str | None = None):
+        """The contract of the tokenizer in ``tokenizer_dir`` with the Jinja chat template read from
+        ``chat_template_file`` (``model.chat_template``; None: the tokenizer's own) -- how every
+        role, command and check of a run loads it."""
+        template = None
+        if chat_template_file:
+            with open(chat_template_file, encoding="utf-8") as f:
+                template = f.read()
+        return cls.from_pretrained(tokenizer_dir, chat_template=template)
+
     # ---- ids ---------------------------------------------------------------------------------
 
     @property

@@ -2,7 +2,7 @@
 
 Batches of samples are POSTed as JSON to ``url``; the service answers one result per sample.
 Every way the service can fail is a *status* with a message that names the failure, never a
-number (see ``README.md``, "Rewards in production").
+number (see ``docs/rewards.md``).
 
 Request (``Content-Type: application/json``)::
 

@@ -35,8 +35,7 @@ class RewardModel:
         self.model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
-        template = open(chat_template).read() if chat_template else None
-        self.contract = TokenizerContract.from_pretrained(tokenizer or path, chat_template=template)
+        self.contract = TokenizerContract.load(tokenizer or path, chat_template)
         self.version = f"rm-{self.contract.hash[7:15]}-{path}"
         self.micro_batch_size = micro_batch_size
         self.pack = pack  # algo.pack_sequences: each micro-batch as one packed sequence

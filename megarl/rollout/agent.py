@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from megarl.experience.schema import FinishReason
-from megarl.rollout.protocol import GenerationRequest, GenerationResult, SamplingParams
+from megarl.rollout.protocol import EngineWrapper, GenerationRequest, GenerationResult, SamplingParams
 
 POLICY, ENVIRONMENT = 1, 2  # the token sources of a trajectory (0 is padding in the record)
 
@@ -317,7 +317,7 @@ def episode_result(t: Trajectory, served: str = "") -> GenerationResult:
                             seed=first.seed if first is not None else None, attempt=t.attempt, episode=t)
 
 
-class AgentSessionEngine:
+class AgentSessionEngine(EngineWrapper):
     """A rollout engine whose candidates are whole multi-turn sessions.
 
     ``generate(requests, sampling)`` runs :func:`run_agent_rollouts` over the wrapped engine
@@ -327,12 +327,13 @@ class AgentSessionEngine:
     candidates by sample id, the group buffer, the evaluation loop -- drives agents unchanged.
     A candidate the engine aborted (or never answered) in any turn is answered ``abort`` with no
     tokens: it is regenerated from its request, with the same per-turn seeds.  Weight loading and
-    the other engine calls go to the wrapped engine (:attr:`engine`).
+    the other engine calls go to the wrapped engine (:attr:`engine`; :class:`~megarl.rollout.protocol.EngineWrapper`).
     """
 
     def __init__(self, engine, *, env_factory: Callable[[], Any], renderer, limits: AgentLimits,
                  decode: Callable[[Sequence[int]], str], step_timeout_s: float, max_workers: int,
                  encode_prompt: Optional[Callable[[Sequence], List[int]]] = None):
+        super().__init__(engine)
         self.engine, self.env_factory, self.renderer, self.limits = engine, env_factory, renderer, limits
         self.decode, self.step_timeout_s, self.max_workers = decode, step_timeout_s, max_workers
         self.encode_prompt = encode_prompt
@@ -343,7 +344,7 @@ class AgentSessionEngine:
                                    self.limits, decode=self.decode, step_timeout_s=self.step_timeout_s,
                                    max_workers=self.max_workers, encode_prompt=self.encode_prompt,
                                    prompt_messages=messages)
-        active = getattr(self.engine, "active_version", None)
+        active = self.engine.active_version
         served = active.short_id if active is not None else ""
         out = []
         for t in trajs:
@@ -355,6 +356,3 @@ class AgentSessionEngine:
             else:
                 out.append(episode_result(t, served))
         return out
-
-    def __getattr__(self, name):  # weight loading, activation, memory release, version, dtype
-        return getattr(self.engine, name)

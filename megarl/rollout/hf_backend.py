@@ -414,6 +414,9 @@ class HFRolloutEngine:
                 self._active.move(self.device)
             self._asleep = False
 
+    def close(self) -> None:
+        """Nothing to stop: the engine is this process's models."""
+
     # ---- generation --------------------------------------------------------------------------
 
     def generate(

@@ -35,6 +35,8 @@ __all__ = [
     "LoadReport",
     "ActivationReport",
     "RolloutEngine",
+    "SubmittingEngine",
+    "EngineWrapper",
     "RolloutError",
     "RolloutBusyError",
     "NoActiveVersionError",
@@ -313,6 +315,91 @@ class RolloutEngine(Protocol):
     def sleep(self) -> None: ...
 
     def wake(self) -> None: ...
+
+    def close(self) -> None:
+        """Stop what the engine started outside this process (split placement: the rollout
+        ranks); an in-process engine ends with its process and has nothing to stop."""
+        ...
+
+
+@runtime_checkable
+class SubmittingEngine(RolloutEngine, Protocol):
+    """A rollout engine that also generates while its caller does other work (split placement's
+    :class:`~megarl.rollout.remote.RemoteEngine`): the asynchronous producer submits a batch ahead
+    and collects it an iteration or more later."""
+
+    def submit(self, requests: Sequence[GenerationRequest], sampling: SamplingParams,
+               segmented: bool = True) -> Any:
+        """Send ``requests`` and return a ticket at once; ``segmented``: a version published
+        while they generate may take over between segments (``async_rl.segment_tokens``)."""
+        ...
+
+    def collect(self, ticket: Any) -> list[GenerationResult]: ...
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """Cumulative seconds the engines spent generating, idle and loading (and in-flight
+        activations), as of their last results."""
+        ...
+
+
+class EngineWrapper:
+    """An engine around another that changes some calls and forwards the rest, every one named
+    here (no ``__getattr__``): the members of :class:`RolloutEngine`, and those of
+    :class:`SubmittingEngine`, which reach an inner engine that has them."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @property
+    def log_prob_spaces(self) -> frozenset[str]:
+        return self.inner.log_prob_spaces
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return self.inner.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.inner.device
+
+    @property
+    def active_version(self) -> PolicyVersion | None:
+        return self.inner.active_version
+
+    def staging_target(self, name: str) -> torch.Tensor | None:
+        return self.inner.staging_target(name)
+
+    def load_weights(self, version: PolicyVersion, named_tensor_buckets, expected_manifest: TensorManifest) -> LoadReport:
+        return self.inner.load_weights(version, named_tensor_buckets, expected_manifest)
+
+    def activate(self, version: PolicyVersion) -> ActivationReport:
+        return self.inner.activate(version)
+
+    def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[GenerationResult]:
+        return self.inner.generate(requests, sampling)
+
+    def flush_cache(self) -> None:
+        self.inner.flush_cache()
+
+    def sleep(self) -> None:
+        self.inner.sleep()
+
+    def wake(self) -> None:
+        self.inner.wake()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def submit(self, requests: Sequence[GenerationRequest], sampling: SamplingParams, segmented: bool = True) -> Any:
+        return self.inner.submit(requests, sampling, segmented)
+
+    def collect(self, ticket: Any) -> list[GenerationResult]:
+        return self.inner.collect(ticket)
+
+    @property
+    def stats(self) -> dict[str, float]:
+        return self.inner.stats
 
 
 def candidate_seed(seed: int, request_id: str, candidate_index: int) -> int:

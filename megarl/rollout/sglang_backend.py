@@ -846,6 +846,11 @@ class SGLangRolloutEngine:
                 self._engine.resume_memory_occupation(tags=tags), (True, ""))[1], RolloutError)
         self._released = ()
 
+    def close(self) -> None:
+        """Nothing to stop here: SGLang's schedulers end with this process.  (:meth:`shutdown`
+        stops them now, but SGLang's ``Engine.shutdown`` kills every child process of its caller,
+        reward workers included, so the trainer does not call it.)"""
+
     def shutdown(self) -> None:
         if self._engine is not None:
             self._engine.shutdown()

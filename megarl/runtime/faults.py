@@ -20,6 +20,7 @@ from collections import Counter
 from typing import Any, Sequence
 
 from megarl.errors import MegarlError
+from megarl.rollout.protocol import EngineWrapper
 
 __all__ = ["FaultInjector", "InjectedFault", "FaultyActor", "FaultyRolloutEngine", "FaultyRewardFunction"]
 
@@ -131,7 +132,7 @@ class FaultyActor:
         return result
 
 
-class FaultyRolloutEngine:
+class FaultyRolloutEngine(EngineWrapper):
     """A real rollout engine whose results are lost, delivered late, or duplicated.
 
     * ``faults.rollout_error_rate``: a candidate's result is lost (the controller sees it
@@ -139,26 +140,15 @@ class FaultyRolloutEngine:
       appended to the *next* ``generate`` call's results, where it must be ignored;
     * ``faults.duplicate_result_rate``: a result is delivered twice in the same call.
 
-    Everything else (load, activate, sleep, wake, the generation itself) is the real engine's.
+    Everything else (load, activate, sleep, wake, the generation itself; submit and collect of a
+    split placement's engine, whose results are not faulted) is the real engine's
+    (:class:`~megarl.rollout.protocol.EngineWrapper`).
     """
 
     def __init__(self, engine, injector: FaultInjector):
+        super().__init__(engine)
         self._engine, self._inj = engine, injector
         self._late: list = []
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-    @property
-    def dtype(self):
-        return self._engine.dtype
-
-    @property
-    def device(self):
-        return self._engine.device
-
-    def staging_target(self, name: str):
-        return self._engine.staging_target(name)
 
     def generate(self, requests: Sequence, sampling) -> list:
         late, self._late = self._late, []
