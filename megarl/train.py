@@ -74,6 +74,7 @@ def main(argv=None) -> dict:
     if cfg.trainer.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
     torch.manual_seed(cfg.trainer.seed)
+    world_side = None
     if cfg.placement.mode == "split":  # the world divided once: trainer ranks and rollout ranks
         world_side = rt.init_split_world(cfg.placement.rollout_ranks, cfg.placement.timeout_s)
         if world_side.role == "rollout":
@@ -103,6 +104,8 @@ def main(argv=None) -> dict:
         result = trainer.run()
     finally:
         trainer.close()
+        if world_side is not None:  # the heartbeat stops before the interpreter exits
+            world_side.close()
     if rt.is_main():
         acc = result.get("heldout_accuracy")
         print(f"done: {result['iterations']} iterations; final held-out accuracy "

@@ -79,7 +79,12 @@ class Heartbeat:
         return now - last[1]
 
     def stop(self) -> None:
+        """Stop beating and wait for the thread: a daemon thread still inside the store's C++ call
+        when the interpreter exits is unwound through it, which aborts the process
+        ("terminate called without an active exception", seen at the end of a loaded run)."""
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.period_s + 30.0)  # one store round trip, on a loaded machine
 
 
 class Mailbox:
