@@ -66,6 +66,13 @@ def test_split_eta0_is_the_synchronous_loop(assets, tmp_path_factory, tmp_path):
         assert set(wa) == set(wb) and all(torch.equal(wa[k], wb[k]) for k in wa), f"export iter_{it} differs"
 
 
+def token_steps(origins) -> torch.Tensor:
+    """The optimizer step of the version that sampled each token, from a batch's token origins."""
+    from megarl.versions import step_of_short_id
+
+    return torch.tensor([step_of_short_id(v) for v in origins.versions])[origins.version_index.long().clamp(min=0)]
+
+
 def _audit(run_dir, eta):
     """Every policy token of every sealed batch: its age (trained step - generating step) is in
     [0, eta]; returns the per-iteration histograms of sample ages {age: share}."""
@@ -82,7 +89,7 @@ def _audit(run_dir, eta):
         if o is None:
             steps = torch.tensor([step_of_short_id(v) for v in f.policy_version])[:, None].expand_as(mask)
         else:  # a response that spans versions: each token's own
-            steps = torch.tensor([step_of_short_id(v) for v in o.versions])[o.version_index.long().clamp(min=0)]
+            steps = token_steps(o)
         token_ages = torch.where(mask, trained - steps, torch.full_like(steps, -1))
         ages = token_ages[mask]
         assert int((ages > eta).sum()) == 0 and int((ages < 0).sum()) == 0, (k, ages.unique())
@@ -96,7 +103,6 @@ def _audit_labels(run_dir):
     labelled with: its rollout log-prob equals the teacher-forced log-prob under that version's
     export (``export/iter_<step>``), and versions never go backwards along a response.  Returns
     how many such responses there were."""
-    from megarl.versions import step_of_short_id
     from tests._train_runs import hf_response_log_probs
 
     mixed = 0
@@ -104,7 +110,7 @@ def _audit_labels(run_dir):
         f, o = b.facts, b.facts.token_origins
         if o is None:
             continue
-        steps = torch.tensor([step_of_short_id(v) for v in o.versions])[o.version_index.long().clamp(min=0)]
+        steps = token_steps(o)
         pol = o.policy_mask()
         for row in range(f.batch_size):
             s = steps[row][pol[row]]

@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 from tests._tolerance import NET_FP32_LOGPROB
 from tests._train_runs import GRPO, ITERS, batches, checkpointed_run_cmd, hf_response_log_probs, metrics, run_to_exit
-from tests.test_split_async import _audit, _audit_labels
+from tests.test_split_async import _audit, _audit_labels, token_steps
 
 ETA = 1
 ASYNC = ["placement.mode=split", "rollout.backend=sglang", "rollout.enable_memory_saver=false",
@@ -39,14 +37,12 @@ def _spanning_tokens_against_their_start(run_dir) -> float:
     """The smallest, over responses that span versions, of the largest gap between a token's
     rollout log-prob and the log-prob the response's *first* version gives it (the wrong
     labelling: as if no update had landed mid-response)."""
-    from megarl.versions import step_of_short_id
-
     worst = []
     for b in batches(run_dir):
         f, o = b.facts, b.facts.token_origins
         if o is None:
             continue
-        steps = torch.tensor([step_of_short_id(v) for v in o.versions])[o.version_index.long().clamp(min=0)]
+        steps = token_steps(o)
         pol = o.policy_mask()
         for step in sorted(set(steps[pol].tolist())):
             _, (lp, _) = hf_response_log_probs(os.path.join(run_dir, "export", f"iter_{step}"), f)
