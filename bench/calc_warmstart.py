@@ -55,8 +55,8 @@ def build(out: str, args) -> float:
 
 def load_engine(model_dir: str):
     """The hf rollout engine serving ``model_dir``'s weights, as ``python -m megarl.eval`` loads it."""
+    from megarl.commands.evaluate import load_engine as eval_engine
     from megarl.data.tokenizer import TokenizerContract
-    from megarl.eval import load_engine as eval_engine
 
     contract = TokenizerContract.from_pretrained(model_dir)
     return contract, eval_engine(model_dir, contract, "cpu")

@@ -77,7 +77,7 @@ def _actor(hf_dir):
 
 
 def bench_weight_sync(name, config, workdir, repeats) -> dict:
-    from megarl.models.tiny import write_random_hf_checkpoint
+    from megarl.builtin.tiny_checkpoint import write_random_hf_checkpoint
     from megarl.rollout.hf_backend import HFRolloutEngine
     from megarl.rollout.weight_sync import actor_manifest, make_version, sync_actor_to_engine
 
@@ -117,8 +117,8 @@ def bench_stages(workdir, repeats, batch, prompt_len, new_tokens) -> list:
     from megarl.experience.schema import LogProbProducer, LogProbs
     from megarl.models.forward import gather_response, position_ids_for, response_log_probs, \
         token_log_probs_from_logits
+    from megarl.builtin.tiny_checkpoint import write_random_hf_checkpoint
     from megarl.models.optim import train_step
-    from megarl.models.tiny import write_random_hf_checkpoint
     from megarl.rollout.hf_backend import HFRolloutEngine
     from megarl.rollout.protocol import GenerationRequest, SamplingParams
     from megarl.rollout.weight_sync import actor_manifest, make_version, sync_actor_to_engine

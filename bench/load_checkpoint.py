@@ -29,7 +29,7 @@ def _rss_gb() -> float:
 
 
 def make_checkpoint(out: str, size_gb: float) -> float:
-    from megarl.models.tiny import write_random_hf_checkpoint
+    from megarl.builtin.tiny_checkpoint import write_random_hf_checkpoint
 
     hidden, ffn, vocab = 1024, 4096, 32000
     per_layer = 4 * hidden * hidden + 3 * hidden * ffn  # MHA + SwiGLU, fp32 below

@@ -74,9 +74,9 @@ def main() -> None:
     from megarl.runtime import distributed as rt
 
     rt.initialize(tp=1, pp=1)
+    from megarl.builtin.tiny_checkpoint import make_tiny_hf_checkpoint
     from megarl.models.forward import response_log_probs
     from megarl.models.megatron_ckpt import load_model
-    from megarl.models.tiny import make_tiny_hf_checkpoint
     from megarl.runtime import cpu_compat
 
     with tempfile.TemporaryDirectory() as d:

@@ -68,11 +68,11 @@ def main(argv=None) -> None:
 
     from transformers import AutoModelForCausalLM
 
+    from megarl.builtin.tiny_checkpoint import make_tiny_hf_checkpoint
     from megarl.control.batch import collate
     from megarl.models.forward import response_log_probs
     from megarl.models.megatron_ckpt import load_model
     from megarl.models.router_replay import RecordRouting, RoutingStats
-    from megarl.models.tiny import make_tiny_hf_checkpoint
     from megarl.rollout.hf_backend import HFRolloutEngine
     from megarl.rollout.protocol import SamplingParams
     from megarl.rollout.weight_stream import TensorManifest, hf_logical_tensors, iter_buckets

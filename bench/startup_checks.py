@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""How long the start-up data check takes (``megarl.data.fields_check.check_file``: every row of
+"""How long the start-up data check takes (``megarl.rewards.dataset_fields.check_file``: every row of
 the train file carries the fields the reward reads), by file size.
 
     python bench/startup_checks.py [--rows 20000 200000 2000000]
@@ -21,7 +21,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[20_000, 200_000, 2_000_000])
     a = ap.parse_args()
-    from megarl.data.fields_check import check_file
+    from megarl.rewards.dataset_fields import check_file
 
     with tempfile.TemporaryDirectory() as d:
         for n in a.rows:

@@ -39,8 +39,8 @@ def bench_sync(name, hf_config: dict, bucket_bytes, repeats):
     """A full hybrid-engine sync from a megatron actor (TP=1 world of 1, fp32 on CPU): actor
     manifest at commit + gathered stream in buckets + engine staging copy + receiver manifest
     check + activation."""
+    from megarl.builtin.tiny_checkpoint import write_random_hf_checkpoint
     from megarl.models.megatron_ckpt import load_model
-    from megarl.models.tiny import write_random_hf_checkpoint
     from megarl.rollout.weight_sync import actor_manifest, make_version, sync_actor_to_engine
 
     with tempfile.TemporaryDirectory() as d:

@@ -35,3 +35,14 @@ def cli_main(fn):
             sys.exit(2)
 
     return wrapper
+
+
+def require(ok: bool, key: str, msg: str) -> None:
+    """A config check: unless ``ok``, a :class:`ConfigError` ``"<key>: <msg>"``."""
+    if not ok:
+        raise ConfigError(f"{key}: {msg}")
+
+
+def require_choice(value, key: str, choices) -> None:
+    """A config check: ``value`` is one of ``choices``."""
+    require(value in choices, key, f"{value!r} is not one of {list(choices)}")

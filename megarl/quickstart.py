@@ -70,8 +70,8 @@ def main(argv=None) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from megarl.data.tiny_tokenizer import build_tiny_tokenizer
-    from megarl.models.tiny import make_tiny_hf_checkpoint
+    from megarl.builtin.tiny_checkpoint import make_tiny_hf_checkpoint
+    from megarl.builtin.tiny_tokenizer import build_tiny_tokenizer
 
     out = os.path.abspath(cfg.out_dir)
     hf, meg, back = (os.path.join(out, d) for d in ("hf", "megatron", "hf_export"))

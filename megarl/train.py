@@ -34,7 +34,8 @@ def main(argv=None) -> dict:
 
     from megarl.commands.startup import (check_model, check_reward, ensure_builtin_model, ensure_builtin_task,
                                          write_run_files)
-    from megarl.config import config_hash, default_run_dir, load_config, require_installed, validate
+    from megarl.commands.run_checks import check_run
+    from megarl.config import config_hash, default_run_dir, load_config, require_installed
 
     cfg = load_config(args.config, args.overrides)
     if args.dry_run:
@@ -42,9 +43,10 @@ def main(argv=None) -> dict:
 
         return dry_run(cfg, world_size=args.world_size)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    dp = validate(cfg, world)
+    dp = check_run(cfg, world)
     require_installed(cfg)  # rollout.backend=sglang without sglang: the install command, now
-    from megarl.runtime.run_dir import check_start_paths, inspect_run_dir, start_decision
+    from megarl.commands.startup import check_start_paths
+    from megarl.runtime.run_dir import inspect_run_dir, start_decision
 
     check_start_paths(cfg)  # an unwritable trainer.run_dir fails here, before any model loads
     if cfg.trainer.run_dir:
@@ -54,7 +56,7 @@ def main(argv=None) -> dict:
                 print(f"megarl.train: {finished}", flush=True)
             return {"finished": True}
     check_reward(cfg)
-    from megarl.data.fields_check import check_datasets_against_reward
+    from megarl.rewards.dataset_fields import check_datasets_against_reward
 
     if cfg.rollout.backend == "sglang":  # no CUDA device: SGLang's CPU engine needs its mends before
         from megarl.rollout import sglang_cpu  # megatron or SGLang load, the tiny model's build included

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megarl.builtin.tiny_checkpoint import make_tiny_hf_checkpoint
 from megarl.config import OptimSettings
 from megarl.models.forward import token_log_probs_from_logits
 from megarl.models.megatron_ckpt import load_model
 from megarl.models.optim import train_step, wrap_for_training
-from megarl.models.tiny import make_tiny_hf_checkpoint
 
 ADAM = OptimSettings(optimizer="adam", lr=1e-3, weight_decay=0.1, clip_grad=0.05)
 

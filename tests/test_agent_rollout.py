@@ -169,7 +169,7 @@ def test_sglang_sessions_continue_from_input_ids(tmp_path, monkeypatch):
     ``input_ids`` -- the whole trajectory so far, never text -- so its prefix cache is reused."""
     import os
 
-    from megarl.data.tiny_tokenizer import build_tiny_tokenizer
+    from megarl.builtin.tiny_tokenizer import build_tiny_tokenizer
     from megarl.rollout.sglang_backend import SGLangRolloutEngine
     from tests._standins import HFActorStandIn, tiny_llama_config
     from tests.sglang_fake import FakeSGLang, load_description, recorded_versions
@@ -363,7 +363,8 @@ def test_episodes_are_scored_by_their_environment_and_failures_stay_statuses(set
 def test_agent_training_refuses_what_would_score_the_trajectory_as_one_response():
     """With rollout.agent.env the environment scores each episode: a reward function, a reward
     model, the overlong punishment or routing replay named next to it is one error naming the key."""
-    from megarl.config import ConfigError, load_config, validate
+    from megarl.commands.run_checks import check_run
+    from megarl.config import ConfigError, load_config
 
     base = ["rollout.agent.env=calculator"]
     cases = [([], "reward.fn"), (["reward.fn=null", "reward.overlong_buffer=2"], "reward.overlong_buffer"),
@@ -371,8 +372,8 @@ def test_agent_training_refuses_what_would_score_the_trajectory_as_one_response(
     for extra, key in cases:
         cfg = load_config("configs/grpo_arith_tiny.yaml", base + extra)
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-            validate(cfg, 1)
-    validate(load_config("configs/grpo_arith_tiny.yaml", base + ["reward.fn=null"]), 1)
+            check_run(cfg, 1)
+    check_run(load_config("configs/grpo_arith_tiny.yaml", base + ["reward.fn=null"]), 1)
 
 
 def test_sample_logs_show_the_environment_output_between_marks(setup):

@@ -174,7 +174,7 @@ def test_eval_with_the_environment_and_without(calc_assets, tmp_path):
     by the environment, per-row turns and tool calls; the same model and rows with ``--reward``
     on the agent recipe answer single-turn (the no-tool baseline).  Both through the code of
     training's held-out evaluation."""
-    from megarl.eval import main
+    from megarl.commands.evaluate import main
 
     out = tmp_path / "with_tool.jsonl"
     common = ["--model", calc_assets["model"], "--data", calc_assets["heldout"], "--config", CALC]

@@ -8,8 +8,8 @@ import sys
 import pytest
 from safetensors.torch import load_file, save_file
 
+from megarl.builtin.tiny_checkpoint import make_tiny_hf_checkpoint
 from megarl.models.hf_config import ModelConfigError, spec_from_hf_config
-from megarl.models.tiny import make_tiny_hf_checkpoint
 from tests._dist import ROOT
 
 TOOL = os.path.join(ROOT, "tools", "convert_checkpoint.py")

@@ -1,6 +1,6 @@
 """Chat-template correctness for agent sessions (megarl/envs/render.py), on three templates:
 
-- the tiny template (megarl/data/tiny_tokenizer.py): prefix-stable;
+- the tiny template (megarl/builtin/tiny_tokenizer.py): prefix-stable;
 - a Qwen3-like one that drops ``<think>...</think>`` from earlier assistant turns: not
   prefix-stable, reported as rewriting earlier turns, with the difference named;
 - a Qwen2.5-like one that groups consecutive tool messages in one user block (parallel tool
@@ -13,7 +13,7 @@ with Qwen's special tokens), so newlines and merges are tokenized as a Qwen toke
 
 import pytest
 
-from megarl.data.tiny_tokenizer import build_tiny_tokenizer
+from megarl.builtin.tiny_tokenizer import build_tiny_tokenizer
 from megarl.data.tokenizer import TokenizerContract, TokenizerMismatchError
 from megarl.envs.protocol import Message
 from megarl.envs.render import (EnvRenderError, EnvTurnRenderer, check_template, render_conversation,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megarl.models.tiny import make_tiny_hf_checkpoint
+from megarl.builtin.tiny_checkpoint import make_tiny_hf_checkpoint
 from tests._dist import ROOT, torchrun
 from tests._hf_tensors import assert_bitwise, load_all
 

@@ -11,7 +11,8 @@ import typing
 
 import pytest
 
-from megarl.config import ConfigError, load_config, validate
+from megarl.commands.run_checks import check_run
+from megarl.config import ConfigError, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
@@ -107,12 +108,12 @@ def test_every_numeric_key_has_a_range_rule():
 
 def test_every_range_rule_refuses_its_bad_values_naming_the_key():
     """For every numeric key, each value just outside its range (and nan) is refused by
-    validate() naming that key; the recipes' own values pass."""
+    check_run() naming that key; the recipes' own values pass."""
     from megarl.config.ranges import RANGES
 
     base = {GRPO: load_config(GRPO, []), PPO: load_config(PPO, [])}
     for cfg in base.values():
-        assert validate(copy.deepcopy(cfg), 1) == 1
+        assert check_run(copy.deepcopy(cfg), 1) == 1
     checked = 0
     for key, rule in RANGES.items():
         path = PPO if key.startswith("critic.") else GRPO
@@ -124,7 +125,7 @@ def test_every_range_rule_refuses_its_bad_values_naming_the_key():
                 node = getattr(node, part)
             setattr(node, leaf, [bad] if rule.each else bad)
             with pytest.raises(ConfigError) as e:
-                validate(cfg, 1)
+                check_run(cfg, 1)
             assert key in str(e.value), (key, bad, str(e.value))
             checked += 1
     assert checked > 200
@@ -165,13 +166,13 @@ def test_every_range_rule_refuses_its_bad_values_naming_the_key():
 ])
 def test_issue_ranges_exit_2_naming_the_key(overrides, key):
     with pytest.raises(ConfigError) as e:
-        validate(load_config(GRPO, overrides), 1)
+        check_run(load_config(GRPO, overrides), 1)
     assert str(e.value).startswith(key), str(e.value)
 
 
 def test_critic_min_lr_above_lr_refused():
     with pytest.raises(ConfigError, match=r"^critic\.optim\.min_lr: 0\.1 is above critic\.optim\.lr"):
-        validate(load_config(PPO, ["critic.optim.min_lr=0.1"]), 1)
+        check_run(load_config(PPO, ["critic.optim.min_lr=0.1"]), 1)
 
 
 # ---- one-line start-up errors through the real entry point ------------------------------------
@@ -248,7 +249,7 @@ def importlib_find(name):
 
 
 def _fake_hf(d, cfg):
-    from megarl.data.tiny_tokenizer import build_tiny_tokenizer
+    from megarl.builtin.tiny_tokenizer import build_tiny_tokenizer
 
     d.mkdir()
     build_tiny_tokenizer(str(d))

@@ -291,9 +291,9 @@ def test_megatron_forward_runs_inside_the_mode(tmp_path, megatron_world):
     transformer/utils.py) and gone after it."""
     import torch
 
+    from megarl.builtin.tiny_checkpoint import make_tiny_hf_checkpoint
     from megarl.models.forward import position_ids_for, teacher_forced_log_probs
     from megarl.models.megatron_ckpt import load_model
-    from megarl.models.tiny import make_tiny_hf_checkpoint
 
     model = load_model(make_tiny_hf_checkpoint(str(tmp_path / "llama"), "llama", seed=3, vocab_size=300))
     assert not _mode_on_stack() and not cpu_compat.in_megatron_scope()

@@ -93,7 +93,7 @@ def test_score_rejects_non_integer_answer():
 
 
 def test_prompts_tokenize_without_unk(tmp_path):
-    from megarl.data.tiny_tokenizer import build_tiny_tokenizer
+    from megarl.builtin.tiny_tokenizer import build_tiny_tokenizer
     from megarl.data.tokenizer import TokenizerContract
 
     build_tiny_tokenizer(tmp_path / "tok")

@@ -7,8 +7,9 @@ import time
 
 import pytest
 
-from megarl.config import ConfigError, load_config, validate
-from megarl.data.tiny_tokenizer import build_tiny_tokenizer
+from megarl.builtin.tiny_tokenizer import build_tiny_tokenizer
+from megarl.commands.run_checks import check_run
+from megarl.config import ConfigError, load_config
 from megarl.envs.calculator import NOT_A_NUMBER, CalculatorEnv, demonstration, evaluate, find_calls, make_rows
 from megarl.envs.protocol import EnvConfigError, EnvStatus, Message, StepOutcome, check_outcome, load_environment
 from megarl.envs.runner import EnvironmentPool, EnvPoolError
@@ -263,11 +264,11 @@ def test_agent_config_defaults_and_validation():
     ag = cfg.rollout.agent
     assert (ag.env, ag.env_args, ag.max_turns, ag.max_total_tokens, ag.step_timeout_s, ag.max_workers) == \
         ("", {}, 4, 1024, 10.0, 8)
-    validate(copy.deepcopy(cfg), 1)
+    check_run(copy.deepcopy(cfg), 1)
     ok = load_config(GRPO, ["rollout.agent.env=calculator", "rollout.agent.env_args.max_calls=2", "reward.fn=null"])
     assert ok.rollout.agent.env_args == {"max_calls": 2}
-    validate(ok, 1)
-    validate(load_config(GRPO, [f"rollout.agent.env={FAULTY}", "reward.fn=null"]), 1)
+    check_run(ok, 1)
+    check_run(load_config(GRPO, [f"rollout.agent.env={FAULTY}", "reward.fn=null"]), 1)
     for overrides, key, what in [
         (["rollout.agent.env=calculater"], "rollout.agent.env:", "neither a built-in"),
         (["rollout.agent.env=calculator", "rollout.agent.env_args.digits=3"], "rollout.agent.env_args:",
@@ -281,5 +282,5 @@ def test_agent_config_defaults_and_validation():
         (["rollout.agent.max_total_tokens=0"], "rollout.agent.max_total_tokens:", "must be >= 1"),
     ]:
         with pytest.raises(ConfigError) as e:
-            validate(load_config(GRPO, overrides), 1)
+            check_run(load_config(GRPO, overrides), 1)
         assert str(e.value).startswith(key) and what in str(e.value), (overrides, str(e.value))

@@ -133,17 +133,18 @@ def test_rewards_declare_the_fields_they_read():
 
 
 def test_config_declares_or_overrides_and_a_reward_model_reads_nothing():
-    from megarl.config import ConfigError, validate
-    from megarl.data.fields_check import reward_requirements
+    from megarl.commands.run_checks import check_run
+    from megarl.config import ConfigError
+    from megarl.rewards.dataset_fields import reward_requirements
 
     assert reward_requirements(load_cfg())[0] == ("answer",)
     assert reward_requirements(load_cfg("reward.kwargs.answer_key=target"))[0] == ("target",)
     assert reward_requirements(load_cfg("reward.required_fields=[gold,[a,b]]"))[0] == ("gold", ("a", "b"))
     assert reward_requirements(load_cfg("reward.fn=null", "reward.model.path=/rm"))[0] == ()
     with pytest.raises(ConfigError, match="data.on_missing_fields"):
-        validate(load_cfg("data.on_missing_fields=drop"), 1)
+        check_run(load_cfg("data.on_missing_fields=drop"), 1)
     with pytest.raises(ConfigError, match=r"eval.k\[1\]"):
-        validate(load_cfg("eval.samples_per_prompt=4", "eval.k=[1,8]"), 1)
+        check_run(load_cfg("eval.samples_per_prompt=4", "eval.k=[1,8]"), 1)
 
 
 def test_answers_are_what_the_reward_parses():
@@ -186,8 +187,8 @@ def _without_answer(rows, bad):
 
 
 def test_a_file_missing_the_field_is_refused_naming_file_line_and_field(tmp_path):
-    from megarl.data.fields_check import check_datasets_against_reward
     from megarl.data.prompts import PromptDatasetError
+    from megarl.rewards.dataset_fields import check_datasets_against_reward
 
     good = _write_jsonl(tmp_path / "train.jsonl", ROWS)
     # line 4 is the row r2 after a blank line 2 (blank lines count: the line number is the file's)
@@ -213,8 +214,8 @@ def test_parquet_rows_are_named_by_their_1_based_row_number(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from megarl.data.fields_check import check_datasets_against_reward
     from megarl.data.prompts import PromptDatasetError
+    from megarl.rewards.dataset_fields import check_datasets_against_reward
 
     rows = _without_answer(ROWS, {3})
     path = str(tmp_path / "train.parquet")
@@ -225,8 +226,8 @@ def test_parquet_rows_are_named_by_their_1_based_row_number(tmp_path):
 
 def test_a_datasets_directory_is_checked_through_the_same_reader(tmp_path):
     import datasets  # a declared dev dependency: missing, this fails instead of skipping
-    from megarl.data.fields_check import check_datasets_against_reward
     from megarl.data.prompts import PromptDatasetError
+    from megarl.rewards.dataset_fields import check_datasets_against_reward
 
     path = str(tmp_path / "ds")
     datasets.DatasetDict({"test": datasets.Dataset.from_list(_without_answer(ROWS, {5}))}).save_to_disk(path)
@@ -237,8 +238,8 @@ def test_a_datasets_directory_is_checked_through_the_same_reader(tmp_path):
 
 
 def test_skip_drops_and_counts_the_bad_rows(tmp_path, capsys):
-    from megarl.data.fields_check import check_datasets_against_reward, drop_rows_missing_fields
     from megarl.data.prompts import PromptDataset, PromptRecord
+    from megarl.rewards.dataset_fields import check_datasets_against_reward, drop_rows_missing_fields
 
     bad = _write_jsonl(tmp_path / "train.jsonl", _without_answer(ROWS, {1, 4}))
     cfg = load_cfg(f"data.train_path={bad}", "data.on_missing_fields=skip")
@@ -258,7 +259,7 @@ def test_skip_drops_and_counts_the_bad_rows(tmp_path, capsys):
 def test_the_start_up_check_reads_a_default_size_train_file(tmp_path):
     """Every row of a file of the default recipe's size, and a bad row at its end (its speed is
     bench/startup_checks.py's to print: ~0.1 s for these 20,000 rows on one core)."""
-    from megarl.data.fields_check import check_file
+    from megarl.rewards.dataset_fields import check_file
 
     rows = [{"id": f"r{i}", "prompt": f"what is {i} plus 1 ?", "answer": str(i + 1)} for i in range(20000)]
     path = _write_jsonl(tmp_path / "big.jsonl", rows)

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from megarl.data.tiny_tokenizer import build_tiny_tokenizer
+from megarl.builtin.tiny_tokenizer import build_tiny_tokenizer
 from megarl.experience.schema import (
     DerivedTensors,
     ExperienceBatch,

@@ -9,7 +9,7 @@ tests/_tolerance.py).
 import pytest
 import torch
 
-from megarl.models.tiny import FAMILIES, make_tiny_hf_checkpoint
+from megarl.builtin.tiny_checkpoint import FAMILIES, make_tiny_hf_checkpoint
 from tests._dist import torchrun
 from tests._tolerance import LAYOUT_FP32_LOGPROB, NET_FP32_LOGPROB, within
 

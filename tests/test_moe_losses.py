@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megarl.builtin.tiny_checkpoint import make_tiny_hf_checkpoint
 from megarl.config import OptimSettings
-from megarl.models.tiny import make_tiny_hf_checkpoint
 from tests._tolerance import within
 
 E, K, C_AUX, C_Z = 4, 2, 0.05, 0.003
@@ -129,7 +129,8 @@ def test_losses_off_leave_no_gradient_and_no_metric(moe_ckpt, megatron_world):
 
 
 def test_router_losses_are_refused_on_a_dense_model_naming_the_key(moe_ckpt, megatron_world):
-    from megarl.config import ConfigError, load_config, validate_model_fit
+    from megarl.config import ConfigError, load_config
+    from megarl.models.fit import validate_model_fit
     from megarl.models.hf_config import ModelConfigError, load_spec
     from megarl.models.megatron_ckpt import load_model
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megarl.builtin.tiny_checkpoint import MOE_FAMILIES, make_tiny_hf_checkpoint, tiny_hf_config
 from megarl.models.hf_config import ModelConfigError, check_parallel_fit, spec_from_hf_config
-from megarl.models.tiny import MOE_FAMILIES, make_tiny_hf_checkpoint, tiny_hf_config
 from tests._dist import torchrun
 from tests._hf_tensors import assert_bitwise, load_all
 from tests._routing import forced_routing, moe_layer_indices
@@ -254,14 +254,16 @@ def test_moe_layout_roundtrip_and_parity(moe_dirs, tmp_path, tp, pp, ep, etp, np
 def test_parallel_ep_keys_are_validated_by_name():
     """parallel.ep / parallel.etp: ranges and world fit (validate), experts against EP and a dense
     model with ep > 1 (validate_model_fit), each refused naming the key."""
-    from megarl.config import ConfigError, load_config, validate, validate_model_fit
+    from megarl.commands.run_checks import check_run
+    from megarl.config import ConfigError, load_config
+    from megarl.models.fit import validate_model_fit
     from tests._dist import ROOT
 
     recipe = os.path.join(ROOT, "configs", "grpo_arith_tiny.yaml")
     cfg = load_config(recipe, ["parallel.ep=2"])
-    assert validate(cfg, 2) == 2  # ep comes out of the data-parallel ranks
+    assert check_run(cfg, 2) == 2  # ep comes out of the data-parallel ranks
     with pytest.raises(ConfigError, match=r"parallel\.ep"):
-        validate(load_config(recipe, ["parallel.ep=2", "parallel.tp=2"]), 2)
+        check_run(load_config(recipe, ["parallel.ep=2", "parallel.tp=2"]), 2)
     with pytest.raises(ConfigError, match=r"parallel\.ep"):
         validate_model_fit(cfg, spec_from_hf_config(tiny_hf_config("llama").to_dict()), "llama/config.json")
     validate_model_fit(cfg, spec_from_hf_config(_cfg("qwen3_moe")), "q/config.json")

@@ -4,7 +4,7 @@ into an empty cache, then trains GRPO with the rollout's routing recorded and re
 router's aux and z losses on.  One launch proves:
 
 * the build's checkpoint and marker are a Qwen3-MoE of the configured experts, and the marker's
-  held-out accuracy is the one :func:`megarl.tinymodel.heldout_accuracy` measures on it;
+  held-out accuracy is the one :func:`megarl.builtin.warmstart.heldout_accuracy` measures on it;
 * the hf engine served the actor's weights, experts included, every iteration: each sealed
   batch's rollout log-probs are those of that iteration's export (transformers, teacher-forced);
 * each sealed batch carries the routing of its tokens: the recorded top-k experts are the ones
@@ -76,7 +76,7 @@ def _export_routing(model, facts):
 
 
 def test_moe_tiny_recipe_builds_and_trains_with_router_losses(tmp_path):
-    from megarl.tinymodel import heldout_accuracy
+    from megarl.builtin.warmstart import heldout_accuracy
 
     cache, run_dir = tmp_path / "cache", tmp_path / "run"
     overrides = [*SHRUNK, f"trainer.iterations={ITERS}", "trainer.prompts_per_iteration=4", "rollout.n=4",
@@ -130,21 +130,23 @@ def test_moe_recipe_keys_are_refused_naming_the_key():
     """model.tiny.family / top_k, rollout.ep: one error naming the key, before any model loads."""
     import pytest
 
-    from megarl.config import ConfigError, load_config, validate, validate_model_fit
+    from megarl.builtin.tiny_checkpoint import tiny_hf_config
+    from megarl.commands.run_checks import check_run
+    from megarl.config import ConfigError, load_config
+    from megarl.models.fit import validate_model_fit
     from megarl.models.hf_config import spec_from_hf_config
-    from megarl.models.tiny import tiny_hf_config
 
     def refused(overrides, key, world=1):
         with pytest.raises(ConfigError, match=rf"^{key}: "):
-            validate(load_config(RECIPE, overrides), world)
+            check_run(load_config(RECIPE, overrides), world)
 
-    assert validate(load_config(RECIPE, []), 1) == 1
+    assert check_run(load_config(RECIPE, []), 1) == 1
     refused(["model.tiny.family=mixtral"], r"model\.tiny\.family")
     refused(["model.tiny.top_k=9"], r"model\.tiny\.top_k")  # 8 experts
     refused(["rollout.ep=2"], r"rollout\.ep")  # the hf engine has no expert parallelism
     refused(["rollout.backend=sglang", "rollout.tp=2", "rollout.ep=4"], r"rollout\.ep", world=2)
     sg = load_config(RECIPE, ["rollout.backend=sglang", "rollout.tp=2", "rollout.ep=2", "algo.routing_replay=none"])
-    assert validate(sg, 2) == 2
+    assert check_run(sg, 2) == 2
     moe = spec_from_hf_config(tiny_hf_config("qwen3_moe", num_experts=6).to_dict())
     validate_model_fit(sg, moe, "moe/config.json")
     with pytest.raises(ConfigError, match=r"^rollout\.ep: .*dense"):

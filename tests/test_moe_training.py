@@ -24,9 +24,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megarl.builtin.tiny_checkpoint import make_tiny_hf_checkpoint
 from megarl.models import mapping
 from megarl.models.hf_config import spec_from_hf_config
-from megarl.models.tiny import make_tiny_hf_checkpoint
 from megarl.rollout.weight_stream import TensorManifest
 from tests._dist import ROOT, torchrun
 from tests._tolerance import adam_weights_tol, within
@@ -173,13 +173,14 @@ def test_resume_at_another_ep_is_refused(launch):
 def test_packing_is_refused_at_ep2_naming_the_key():
     """Packed sequences have a different token count on each EP rank, which the allgather token
     dispatcher cannot gather (its all-gather needs equal sizes): refused at start-up."""
-    from megarl.config import ConfigError, load_config, validate
+    from megarl.commands.run_checks import check_run
+    from megarl.config import ConfigError, load_config
 
     recipe = os.path.join(ROOT, "configs", "grpo_arith_tiny.yaml")
-    assert validate(load_config(recipe, ["parallel.ep=2"]), 2) == 2
-    assert validate(load_config(recipe, ["algo.pack_sequences=true"]), 2) == 2
+    assert check_run(load_config(recipe, ["parallel.ep=2"]), 2) == 2
+    assert check_run(load_config(recipe, ["algo.pack_sequences=true"]), 2) == 2
     with pytest.raises(ConfigError, match=r"algo\.pack_sequences: is true with parallel\.ep=2"):
-        validate(load_config(recipe, ["parallel.ep=2", "algo.pack_sequences=true"]), 2)
+        check_run(load_config(recipe, ["parallel.ep=2", "algo.pack_sequences=true"]), 2)
 
 
 def test_engine_names_fused_experts_as_the_checkpoint(tmp_path):
@@ -189,7 +190,7 @@ def test_engine_names_fused_experts_as_the_checkpoint(tmp_path):
     transformers 4 too (SGLang 0.5.7 reads ``num_experts`` only)."""
     import transformers
 
-    from megarl.models.tiny import MOE_FAMILIES
+    from megarl.builtin.tiny_checkpoint import MOE_FAMILIES
     from megarl.models.weights import hf_config_for_export
     from megarl.rollout.weight_stream import hf_logical_tensors
 

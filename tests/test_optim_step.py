@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megarl.models.tiny import make_tiny_hf_checkpoint
+from megarl.builtin.tiny_checkpoint import make_tiny_hf_checkpoint
 from tests._dist import torchrun
 from tests._tolerance import adam_weights_tol, within
 

@@ -13,7 +13,8 @@ import os.path
 import pytest
 import torch
 
-from megarl.config import ConfigError, load_config, validate
+from megarl.commands.run_checks import check_run
+from megarl.config import ConfigError, load_config
 from megarl.models.forward import (
     PackedMicroBatch,
     response_log_probs,
@@ -21,8 +22,8 @@ from megarl.models.forward import (
     scalar_values,
     teacher_forced_log_probs,
 )
+from megarl.builtin.tiny_checkpoint import make_tiny_hf_checkpoint
 from megarl.models.megatron_ckpt import load_model
-from megarl.models.tiny import make_tiny_hf_checkpoint
 from megarl.runtime import cpu_compat
 from tests._tolerance import LAYOUT_FP32_LOGPROB, LAYOUT_FP32_VALUE, within
 
@@ -162,8 +163,8 @@ def test_config_key_default_and_validation(monkeypatch):
 
     assert AlgoConfig().pack_sequences is False
     path = os.path.join(ROOT, "configs", "grpo_arith_tiny.yaml")
-    assert validate(load_config(path, ["algo.pack_sequences=true"]), 1) == 1
+    assert check_run(load_config(path, ["algo.pack_sequences=true"]), 1) == 1
     monkeypatch.setattr(forward, "packing_unsupported_reason", lambda: "no THD attention here")
     with pytest.raises(ConfigError, match="algo.pack_sequences.*no THD attention here"):
-        validate(load_config(path, ["algo.pack_sequences=true"]), 1)
-    assert validate(load_config(path, []), 1) == 1  # the default never asks
+        check_run(load_config(path, ["algo.pack_sequences=true"]), 1)
+    assert check_run(load_config(path, []), 1) == 1  # the default never asks

@@ -11,7 +11,7 @@ from megarl.data.prompts import (
     PromptSampler,
     load_prompt_dataset,
 )
-from megarl.data.tiny_tokenizer import build_tiny_tokenizer
+from megarl.builtin.tiny_tokenizer import build_tiny_tokenizer
 from megarl.data.tokenizer import TokenizerContract
 from megarl.errors import MegarlError
 

@@ -8,7 +8,8 @@ import os
 import re
 import shlex
 
-from megarl.config import load_config, validate
+from megarl.commands.run_checks import check_run
+from megarl.config import load_config
 from tests._dist import ROOT
 
 README = os.path.join(ROOT, "README.md")
@@ -68,7 +69,7 @@ def test_readme_training_commands_validate():
             continue
         assert not any(o.endswith("=...") for o in overrides), f"a placeholder value in: {cmd}"
         cfg = load_config(os.path.join(ROOT, config), overrides)  # a required key left unset fails here
-        validate(cfg, world)
+        check_run(cfg, world)
         checked.append((config, world))
     # at least the four launch lines of docs/recipes.md
     for want in [("configs/grpo_arith_tiny.yaml", 1), ("configs/ppo_arith_tiny.yaml", 2),

@@ -19,9 +19,9 @@ import json
 import pytest
 import torch
 
-from megarl.data.tiny_tokenizer import build_tiny_tokenizer
+from megarl.builtin.tiny_checkpoint import make_tiny_hf_checkpoint
+from megarl.builtin.tiny_tokenizer import build_tiny_tokenizer
 from megarl.data.tokenizer import TokenizerContract
-from megarl.models.tiny import make_tiny_hf_checkpoint
 from tests._dist import torchrun
 from tests._tolerance import NET_FP32_LOGPROB, within
 

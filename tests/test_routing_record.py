@@ -161,14 +161,16 @@ def test_expert_load_golden():
 def test_routing_replay_config():
     from types import SimpleNamespace
 
-    from megarl.config import ConfigError, load_config, moe_num_experts, validate, validate_model_fit
+    from megarl.commands.run_checks import check_run
+    from megarl.config import ConfigError, load_config
+    from megarl.models.fit import moe_num_experts, validate_model_fit
     from megarl.models.hf_config import spec_from_hf_config
     from test_train_config import GRPO
 
     assert load_config(GRPO, []).algo.routing_replay == "none"
-    validate(load_config(GRPO, ["algo.routing_replay=rollout"]), 1)
+    check_run(load_config(GRPO, ["algo.routing_replay=rollout"]), 1)
     with pytest.raises(ConfigError, match="algo.routing_replay"):
-        validate(load_config(GRPO, ["algo.routing_replay=trainer"]), 1)
+        check_run(load_config(GRPO, ["algo.routing_replay=trainer"]), 1)
     dense = spec_from_hf_config({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128,
                                  "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                                  "num_attention_heads": 4, "num_key_value_heads": 2,

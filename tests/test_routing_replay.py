@@ -19,7 +19,7 @@ from megarl.models.megatron_ckpt import load_model
 from megarl.models.optim import train_step, wrap_for_training
 from megarl.models.router_replay import (RecordRouting, RouterTargets, RoutingReplayError, RoutingStats,
                                          RowRouting, local_routers, record_to_rows, routed)
-from megarl.models.tiny import make_tiny_hf_checkpoint
+from megarl.builtin.tiny_checkpoint import make_tiny_hf_checkpoint
 from megarl.rollout.hf_backend import HFRolloutEngine
 from megarl.rollout.protocol import GenerationRequest, SamplingParams
 from megarl.rollout.weight_stream import TensorManifest, hf_logical_tensors, iter_buckets

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from megarl.models.tiny import make_tiny_hf_checkpoint
+from megarl.builtin.tiny_checkpoint import make_tiny_hf_checkpoint
 from tests._dist import ROOT, torchrun
 from tests._tolerance import NET_FP32_LOGPROB, within
 

@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
+from megarl.builtin.tiny_tokenizer import build_tiny_tokenizer
+from megarl.data.hub import HubSourceError, is_hub_id, resolve_source, resolve_sources
 from megarl.data.prompts import PromptDatasetError, iter_rows, load_prompt_dataset
-from megarl.data.tiny_tokenizer import build_tiny_tokenizer
 from megarl.data.tokenizer import TokenizerContract
-from megarl.hub import HubSourceError, is_hub_id, resolve_source, resolve_sources
 from tests._dist import subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,7 +55,7 @@ def add_to_hub_cache(cache: str, repo: str, src_dir: str, commit: str, ref: str 
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory):
     """A tiny llama HF checkpoint (random weights) with the tiny tokenizer and chat template."""
-    from megarl.models.tiny import make_tiny_hf_checkpoint
+    from megarl.builtin.tiny_checkpoint import make_tiny_hf_checkpoint
 
     d = tmp_path_factory.mktemp("tinyhub")
     build_tiny_tokenizer(str(d / "tok"))

@@ -11,15 +11,16 @@ import os
 import pytest
 import torch
 
-from megarl.config import ConfigError, load_config, validate
-from megarl.data.tiny_tokenizer import build_tiny_tokenizer
+from megarl.builtin.tiny_tokenizer import build_tiny_tokenizer
+from megarl.builtin.warmstart import is_demo, tool_sequences, training_tensors, warmstart_sequences
+from megarl.commands.run_checks import check_run
+from megarl.config import ConfigError, load_config
 from megarl.data.tokenizer import TokenizerContract
-from megarl.tinymodel import is_demo, tool_sequences, training_tensors, warmstart_sequences
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRPO = os.path.join(ROOT, "configs", "grpo_arith_tiny.yaml")
 
-# tiny-vocabulary ids (megarl/data/tiny_tokenizer.py): <bos> 2, <eos> 3, <|user|> 5,
+# tiny-vocabulary ids (megarl/builtin/tiny_tokenizer.py): <bos> 2, <eos> 3, <|user|> 5,
 # <|assistant|> 6, <|end|> 7, digits 0-9 are 8-17, + 18, ? 31, [ 38, ] 39, what 70, is 71, plus 75
 BOS, EOS, USER, ASSISTANT, END, PLUS, Q, LB, RB, WHAT, IS, WPLUS = 2, 3, 5, 6, 7, 18, 31, 38, 39, 70, 71, 75
 
@@ -115,7 +116,7 @@ def test_default_build_sequences_unchanged(tok):
 ])
 def test_tool_keys_validated_by_name(overrides, key):
     with pytest.raises(ConfigError) as e:
-        validate(load_config(GRPO, overrides), 1)
+        check_run(load_config(GRPO, overrides), 1)
     assert str(e.value).startswith(key), str(e.value)
 
 
@@ -125,7 +126,7 @@ def test_tool_keys_default_and_accepted():
     assert (t.tool_demos, t.tool_only_steps, t.tool_min_digits, t.tool_max_digits, t.tool_role) == (0.0, 0, 4, 6, "user")
     cfg = load_config(GRPO, ["model.tiny.tool_demos=0.2", "model.tiny.tool_only_steps=300",
                              "model.tiny.warmstart_target_accuracy=null"])
-    assert validate(cfg, 1) == 1
+    assert check_run(cfg, 1) == 1
 
 
 def test_builder_command_adds_tool_flags_only_when_demos(tmp_path, monkeypatch):
@@ -184,8 +185,8 @@ def test_two_turn_demonstrations_teach_the_second_turn_not_the_wrong_guess(tok):
     """The two-turn build: the arithmetic sequences with a share replaced by guess-feedback-answer
     conversations laid out as a session builds them; loss on the guess's <|end|> and on the
     answer, never on the feedback or the guess's digits."""
+    from megarl.builtin.warmstart import _sequences, two_turn_sequences
     from megarl.data.tasks.arithmetic import make_problems
-    from megarl.tinymodel import _sequences, two_turn_sequences
 
     probs = make_problems("train", 0, 40, digits=(1, 2), ops=("plus",))
     prompts, responses, masks = two_turn_sequences(tok, probs, 0.25, seed=0)
@@ -219,9 +220,9 @@ def test_a_cache_built_by_other_settings_is_refused_naming_the_key(tmp_path):
 
     import pytest
 
+    from megarl.builtin.warmstart import MARKER
     from megarl.commands import startup
     from megarl.errors import MegarlError
-    from megarl.tinymodel import MARKER
 
     model = tmp_path / "m"
     model.mkdir()
@@ -264,7 +265,7 @@ def test_a_cache_built_by_other_settings_is_refused_naming_the_key(tmp_path):
 _SCRIPTED_BUILD = """
 import json, sys
 import megarl.models.optim as optim
-import megarl.tinymodel as tm
+import megarl.builtin.warmstart as tm
 script = iter(json.loads(sys.argv[1]))
 tm.teacher_forced_accuracy = lambda model, tokens, mask, vocab_size: next(script)
 seen, real = [], optim.train_step
@@ -329,8 +330,8 @@ def test_arithmetic_validation_set_has_the_evaluation_mix_and_is_never_trained_o
     half of the evaluation set."""
     from collections import Counter
 
+    from megarl.builtin.warmstart import EVALUATION_SEED, arithmetic_validation_problems, validation_problems
     from megarl.data.tasks.arithmetic import make_problems, problem_key, problem_split, problem_stratum
-    from megarl.tinymodel import EVALUATION_SEED, arithmetic_validation_problems, validation_problems
 
     evaluation = make_problems("heldout", EVALUATION_SEED, 200, digits=(1, 2), distinct=True)
     val = arithmetic_validation_problems(256, 200, (1, 2), ("plus",))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megarl.data.tiny_tokenizer import TINY_CHAT_TEMPLATE, build_tiny_tokenizer
+from megarl.builtin.tiny_tokenizer import TINY_CHAT_TEMPLATE, build_tiny_tokenizer
 from megarl.data.tokenizer import TokenizerContract, TokenizerMismatchError
 
 

@@ -29,7 +29,8 @@ def _cfg(*overrides):
 
 
 def test_unknown_logger_and_bad_sample_keys_are_config_errors():
-    from megarl.config import ConfigError, validate
+    from megarl.commands.run_checks import check_run
+    from megarl.config import ConfigError
 
     for overrides, words in (
         (["trainer.loggers=[jsonl,neptune]"], ("trainer.loggers", "'neptune'", "wandb", "mlflow")),
@@ -40,23 +41,24 @@ def test_unknown_logger_and_bad_sample_keys_are_config_errors():
         (["trainer.log_samples_n=2", "trainer.log_samples_console=3"], ("trainer.log_samples_console",)),
     ):
         with pytest.raises(ConfigError) as e:
-            validate(_cfg(*overrides), 1)
+            check_run(_cfg(*overrides), 1)
         assert all(w in str(e.value) for w in words), (overrides, str(e.value))
     # jsonl alone, or omitted, is fine: metrics.jsonl is always written
     for loggers in ("[jsonl]", "[]", "[tensorboard]"):
-        validate(_cfg(f"trainer.loggers={loggers}"), 1)
+        check_run(_cfg(f"trainer.loggers={loggers}"), 1)
 
 
 @pytest.mark.parametrize("name", ["wandb", "mlflow"])
 def test_a_tracker_that_is_not_installed_names_its_extra(monkeypatch, name):
     import importlib.util
 
-    from megarl.config import ConfigError, validate
+    from megarl.commands.run_checks import check_run
+    from megarl.config import ConfigError
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda mod, *a: None if mod == name else real(mod, *a))
     with pytest.raises(ConfigError) as e:
-        validate(_cfg(f"trainer.loggers=[jsonl,{name}]"), 1)
+        check_run(_cfg(f"trainer.loggers=[jsonl,{name}]"), 1)
     assert str(e.value) == (f"trainer.loggers: names {name!r}, but the {name} package is not installed: "
                             f'pip install -e ".[{name}]"')
 

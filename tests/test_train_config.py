@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
-from megarl.config import ConfigError, config_hash, load_config, validate, validate_model_fit
+from megarl.commands.run_checks import check_run
+from megarl.config import ConfigError, config_hash, load_config
+from megarl.models.fit import validate_model_fit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRPO = os.path.join(ROOT, "configs", "grpo_arith_tiny.yaml")
@@ -15,7 +17,7 @@ PPO = os.path.join(ROOT, "configs", "ppo_arith_tiny.yaml")
 
 def _fail(path, overrides, key, world=1):
     with pytest.raises(ConfigError) as e:
-        validate(load_config(path, overrides), world)
+        check_run(load_config(path, overrides), world)
     assert key in str(e.value), str(e.value)
     return str(e.value)
 
@@ -23,8 +25,8 @@ def _fail(path, overrides, key, world=1):
 @pytest.mark.parametrize("path", [GRPO, PPO])
 def test_recipes_validate(path):
     cfg = load_config(path, [])
-    assert validate(cfg, 1) == 1
-    assert validate(cfg, 2) == 2  # DP=2
+    assert check_run(cfg, 1) == 1
+    assert check_run(cfg, 2) == 2  # DP=2
 
 
 def test_whole_batch_micro_batches_fit_any_group_size():
@@ -32,7 +34,7 @@ def test_whole_batch_micro_batches_fit_any_group_size():
     no matching micro-batch size."""
     for overrides in ([], ["rollout.n=4"], ["rollout.n=16", "trainer.prompts_per_iteration=3"]):
         cfg = load_config(GRPO, overrides)
-        assert cfg.algo.micro_batch_size == 0 and validate(cfg, 1) == 1 and validate(cfg, 2) == 2
+        assert cfg.algo.micro_batch_size == 0 and check_run(cfg, 1) == 1 and check_run(cfg, 2) == 2
 
 
 @pytest.mark.parametrize("overrides,key", [
@@ -100,7 +102,7 @@ def test_bad_ppo_config_names_key(overrides, key):
 
 
 def test_estimator_needs_come_from_the_registry():
-    """validate() asks each estimator's registry entry what it needs: every registered name is
+    """check_run() asks each estimator's registry entry what it needs: every registered name is
     either accepted by one algorithm or refused with the key named, never after a rollout."""
     from megarl.algo.registry import advantage_names, advantage_needs
 
@@ -115,22 +117,22 @@ def test_estimator_needs_come_from_the_registry():
         cfg = load_config(path, [f"algo.advantage={name}"])
         if needs.step_rewards:
             with pytest.raises(ConfigError, match="algo.advantage"):
-                validate(cfg, 1)
+                check_run(cfg, 1)
         else:
-            assert validate(cfg, 1) == 1, name
+            assert check_run(cfg, 1) == 1, name
 
 
 def test_valid_new_keys_accepted():
     cfg = load_config(GRPO, ["rollout.reuse_rollout_log_probs=false", "algo.rollout_correction.token_is_cap=2.0",
                              "algo.rollout_correction.seq_mask_threshold=0.5", "reward.overlong_buffer=2",
                              "trainer.phase_timeout_s.generating=null"])
-    assert validate(cfg, 1) == 1
+    assert check_run(cfg, 1) == 1
 
 
 def test_reward_isolation_keys_accepted():
     cfg = load_config(GRPO, ["reward.isolation=process", "reward.workers=2", "reward.kill_grace_s=0.2",
                              "reward.max_memory_mb=4096", "reward.cpu_time_s=10"])
-    assert validate(cfg, 1) == 1
+    assert check_run(cfg, 1) == 1
     assert load_config(GRPO, []).reward.isolation == "auto"  # the tiny recipe's arithmetic: threads
 
 
@@ -196,7 +198,7 @@ def test_real_model_recipes_validate(name, overrides, worlds):
         load_config(path, [])  # the model and data are the user's to name
     cfg = load_config(path, overrides)
     for w in worlds:
-        assert validate(cfg, w) == w // (cfg.parallel.tp * cfg.parallel.pp)
+        assert check_run(cfg, w) == w // (cfg.parallel.tp * cfg.parallel.pp)
 
 
 ASYNC = ["placement.mode=split", "async_rl.max_staleness=2", "async_rl.correction=tis",
@@ -224,11 +226,11 @@ ASYNC = ["placement.mode=split", "async_rl.max_staleness=2", "async_rl.correctio
 def test_bad_placement_and_async_configs_name_the_key(overrides, world, key):
     cfg = load_config(GRPO, overrides)
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        validate(cfg, world)
+        check_run(cfg, world)
 
 
 def test_split_placement_trains_on_the_ranks_left():
-    assert validate(load_config(GRPO, ["placement.mode=split"]), 2) == 1
-    assert validate(load_config(GRPO, ["placement.mode=split", "placement.rollout_ranks=2"]), 4) == 2
+    assert check_run(load_config(GRPO, ["placement.mode=split"]), 2) == 1
+    assert check_run(load_config(GRPO, ["placement.mode=split", "placement.rollout_ranks=2"]), 4) == 2
     cfg = load_config(GRPO, ASYNC + ["async_rl.correction=decoupled", "async_rl.is_cap=null"])
-    assert validate(cfg, 2) == 1
+    assert check_run(cfg, 2) == 1

@@ -362,7 +362,7 @@ def test_neural_reward_model_uses_its_own_template(assets, tmp_path):
     as transformers computes it."""
     import transformers
 
-    from megarl.models.tiny import make_tiny_hf_checkpoint
+    from megarl.builtin.tiny_checkpoint import make_tiny_hf_checkpoint
 
     rm_dir = str(tmp_path / "rm")
     make_tiny_hf_checkpoint(rm_dir, "llama", seed=3, value_head=True, vocab_size=112, hidden_size=32,

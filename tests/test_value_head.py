@@ -3,11 +3,11 @@
 
 import torch
 
+from megarl.builtin.tiny_checkpoint import make_tiny_hf_checkpoint
 from megarl.models import mapping
 from megarl.models.forward import scalar_values
 from megarl.models.hf_config import load_spec
 from megarl.models.megatron_ckpt import load_model
-from megarl.models.tiny import make_tiny_hf_checkpoint
 from megarl.models.weights import iter_hf_tensors
 from tests._tolerance import LAYOUT_FP32_LOGPROB, LAYOUT_FP32_VALUE, NET_FP32_LOGPROB, within
 

@@ -12,7 +12,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megarl.tinymodel import main  # noqa: E402
+from megarl.builtin.warmstart import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

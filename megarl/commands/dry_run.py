@@ -115,8 +115,8 @@ def batch_plan(cfg, dp: int) -> List[str]:
 
 def _load_datasets(cfg, tok) -> List[str]:
     """The datasets loaded and encoded as the run loads them."""
-    from megarl.data.fields_check import drop_rows_missing_fields
     from megarl.data.prompts import configured_sources, load_configured_dataset
+    from megarl.rewards.dataset_fields import drop_rows_missing_fields
 
     d = cfg.data
     out = []
@@ -181,14 +181,17 @@ def _memory_lines(cfg, spec, dp: int) -> List[str]:
 
 def dry_run(cfg, world_size: Optional[int] = None) -> dict:
     """Check and plan; print one line per check; return the plan (for tests)."""
+    from megarl.builtin.warmstart import is_built
+    from megarl.commands.run_checks import check_run
     from megarl.commands.startup import check_model, check_reward
-    from megarl.config import missing_packages, validate, validate_model_fit
-    from megarl.runtime.run_dir import check_start_paths, inspect_run_dir, start_decision
-    from megarl.tinymodel import is_built
+    from megarl.config import missing_packages
+    from megarl.models.fit import validate_model_fit
+    from megarl.commands.startup import check_start_paths
+    from megarl.runtime.run_dir import inspect_run_dir, start_decision
 
     simulated = world_size is not None
     world = world_size if simulated else int(os.environ.get("WORLD_SIZE", "1"))
-    dp = validate(cfg, world)
+    dp = check_run(cfg, world)
     lines = [f"ok   config: recipe {cfg.recipe}, {cfg.algo.name} ({cfg.algo.advantage}), valid at world size {world}"
              + (" (simulated: --world-size)" if simulated else "")]
     not_checked = []
@@ -213,7 +216,7 @@ def dry_run(cfg, world_size: Optional[int] = None) -> dict:
     else:
         lines.append("ok   trainer.run_dir: runs/ is writable (default: runs/<recipe>-<timestamp>)")
     check_reward(cfg)
-    if cfg.rollout.agent.env:  # validated with its arguments above (validate_agent_settings)
+    if cfg.rollout.agent.env:  # validated with its arguments above (check_environment)
         ag = cfg.rollout.agent
         lines.append(f"ok   rollout.agent: environment {ag.env} loads; it scores each episode "
                      f"(at most {ag.max_turns} turns, {ag.max_total_tokens} tokens)")
@@ -230,9 +233,9 @@ def dry_run(cfg, world_size: Optional[int] = None) -> dict:
                    if path and not os.path.exists(path)]
     spec = None
     if not builds:
-        from megarl.data.fields_check import check_datasets_against_reward
         from megarl.data.tokenizer import TokenizerContract
         from megarl.models.hf_config import load_spec
+        from megarl.rewards.dataset_fields import check_datasets_against_reward
 
         check_datasets_against_reward(cfg)
         check_model(cfg)  # also resolves Hub ids to their local snapshots, as a start does

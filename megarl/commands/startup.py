@@ -75,7 +75,7 @@ def ensure_builtin_model(cfg) -> None:
     """Build the recipe's built-in tiny model if it is missing (rank 0 builds, the other ranks
     wait for the finished marker).  The build runs as a plain single process, outside this job's
     process group."""
-    from megarl.tinymodel import MARKER, is_built
+    from megarl.builtin.warmstart import MARKER, is_built
 
     rank = int(os.environ.get("RANK", "0"))
     d, m = cfg.data, cfg.model
@@ -149,7 +149,7 @@ def _check_cached_model(cfg) -> None:
     setting that differs -- never trained on in silence."""
     import json
 
-    from megarl.tinymodel import MARKER
+    from megarl.builtin.warmstart import MARKER
 
     path = os.path.join(cfg.model.path, MARKER)
     with open(path) as f:
@@ -176,11 +176,12 @@ def _check_cached_model(cfg) -> None:
 
 
 def check_model(cfg) -> dict:
-    """Resolve Hub ids to local snapshots (megarl/hub.py), then check the model, data and role
+    """Resolve Hub ids to local snapshots (megarl/data/hub.py), then check the model, data and role
     paths without loading weights.  Returns what was resolved from the Hub (for run.json)."""
-    from megarl.config import ConfigError, validate_model_fit
+    from megarl.config import ConfigError
+    from megarl.data.hub import resolve_sources
     from megarl.data.prompts import check_source
-    from megarl.hub import resolve_sources
+    from megarl.models.fit import validate_model_fit
     from megarl.models.hf_config import ModelConfigError, load_spec
 
     sources = resolve_sources(cfg)
@@ -211,7 +212,7 @@ def check_model(cfg) -> dict:
 def check_reward(cfg) -> None:
     """Build the reward function once, before any model: a bad ``reward.*`` fails fast."""
     if cfg.reward.fn:
-        from megarl.data.fields_check import configured_reward
+        from megarl.rewards.dataset_fields import configured_reward
 
         configured_reward(cfg)  # the start-up data check reads its field declaration from this object
 
@@ -228,3 +229,20 @@ def write_run_files(cfg, run_dir: str, cfg_hash: str, world: int, dp: int, sourc
         info["sources"] = sources
     with open(os.path.join(run_dir, "run.json"), "w") as f:
         json.dump(info, f, indent=1)
+
+
+def check_start_paths(cfg) -> None:
+    """Every directory the start writes into, before anything is built: the run directory (or
+    runs/ for the default one) and the built-in assets' directories when they must be built."""
+    from megarl.builtin.warmstart import is_built
+    from megarl.runtime.run_dir import check_writable
+
+    run_dir = cfg.trainer.run_dir
+    check_writable("trainer.run_dir", run_dir if run_dir else "runs")
+    if cfg.model.build_tiny and not is_built(cfg.model.path):
+        check_writable("model.path", cfg.model.path)
+    if cfg.data.build_arithmetic:
+        for key in ("data.train_path", "data.heldout_path"):
+            path = getattr(cfg.data, key.split(".")[1])
+            if path and not os.path.exists(path):
+                check_writable(key, os.path.dirname(os.path.abspath(path)))

@@ -27,6 +27,6 @@ from megarl.config.schema import (  # noqa: F401
 )
 from megarl.config.validation import (  # noqa: F401
     validate_eval_settings, validate_agent_settings, PLACEMENTS, ASYNC_CORRECTIONS, trainer_world_size,
-    validate, missing_packages, require_installed, validate_model_fit, moe_num_experts,
+    validate, missing_packages, require_installed,
 )
 from megarl.errors import ConfigError  # noqa: F401

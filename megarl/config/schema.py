@@ -75,7 +75,7 @@ class TinyModelConfig:
 class ModelConfig:
     """The policy model: where it is, its tokenizer and chat template."""
 
-    path: str = "???"  # an HF checkpoint dir, a megarl megatron checkpoint dir, or a Hub id (megarl/hub.py)
+    path: str = "???"  # an HF checkpoint dir, a megarl megatron checkpoint dir, or a Hub id (megarl/data/hub.py)
     tokenizer: Optional[str] = None  # default: model.path (a directory or a Hub id)
     #: the Hub revision (branch, tag or commit) of model.path / model.tokenizer when they are Hub ids
     revision: Optional[str] = None

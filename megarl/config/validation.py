@@ -5,59 +5,18 @@ would ignore, a KL with no reference -- checked before any model is built, each 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Mapping, Optional, Sequence
 
 from megarl.config.schema import ALGORITHMS, ROUTING_REPLAY, TINY_FAMILIES, TINY_VALIDATIONS, TrainConfig
-from megarl.errors import ConfigError
-
-
-# ---- validation ------------------------------------------------------------------------------
-
-
-def _need(ok: bool, key: str, msg: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}: {msg}")
-
-
-def _choice(value: str, key: str, choices) -> None:
-    _need(value in choices, key, f"{value!r} is not one of {list(choices)}")
-
-
-def _validate_reward_isolation(cfg: TrainConfig) -> None:
-    from megarl.rewards.isolation import ISOLATION_MODES, resolve_isolation
-
-    rw = cfg.reward
-    _choice(rw.isolation, "reward.isolation", ISOLATION_MODES)
-    _need(rw.workers >= 1, "reward.workers", f"must be >= 1, got {rw.workers}")
-    _need(rw.kill_grace_s > 0, "reward.kill_grace_s", f"must be > 0 seconds, got {rw.kill_grace_s}")
-    _need(rw.max_memory_mb is None or rw.max_memory_mb >= 64, "reward.max_memory_mb",
-          f"must be >= 64 (the worker's whole address space) or null, got {rw.max_memory_mb}")
-    _need(rw.cpu_time_s is None or rw.cpu_time_s > 0, "reward.cpu_time_s", f"must be > 0 or null, got {rw.cpu_time_s}")
-    if rw.fn is not None and resolve_isolation(rw.isolation, rw.fn, list(rw.components or [])) == "thread":
-        for key in ("max_memory_mb", "cpu_time_s"):
-            _need(getattr(rw, key) is None, f"reward.{key}",
-                  f"limits worker processes, but reward.fn {rw.fn!r} runs on threads (reward.isolation="
-                  f"{rw.isolation}); set reward.isolation=process or drop the limit")
-    _need(not (cfg.faults.reward_timeout_rate and rw.isolation == "process"), "reward.isolation",
-          "'process' cannot carry faults.reward_timeout_rate (the fault wrapper lives in the trainer); use thread or auto")
+from megarl.errors import ConfigError, require as _need, require_choice as _choice
 
 
 def _validate_trackers(cfg: TrainConfig) -> None:
-    """trainer.loggers names known trackers whose packages are installed (found, not imported:
-    wandb and mlflow are imported only by a run that logs to them), and the sample-table keys."""
-    import importlib.util
-
-    from megarl.observability.trackers import TRACKER_PACKAGES
-
+    """The sample-table keys and the wandb mode (the tracker names are the trackers' own check,
+    :func:`megarl.observability.trackers.check_loggers`)."""
     t = cfg.trainer
-    for name in t.loggers:
-        _choice(name, "trainer.loggers", tuple(TRACKER_PACKAGES))
     dup = sorted({n for n in t.loggers if list(t.loggers).count(n) > 1})
     _need(not dup, "trainer.loggers", f"lists {dup[0] if dup else ''!r} more than once")
-    for name in t.loggers:
-        module, install = TRACKER_PACKAGES[name]
-        _need(module is None or importlib.util.find_spec(module) is not None, "trainer.loggers",
-              f"names {name!r}, but the {module} package is not installed: {install}")
     _need(t.wandb.mode in (None, "online", "offline"), "trainer.wandb.mode",
           f"{t.wandb.mode!r} is not one of ['online', 'offline', null]")
     _need(t.log_samples_every >= 0, "trainer.log_samples_every", f"must be >= 0 (0 = off), got {t.log_samples_every}")
@@ -71,14 +30,6 @@ def validate_eval_settings(cfg: TrainConfig) -> None:
     validates: it trains nothing)."""
     e = cfg.eval
     _choice(cfg.data.on_missing_fields, "data.on_missing_fields", ("error", "skip"))
-    if cfg.reward.required_fields is not None:
-        from megarl.rewards.base import RewardConfigError
-        from megarl.rewards.declarations import normalise_requirements
-
-        try:
-            normalise_requirements(list(cfg.reward.required_fields), "reward.required_fields")
-        except RewardConfigError as err:
-            raise ConfigError(str(err)) from None
     _need(e.samples_per_prompt >= 1, "eval.samples_per_prompt", f"must be >= 1, got {e.samples_per_prompt}")
     _need(e.max_new_tokens is None or e.max_new_tokens >= 1, "eval.max_new_tokens",
           f"must be >= 1 or null (rollout.max_new_tokens), got {e.max_new_tokens}")
@@ -138,23 +89,24 @@ def _validate_rollout_groups(cfg: TrainConfig, world_size: int) -> None:
           "inference group's TP ranks into expert-parallel ones)")
 
 
-def validate_agent_settings(cfg: TrainConfig) -> None:
-    """``rollout.agent``: the environment loads with its arguments (a misspelt argument or an
-    unimportable plug-in fails here, naming the key), and an agent has a chat template to render
-    the environment's messages with."""
+def validate_agent_args(cfg: TrainConfig) -> None:
+    """``rollout.agent.env_args``: a mapping of argument names, given only with an environment."""
     ag = cfg.rollout.agent
     _need(isinstance(ag.env_args, dict) and all(isinstance(k, str) for k in ag.env_args), "rollout.agent.env_args",
           f"must be a mapping of argument names to values, got {ag.env_args!r}")
     if not ag.env:
         _need(not ag.env_args, "rollout.agent.env_args",
               f"is set ({sorted(ag.env_args)}) but rollout.agent.env is empty (no agent)")
-        return
-    from megarl.envs.protocol import EnvConfigError, load_environment
 
-    try:
-        load_environment(ag.env, **ag.env_args)
-    except EnvConfigError as e:
-        raise ConfigError(str(e)) from None
+
+def validate_agent_settings(cfg: TrainConfig) -> None:
+    """``rollout.agent``: an agent has a chat template to render the environment's messages with,
+    and its episodes are scored by the environment alone (that the environment loads with its
+    arguments is the environment's own check, :func:`megarl.envs.config_checks.check_environment`)."""
+    ag = cfg.rollout.agent
+    validate_agent_args(cfg)
+    if not ag.env:
+        return
     _need(cfg.data.apply_chat_template, "data.apply_chat_template",
           f"is false, but rollout.agent.env={ag.env!r} renders the environment's messages with the chat template "
           "(the prompt must be templated by the same one)")
@@ -225,46 +177,54 @@ def _validate_placement(cfg: TrainConfig, world_size: int) -> None:
             _need(an.is_cap is not None, "async_rl.is_cap", "must be set (>= 1) with async_rl.correction=tis")
 
 
-def validate(cfg: TrainConfig, world_size: int) -> int:
+#: the sections :func:`validate` checks, in order; a feature's check of the keys it owns runs
+#: right before the section it names (the first failing key is the one named)
+SECTIONS = ("ranges", "placement", "rollout_groups", "agent_args", "agent", "choices", "eval", "trackers",
+            "trainer", "faults", "reward_penalty", "algorithm", "sizes", "layout", "batches")
+
+
+def validate(cfg: TrainConfig, world_size: int, feature_checks: Optional[Mapping[str, Sequence[Callable]]] = None) -> int:
     """Check everything a type cannot; return the data-parallel size.  Reads no model weights.
-    The checks run section by section, in a fixed order (the first failing key is the one named)."""
-    _validate_ranges(cfg)
-    _validate_placement(cfg, world_size)
+
+    ``feature_checks`` maps a name of :data:`SECTIONS` to the checks the features contribute
+    there (the config imports no feature: the command that assembles the run passes them, see
+    :mod:`megarl.commands.run_checks`)."""
+    hooks = dict(feature_checks or {})
+    unknown = sorted(set(hooks) - set(SECTIONS))
+    if unknown:
+        raise ValueError(f"feature checks for unknown sections {unknown}; the sections are {list(SECTIONS)}")
+
+    def section(name: str, check: Callable, *args):
+        for feature_check in hooks.get(name, ()):
+            feature_check(cfg)
+        return check(cfg, *args)
+
+    section("ranges", _validate_ranges)
+    section("placement", _validate_placement, world_size)
     world_size = trainer_world_size(cfg, world_size)
-    _validate_rollout_groups(cfg, world_size)
-    validate_agent_settings(cfg)
-    _validate_choices(cfg)
-    validate_eval_settings(cfg)
-    _validate_reward_isolation(cfg)
-    _validate_trackers(cfg)
-    _validate_trainer(cfg)
-    _validate_faults(cfg, world_size)
-    _validate_reward_penalty(cfg)
-    _validate_algorithm(cfg)
-    _validate_sizes(cfg)
-    dp = _validate_layout(cfg, world_size)
-    _validate_batches(cfg, dp)
+    section("rollout_groups", _validate_rollout_groups, world_size)
+    section("agent_args", validate_agent_args)
+    section("agent", validate_agent_settings)
+    section("choices", _validate_choices)
+    section("eval", validate_eval_settings)
+    section("trackers", _validate_trackers)
+    section("trainer", _validate_trainer)
+    section("faults", _validate_faults, world_size)
+    section("reward_penalty", _validate_reward_penalty)
+    section("algorithm", _validate_algorithm)
+    section("sizes", _validate_sizes)
+    dp = section("layout", _validate_layout, world_size)
+    section("batches", _validate_batches, dp)
     return dp
 
 
 def _validate_choices(cfg: TrainConfig) -> None:
-    """Every key whose value is one of a set: the algorithm's names (from its registries), the
-    rollout backend, failure handling."""
-    from megarl.algo.aggregation import AGG_MODES
-    from megarl.algo.kl import KL_ESTIMATORS
-    from megarl.algo.registry import advantage_names, policy_loss_names
-
-    import megarl.algo.advantages  # noqa: F401  (registers the estimators)
-    import megarl.algo.policy_loss  # noqa: F401  (registers the policy losses)
-
+    """Every key whose value is one of a fixed set: the rollout backend, failure handling (the
+    algorithm's registered names are its own check, :mod:`megarl.algo.config_checks`)."""
     a, r = cfg.algo, cfg.rollout
     _choice(a.name, "algo.name", ALGORITHMS)
-    _choice(a.advantage, "algo.advantage", advantage_names())
-    _choice(a.policy_loss, "algo.policy_loss", policy_loss_names())
-    _choice(a.agg_mode, "algo.agg_mode", AGG_MODES)
     _choice(a.zero_std_rule, "algo.zero_std_rule", ("epsilon", "skip"))
     _choice(a.kl.placement, "algo.kl.placement", ("none", "loss", "reward"))
-    _choice(a.kl.estimator, "algo.kl.estimator", KL_ESTIMATORS)
     _choice(a.partial_groups, "algo.partial_groups", ("drop", "allow_partial"))
     _choice(a.routing_replay, "algo.routing_replay", ROUTING_REPLAY)
     _choice(r.backend, "rollout.backend", ("hf", "sglang"))
@@ -314,34 +274,15 @@ def _validate_reward_penalty(cfg: TrainConfig) -> None:
 
 
 def _validate_algorithm(cfg: TrainConfig) -> None:
-    """``algo`` and the roles it reads (the estimator's registry entry says what it needs): the
-    critic, groups, the KL and its reference, partial groups, the reward's source, rollout
-    correction, the log-prob parity check."""
-    from megarl.algo.registry import advantage_names, advantage_needs
-
-    import megarl.algo.advantages  # noqa: F401  (registers the estimators)
-
+    """``algo`` and the roles it reads: the critic section, the KL and its reference, partial
+    groups, the reward's source (what the chosen estimator needs is the algorithm's own check,
+    :mod:`megarl.algo.config_checks`)."""
     a, r = cfg.algo, cfg.rollout
-    # the algorithm and the roles it reads: the estimator's registry entry says what it needs
-    needs = advantage_needs(a.advantage)
-    critic_free = [n for n in advantage_names() if not advantage_needs(n).critic and not advantage_needs(n).step_rewards]
     if a.name == "grpo":
-        _need(not needs.critic, "algo.advantage",
-              f"{a.advantage!r} needs a critic; algo.name=grpo has none (use one of {critic_free})")
         _need(cfg.critic is None, "critic",
               "is set but algo.name=grpo trains no critic; remove the critic section or use algo.name=ppo")
     else:
         _need(cfg.critic is not None, "critic", "algo.name=ppo needs a critic section (critic: {} for the defaults)")
-        critic_ests = [n for n in advantage_names() if advantage_needs(n).critic]
-        _need(needs.critic, "algo.advantage",
-              f"algo.name=ppo uses the critic: expected one of {critic_ests}, got {a.advantage!r}")
-    _need(not needs.step_rewards, "algo.advantage",
-          f"{a.advantage!r} reads per-step process rewards, which no reward function in megarl produces "
-          f"(use one of {critic_free})")
-    if needs.groups:
-        _need(r.n >= 2, "rollout.n", f"the group estimator {a.advantage!r} needs G >= 2 samples per prompt, got {r.n}")
-    _need(not a.dynamic_sampling.enabled or needs.groups, "algo.dynamic_sampling.enabled",
-          "filters zero-spread groups, which only exist with a group estimator")
     _need(a.dynamic_sampling.max_rounds >= 1, "algo.dynamic_sampling.max_rounds", "must be >= 1")
     if a.kl.placement == "none":
         _need(a.kl.beta == 0, "algo.kl.beta", f"is {a.kl.beta} but algo.kl.placement is 'none' (the KL would be ignored)")
@@ -362,6 +303,13 @@ def _validate_algorithm(cfg: TrainConfig) -> None:
                   "is set but reward.model.path is not: there is no reward model to use it")
         _need(cfg.reward.fn is not None or bool(r.agent.env), "reward.fn",
               "is null and no reward_model.path is given: nothing scores the samples")
+    _validate_log_prob_sources(cfg)
+
+
+def _validate_log_prob_sources(cfg: TrainConfig) -> None:
+    """``rollout.reuse_rollout_log_probs``, ``algo.rollout_correction``, the overlong buffer and
+    the log-prob parity check: what the rollout's log-probs may stand for."""
+    a, r = cfg.algo, cfg.rollout
     if r.reuse_rollout_log_probs:
         _need(r.backend == "hf" or r.temperature == 1.0, "rollout.reuse_rollout_log_probs",
               "raw-space rollout log-probs are needed")
@@ -430,10 +378,6 @@ def _validate_batches(cfg: TrainConfig, dp: int) -> None:
                    ("algo.forward_micro_batch_size", a.forward_micro_batch_size)):
         _need(v >= 0, key, f"must be >= 1, or 0 for the whole batch in one pass, got {v}")
     if a.pack_sequences:
-        from megarl.models.forward import packing_unsupported_reason
-
-        why = packing_unsupported_reason()
-        _need(why is None, "algo.pack_sequences", f"is true, but {why}")
         # megatron's allgather token dispatcher all-gathers equal token counts over the EP group;
         # each rank's packed sequence has its own
         _need(p.ep == 1, "algo.pack_sequences",
@@ -466,53 +410,3 @@ def missing_packages(cfg: TrainConfig) -> list:
 def require_installed(cfg: TrainConfig) -> None:
     for key, msg in missing_packages(cfg):
         raise ConfigError(f"{key}: {msg}")
-
-
-def validate_model_fit(cfg: TrainConfig, spec, where: str) -> None:
-    """Heads / KV heads / FFN / layers / vocab padding against TP and PP, experts against EP and
-    expert TP (config.json only)."""
-    from megarl.models.hf_config import ExpertFitError, ModelConfigError, check_expert_fit, check_parallel_fit
-
-    p = cfg.parallel
-    try:
-        check_parallel_fit(spec, p.tp, p.pp, where=where, experts=False)
-    except ModelConfigError as e:
-        raise ConfigError(f"parallel.tp/parallel.pp: {e}") from None
-    try:
-        check_expert_fit(spec, p.tp, p.ep, p.etp, where=where)
-    except ExpertFitError as e:
-        raise ConfigError(f"parallel.{e.size}: {e}") from None
-    # megatron-core's MoELayer refuses to train at TP > 1 without sequence parallelism, which
-    # megarl does not enable: refused here instead of in the first update
-    _need(getattr(spec, "moe", None) is None or p.tp == 1, "parallel.tp",
-          f"={p.tp} with the mixture-of-experts model {where}: megatron-core trains MoE layers at tp > 1 only "
-          "with sequence parallelism, which megarl does not enable yet; use parallel.tp=1 with parallel.ep")
-    _need(cfg.model.vocab_multiple % p.tp == 0, "model.vocab_multiple",
-          f"{cfg.model.vocab_multiple} is not divisible by parallel.tp={p.tp} (the padded vocabulary is split over TP)")
-    experts = moe_num_experts(spec)
-    _need(cfg.rollout.ep == 1 or (experts is not None and experts % cfg.rollout.ep == 0), "rollout.ep",
-          f"{cfg.rollout.ep} must divide the number of routed experts of {where} "
-          f"({experts if experts is not None else f'none: {spec.architecture} is dense'})")
-    for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
-        _need(getattr(cfg.actor, key) in (None, 0.0) or moe_num_experts(spec) is not None, f"actor.{key}",
-              f"is {getattr(cfg.actor, key)}, but {where} describes a dense model ({spec.architecture}: no router "
-              f"to regularise); use actor.{key}={'null' if key == 'moe_z_loss_coeff' else '0'}")
-    if cfg.algo.routing_replay != "none":
-        _need(moe_num_experts(spec) is not None, "algo.routing_replay",
-              f"is {cfg.algo.routing_replay!r}, but {where} describes a dense model "
-              f"({spec.architecture}: no routed experts); use algo.routing_replay=none")
-
-
-def moe_num_experts(spec) -> Optional[int]:
-    """The number of routed experts of an MoE model spec, None for a dense one (the spec's
-    ``moe.num_experts`` when it has one, else config.json's ``num_experts`` / ``num_local_experts``
-    / ``n_routed_experts``)."""
-    moe = getattr(spec, "moe", None)
-    n = getattr(moe, "num_experts", None)
-    if n is None:
-        raw = getattr(spec, "raw_config", None) or {}
-        for key in ("num_experts", "num_local_experts", "n_routed_experts"):
-            if raw.get(key):
-                n = raw[key]
-                break
-    return int(n) if n else None

@@ -70,7 +70,7 @@ def assemble(cfg, model_path: str, tokenizer_dir: str) -> Parts:
     train_data = load_configured_dataset(d, tok, d.train_path, split=d.train_split, subset=d.train_subset)
     heldout = (load_configured_dataset(d, tok, d.heldout_path, split=d.heldout_split, subset=d.heldout_subset)
                if d.heldout_path else None)
-    from megarl.data.fields_check import drop_rows_missing_fields  # data.on_missing_fields=skip
+    from megarl.rewards.dataset_fields import drop_rows_missing_fields  # data.on_missing_fields=skip
 
     train_data, heldout = drop_rows_missing_fields(cfg, train_data), drop_rows_missing_fields(cfg, heldout)
     sampler = PromptSampler(len(train_data), seed=cfg.trainer.seed, shuffle=d.shuffle)
@@ -249,7 +249,7 @@ def wire_components(cfg, parts: Parts, eng: EngineParts, *, sm, progress, run_di
     import os
 
     from megarl.algo.registry import advantage_needs
-    from megarl.control.evaluation import Evaluator
+    from megarl.control.heldout import Evaluator
     from megarl.control.learning import Learner
     from megarl.control.preparation import ExperiencePreparer
     from megarl.control.production import GroupRolloutProducer

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from megarl.config.schema import TrainConfig
 from megarl.control.assembly import assemble, assemble_engine, wire_components
-from megarl.control.evaluation import Exporter
+from megarl.control.export import Exporter
 from megarl.control.interfaces import RunProgress
 from megarl.control.persistence import RunPersistence
 from megarl.control.state_machine import IterationStateMachine, PhaseDeadlines, UpdateEvidence

@@ -154,7 +154,7 @@ def _parquet_rows(path: str, hasher) -> Iterator[tuple[int, dict]]:
 def _is_hub_dataset(path: str) -> bool:
     if path.startswith(HUB_PREFIX):
         return True
-    from megarl.hub import is_hub_id
+    from megarl.data.hub import is_hub_id
 
     # "data/train.jsonl" (missing) is a file that is not there, not a repo named train.jsonl
     return is_hub_id(path) and "@" not in path and not path.lower().endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES)

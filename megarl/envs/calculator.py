@@ -8,7 +8,7 @@ brackets, ``[ 12345 + 678 ]``; several calls in one turn are parallel calls.  Th
 integers with ``+``, ``-``, ``*`` and parentheses; whitespace inside is ignored, because the tiny
 tokenizer has one token per digit and decodes them with spaces between (``[ 1 2 3 4 5 + 6 7 8 ]``).
 Every character of the syntax is one token of the tiny vocabulary (``[``, ``]``, digits,
-``+ - * ( )``; see :mod:`megarl.data.tiny_tokenizer`), so it encodes without ``<unk>`` (but write
+``+ - * ( )``; see :mod:`megarl.builtin.tiny_tokenizer`), so it encodes without ``<unk>`` (but write
 two brackets apart: the tiny pre-tokenizer groups adjacent punctuation, and ``((`` or ``][`` is
 one unknown piece).  The step answers each call with one ``tool`` message holding the integer
 (``13023``), or ``not a number`` for an expression it cannot evaluate.

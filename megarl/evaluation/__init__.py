@@ -1,7 +1,7 @@
 """Evaluation shared by the held-out evaluation during training
-(:class:`megarl.control.evaluation.Evaluator`) and the evaluation command (``python -m megarl.eval``).
+(:class:`megarl.control.heldout.Evaluator`) and the evaluation command (``python -m megarl.eval``).
 
-* :mod:`megarl.evaluation.core` -- generate (with regeneration of lost candidates), score with the
+* :mod:`megarl.control.candidates` -- generate (with regeneration of lost candidates), score with the
   run's scorer, and keep every candidate's outcome per prompt;
 * :mod:`megarl.evaluation.estimators` -- accuracy over *scored* samples, pass@k (Chen et al. 2021)
   and maj@k, per source, and the per-row results written to JSONL.

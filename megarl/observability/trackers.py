@@ -41,6 +41,21 @@ TRACKER_PACKAGES = {
 STATE_FILE = "trackers.json"
 
 
+def check_loggers(cfg) -> None:
+    """Start-up check (:mod:`megarl.commands.run_checks`): ``trainer.loggers`` names known trackers
+    whose packages are installed (found, not imported: wandb and mlflow are imported only by a run
+    that logs to them)."""
+    import importlib.util
+
+    from megarl.errors import require, require_choice
+
+    for name in cfg.trainer.loggers:
+        require_choice(name, "trainer.loggers", tuple(TRACKER_PACKAGES))
+        module, install = TRACKER_PACKAGES[name]
+        require(module is None or importlib.util.find_spec(module) is not None, "trainer.loggers",
+                f"names {name!r}, but the {module} package is not installed: {install}")
+
+
 class Tracker:
     """One backend.  ``log_metrics`` gets the numeric values of one metrics.jsonl row;
     ``log_table`` (trackers with ``has_tables``) one sample table."""

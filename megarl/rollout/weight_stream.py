@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megarl.runtime.host_memory import host_bytes, host_span
+
 __all__ = [
     "ManifestMismatchError",
     "TensorEntry",
@@ -124,7 +126,7 @@ def _block_row_sums(t: torch.Tensor, on_host: "bool | None" = None) -> "tuple[in
     import numpy as np
 
     span = (blocks - 1) * t.stride(0) * elt + block
-    words = np.frombuffer(_host_span(t.data_ptr(), span), dtype=np.int64)
+    words = np.frombuffer(host_span(t.data_ptr(), span), dtype=np.int64)
     grid = np.lib.stride_tricks.as_strided(words, shape=(blocks, rows, CHECKSUM_ROW_WORDS),
                                            strides=(t.stride(0) * elt, row, 8), writeable=False)
     return blocks * rows, np.einsum("gij,j->gi", grid, _host_weights()).tobytes(), b""
@@ -144,30 +146,13 @@ def _finish(nbytes: int, m: int, sums: bytes, tail: bytes) -> str:
     return CHECKSUM_PREFIX + h.hexdigest()
 
 
-def host_bytes(t: torch.Tensor) -> memoryview:
-    """A read-only view of a contiguous CPU tensor's bytes, without ``Tensor.numpy()``.
-
-    ``numpy()`` would mark the storage non-resizable for good (numpy may hold on to the buffer),
-    and the offloader frees a parameter's storage by resizing it to 0: checksumming or hashing a
-    live parameter or optimizer state must not take that away.  The caller keeps ``t`` alive
-    while the view is used.
-    """
-    return _host_span(t.data_ptr(), t.numel() * t.element_size())
-
-
-def _host_span(address: int, n: int) -> memoryview:
-    import ctypes
-
-    return memoryview((ctypes.c_char * n).from_address(address)).cast("B").toreadonly()
-
-
 def _row_sums_host(t: torch.Tensor, nbytes: int) -> "tuple[int, bytes, bytes]":
     """:func:`_row_sums` of a contiguous CPU tensor with numpy: a few numpy calls instead
     of ~15 torch dispatches (which dominate for the many small tensors of a model).  The
     matrix-vector product is ``einsum``'s: its unrolled int64 sum-of-products loop reads
     12.5-13 GB/s on one core here, against 8.3 GB/s for ``@`` (numpy has no BLAS for integers) and
     5 GB/s for torch; the integers are the same, modulo 2**64.  The bytes are read through
-    :func:`host_bytes` (``t`` stays referenced here)."""
+    :func:`~megarl.runtime.host_memory.host_bytes` (``t`` stays referenced here)."""
     import numpy as np
 
     raw = np.frombuffer(host_bytes(t), dtype=np.uint8) if nbytes else np.zeros(0, dtype=np.uint8)

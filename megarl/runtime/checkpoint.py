@@ -103,7 +103,7 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     t = t.contiguous().reshape(-1)
     if t.numel() == 0:
         return "sha256:" + hashlib.sha256(b"").hexdigest()
-    from megarl.rollout.weight_stream import host_bytes
+    from megarl.runtime.host_memory import host_bytes
 
     return "sha256:" + hashlib.sha256(host_bytes(t)).hexdigest()
 

@@ -102,22 +102,6 @@ def check_writable(key: str, path: str) -> None:
         raise ConfigError(f"{key}: {path} {what} ({e.strerror or e})") from None
 
 
-def check_start_paths(cfg) -> None:
-    """Every directory the start writes into, before anything is built: the run directory (or
-    runs/ for the default one) and the built-in assets' directories when they must be built."""
-    from megarl.tinymodel import is_built
-
-    run_dir = cfg.trainer.run_dir
-    check_writable("trainer.run_dir", run_dir if run_dir else "runs")
-    if cfg.model.build_tiny and not is_built(cfg.model.path):
-        check_writable("model.path", cfg.model.path)
-    if cfg.data.build_arithmetic:
-        for key in ("data.train_path", "data.heldout_path"):
-            path = getattr(cfg.data, key.split(".")[1])
-            if path and not os.path.exists(path):
-                check_writable(key, os.path.dirname(os.path.abspath(path)))
-
-
 def start_decision(cfg, state: RunDirState, dry: bool = False) -> Optional[str]:
     """None: start (or resume) the run.  A string: the run is finished; print it and exit 0.
     A refusal raises :class:`ConfigError` naming the key to change.  May move an interrupted

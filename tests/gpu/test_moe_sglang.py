@@ -76,7 +76,7 @@ class MoETable(Table):
 
 
 def write_moe(path: str, seed: int) -> None:
-    from megarl.models.tiny import write_random_hf_checkpoint
+    from megarl.builtin.tiny_checkpoint import write_random_hf_checkpoint
 
     # std 0.2: decisive routers and a peaked next-token distribution (near-ties are rare)
     write_random_hf_checkpoint(path, MOE, seed=seed, std=0.2, dtype=torch.bfloat16)

@@ -178,10 +178,10 @@ def greedy(engine, ctx):
 
 
 def check_setup(ctx):
+    from megarl.builtin.tiny_checkpoint import write_random_hf_checkpoint
     from megarl.config import OptimSettings
     from megarl.models.megatron_ckpt import load_model
     from megarl.models.optim import wrap_for_training
-    from megarl.models.tiny import write_random_hf_checkpoint
     from megarl.models.weights import export_hf
     from megarl.rollout.protocol import GenerationRequest
 
@@ -262,7 +262,7 @@ def check_parity(ctx):
 
 
 def check_agent_sessions(ctx):
-    from megarl.data.tiny_tokenizer import build_tiny_tokenizer
+    from megarl.builtin.tiny_tokenizer import build_tiny_tokenizer
     from megarl.data.tokenizer import TokenizerContract
     from megarl.envs.render import EnvTurnRenderer
     from megarl.models.forward import teacher_forced_log_probs
@@ -392,8 +392,8 @@ def check_bf16(ctx):
 
 
 def check_bandwidth(ctx):
+    from megarl.builtin.tiny_checkpoint import write_random_hf_checkpoint
     from megarl.models.megatron_ckpt import load_model
-    from megarl.models.tiny import write_random_hf_checkpoint
 
     hf = os.path.join(ctx.work, "big")
     gb = write_random_hf_checkpoint(hf, BIG, seed=1, std=0.02, dtype=torch.bfloat16)

@@ -228,7 +228,7 @@ def test_agent_sessions_continue_from_token_ids_on_the_real_engine(engine, actor
     """A multi-turn session on SGLang (megarl.rollout.agent): every turn is fed exactly the
     trajectory so far as ``input_ids``, and the policy tokens' raw log-probs equal the megatron
     actor's teacher-forced ones over the whole trajectory, environment tokens included."""
-    from megarl.data.tiny_tokenizer import build_tiny_tokenizer
+    from megarl.builtin.tiny_tokenizer import build_tiny_tokenizer
     from megarl.data.tokenizer import TokenizerContract
     from megarl.envs.render import EnvTurnRenderer
     from megarl.models.forward import teacher_forced_log_probs

@@ -13,7 +13,8 @@ from collections import Counter
 import pytest
 
 from megarl.config import EvalConfig
-from megarl.control.evaluation import Evaluator, Exporter
+from megarl.control.export import Exporter
+from megarl.control.heldout import Evaluator
 from megarl.control.interfaces import RunProgress
 from megarl.control.placement import Placement
 from megarl.rollout.protocol import GenerationRequest, SamplingParams

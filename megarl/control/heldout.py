@@ -1,11 +1,9 @@
-"""Evaluation on held-out prompts, and export of the actor as a HuggingFace checkpoint.
+"""Evaluation on held-out prompts during training (the export is :mod:`megarl.control.export`).
 
 The evaluation decodes greedily on the version the engines serve and scores with the training
 scorer, through the loop that ``python -m megarl.eval`` runs (:mod:`megarl.evaluation`): the
 accuracy is over the scored prompts, and a prompt whose generation was lost after every retry
-or whose scorer failed is counted as unscored, never as wrong.  The export is
-what a user loads elsewhere: the actor's weights in HF layout with its tokenizer and chat
-template; ``export/iter_0`` is the starting policy, the last one the final policy.
+or whose scorer failed is counted as unscored, never as wrong.
 """
 
 from __future__ import annotations
@@ -16,11 +14,10 @@ import os
 import time
 from typing import Dict, Optional
 
-import torch.distributed as dist
 
 from megarl.control.interfaces import RunProgress, SampleScorer
 from megarl.control.placement import Placement
-from megarl.evaluation.core import evaluate_prompts
+from megarl.control.candidates import evaluate_prompts
 from megarl.evaluation.estimators import accuracy_metrics, episode_metrics, per_source_metrics, result_row
 from megarl.rollout.protocol import SamplingParams
 from megarl.versions import PolicyVersion
@@ -88,27 +85,3 @@ class Evaluator:
                     f.write(json.dumps(result_row(p, e.success_threshold, iteration=k,
                                                   policy_version=version.short_id)) + "\n")
         return m
-
-
-class Exporter:
-    """Writes ``<export_root>/iter_<k>``: the actor as an HF checkpoint with the tokenizer and
-    chat template of the run's tokenizer contract (collective; rank 0 writes)."""
-
-    def __init__(self, export_root: str, actor, tok, rank0: bool):
-        self.export_root, self.actor, self.tok, self.rank0 = export_root, actor, tok, rank0
-
-    def path(self, k: int) -> str:
-        return os.path.join(self.export_root, f"iter_{k}")
-
-    def export(self, k: int) -> str:
-        out = self.path(k)
-        self.actor.onload()
-        self.actor.export(out)
-        if self.rank0:
-            tok = self.tok.tokenizer
-            if self.tok.chat_template is not None:
-                tok.chat_template = self.tok.chat_template
-            tok.save_pretrained(out)
-        if dist.is_initialized():
-            dist.barrier()
-        return out

@@ -1,0 +1,48 @@
+"""The algorithm's own start-up checks: the names ``algo.*`` selects exist in the registries, and
+the roles the chosen estimator reads are configured (its registry entry says what it needs).
+
+Run by the command that assembles the run (:mod:`megarl.commands.run_checks`), after the
+config's own checks; each failure a :class:`~megarl.errors.ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+import megarl.algo.advantages  # noqa: F401  (registers the estimators)
+import megarl.algo.policy_loss  # noqa: F401  (registers the policy losses)
+from megarl.algo.aggregation import AGG_MODES
+from megarl.algo.kl import KL_ESTIMATORS
+from megarl.algo.registry import advantage_names, advantage_needs, policy_loss_names
+from megarl.errors import require, require_choice
+
+__all__ = ["check_algorithm_names", "check_estimator_needs"]
+
+
+def check_algorithm_names(cfg) -> None:
+    """``algo.advantage``, ``algo.policy_loss``, ``algo.agg_mode`` and ``algo.kl.estimator`` name
+    registered functions."""
+    a = cfg.algo
+    require_choice(a.advantage, "algo.advantage", advantage_names())
+    require_choice(a.policy_loss, "algo.policy_loss", policy_loss_names())
+    require_choice(a.agg_mode, "algo.agg_mode", AGG_MODES)
+    require_choice(a.kl.estimator, "algo.kl.estimator", KL_ESTIMATORS)
+
+
+def check_estimator_needs(cfg) -> None:
+    """The estimator's needs (a critic, groups of G >= 2, no step rewards) are met."""
+    a, r = cfg.algo, cfg.rollout
+    needs = advantage_needs(a.advantage)
+    critic_free = [n for n in advantage_names() if not advantage_needs(n).critic and not advantage_needs(n).step_rewards]
+    if a.name == "grpo":
+        require(not needs.critic, "algo.advantage",
+                f"{a.advantage!r} needs a critic; algo.name=grpo has none (use one of {critic_free})")
+    else:
+        critic_ests = [n for n in advantage_names() if advantage_needs(n).critic]
+        require(needs.critic, "algo.advantage",
+                f"algo.name=ppo uses the critic: expected one of {critic_ests}, got {a.advantage!r}")
+    require(not needs.step_rewards, "algo.advantage",
+            f"{a.advantage!r} reads per-step process rewards, which no reward function in megarl produces "
+            f"(use one of {critic_free})")
+    if needs.groups:
+        require(r.n >= 2, "rollout.n", f"the group estimator {a.advantage!r} needs G >= 2 samples per prompt, got {r.n}")
+    require(not a.dynamic_sampling.enabled or needs.groups, "algo.dynamic_sampling.enabled",
+            "filters zero-spread groups, which only exist with a group estimator")

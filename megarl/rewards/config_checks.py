@@ -1,0 +1,44 @@
+"""The reward's own start-up checks: the isolation of the reward workers and the fields a reward
+declares it reads.
+
+Run by the command that assembles the run (:mod:`megarl.commands.run_checks`), after the
+config's own checks; each failure a :class:`~megarl.errors.ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+from megarl.errors import ConfigError, require, require_choice
+from megarl.rewards.base import RewardConfigError
+from megarl.rewards.declarations import normalise_requirements
+from megarl.rewards.isolation import ISOLATION_MODES, resolve_isolation
+
+__all__ = ["check_reward_isolation", "check_required_fields"]
+
+
+def check_reward_isolation(cfg) -> None:
+    """``reward.isolation`` and its worker limits: limits apply to worker processes only, and the
+    timeout fault is injected in the trainer (so not through a process boundary)."""
+    rw = cfg.reward
+    require_choice(rw.isolation, "reward.isolation", ISOLATION_MODES)
+    require(rw.workers >= 1, "reward.workers", f"must be >= 1, got {rw.workers}")
+    require(rw.kill_grace_s > 0, "reward.kill_grace_s", f"must be > 0 seconds, got {rw.kill_grace_s}")
+    require(rw.max_memory_mb is None or rw.max_memory_mb >= 64, "reward.max_memory_mb",
+            f"must be >= 64 (the worker's whole address space) or null, got {rw.max_memory_mb}")
+    require(rw.cpu_time_s is None or rw.cpu_time_s > 0, "reward.cpu_time_s", f"must be > 0 or null, got {rw.cpu_time_s}")
+    if rw.fn is not None and resolve_isolation(rw.isolation, rw.fn, list(rw.components or [])) == "thread":
+        for key in ("max_memory_mb", "cpu_time_s"):
+            require(getattr(rw, key) is None, f"reward.{key}",
+                    f"limits worker processes, but reward.fn {rw.fn!r} runs on threads (reward.isolation="
+                    f"{rw.isolation}); set reward.isolation=process or drop the limit")
+    require(not (cfg.faults.reward_timeout_rate and rw.isolation == "process"), "reward.isolation",
+            "'process' cannot carry faults.reward_timeout_rate (the fault wrapper lives in the trainer); use thread or auto")
+
+
+def check_required_fields(cfg) -> None:
+    """``reward.required_fields``, when given, is a list of field names or alternatives."""
+    if cfg.reward.required_fields is None:
+        return
+    try:
+        normalise_requirements(list(cfg.reward.required_fields), "reward.required_fields")
+    except RewardConfigError as err:
+        raise ConfigError(str(err)) from None
