@@ -6,7 +6,7 @@ Test helpers, not part of the ``megarl`` package; nothing here loads a model."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -94,7 +94,7 @@ def prompt_records(n: int, **ground_truth) -> list:
 @dataclass
 class Dataset:
     records: list
-    stats: dict = None
+    stats: dict = field(default_factory=dict)
 
 
 def ok_record(total: float, **components) -> RewardRecord:

@@ -19,6 +19,7 @@ from megarl.algo.kl import FixedKLController
 from megarl.control import learning
 from megarl.control.learning import Learner, UpdateFailure, combine_steps, policy_loss_config
 from megarl.control.state_machine import Phase
+from megarl.models.optim import StepResult
 from megarl.observability.metrics import StageTimer
 from megarl.rollout.weight_stream import TensorManifest
 from megarl.versions import PolicyVersion
@@ -87,9 +88,9 @@ class FakeActor:
             self.w += 100.0
             raise RuntimeError("optimizer exploded")
         n = len(self.step_rows)
-        return SimpleNamespace(grad_norm=float("nan") if kind == "nan" else float(n), update_successful=True,
-                               metrics=[{"pg_loss": 0.1, "tokens": float(len(r)), "ratio_max": 1.0 + 0.01 * n}
-                                        for r in rows])
+        return StepResult(grad_norm=float("nan") if kind == "nan" else float(n), update_successful=True,
+                          metrics=[{"pg_loss": 0.1, "tokens": float(len(r)), "ratio_max": 1.0 + 0.01 * n}
+                                   for r in rows])
 
 
 class FakeSnapshot:
@@ -271,7 +272,7 @@ class LossActor(FakeActor):
                     logits[b, pos, target] = 0.0
             _, m = loss_fn(logits, mb)
             metrics.append(m)
-        return SimpleNamespace(grad_norm=1.0, update_successful=True, metrics=metrics)
+        return StepResult(grad_norm=1.0, update_successful=True, metrics=metrics)
 
 
 def test_the_loss_closure_uses_the_sealed_old_log_probs_and_the_mini_batch_normaliser(world):

@@ -6,7 +6,8 @@ import torch
 from megarl.config import FaultsConfig
 from megarl.control.placement import Placement, generate_everywhere
 from megarl.rollout.protocol import FinishReason, GenerationRequest, GenerationResult, RolloutError, SamplingParams
-from megarl.runtime.faults import FaultInjector, FaultyRolloutEngine, FaultyRewardFunction
+from megarl.rewards.faulty import FaultyRewardFunction
+from megarl.runtime.faults import FaultInjector, FaultyRolloutEngine
 
 
 def test_decisions_are_deterministic_keyed_and_near_the_rate():

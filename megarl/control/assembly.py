@@ -108,7 +108,7 @@ def _rewards(cfg, injector, rank0: bool):
     r = cfg.reward
     fn = build_reward_function(r.fn, r.kwargs, r.components) if r.fn else None
     if fn is not None and cfg.faults.reward_timeout_rate:
-        from megarl.runtime.faults import FaultyRewardFunction
+        from megarl.rewards.faulty import FaultyRewardFunction
 
         # an injected hang lasts ten timeouts: it is still hanging when the runner's timeout is
         # declared however late a busy machine wakes the runner, so the count stays exact

@@ -75,7 +75,7 @@ class Evaluator:
         self.progress.last_eval = None if math.isnan(acc) else acc
         self.progress.last_eval_unscored = (len(recs) - m["eval/scored"], len(recs))
         m.update({"eval/policy_version_step": version.optimizer_step, "eval/seconds": time.perf_counter() - t0})
-        dropped = (getattr(self.heldout, "stats", None) or {}).get("dropped_missing_fields")
+        dropped = self.heldout.stats.get("dropped_missing_fields")
         if dropped:  # data.on_missing_fields=skip dropped held-out rows the reward could not score
             m["eval/dropped_missing_fields"] = dropped
         if self.results_dir is not None:

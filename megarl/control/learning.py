@@ -16,6 +16,7 @@ import math
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Dict, List
 
 import torch
@@ -52,6 +53,18 @@ def policy_loss_config(cfg) -> PolicyLossConfig:
         kl=KLConfig(placement=a.kl.placement, estimator=a.kl.estimator, beta=a.kl.beta),
         old_log_prob_roles=("actor", "rollout") if cfg.rollout.reuse_rollout_log_probs else ("actor",),
         log_prob_space="raw")
+
+
+@dataclass
+class _StepLog:
+    """What one update's optimizer steps reported, in order."""
+
+    actor: List[Dict[str, float]] = field(default_factory=list)
+    critic: List[Dict[str, float]] = field(default_factory=list)
+    grad_norms: List[float] = field(default_factory=list)
+    critic_norms: List[float] = field(default_factory=list)
+    skipped: int = 0
+    actor_steps: int = 0
 
 
 class Learner:
@@ -137,87 +150,109 @@ class Learner:
     # ---- one update ----------------------------------------------------------------------------
 
     def update(self, k: int, batch: ExperienceBatch, version: PolicyVersion) -> Dict[str, float]:
+        """``algo.ppo_epochs`` passes over ``batch`` in mini-batches of whole groups, one optimizer
+        step of the actor (after the critic's warm-up) and of the critic per mini-batch."""
         cfg, a = self.cfg, self.cfg.algo
-        f, d = batch.facts, batch.derived
         self.completed = False
+        self._begin_update()
+        columns, replay_layers = self._update_columns(batch)
+        gen = torch.Generator().manual_seed(cfg.trainer.seed * 7919 + k)
+        log = _StepLog()
+        train_actor = self.critic is None or k >= cfg.critic.warmup_iters
+        kl_beta = self.kl_ctl.value
+        for _epoch in range(a.ppo_epochs):
+            for plan in plan_mini_batches(batch.facts.group_id, a.num_mini_batches, self.dp, a.micro_batch_size, gen):
+                rows, is_pad = plan.rank_rows(dp_rank(), self.dp)
+                norm = global_normaliser(batch.derived.loss_mask[plan.rows], a.agg_mode, norm_constant=self.norm_constant)
+                local = {name: t[rows].clone() for name, t in columns.items()}
+                local["loss_mask"][is_pad] = 0
+                if train_actor:
+                    self._actor_step(batch, version, local, rows.numel(), norm, kl_beta, replay_layers, log)
+                if self.critic is not None:
+                    self._critic_step(batch, local, rows.numel(), norm, log)
+        m = self._update_metrics(log, kl_beta)
+        self._adapt_kl(batch)
+        self.completed = True
+        return m
+
+    def _begin_update(self) -> None:
         self.sm.begin_update()
         self.actor.onload()
         if self.critic is not None:
             self.critic.onload()
-        if cfg.trainer.update_rollback == "memory":
+        if self.cfg.trainer.update_rollback == "memory":
             self._take_snapshot()
+
+    def _update_columns(self, batch: ExperienceBatch):
+        """The per-row tensors the update's micro-batches are cut from, and the MoE layers whose
+        routing is replayed (None: no replay).  A variant of the update adds its columns here: the
+        reference log-probs (KL in the loss), the rollout-correction weights, the critic's old
+        values and returns, the recorded routing (``algo.routing_replay=rollout``: every update
+        forward dispatches as the rollout did)."""
+        f, d = batch.facts, batch.derived
         L = sequence_length(f.attention_mask)
         st = step_tensors(f.prompt_ids, f.response_ids, f.attention_mask, L)
-        full = {"tokens": st["tokens"], "prompt_lens": st["prompt_lens"], "response_lens": st["response_lens"],
-                "old_log_probs": f.old_log_probs.values, "advantages": d.advantages, "loss_mask": d.loss_mask}
-        kl_in_loss = self.policy_cfg.kl.placement == "loss"
-        if kl_in_loss:
-            full["ref_log_probs"] = f.ref_log_probs.values
+        columns = {"tokens": st["tokens"], "prompt_lens": st["prompt_lens"], "response_lens": st["response_lens"],
+                   "old_log_probs": f.old_log_probs.values, "advantages": d.advantages, "loss_mask": d.loss_mask}
+        if self.policy_cfg.kl.placement == "loss":
+            columns["ref_log_probs"] = f.ref_log_probs.values
         if d.is_weights is not None:  # algo.rollout_correction.token_is_cap
-            full["is_weights"] = d.is_weights
+            columns["is_weights"] = d.is_weights
         if self.critic is not None:
-            full["old_values"] = f.values
-            full["returns"] = d.returns
+            columns["old_values"] = f.values
+            columns["returns"] = d.returns
         replay_layers = None
-        if a.routing_replay == "rollout":  # every update forward dispatches as the rollout did
+        if self.cfg.algo.routing_replay == "rollout":
             routed = f.routed_experts
             rows = record_to_rows(routed.experts, f.attention_mask, f.prompt_ids.shape[1], routed.moe_layers, L)
-            full["routing"], full["routing_valid"] = rows.experts, rows.valid
+            columns["routing"], columns["routing_valid"] = rows.experts, rows.valid
             replay_layers = routed.moe_layers
-        gen = torch.Generator().manual_seed(cfg.trainer.seed * 7919 + k)
-        actor_metrics: List[Dict[str, float]] = []
-        critic_metrics: List[Dict[str, float]] = []
-        grad_norms, critic_norms, skipped, lag = [], [], 0, 0
-        train_actor = self.critic is None or k >= cfg.critic.warmup_iters
-        kl_beta = self.kl_ctl.value
-        for _epoch in range(a.ppo_epochs):
-            plans = plan_mini_batches(f.group_id, a.num_mini_batches, self.dp, a.micro_batch_size, gen)
-            for plan in plans:
-                rows, is_pad = plan.rank_rows(dp_rank(), self.dp)
-                real_mask = d.loss_mask[plan.rows]
-                norm = global_normaliser(real_mask, a.agg_mode, norm_constant=self.norm_constant)
-                local = {name: t[rows].clone() for name, t in full.items()}
-                local["loss_mask"][is_pad] = 0
-                if train_actor:
-                    loss_fn = self._actor_loss_fn(batch, version, norm, kl_beta, kl_in_loss)
-                    mbs = _micro_batches(local, a.micro_batch_size, rows.numel())
-                    res = self._guarded_step("actor", lambda: self.actor.train_step(
-                        mbs, loss_fn, replay_layers=replay_layers))
-                    grad_norms.append(res.grad_norm)
-                    skipped += 0 if res.update_successful else 1
-                    actor_metrics.append(self._reduce_step_metrics(res.metrics))
-                    # update/moe_aux_loss, update/moe_z_loss (enabled MoE router losses; stand-ins have none)
-                    actor_metrics[-1].update(getattr(res, "moe_losses", None) or {})
-                    lag += 1
-                if self.critic is not None:
-                    vloss = self._value_loss_fn(f.response_len, norm)
-                    cmbs = _micro_batches(local, cfg.critic.micro_batch_size, rows.numel())
-                    cres = self._guarded_step("critic", lambda: self.critic.train_step(cmbs, vloss))
-                    critic_norms.append(cres.grad_norm)
-                    critic_metrics.append(self._reduce_step_metrics(cres.metrics))
-        m = combine_steps(actor_metrics, "update/")
-        m.update(combine_steps(critic_metrics, "update/critic_"))
-        if actor_metrics:
-            m["update/first_step_pg_loss"] = actor_metrics[0].get("pg_loss", float("nan"))
-        if grad_norms:
-            m["update/grad_norm"] = sum(grad_norms) / len(grad_norms)
-            m["update/grad_norm_max"] = max(grad_norms)
-        if critic_norms:
-            m["update/critic_grad_norm"] = sum(critic_norms) / len(critic_norms)
-        m["update/skipped_steps"] = skipped
-        if cfg.trainer.update_rollback == "memory":  # the host copy of v a failed update would return to
+        return columns, replay_layers
+
+    def _actor_step(self, batch, version, local, n_rows: int, norm, kl_beta: float, replay_layers, log: "_StepLog"):
+        loss_fn = self._actor_loss_fn(batch, version, norm, kl_beta, self.policy_cfg.kl.placement == "loss")
+        mbs = _micro_batches(local, self.cfg.algo.micro_batch_size, n_rows)
+        res = self._guarded_step("actor", lambda: self.actor.train_step(mbs, loss_fn, replay_layers=replay_layers))
+        log.grad_norms.append(res.grad_norm)
+        log.skipped += 0 if res.update_successful else 1
+        log.actor.append(self._reduce_step_metrics(res.metrics))
+        log.actor[-1].update(res.moe_losses)  # update/moe_aux_loss, update/moe_z_loss when enabled
+        log.actor_steps += 1
+
+    def _critic_step(self, batch, local, n_rows: int, norm, log: "_StepLog"):
+        vloss = self._value_loss_fn(batch.facts.response_len, norm)
+        cmbs = _micro_batches(local, self.cfg.critic.micro_batch_size, n_rows)
+        cres = self._guarded_step("critic", lambda: self.critic.train_step(cmbs, vloss))
+        log.critic_norms.append(cres.grad_norm)
+        log.critic.append(self._reduce_step_metrics(cres.metrics))
+
+    def _update_metrics(self, log: "_StepLog", kl_beta: float) -> Dict[str, float]:
+        m = combine_steps(log.actor, "update/")
+        m.update(combine_steps(log.critic, "update/critic_"))
+        if log.actor:
+            m["update/first_step_pg_loss"] = log.actor[0].get("pg_loss", float("nan"))
+        if log.grad_norms:
+            m["update/grad_norm"] = sum(log.grad_norms) / len(log.grad_norms)
+            m["update/grad_norm_max"] = max(log.grad_norms)
+        if log.critic_norms:
+            m["update/critic_grad_norm"] = sum(log.critic_norms) / len(log.critic_norms)
+        m["update/skipped_steps"] = log.skipped
+        if self.cfg.trainer.update_rollback == "memory":  # the host copy of v a failed update would return to
             m["update/snapshot_s"], m["update/snapshot_bytes"] = self.snapshot_s, float(self.snapshot_bytes)
-        m["update/optimizer_steps"] = len(grad_norms)
-        m["update/policy_lag_max"] = max(lag - 1, 0)
+        m["update/optimizer_steps"] = len(log.grad_norms)
+        m["update/policy_lag_max"] = max(log.actor_steps - 1, 0)
         m["update/lr"] = self.actor.lr
         m["update/kl_beta"] = kl_beta
-        self.counters["skipped_steps"] += skipped
-        if a.kl.adaptive and f.ref_log_probs is not None:
+        self.counters["skipped_steps"] += log.skipped
+        return m
+
+    def _adapt_kl(self, batch: ExperienceBatch) -> None:
+        """The adaptive KL controller sees the batch's k1 KL of the old policy to the reference."""
+        f = batch.facts
+        if self.cfg.algo.kl.adaptive and f.ref_log_probs is not None:
             keep = f.response_mask != 0
             cur = float(masked_mean(kl_k1(f.old_log_probs.values, f.ref_log_probs.values), keep))
             self.kl_ctl.update(cur, f.batch_size)
-        self.completed = True
-        return m
 
     def _actor_loss_fn(self, batch: ExperienceBatch, version: PolicyVersion, norm, kl_beta: float, kl_in_loss: bool):
         """The policy loss of one micro-batch from the actor's logits (megatron's loss closure)."""

@@ -68,7 +68,7 @@ class ExperiencePreparer:
         self.correction = (RolloutCorrectionConfig(token_is_cap=rc.token_is_cap, seq_mask_threshold=rc.seq_mask_threshold,
                                                    seq_mask_stat=rc.seq_mask_stat)
                            if rc.token_is_cap is not None or rc.seq_mask_threshold is not None else None)
-        self.async_eta, self.offpolicy = _offpolicy_settings(getattr(cfg, "async_rl", None))
+        self.async_eta, self.offpolicy = _offpolicy_settings(cfg.async_rl)
         if self.offpolicy is not None and self.correction is not None:  # both would weight the same gap
             raise ValueError("algo.rollout_correction and async_rl.correction are both set: use one")
 
@@ -334,9 +334,7 @@ class ExperiencePreparer:
 
 
 def _offpolicy_settings(an):
-    """(eta, the correction config or None) from the ``async_rl`` section (None: synchronous)."""
-    if an is None:
-        return 0, None
+    """(eta, the correction config or None) from the ``async_rl`` section."""
     if an.max_staleness > 0 and an.correction is None:
         raise ValueError(f"async_rl.correction must be chosen when async_rl.max_staleness={an.max_staleness} > 0")
     if an.correction is None:

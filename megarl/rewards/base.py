@@ -11,12 +11,14 @@ the user configured a penalty for it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, runtime_checkable
+from typing import Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 from megarl.errors import MegarlError
 from megarl.experience.schema import RewardRecord
 
-__all__ = ["RewardSample", "RewardFunction", "RewardConfigError"]
+__all__ = ["RewardSample", "RewardFunction", "RewardConfigError", "BatchRewardFunction", "RewardMetricsSource",
+           "CircuitBreaking", "FieldDeclaring", "AnswerExtracting", "WarmingUp", "circuit_state",
+           "reward_identity"]
 
 
 class RewardConfigError(MegarlError, ValueError):
@@ -56,6 +58,75 @@ class RewardFunction(Protocol):
     version: str
 
     def __call__(self, sample: RewardSample) -> RewardRecord: ...
+
+
+# ---- optional capabilities: each its own protocol, asked with isinstance --------------------
+
+
+@runtime_checkable
+class BatchRewardFunction(Protocol):
+    """Scores a whole list in one call and enforces its own timeouts, retries and concurrency
+    (the HTTP service); the runner then makes one call per ``score``."""
+
+    def score_batch(self, samples: Sequence[RewardSample]) -> list[RewardRecord]: ...
+
+
+@runtime_checkable
+class RewardMetricsSource(Protocol):
+    """Reports its own counters, merged under ``reward/<name>/`` (the runner's telemetry)."""
+
+    def metrics(self) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class CircuitBreaking(Protocol):
+    """Has a circuit breaker: ``circuit_open`` is True while it fails fast, a bool or a
+    no-argument method returning one (None: it has none after all, e.g. a wrapper around a
+    function without one); see :func:`circuit_state`."""
+
+    circuit_open: Any
+
+
+def circuit_state(fn) -> Optional[bool]:
+    """Whether ``fn``'s circuit breaker is open; None when it has none."""
+    if not isinstance(fn, CircuitBreaking):
+        return None
+    state = fn.circuit_open
+    return state() if callable(state) else state
+
+
+@runtime_checkable
+class FieldDeclaring(Protocol):
+    """Declares the ground-truth fields it reads: a tuple of names (or of alternatives), or a
+    no-argument method returning one; None declares nothing (:mod:`megarl.rewards.declarations`)."""
+
+    required_fields: Any
+
+
+@runtime_checkable
+class AnswerExtracting(Protocol):
+    """Parses the answer it compares out of a response text (None: no answer found)."""
+
+    def extract_answer(self, text: str) -> Optional[str]: ...
+
+
+@runtime_checkable
+class WarmingUp(Protocol):
+    """Pays its lazy first-call costs (parsers, imports) in ``warmup``, before a worker reports
+    ready, so that they never count against a call's timeout."""
+
+    def warmup(self) -> None: ...
+
+
+def reward_identity(fn) -> tuple[str, str]:
+    """``(name, version)`` of a scorer: what a :class:`RewardFunction` declares; a bare callable
+    (which the runner accepts, failing each call that returns no record) is named by its
+    qualified name and versioned ``unversioned/<name>``."""
+    if isinstance(fn, RewardFunction):
+        label = str(fn.name or type(fn).__qualname__)
+        return label, str(fn.version or f"unversioned/{label}")
+    label = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return label, f"unversioned/{label}"
 
 
 def check_number(owner: str, name: str, value, *, allow_none: bool = False, positive: bool = False,

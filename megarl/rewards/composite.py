@@ -48,7 +48,7 @@ class WeightedComposite:
             if not callable(fn):
                 raise RewardConfigError(f"composite part {pname!r} fn must be callable, got {type(fn).__name__}")
         self.parts = [(p, float(w), f) for p, w, f in parts]
-        inner = ",".join(f"{p}*{w!r}={getattr(f, 'version', '?')}" for p, w, f in self.parts)
+        inner = ",".join(f"{p}*{w!r}={f.version}" for p, w, f in self.parts)
         self.version = f"composite/1[{inner}]"
 
     @property

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence, Tuple, Union
 
+from megarl.rewards.base import AnswerExtracting, FieldDeclaring, reward_identity
+
 __all__ = ["Requirement", "required_fields", "normalise_requirements", "describe_requirement", "extract_answer",
            "extractor", "normalised_text", "union_of"]
 
@@ -50,12 +52,12 @@ def normalise_requirements(value: Any, where: str) -> Tuple[Requirement, ...]:
 def required_fields(fn: Any) -> Optional[Tuple[Requirement, ...]]:
     """The fields ``fn`` declares it reads (None: it declares nothing).  A composite unions its
     parts' declarations (None only when no part declares anything)."""
-    declared = getattr(fn, "required_fields", None)
-    if declared is None:
-        return None
+    declared = fn.required_fields if isinstance(fn, FieldDeclaring) else None
     if callable(declared):
         declared = declared()
-    return normalise_requirements(declared, f"{getattr(fn, 'name', 'reward')}.required_fields")
+    if declared is None:
+        return None
+    return normalise_requirements(declared, f"{reward_identity(fn)[0]}.required_fields")
 
 
 def describe_requirement(req: Requirement) -> str:
@@ -88,5 +90,4 @@ def extract_answer(fn: Any, text: str) -> Optional[str]:
 
 def extractor(fn: Any):
     """``fn``'s own ``extract_answer`` (or its wrapped callable's), else None."""
-    ex = getattr(fn, "extract_answer", None)
-    return ex if callable(ex) else None
+    return fn.extract_answer if isinstance(fn, AnswerExtracting) else None

@@ -141,15 +141,16 @@ def _worker_main(conn, spec: dict, owner_pid: int, max_memory_mb, cpu_time_s) ->
         if max_memory_mb is not None:
             limit = int(max_memory_mb) * 1024 * 1024
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        from megarl.rewards.base import WarmingUp
         from megarl.rewards.registry import build_reward_function
 
         fn = build_reward_function(spec["fn"], spec.get("kwargs"), spec.get("components"))
     except BaseException as e:  # noqa: BLE001 -- reported to the pool, which fails every call with it
         conn.send(("fatal", f"{type(e).__name__}: {e}"))
         return
-    name = str(getattr(fn, "name", "") or spec["fn"])
-    warmup = getattr(fn, "warmup", None)  # lazy first-call costs (parsers) before "ready", not inside a timeout
-    if callable(warmup):
+    name = str(fn.name or spec["fn"])
+    warmup = fn.warmup if isinstance(fn, WarmingUp) else None  # lazy first-call costs before "ready", not in a timeout
+    if warmup is not None:
         try:
             warmup()
         except Exception:  # noqa: BLE001 -- a failing warm-up shows up in the first real call

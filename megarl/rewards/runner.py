@@ -37,7 +37,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any, Callable, Mapping, Sequence
 
 from megarl.experience.schema import RewardRecord, RewardStatus
-from megarl.rewards.base import RewardConfigError, RewardFunction, RewardSample, check_number
+from megarl.rewards.base import (BatchRewardFunction, RewardConfigError, RewardFunction, RewardMetricsSource, RewardSample,
+                                 check_number, reward_identity)
 
 __all__ = ["RewardRunner", "apply_penalties", "PENALTY_KEYS"]
 
@@ -68,6 +69,7 @@ class _WorkerPool:
         self._abandoned: set[threading.Thread] = set()
         self._closed = False
         self._spawned = 0
+        self.restarts = 0  # threads are never replaced (an abandoned call's thread runs on)
 
     def submit(self, fn: Callable, arg: Any) -> _Task:
         with self._lock:
@@ -168,12 +170,11 @@ class RewardRunner:
         self.max_retries = int(check_number("RewardRunner", "max_retries", max_retries, integer=True))
         self.backoff_s = float(check_number("RewardRunner", "backoff_s", backoff_s))
         self.max_workers = int(check_number("RewardRunner", "max_workers", max_workers, positive=True, integer=True))
-        label = getattr(fn, "name", None) or getattr(fn, "__qualname__", None) or type(fn).__qualname__
-        self.version = str(getattr(fn, "version", "") or f"unversioned/{label}")
+        label, self.version = reward_identity(fn)
         self.counters: Counter = Counter()
         from megarl.rewards.telemetry import ScorerStats
 
-        self.stats = ScorerStats(getattr(fn, "name", None) or label)
+        self.stats = ScorerStats(label)
         if isolation == "process":
             from megarl.rewards.isolation import ProcessPool
 
@@ -195,7 +196,7 @@ class RewardRunner:
 
     def metrics(self) -> dict:
         """``reward/<name>/...`` floats since the last call (see :mod:`megarl.rewards.telemetry`)."""
-        return self.stats.window(self.counters, getattr(self._pool, "restarts", 0), self.fn)
+        return self.stats.window(self.counters, self._pool.restarts, self.fn)
 
     def __enter__(self) -> "RewardRunner":
         return self
@@ -222,7 +223,7 @@ class RewardRunner:
     def score(self, samples: Sequence[RewardSample]) -> list[RewardRecord]:
         """One final record per sample, in input order; never raises for a scorer failure."""
         with self._score_lock:
-            if callable(getattr(self.fn, "score_batch", None)):
+            if isinstance(self.fn, BatchRewardFunction):
                 return self._score_batched(list(samples))
             return self._score(list(samples))
 
@@ -233,15 +234,14 @@ class RewardRunner:
         ``invalid`` by final record, ``retries`` += the function's own re-sends (the delta of its
         ``metrics()["retries"]``), ``failed`` as usual.  An exception or a wrong-length answer
         fails every sample with status ``error``."""
-        metrics = getattr(self.fn, "metrics", None)
-        before = metrics().get("retries", 0) if callable(metrics) else 0
+        reports = isinstance(self.fn, RewardMetricsSource)
+        before = self.fn.metrics().get("retries", 0) if reports else 0
         t_begin = time.monotonic()
         try:
             recs = list(self.fn.score_batch(samples))
         except Exception as e:  # noqa: BLE001 -- any failure of a scorer is a status
             recs = [self._failure(RewardStatus.ERROR, f"{type(e).__name__}: {e}")] * len(samples)
-        if getattr(self, "stats", None) is not None:
-            self.stats.busy(time.monotonic() - t_begin)
+        self.stats.busy(time.monotonic() - t_begin)
         if len(recs) != len(samples):
             recs = [self._failure(RewardStatus.ERROR,
                                   f"score_batch returned {len(recs)} records for {len(samples)} samples")] * len(samples)
@@ -254,8 +254,8 @@ class RewardRunner:
             if rec.status is not RewardStatus.OK:
                 self.counters["failed"] += 1
             out.append(rec)
-        if callable(metrics):
-            self.counters["retries"] += int(metrics().get("retries", 0) - before)
+        if reports:
+            self.counters["retries"] += int(self.fn.metrics().get("retries", 0) - before)
         return out
 
     def _score(self, samples: list[RewardSample]) -> list[RewardRecord]:

@@ -4,9 +4,9 @@
 window and starts a new one: ``calls_per_s`` (attempts per second of wall time spent inside
 ``score``), ``latency_p50_s`` / ``latency_p99_s`` (of the calls that answered), ``timeouts``,
 ``errors``, ``worker_restarts`` (process isolation: workers killed or dead and replaced), and
-``circuit_open`` (1.0 / 0.0) when the reward function reports a circuit breaker: a scorer that
-has one exposes ``circuit_open`` (a bool attribute or a no-argument method); a scorer may also
-expose ``metrics()`` -> ``{key: float}``, merged under ``reward/<name>/``.
+``circuit_open`` (1.0 / 0.0) when the reward function has a circuit breaker
+(:class:`~megarl.rewards.base.CircuitBreaking`); a scorer that reports its own counters
+(:class:`~megarl.rewards.base.RewardMetricsSource`) has them merged under ``reward/<name>/``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 import threading
 from typing import Any, Dict
+
+from megarl.rewards.base import RewardMetricsSource, circuit_state
 
 __all__ = ["ScorerStats", "percentile"]
 
@@ -56,13 +58,10 @@ class ScorerStats:
         if lat:
             out[p + "latency_p50_s"] = percentile(lat, 50)
             out[p + "latency_p99_s"] = percentile(lat, 99)
-        circuit = getattr(fn, "circuit_open", None)
-        if callable(circuit):
-            circuit = circuit()
+        circuit = circuit_state(fn)
         if circuit is not None:
             out[p + "circuit_open"] = 1.0 if circuit else 0.0
-        extra = getattr(fn, "metrics", None)
-        if callable(extra):
-            for k, v in dict(extra()).items():
+        if isinstance(fn, RewardMetricsSource):
+            for k, v in dict(fn.metrics()).items():
                 out[p + str(k)] = float(v)
         return out

@@ -301,7 +301,7 @@ class RolloutService:
         self.engine = self.make_engine(hello["config_dir"], hello["eos_token_ids"], hello["pad_token_id"])
         generator = self.make_generator(self.engine) if self.make_generator is not None else self.engine
         self.outbox.send(("ready", {"dtype": str(self.engine.dtype).removeprefix("torch."),
-                                    "log_prob_spaces": getattr(self.engine, "log_prob_spaces", None)}))
+                                    "log_prob_spaces": self.engine.log_prob_spaces}))
         totals = self.totals
         idle_from = time.perf_counter()
         while True:

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import threading
-import time
 from collections import Counter
 from typing import Any, Sequence
 
 from megarl.errors import MegarlError
 from megarl.rollout.protocol import EngineWrapper
 
-__all__ = ["FaultInjector", "InjectedFault", "FaultyActor", "FaultyRolloutEngine", "FaultyRewardFunction"]
+__all__ = ["FaultInjector", "InjectedFault", "FaultyActor", "FaultyRolloutEngine"]
 
 
 class InjectedFault(MegarlError, RuntimeError):
@@ -95,16 +94,40 @@ class FaultyActor:
     """
 
     def __init__(self, actor, injector: FaultInjector, steps_per_update: int):
-        object.__setattr__(self, "_actor", actor)
-        object.__setattr__(self, "_inj", injector)
-        object.__setattr__(self, "_last", steps_per_update - 1)
-        object.__setattr__(self, "_clock", [None, 0])  # iteration, actor steps taken in it
+        self._actor, self._inj, self._last = actor, injector, steps_per_update - 1
+        self._clock = [None, 0]  # iteration, actor steps taken in it
 
-    def __getattr__(self, name):
-        return getattr(self._actor, name)
+    # what the learner uses of the actor, forwarded by name (a rollback restores ``steps``)
+    @property
+    def ddp(self):
+        return self._actor.ddp
 
-    def __setattr__(self, name, value):  # e.g. a rollback restoring ``steps`` reaches the actor
-        setattr(self._actor, name, value)
+    @property
+    def optimizer(self):
+        return self._actor.optimizer
+
+    @property
+    def scheduler(self):
+        return self._actor.scheduler
+
+    @property
+    def steps(self) -> int:
+        return self._actor.steps
+
+    @steps.setter
+    def steps(self, value: int) -> None:
+        self._actor.steps = value
+
+    @property
+    def lr(self) -> float:
+        return self._actor.lr
+
+    @property
+    def vocab_size(self) -> int:
+        return self._actor.vocab_size
+
+    def onload(self) -> None:
+        self._actor.onload()
 
     def train_step(self, micro_batches, loss_fn, after_optimizer_step=None, replay_layers=None):
         k = self._inj.iteration
@@ -166,32 +189,6 @@ class FaultyRolloutEngine(EngineWrapper):
                 out.append(r)
         self._inj.count("late_results", len(late))
         return out + late
-
-
-class FaultyRewardFunction:
-    """A real reward function whose calls hang past the runner's timeout at
-    ``faults.reward_timeout_rate`` (keyed on sample id and attempt), so the runner's own
-    timeout, backoff and retry handle them; a hung call returns the real result afterwards
-    (after ``hang_s``, far past the timeout), which the runner has abandoned."""
-
-    def __init__(self, fn, injector: FaultInjector, hang_s: float):
-        self._fn, self._inj, self._hang_s = fn, injector, float(hang_s)
-        self._attempts: Counter = Counter()
-        self._lock = threading.Lock()
-        self.version = getattr(fn, "version", None)
-        self.name = getattr(fn, "name", None) or type(fn).__name__
-
-    def __getattr__(self, name):
-        return getattr(self._fn, name)
-
-    def __call__(self, sample):
-        with self._lock:
-            attempt = self._attempts[sample.sample_id]
-            self._attempts[sample.sample_id] += 1
-        if self._inj.fires("reward_timeout", self._inj.cfg.reward_timeout_rate, sample.sample_id, attempt):
-            self._inj.count("reward_timeouts")
-            time.sleep(self._hang_s)
-        return self._fn(sample)
 
 
 def crash_now(what: str, iteration: int) -> None:
