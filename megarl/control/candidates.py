@@ -1,6 +1,8 @@
-"""The evaluation loop: prompts -> generations (lost candidates regenerated) -> scores -> outcomes.
+"""Candidates: which results count for which candidate (:func:`join_results`, the join the
+training rollout and the evaluation both regenerate lost candidates from), and the evaluation
+loop: prompts -> generations (lost candidates regenerated) -> scores -> outcomes.
 
-One code path for the held-out evaluation during training and for ``python -m megarl.eval``:
+The evaluation loop is one code path for the held-out evaluation during training and for ``python -m megarl.eval``:
 requests go through :func:`megarl.control.placement.generate_everywhere` (collective under
 torch.distributed; a plain call in one process), the samples are scored by the run's scorer
 (:class:`megarl.control.interfaces.SampleScorer`), and each candidate becomes a
@@ -10,16 +12,51 @@ torch.distributed; a plain call in one process), the samples are scored by the r
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from megarl.control.interfaces import Sample, SampleScorer
 from megarl.control.placement import Placement, generate_everywhere
 from megarl.evaluation.estimators import LOST, Candidate, PromptOutcome
-from megarl.experience.groups import candidate_sample_id
+from megarl.experience.groups import candidate_of, candidate_sample_id
 from megarl.experience.schema import RewardStatus
 from megarl.rollout.protocol import GenerationRequest, GenerationResult, SamplingParams
 
-__all__ = ["generate_candidates", "evaluate_prompts"]
+__all__ = ["Join", "join_results", "generate_candidates", "evaluate_prompts"]
+
+
+@dataclass
+class Join:
+    """One generation call's results against the candidates it asked for (``requests``): the
+    join both the training rollout and the evaluation regenerate from.
+
+    fresh: the first result of each asked (candidate, attempt) that ``accept`` takes, in delivery order;
+    extra: every other result -- a duplicate, a late result of an older attempt, a result of a
+        request not asked for in this call (an earlier iteration's, an evaluation's), or one
+        ``accept`` refused;
+    lost: ``(sample id, attempt, request)`` for each asked candidate nothing answered, in request
+        and candidate order."""
+
+    fresh: List[GenerationResult] = field(default_factory=list)
+    extra: List[GenerationResult] = field(default_factory=list)
+    lost: List[Tuple[str, int, GenerationRequest]] = field(default_factory=list)
+
+
+def join_results(requests: Sequence[GenerationRequest], results: Sequence[GenerationResult], n: int,
+                 accept: Optional[Callable[[GenerationResult], bool]] = None) -> Join:
+    """Match ``results`` to the candidates of ``requests`` (``n`` per request unless it names
+    its candidates) by sample id and attempt: the join is idempotent, a candidate counts once."""
+    expected = {(candidate_sample_id(q.request_id, c), q.attempt): q for q in requests for c in q.candidates(n)}
+    out, seen = Join(), set()
+    for r in results:
+        key = (candidate_sample_id(r.request_id, r.candidate_index), r.attempt)
+        if key in expected and key not in seen and (accept is None or accept(r)):
+            seen.add(key)
+            out.fresh.append(r)
+        else:
+            out.extra.append(r)
+    out.lost = [(sid, attempt, q) for (sid, attempt), q in expected.items() if (sid, attempt) not in seen]
+    return out
 
 
 def generate_candidates(engine, placement: Placement, requests: Sequence[GenerationRequest], sampling: SamplingParams,
@@ -31,24 +68,24 @@ def generate_candidates(engine, placement: Placement, requests: Sequence[Generat
     n = sampling.n
     out: Dict[Tuple[str, int], GenerationResult] = {}
     todo = list(requests)
-    for attempt in range(max_retries + 1):
+    for _attempt in range(max_retries + 1):
         if not todo:
             break
-        wanted = {(q.request_id, c) for q in todo for c in q.candidates(n)}
-        for r in generate_everywhere(engine, placement, todo, sampling):
-            key = (r.request_id, r.candidate_index)
-            if key in wanted and r.attempt == attempt and key not in out:
-                out[key] = r
-            else:
-                counters["results_ignored"] += 1
+        join = join_results(todo, generate_everywhere(engine, placement, todo, sampling), n)
+        for r in join.fresh:
+            out[(r.request_id, r.candidate_index)] = r
+        counters["results_ignored"] += len(join.extra)
+        counters["candidates_lost"] += len(join.lost)
+        lost_by_request: Dict[str, List[int]] = {}
+        for sid, _, q in join.lost:
+            lost_by_request.setdefault(q.request_id, []).append(candidate_of(sid))
         retry = []
         for q in todo:
-            lost = tuple(c for c in q.candidates(n) if (q.request_id, c) not in out)
-            counters["candidates_lost"] += len(lost)
+            lost = tuple(lost_by_request.get(q.request_id, ()))
             if lost:
                 # the whole request again when every candidate is missing, else only the lost ones
                 idx = q.candidate_indices if len(lost) == len(q.candidates(n)) else lost
-                retry.append(GenerationRequest(q.request_id, q.prompt_ids, candidate_indices=idx, attempt=attempt + 1,
+                retry.append(GenerationRequest(q.request_id, q.prompt_ids, candidate_indices=idx, attempt=q.attempt + 1,
                                                task=q.task))
         todo = retry
     return out

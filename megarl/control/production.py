@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from megarl.control.candidates import join_results
 from megarl.control.interfaces import ProducedRollout, Sample, SampleScorer
 from megarl.control.placement import Placement, collect_everywhere, generate_everywhere
 from megarl.control.state_machine import IterationStateMachine
@@ -131,11 +132,7 @@ class GroupRolloutProducer:
         B, G = cfg.trainer.prompts_per_iteration, cfg.rollout.n
         v = version.short_id
         self.sm.begin_generating([v] * self.placement.num_groups)
-        retries = cfg.rollout.max_retries
-        group_cfg = (GroupPolicy(G, max_retries=retries, partial_rule=a.partial_groups,
-                                 min_partial_size=a.min_partial_size) if self.grouped
-                     else GroupPolicy(G, max_retries=retries, partial_rule="allow_partial", min_partial_size=1))
-        buffer = GroupBuffer(group_cfg)
+        buffer = GroupBuffer(self._group_policy())
         accepted: List[Sample] = []
         real_sizes: Dict[str, int] = {}
         m: Counter = Counter()
@@ -156,18 +153,7 @@ class GroupRolloutProducer:
             sampling = training_sampling(cfg.rollout, cfg.trainer.seed, k, rnd,
                                          return_routed_experts=a.routing_replay != "none")
             self._generate_groups(requests, by_group, buffer, sampling, round_v, timer, timing, m, ahead=ahead)
-            for g in buffer.pop_released():
-                members = [payload for _, payload in g.samples]
-                spread = len({p.record.total for p in members}) > 1
-                if a.dynamic_sampling.enabled and not spread:
-                    m["rollout/groups_filtered_zero_spread"] += 1
-                    continue
-                if n_groups_accepted >= B:
-                    m["rollout/groups_surplus"] += 1
-                    continue
-                n_groups_accepted += 1
-                accepted.extend(members)
-                real_sizes[g.group_id] = g.real_size
+            n_groups_accepted += self._accept(buffer.pop_released(), B - n_groups_accepted, accepted, real_sizes, m)
             m["rollout/dapo_rounds"] = rnd + 1
         if not accepted:
             self.sm.fail(f"iteration {k}: no complete group survived rollout and scoring")
@@ -175,18 +161,8 @@ class GroupRolloutProducer:
                      if m["rollout/engine_errors"] else "")
             raise RuntimeError(f"iteration {k}: every group was dropped (see {self.quarantine_path} and the counters)"
                                f"{cause}")
-        bc = buffer.counters
-        self.counters["groups_dropped"] += bc["dropped"]
-        self.counters["samples_failed"] += bc["failed_candidates"]
-        self.counters["groups_partial"] += bc["released_partial"]
-        # a result the join ignored: a late one (older attempt, closed group) or a duplicate
-        self.counters["results_ignored"] += bc["stale"] + bc["duplicates"] + bc["wrong_version"]
-        self.counters["candidates_regenerated"] += bc["retries"]
+        self._count_groups(buffer.counters, m)
         m["rollout/groups_accepted"] = n_groups_accepted
-        m["rollout/groups_dropped"] = bc["dropped"]
-        m["rollout/groups_partial"] = bc["released_partial"]
-        m["rollout/candidates_regenerated"] = bc["retries"]
-        m["rollout/results_ignored"] = bc["stale"] + bc["duplicates"] + bc["wrong_version"]
         m["rollout/group_size_mean"] = sum(real_sizes.values()) / len(real_sizes)
         m["rollout/generate_s"] = timing["generate"]
         m["prep/reward_s"] = timing["reward"]
@@ -194,6 +170,46 @@ class GroupRolloutProducer:
                                sampling=training_sampling(cfg.rollout, cfg.trainer.seed, k, 0).to_config(),
                                metrics=rollout_metrics(accepted, dict(m), timing["generate"]),
                                max_staleness=self.max_staleness)
+
+    def _group_policy(self) -> GroupPolicy:
+        """Whole groups for a group estimator (``algo.partial_groups`` decides an incomplete
+        one); every sample on its own otherwise."""
+        a, G, retries = self.cfg.algo, self.cfg.rollout.n, self.cfg.rollout.max_retries
+        if self.grouped:
+            return GroupPolicy(G, max_retries=retries, partial_rule=a.partial_groups, min_partial_size=a.min_partial_size)
+        return GroupPolicy(G, max_retries=retries, partial_rule="allow_partial", min_partial_size=1)
+
+    def _accept(self, released, room: int, accepted: List[Sample], real_sizes: Dict[str, int], m: Counter) -> int:
+        """Take released groups in order, up to ``room`` of them: a zero-spread group is filtered
+        under dynamic sampling, one past ``room`` is surplus.  Returns how many were taken."""
+        taken = 0
+        for g in released:
+            members = [payload for _, payload in g.samples]
+            spread = len({p.record.total for p in members}) > 1
+            if self.cfg.algo.dynamic_sampling.enabled and not spread:
+                m["rollout/groups_filtered_zero_spread"] += 1
+                continue
+            if taken >= room:
+                m["rollout/groups_surplus"] += 1
+                continue
+            taken += 1
+            accepted.extend(members)
+            real_sizes[g.group_id] = g.real_size
+        return taken
+
+    def _count_groups(self, bc: Counter, m: Counter) -> None:
+        """The buffer's counts into the run's counters and the iteration's metrics."""
+        # a result the join ignored: a late one (older attempt, closed group) or a duplicate
+        ignored = bc["stale"] + bc["duplicates"] + bc["wrong_version"]
+        self.counters["groups_dropped"] += bc["dropped"]
+        self.counters["samples_failed"] += bc["failed_candidates"]
+        self.counters["groups_partial"] += bc["released_partial"]
+        self.counters["results_ignored"] += ignored
+        self.counters["candidates_regenerated"] += bc["retries"]
+        m["rollout/groups_dropped"] = bc["dropped"]
+        m["rollout/groups_partial"] = bc["released_partial"]
+        m["rollout/candidates_regenerated"] = bc["retries"]
+        m["rollout/results_ignored"] = ignored
 
     def _draw_round(self, k: int, rnd: int, v: str):
         return self.admission.draw_round(k, rnd, v)
@@ -219,91 +235,104 @@ class GroupRolloutProducer:
         """Generate and score the G candidates of ``requests`` until every one is in ``buffer``
         (ok, or failed for good), regenerating lost and aborted ones by sample id.
 
-        The join is idempotent: a candidate counts once, for the attempt the buffer asked for;
-        a duplicate, a late result of an older attempt, a result of a closed group or of an
-        earlier call's request is counted and ignored.  A regeneration keeps the candidate's
-        seed and policy version; if the engine no longer serves that version, the candidate
-        fails (its group is then handled as incomplete), never filled from another version.
-        ``ahead``: the first attempt, submitted earlier (an object whose ``ticket`` the engine's
-        holder collects; its results are not generated again)."""
+        The join is idempotent (:func:`~megarl.control.candidates.join_results`): a candidate
+        counts once, for the attempt the buffer asked for; a duplicate, a late result of an older
+        attempt, a result of a closed group or of an earlier call's request is counted and
+        ignored.  A regeneration keeps the candidate's seed and policy version; if the engine no
+        longer serves that version, the candidate fails (its group is then handled as
+        incomplete), never filled from another version.  ``ahead``: the first attempt, submitted
+        earlier (an object whose ``ticket`` the engine's holder collects; its results are not
+        generated again)."""
         G = self.cfg.rollout.n
         while requests:
-            errors: list = []
-            t0 = time.perf_counter()
-            with timer.stage("generate", requests=len(requests), samples=sum(len(q.candidates(G)) for q in requests)):
-                if ahead is not None:  # (every rank has it; only the engine's holder has a ticket)
-                    results, ahead = collect_everywhere(self.engine, self.placement, ahead.ticket, errors), None
-                else:
-                    results = generate_everywhere(self.engine, self.placement, requests, sampling, errors)
-            timing["generate"] += time.perf_counter() - t0
-            self.sm.check_deadline(agree=all_ranks_agree)  # a late rollout fails before it is scored
-            m["rollout/engine_errors"] += len(errors)
-            self.counters["engine_errors"] += len(errors)
-            if errors:
-                self.last_engine_error = f"inference group {errors[-1][0]}: {errors[-1][1]}"
-            expected = {(candidate_sample_id(q.request_id, c), q.attempt): q for q in requests for c in q.candidates(G)}
-            fresh, extra, seen = [], [], set()
-            for r in results:
-                key = (candidate_sample_id(r.request_id, r.candidate_index), r.attempt)
-                # a result of another version is not the candidate's: it stays lost (regenerated on v);
-                # a response a newer version finished mid-way (in-flight update) started on v
-                if key in expected and key not in seen and started_on(r) == v:
-                    seen.add(key)
-                    fresh.append(r)
-                else:
-                    extra.append(r)
-            samples = [Sample(prompt_id=by_group[r.request_id].prompt_id, group_id=r.request_id,
-                              sample_id=candidate_sample_id(r.request_id, r.candidate_index), request_id=r.request_id,
-                              prompt_ids=r.prompt_ids, response_ids=r.response_ids, raw_log_probs=r.raw_log_probs,
-                              finish_reason=r.finish_reason, policy_version=r.policy_version, seed=r.seed,
-                              prompt=by_group[r.request_id], routed_experts=r.routed_experts,
-                              episode=r.episode, token_versions=r.token_versions) for r in fresh]
-            m["rollout/samples"] += len(samples)
-            finished = [s for s in samples if s.finish_reason is not FinishReason.ABORT]
-            t0 = time.perf_counter()
-            with timer.stage("reward", samples=len(finished)):
-                self.scorer.score(finished)
-            timing["reward"] += time.perf_counter() - t0
-            self._observe(finished)
-            retry_reqs = []
-            for s, r in zip(samples, fresh):
-                if s.finish_reason is FinishReason.ABORT:
-                    m["rollout/aborted"] += 1
-                    status, reason = CandidateStatus.RETRYABLE, "aborted by the engine"
-                elif s.record.status is not RewardStatus.OK:
-                    m[f"prep/reward_{s.record.status.value}"] += 1
-                    status, reason = CandidateStatus.FATAL, s.record.error
-                else:
-                    status, reason = CandidateStatus.OK, ""
-                retry_reqs.append(buffer.report(group_id=s.group_id, prompt_id=s.prompt_id, sample_id=s.sample_id,
-                                                policy_version=started_on(r), attempt=r.attempt, status=status,
-                                                payload=s, reason=reason))
-            for (sid, attempt), q in expected.items():
-                if (sid, attempt) not in seen:  # lost: the engine never answered for it
-                    m["rollout/candidates_lost"] += 1
-                    self.counters["candidates_lost"] += 1
-                    retry_reqs.append(buffer.report(group_id=q.request_id, prompt_id=by_group[q.request_id].prompt_id,
-                                                    sample_id=sid, policy_version=v, attempt=attempt,
-                                                    status=CandidateStatus.RETRYABLE, reason="lost"))
-            for r in extra:
-                if not buffer.knows(r.request_id):  # a request of an earlier iteration or evaluation
-                    self.counters["results_ignored"] += 1
-                    continue
-                buffer.report(group_id=r.request_id, prompt_id=by_group[r.request_id].prompt_id,
-                              sample_id=candidate_sample_id(r.request_id, r.candidate_index), policy_version=started_on(r),
-                              attempt=r.attempt, status=CandidateStatus.OK, payload=None)
-            by_req: Dict[tuple, List[int]] = {}
-            for rr in (x for x in retry_reqs if x is not None):
-                active = self.sm.state.version.short_id  # the version the engines serve: GENERATING(v)
-                if rr.policy_version != active:  # never fill a group from another version
-                    buffer.report(group_id=rr.group_id, prompt_id=rr.prompt_id, sample_id=rr.sample_id,
-                                  policy_version=rr.policy_version, attempt=rr.attempt,
-                                  status=CandidateStatus.FATAL, reason=f"version {rr.policy_version} is not loaded")
-                    continue
-                by_req.setdefault((rr.group_id, rr.attempt), []).append(candidate_of(rr.sample_id))
-            requests = [GenerationRequest(gid, tuple(by_group[gid].prompt_ids), candidate_indices=tuple(sorted(cs)),
-                                          attempt=att, task=by_group[gid].task())
-                        for (gid, att), cs in sorted(by_req.items())]
+            results = self._generate_once(requests, sampling, ahead, timer, timing, m)
+            ahead = None
+            # a result of another version is not the candidate's: it stays lost (regenerated on v);
+            # a response a newer version finished mid-way (in-flight update) started on v
+            join = join_results(requests, results, G, accept=lambda r: started_on(r) == v)
+            samples = self._score(join.fresh, by_group, timer, timing, m)
+            retry_reqs = self._report(samples, join, by_group, buffer, v, m)
+            requests = self._regeneration_requests(retry_reqs, by_group, buffer)
+
+    def _generate_once(self, requests, sampling: SamplingParams, ahead, timer: StageTimer, timing: dict, m: Counter):
+        G = self.cfg.rollout.n
+        errors: list = []
+        t0 = time.perf_counter()
+        with timer.stage("generate", requests=len(requests), samples=sum(len(q.candidates(G)) for q in requests)):
+            if ahead is not None:  # (every rank has it; only the engine's holder has a ticket)
+                results = collect_everywhere(self.engine, self.placement, ahead.ticket, errors)
+            else:
+                results = generate_everywhere(self.engine, self.placement, requests, sampling, errors)
+        timing["generate"] += time.perf_counter() - t0
+        self.sm.check_deadline(agree=all_ranks_agree)  # a late rollout fails before it is scored
+        m["rollout/engine_errors"] += len(errors)
+        self.counters["engine_errors"] += len(errors)
+        if errors:
+            self.last_engine_error = f"inference group {errors[-1][0]}: {errors[-1][1]}"
+        return results
+
+    def _score(self, fresh, by_group: dict, timer: StageTimer, timing: dict, m: Counter) -> List[Sample]:
+        """The fresh results as samples; the finished ones scored (an aborted one is regenerated)."""
+        samples = [Sample(prompt_id=by_group[r.request_id].prompt_id, group_id=r.request_id,
+                          sample_id=candidate_sample_id(r.request_id, r.candidate_index), request_id=r.request_id,
+                          prompt_ids=r.prompt_ids, response_ids=r.response_ids, raw_log_probs=r.raw_log_probs,
+                          finish_reason=r.finish_reason, policy_version=r.policy_version, seed=r.seed,
+                          prompt=by_group[r.request_id], routed_experts=r.routed_experts,
+                          episode=r.episode, token_versions=r.token_versions) for r in fresh]
+        m["rollout/samples"] += len(samples)
+        finished = [s for s in samples if s.finish_reason is not FinishReason.ABORT]
+        t0 = time.perf_counter()
+        with timer.stage("reward", samples=len(finished)):
+            self.scorer.score(finished)
+        timing["reward"] += time.perf_counter() - t0
+        self._observe(finished)
+        return samples
+
+    def _report(self, samples: List[Sample], join, by_group: dict, buffer: GroupBuffer, v: str, m: Counter) -> list:
+        """Every candidate's outcome into the buffer; returns its regeneration requests."""
+        retry_reqs = []
+        for s, r in zip(samples, join.fresh):
+            if s.finish_reason is FinishReason.ABORT:
+                m["rollout/aborted"] += 1
+                status, reason = CandidateStatus.RETRYABLE, "aborted by the engine"
+            elif s.record.status is not RewardStatus.OK:
+                m[f"prep/reward_{s.record.status.value}"] += 1
+                status, reason = CandidateStatus.FATAL, s.record.error
+            else:
+                status, reason = CandidateStatus.OK, ""
+            retry_reqs.append(buffer.report(group_id=s.group_id, prompt_id=s.prompt_id, sample_id=s.sample_id,
+                                            policy_version=started_on(r), attempt=r.attempt, status=status,
+                                            payload=s, reason=reason))
+        for sid, attempt, q in join.lost:  # the engine never answered for it
+            m["rollout/candidates_lost"] += 1
+            self.counters["candidates_lost"] += 1
+            retry_reqs.append(buffer.report(group_id=q.request_id, prompt_id=by_group[q.request_id].prompt_id,
+                                            sample_id=sid, policy_version=v, attempt=attempt,
+                                            status=CandidateStatus.RETRYABLE, reason="lost"))
+        for r in join.extra:
+            if not buffer.knows(r.request_id):  # a request of an earlier iteration or evaluation
+                self.counters["results_ignored"] += 1
+                continue
+            buffer.report(group_id=r.request_id, prompt_id=by_group[r.request_id].prompt_id,
+                          sample_id=candidate_sample_id(r.request_id, r.candidate_index), policy_version=started_on(r),
+                          attempt=r.attempt, status=CandidateStatus.OK, payload=None)
+        return [x for x in retry_reqs if x is not None]
+
+    def _regeneration_requests(self, retry_reqs: list, by_group: dict, buffer: GroupBuffer) -> List[GenerationRequest]:
+        """One request per (group, attempt) for the candidates to regenerate on the version the
+        engines serve (GENERATING(v)); a candidate of another version fails instead."""
+        by_req: Dict[tuple, List[int]] = {}
+        for rr in retry_reqs:
+            active = self.sm.state.version.short_id
+            if rr.policy_version != active:  # never fill a group from another version
+                buffer.report(group_id=rr.group_id, prompt_id=rr.prompt_id, sample_id=rr.sample_id,
+                              policy_version=rr.policy_version, attempt=rr.attempt,
+                              status=CandidateStatus.FATAL, reason=f"version {rr.policy_version} is not loaded")
+                continue
+            by_req.setdefault((rr.group_id, rr.attempt), []).append(candidate_of(rr.sample_id))
+        return [GenerationRequest(gid, tuple(by_group[gid].prompt_ids), candidate_indices=tuple(sorted(cs)),
+                                  attempt=att, task=by_group[gid].task())
+                for (gid, att), cs in sorted(by_req.items())]
 
 
 #: finish reasons of a trajectory the limits cut (bootstrapped, not terminal): the token budget,
