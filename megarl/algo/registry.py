@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
+from megarl.dotted import Registry
+
 F = TypeVar("F", bound=Callable)
 
 
@@ -32,68 +34,41 @@ class EstimatorNeeds:
     step_rewards: bool = False
 
 
-_ADVANTAGES: dict[str, Callable] = {}
-_ADVANTAGE_NEEDS: dict[str, EstimatorNeeds] = {}
-_POLICY_LOSSES: dict[str, Callable] = {}
-
-
-def _register(table: dict[str, Callable], kind: str, name: str) -> Callable[[F], F]:
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"{kind} name must be a non-empty string, got {name!r}")
-
-    def deco(fn: F) -> F:
-        if name in table and table[name] is not fn:
-            raise ValueError(f"{kind} {name!r} is already registered to {table[name].__module__}.{table[name].__name__}")
-        table[name] = fn
-        return fn
-
-    return deco
-
-
-def _lookup(table: dict[str, Callable], kind: str, name: str) -> Callable:
-    try:
-        return table[name]
-    except KeyError:
-        raise KeyError(f"unknown {kind} {name!r}; registered: {sorted(table)}") from None
+#: advantage estimators, each with its :class:`EstimatorNeeds` (``meta["needs"]``)
+ADVANTAGES = Registry("advantage estimator")
+#: token-level policy losses
+POLICY_LOSSES = Registry("policy loss")
 
 
 def register_advantage(name: str, needs: EstimatorNeeds = EstimatorNeeds()) -> Callable[[F], F]:
     """Register an advantage estimator under ``name`` with what it reads
     (e.g. ``@register_advantage("grpo", EstimatorNeeds(groups=True))``)."""
-    deco = _register(_ADVANTAGES, "advantage estimator", name)
-
-    def with_needs(fn: F) -> F:
-        deco(fn)
-        _ADVANTAGE_NEEDS[name] = needs
-        return fn
-
-    return with_needs
+    return ADVANTAGES.register(name, needs=needs)
 
 
 def register_policy_loss(name: str) -> Callable[[F], F]:
     """Register a token-level policy loss under ``name`` (e.g. ``@register_policy_loss("vanilla")``)."""
-    return _register(_POLICY_LOSSES, "policy loss", name)
+    return POLICY_LOSSES.register(name)
 
 
 def get_advantage(name: str) -> Callable:
     """The advantage estimator registered as ``name``; KeyError listing the known names otherwise."""
-    return _lookup(_ADVANTAGES, "advantage estimator", name)
+    return ADVANTAGES.get(name)
 
 
 def advantage_needs(name: str) -> EstimatorNeeds:
     """What the estimator registered as ``name`` reads; KeyError listing the known names otherwise."""
-    _lookup(_ADVANTAGES, "advantage estimator", name)
-    return _ADVANTAGE_NEEDS[name]
+    return ADVANTAGES.meta(name)["needs"]
 
 
 def get_policy_loss(name: str) -> Callable:
     """The policy loss registered as ``name``; KeyError listing the known names otherwise."""
-    return _lookup(_POLICY_LOSSES, "policy loss", name)
+    return POLICY_LOSSES.get(name)
 
 
 def advantage_names() -> list[str]:
-    return sorted(_ADVANTAGES)
+    return sorted(ADVANTAGES.names())
 
 
 def policy_loss_names() -> list[str]:
-    return sorted(_POLICY_LOSSES)
+    return sorted(POLICY_LOSSES.names())

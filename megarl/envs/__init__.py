@@ -5,8 +5,8 @@ rendering of environment output to tokens by the chat template (with the templat
 Modules import lazily: ``from megarl.envs.protocol import Message`` does not load the renderer.
 """
 
-from megarl.envs.protocol import (BUILTIN_ENVS, EnvConfigError, Environment, EnvStatus, EnvStepResult, Message,
+from megarl.envs.protocol import (ENVIRONMENTS, EnvConfigError, Environment, EnvStatus, EnvStepResult, Message,
                                   StepOutcome, load_environment)
 
-__all__ = ["BUILTIN_ENVS", "EnvConfigError", "Environment", "EnvStatus", "EnvStepResult", "Message", "StepOutcome",
+__all__ = ["ENVIRONMENTS", "EnvConfigError", "Environment", "EnvStatus", "EnvStepResult", "Message", "StepOutcome",
            "load_environment"]

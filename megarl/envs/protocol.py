@@ -46,11 +46,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
-from megarl.dotted import import_dotted
+from megarl.dotted import Registry, import_dotted
 from megarl.errors import MegarlError
 
 __all__ = ["Message", "StepOutcome", "Environment", "EnvStatus", "EnvStepResult", "EnvConfigError",
-           "BUILTIN_ENVS", "load_environment", "check_messages", "check_outcome"]
+           "ENVIRONMENTS", "load_environment", "check_messages", "check_outcome"]
 
 
 class EnvConfigError(MegarlError, ValueError):
@@ -188,29 +188,28 @@ def check_outcome(value: Any) -> StepOutcome:
 # ---- loading ----------------------------------------------------------------------------------
 
 #: built-in environments by name: their classes, imported on use
-BUILTIN_ENVS = {
-    "calculator": "megarl.envs.calculator:CalculatorEnv",
-    "two_turn": "megarl.envs.two_turn:TwoTurnEnv",
-}
+ENVIRONMENTS = Registry("built-in environment")
+ENVIRONMENTS.add("calculator", "megarl.envs.calculator:CalculatorEnv")
+ENVIRONMENTS.add("two_turn", "megarl.envs.two_turn:TwoTurnEnv")
 
 
 def _import(spec: str) -> Any:
     key = "rollout.agent.env"
     if spec.count(":") != 1 or not all(spec.split(":")):
-        raise EnvConfigError(f"{key}: {spec!r} is neither a built-in environment ({', '.join(BUILTIN_ENVS)}) "
+        raise EnvConfigError(f"{key}: {spec!r} is neither a built-in environment ({', '.join(ENVIRONMENTS.names())}) "
                              "nor a path like 'pkg.mod:Class'")
     return import_dotted(spec, f"{key}: {spec!r}", EnvConfigError, expected="a class or factory")
 
 
 def load_environment(spec: str, **kwargs) -> Callable[[], Environment]:
     """A factory making one fresh environment per call: ``spec`` is a built-in name
-    (:data:`BUILTIN_ENVS`) or ``"pkg.mod:Class"`` (any callable returning an environment),
+    (:data:`ENVIRONMENTS`) or ``"pkg.mod:Class"`` (any callable returning an environment),
     ``kwargs`` its keyword arguments (``rollout.agent.env_args``), checked against its signature
     here, so a misspelt argument fails at start-up naming it, not on the first rollout."""
     if not isinstance(spec, str) or not spec:
-        raise EnvConfigError(f"rollout.agent.env: expected a built-in name ({', '.join(BUILTIN_ENVS)}) "
+        raise EnvConfigError(f"rollout.agent.env: expected a built-in name ({', '.join(ENVIRONMENTS.names())}) "
                              f"or 'pkg.mod:Class', got {spec!r}")
-    target = _import(BUILTIN_ENVS.get(spec, spec))
+    target = ENVIRONMENTS.get(spec) if spec in ENVIRONMENTS else _import(spec)
     try:
         sig = inspect.signature(target)
     except (TypeError, ValueError):  # some builtins / C types have none: checked on first use

@@ -3,7 +3,7 @@
 ``trainer.loggers`` names them: ``jsonl`` (``<run_dir>/metrics.jsonl``, written by
 :class:`megarl.observability.metrics.MetricsWriter`; the source of truth, always on), ``tensorboard``
 (``<run_dir>/tensorboard/``), ``wandb`` and ``mlflow``.  wandb and mlflow are optional extras,
-imported here only when a run names them; :func:`megarl.config.validate` refuses a named one that
+imported here only when a run names them; :func:`check_loggers` (a start-up check) refuses a named one that
 is not installed, naming the extra.
 
 Every tracker gets the numeric values of each metrics.jsonl row at ``step = iteration``, from
@@ -28,15 +28,16 @@ import os
 import re
 import sys
 import time
-from typing import Dict, List, Optional
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
 
-#: tracker name -> (the package it imports, or None; the install command printed when it is missing)
-TRACKER_PACKAGES = {
-    "jsonl": (None, ""),
-    "tensorboard": ("tensorboard", 'pip install tensorboard (a dependency of megarl: pip install -e .)'),
-    "wandb": ("wandb", 'pip install -e ".[wandb]"'),
-    "mlflow": ("mlflow", 'pip install -e ".[mlflow]"'),
-}
+from megarl.dotted import Registry
+
+#: the trackers by name, each with the package it imports (``meta["package"]``, None: none) and
+#: the install command printed when it is missing (``meta["install"]``); registered below their
+#: classes.  ``jsonl`` has no class: :class:`~megarl.observability.metrics.MetricsWriter` writes it.
+TRACKERS = Registry("tracker")
+TRACKERS.add("jsonl", None, package=None, install="")
 
 STATE_FILE = "trackers.json"
 
@@ -50,18 +51,39 @@ def check_loggers(cfg) -> None:
     from megarl.errors import require, require_choice
 
     for name in cfg.trainer.loggers:
-        require_choice(name, "trainer.loggers", tuple(TRACKER_PACKAGES))
-        module, install = TRACKER_PACKAGES[name]
+        require_choice(name, "trainer.loggers", tuple(TRACKERS.names()))
+        module, install = TRACKERS.meta(name)["package"], TRACKERS.meta(name)["install"]
         require(module is None or importlib.util.find_spec(module) is not None, "trainer.loggers",
                 f"names {name!r}, but the {module} package is not installed: {install}")
 
 
+@dataclass
+class TrackerStart:
+    """What a tracker starts from: the run's config (its resolved dict and hash too), its
+    directory and id, the tracker's own run id to continue (``resume_id``, None: a new one) and
+    the iteration a resume continues from (``resumed_at``, None: a fresh start)."""
+
+    cfg: Any
+    run_dir: str
+    run_id: str
+    config: dict
+    cfg_hash: str
+    resume_id: Optional[str]
+    resumed_at: Optional[int]
+
+
 class Tracker:
-    """One backend.  ``log_metrics`` gets the numeric values of one metrics.jsonl row;
-    ``log_table`` (trackers with ``has_tables``) one sample table."""
+    """One backend, started by :meth:`start`.  ``log_metrics`` gets the numeric values of one
+    metrics.jsonl row; ``log_table`` (trackers with ``has_tables``) one sample table; ``id``: the
+    backend's own run id, continued by a resume (None: it has none)."""
 
     name = "tracker"
     has_tables = False
+    id: Optional[str] = None
+
+    @classmethod
+    def start(cls, s: TrackerStart) -> "Tracker":
+        raise NotImplementedError
 
     def log_metrics(self, step: int, values: Dict[str, float], wall_time: float) -> None:
         raise NotImplementedError
@@ -73,8 +95,14 @@ class Tracker:
         pass
 
 
+@TRACKERS.register("tensorboard", package="tensorboard",
+                   install="pip install tensorboard (a dependency of megarl: pip install -e .)")
 class TensorBoardTracker(Tracker):
     name = "tensorboard"
+
+    @classmethod
+    def start(cls, s: TrackerStart) -> "TensorBoardTracker":
+        return cls(s.run_dir, purge_step=s.resumed_at)
 
     def __init__(self, run_dir: str, purge_step: Optional[int]):
         from torch.utils.tensorboard import SummaryWriter
@@ -91,12 +119,17 @@ class TensorBoardTracker(Tracker):
         self._w.close()
 
 
+@TRACKERS.register("wandb", package="wandb", install='pip install -e ".[wandb]"')
 class WandbTracker(Tracker):
     """A wandb run named after the megarl run id, its config the resolved megarl config plus
     ``megarl_run_id`` and ``config_hash``; files under ``WANDB_DIR`` (default: the run dir)."""
 
     name = "wandb"
     has_tables = True
+
+    @classmethod
+    def start(cls, s: TrackerStart) -> "WandbTracker":
+        return cls(s.cfg.trainer.wandb, s.run_dir, s.run_id, s.config, s.cfg_hash, s.resume_id)
 
     def __init__(self, settings, run_dir: str, run_id: str, config: dict, cfg_hash: str, resume_id: Optional[str]):
         import wandb
@@ -123,6 +156,7 @@ class WandbTracker(Tracker):
         self.run.finish()
 
 
+@TRACKERS.register("mlflow", package="mlflow", install='pip install -e ".[mlflow]"')
 class MlflowTracker(Tracker):
     """An mlflow run (tags ``megarl.run_id``, ``megarl.config_hash``; the flattened config as
     params, the whole ``config.yaml`` as an artifact); sample tables as JSON artifacts
@@ -130,6 +164,10 @@ class MlflowTracker(Tracker):
 
     name = "mlflow"
     has_tables = True
+
+    @classmethod
+    def start(cls, s: TrackerStart) -> "MlflowTracker":
+        return cls(s.cfg.trainer.mlflow, s.run_dir, s.run_id, s.cfg.recipe, s.config, s.cfg_hash, s.resume_id)
     _BATCH = 100  # mlflow's log_batch takes at most 100 params and 1000 metrics per call
 
     def __init__(self, settings, run_dir: str, run_id: str, recipe: str, config: dict, cfg_hash: str,
@@ -230,19 +268,14 @@ def open_trackers(cfg, run_dir: str, run_id: str, resumed_at: Optional[int]) -> 
     for name in names:
         prev = state.get(name, {}).get("id") if resume else None
         try:
-            if name == "tensorboard":
-                out.append(TensorBoardTracker(run_dir, purge_step=resumed_at))
-            elif name == "wandb":
-                out.append(WandbTracker(cfg.trainer.wandb, run_dir, run_id, config, h, prev))
-            elif name == "mlflow":
-                out.append(MlflowTracker(cfg.trainer.mlflow, run_dir, run_id, cfg.recipe, config, h, prev))
+            out.append(TRACKERS.get(name).start(TrackerStart(cfg, run_dir, run_id, config, h, prev, resumed_at)))
         except Exception as e:  # a start-up failure (no login, unreachable server): say which tracker
             from megarl.errors import MegarlError
 
             for t in out:
                 t.close()
             raise MegarlError(f"trainer.loggers: starting the {name} tracker failed: {type(e).__name__}: {e}") from None
-    ids = {t.name: {"id": t.id} for t in out if hasattr(t, "id")}
+    ids = {t.name: {"id": t.id} for t in out if t.id is not None}
     if ids:
         tmp = os.path.join(run_dir, STATE_FILE + ".tmp")
         with open(tmp, "w") as f:

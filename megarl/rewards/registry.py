@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Mapping, Sequence
 
+from megarl.dotted import Registry
 from megarl.rewards.base import RewardConfigError, RewardFunction
 from megarl.rewards.code_exec import CodeExec
 from megarl.rewards.composite import WeightedComposite
@@ -16,17 +17,17 @@ from megarl.rewards.http import HttpReward
 from megarl.rewards.plugin import UserFunction, load_user_function
 from megarl.rewards.rules import Arithmetic, ExactNumericMatch, MathVerify, RegexFormat
 
-__all__ = ["BUILTIN_REWARDS", "build_reward_function"]
+__all__ = ["REWARDS", "BUILTIN_REWARDS", "build_reward_function"]
 
-_RULES = {
-    "exact_numeric": ExactNumericMatch,
-    "math_verify": MathVerify,
-    "regex": RegexFormat,
-    "arithmetic": Arithmetic,
-    "http": HttpReward,  # a remote reward service (megarl/rewards/http.py); scores in batches
-    "code_exec": CodeExec,  # sandboxed code execution (megarl/rewards/code_exec.py); can hang: own limits
-}
-BUILTIN_REWARDS: tuple[str, ...] = (*_RULES, "composite")
+#: the built-in reward functions by name (``composite`` is built from its components, below)
+REWARDS = Registry("built-in reward")
+REWARDS.add("exact_numeric", ExactNumericMatch)
+REWARDS.add("math_verify", MathVerify)
+REWARDS.add("regex", RegexFormat)
+REWARDS.add("arithmetic", Arithmetic)
+REWARDS.add("http", HttpReward)  # a remote reward service (megarl/rewards/http.py); scores in batches
+REWARDS.add("code_exec", CodeExec)  # sandboxed code execution (megarl/rewards/code_exec.py); can hang: own limits
+BUILTIN_REWARDS: tuple[str, ...] = (*REWARDS.names(), "composite")
 _COMPONENT_KEYS = ("name", "fn", "weight", "kwargs", "components")
 
 
@@ -104,8 +105,8 @@ def build_reward_function(
         raise RewardConfigError(f"{key}.fn must be a reward name or 'pkg.mod:callable', got {fn!r}")
     if fn != "composite" and comps:
         raise RewardConfigError(f"{key}.components is only used when {key}.fn is 'composite' (got fn {fn!r})")
-    if fn in _RULES:
-        return _construct(_RULES[fn], kw, key)
+    if fn in REWARDS:
+        return _construct(REWARDS.get(fn), kw, key)
     if fn == "composite":
         if kw:
             raise RewardConfigError(f"{key}.kwargs: composite takes no kwargs (got {sorted(kw)}); configure {key}.components")

@@ -46,13 +46,12 @@ from megarl.rollout.protocol import (
     GenerationResult,
     InvalidRequestError,
     LoadReport,
-    NoActiveVersionError,
     RolloutBusyError,
     RolloutError,
     SamplingParams,
-    VersionNotStagedError,
     candidate_seed,
 )
+from megarl.rollout.lifecycle import VersionLifecycle
 from megarl.experience.schema import SampleRouting, compact_expert_dtype
 from megarl.rollout.weight_stream import ManifestMismatchError, TensorManifest
 from megarl.splitmix import shr, splitmix64
@@ -250,10 +249,9 @@ class HFRolloutEngine:
         self.pad_token_id = int(pad_token_id)
 
         self._lock = threading.Lock()
-        self._active: _Slot | None = None
+        self._active: _Slot | None = None  # the served model; its version is self._versions.active
         self._standby: _Slot | None = _Slot(model)
-        self._staged: PolicyVersion | None = None
-        self._loading: PolicyVersion | None = None
+        self._versions = VersionLifecycle()
         self._generating = 0
         self._asleep = False
         self.cache_flushes = 0  # observable for tests/metrics
@@ -262,8 +260,7 @@ class HFRolloutEngine:
 
     @property
     def active_version(self) -> PolicyVersion | None:
-        slot = self._active
-        return None if slot is None else slot.version
+        return self._versions.active
 
     def staging_target(self, name: str) -> torch.Tensor | None:
         """While :meth:`load_weights` runs: the standby tensor that will hold ``name`` (else None).
@@ -273,7 +270,7 @@ class HFRolloutEngine:
         lands is checked against the expected manifest like every other tensor.
         """
         slot = self._standby
-        if self._loading is None or slot is None:
+        if self._versions.loading is None or slot is None:
             return None
         return slot.targets().get(name)
 
@@ -296,8 +293,7 @@ class HFRolloutEngine:
         with self._lock:
             if self._asleep:
                 raise EngineAsleepError(f"load_weights({version.short_id}): engine is asleep; wake() first")
-            if self._loading is not None:
-                raise RolloutBusyError(f"load_weights({version.short_id}): already loading {self._loading.short_id}")
+            self._versions.refuse_second_load(version)
             if self._generating:
                 raise RolloutBusyError(
                     f"load_weights({version.short_id}): {self._generating} generate call(s) in flight"
@@ -307,8 +303,7 @@ class HFRolloutEngine:
                 self._standby = _Slot(copy.deepcopy(self._active.model))
             slot = self._standby
             slot.version, slot.manifest = None, None  # contents undefined from here on
-            self._staged = None
-            self._loading = version
+            self._versions.begin_load(version)
         t0 = time.perf_counter()
         try:
             targets = slot.targets()
@@ -355,10 +350,10 @@ class HFRolloutEngine:
                 torch.cuda.synchronize(self.device)
             with self._lock:
                 slot.version, slot.manifest = version, received
-                self._staged = version
+                self._versions.stage(version)
         finally:
             with self._lock:
-                self._loading = None
+                self._versions.end_load()
         return LoadReport(
             version_id=version.short_id,
             manifest_hash=received.global_hash,
@@ -371,13 +366,8 @@ class HFRolloutEngine:
     def activate(self, version: PolicyVersion) -> ActivationReport:
         """Atomically make the staged ``version`` the active one and flush caches."""
         with self._lock:
-            if self._staged != version or self._standby is None or self._standby.version != version:
-                staged = self._staged.short_id if self._staged else None
-                raise VersionNotStagedError(
-                    f"activate({version.short_id}): staged version is {staged}; load_weights it first"
-                )
+            self._versions.activate(version, ready=self._standby is not None and self._standby.version == version)
             self._active, self._standby = self._standby, self._active
-            self._staged = None
             manifest = self._active.manifest
         self.flush_cache()
         return ActivationReport(
@@ -399,10 +389,10 @@ class HFRolloutEngine:
         """Release memory for the actor's turn: drop the standby buffer and, on an accelerator,
         move the active model to host.  The active version stays valid."""
         with self._lock:
-            if self._loading is not None or self._generating:
+            if self._versions.loading is not None or self._generating:
                 raise RolloutBusyError("sleep(): engine is loading or generating")
             self._standby = None if self._active is not None else self._standby
-            self._staged = None
+            self._versions.staged = None  # its buffer is dropped
             if self._active is not None and self.device.type != "cpu":
                 self._active.move("cpu")
                 torch.cuda.empty_cache()
@@ -423,14 +413,10 @@ class HFRolloutEngine:
         self, requests: Sequence[GenerationRequest], sampling: SamplingParams
     ) -> list[GenerationResult]:
         with self._lock:
-            if self._loading is not None:
-                raise RolloutBusyError(
-                    f"generate refused: loading {self._loading.short_id}; a half-loaded model is never served"
-                )
+            self._versions.refuse_while_loading("generate")
             if self._asleep:
                 raise EngineAsleepError("generate refused: engine is asleep; wake() first")
-            if self._active is None:
-                raise NoActiveVersionError("generate refused: no version has been activated")
+            self._versions.require_active("generate", " (none has been activated)")
             slot = self._active
             self._generating += 1
         try:

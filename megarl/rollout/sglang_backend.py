@@ -109,13 +109,12 @@ from megarl.rollout.protocol import (
     GenerationResult,
     InvalidRequestError,
     LoadReport,
-    NoActiveVersionError,
     RolloutBusyError,
     RolloutError,
     SamplingParams,
-    VersionNotStagedError,
     candidate_seed,
 )
+from megarl.rollout.lifecycle import VersionLifecycle
 from megarl.experience.schema import SampleRouting, compact_expert_dtype
 from megarl.models.safetensors_io import model_dir_eos_token_ids
 from megarl.rollout.weight_stream import (
@@ -453,6 +452,13 @@ def _refuse_dropped_layers(config: dict, where: str) -> None:
                            "silence; use the hf backend, or a model whose every layer is a mixture-of-experts layer")
 
 
+def create_engine(model_dir, **kwargs) -> "SGLangRolloutEngine":
+    """The backend's entry in :data:`megarl.rollout.BACKENDS`: a clear error for a missing sglang
+    before any GPU or distributed set-up, then the engine."""
+    import_sglang()
+    return SGLangRolloutEngine(model_dir, **kwargs)
+
+
 class SGLangRolloutEngine:
     """One SGLang engine per inference group; every rank of the group constructs this object and
     calls every method (SPMD), the group's first rank owns ``sglang.Engine``.
@@ -571,10 +577,8 @@ class SGLangRolloutEngine:
                                f"{checker_problem}. Set rollout.verify_engine_weights=never to load without proving "
                                "every parameter was written")
         self._with_seed = self.deterministic and _supports_sampling_seed()
-        self._active: PolicyVersion | None = None
-        self._staged: PolicyVersion | None = None
+        self._versions = VersionLifecycle()
         self._staged_manifest: TensorManifest | None = None
-        self._loading: PolicyVersion | None = None
         self._released: tuple[str, ...] = ()  # memory-saver tags released by sleep(), resumed by wake()
         self.last_load_error: str | None = None  # why the last load failed (None: it did not)
         self._barrier()
@@ -613,7 +617,7 @@ class SGLangRolloutEngine:
 
     @property
     def active_version(self) -> PolicyVersion | None:
-        return self._active
+        return self._versions.active
 
     @property
     def asleep(self) -> bool:
@@ -652,13 +656,13 @@ class SGLangRolloutEngine:
             )
         if self.asleep:
             raise EngineAsleepError(f"load_weights({version.short_id}): engine is asleep; wake() first")
-        if self._loading is not None:
-            raise RolloutBusyError(f"load_weights({version.short_id}): already loading {self._loading.short_id}")
+        self._versions.refuse_second_load(version)
         if self.device.type == "cuda":  # it rewrites CUDA IPC handles' device index; a CPU tensor has none
             _monkey_patch_torch_reductions()
         serializer = _serializer()
         bucket_cls = get_flattened_tensor_bucket_class()  # SGLang's own, never megarl's (weight_stream)
-        self._loading, self._staged, self._staged_manifest = version, None, None
+        self._versions.begin_load(version)
+        self._staged_manifest = None
         verify = self.verify_writes == "every" or (self.verify_writes == "first" and not self._loads_verified)
         written_before: dict[str, str] | None = None  # group rank 0: checksums of the reset parameters
         t0 = time.perf_counter()
@@ -696,7 +700,7 @@ class SGLangRolloutEngine:
                     dist.gather_object(payloads, gathered, dst=self.src_global_rank, group=self.group)
                 else:
                     gathered = [payloads]
-                self._active = None  # in place from here: v is no longer what the engine holds
+                self._versions.loaded_in_place()  # from here v is no longer what the engine holds
                 if verify and n_buckets == 1:  # every parameter to random values, and their checksums
                     def reset():
                         nonlocal written_before
@@ -727,7 +731,8 @@ class SGLangRolloutEngine:
                                   lambda: self._unwritten(written_before, version), WeightsNotWrittenError)
                 self._loads_verified += 1
             self.flush_cache()
-            self._staged, self._staged_manifest = version, received
+            self._versions.stage(version)
+            self._staged_manifest = received
             self.last_load_error = None
         except BaseException as e:
             self.last_load_error = f"{version.short_id}: {type(e).__name__}: {e}"
@@ -737,8 +742,8 @@ class SGLangRolloutEngine:
                 except Exception:  # noqa: BLE001 - the original error is the one to report
                     pass
             raise
-        finally:  # on failure before any hand-over _active is still v; after it, None (reload)
-            self._loading = None
+        finally:  # on failure before any hand-over v is still active; after it, none is (reload)
+            self._versions.end_load()
         return LoadReport(version.short_id, received.global_hash, len(received), n_bytes, n_buckets, time.perf_counter() - t0)
 
     def _hand_over(self, gathered) -> tuple[bool, str]:
@@ -803,11 +808,9 @@ class SGLangRolloutEngine:
         return True, ""
 
     def activate(self, version: PolicyVersion) -> ActivationReport:
-        if self._staged != version:
-            staged = self._staged.short_id if self._staged else None
-            raise VersionNotStagedError(f"activate({version.short_id}): staged version is {staged}")
+        self._versions.require_staged(version)
         self.flush_cache()
-        self._active, self._staged = version, None
+        self._versions.activate(version)
         return ActivationReport(version.short_id, self._staged_manifest.global_hash, True, True)
 
     def flush_cache(self) -> None:
@@ -826,7 +829,7 @@ class SGLangRolloutEngine:
         """Release KV cache (and weights) for the actor's turn.  Released weights are gone: the
         active version is cleared and the next version must be loaded after wake().  Calling it
         again while asleep releases only what is not released yet."""
-        if self._loading is not None:
+        if self._versions.loading is not None:
             raise RolloutBusyError("sleep(): engine is loading")
         wanted = (KV_CACHE, WEIGHTS) if release_weights else (KV_CACHE,)
         tags = tuple(t for t in wanted if t not in self._released)
@@ -835,7 +838,7 @@ class SGLangRolloutEngine:
                 self._engine.release_memory_occupation(tags=list(tags)), (True, ""))[1], RolloutError)
         self._released += tags
         if WEIGHTS in self._released:
-            self._active, self._staged = None, None
+            self._versions.release()
 
     def wake(self) -> None:
         """Resume exactly the tags sleep() released (resuming others kills SGLang's scheduler, and
@@ -862,20 +865,18 @@ class SGLangRolloutEngine:
         self, requests: Sequence[GenerationRequest], sampling: SamplingParams
     ) -> list[GenerationResult]:
         """All ranks of the group call with the same requests; rank 0 runs, results are broadcast."""
-        if self._loading is not None:
-            raise RolloutBusyError(f"generate refused: loading {self._loading.short_id}")
+        self._versions.refuse_while_loading("generate")
         if self.asleep:
             raise EngineAsleepError("generate refused: engine is asleep; wake() first")
-        if self._active is None:
-            why = f" (last load failed: {self.last_load_error})" if self.last_load_error else ""
-            raise NoActiveVersionError(f"generate refused: no version is active (none loaded, or released){why}")
+        why = f"; last load failed: {self.last_load_error}" if self.last_load_error else ""
+        self._versions.require_active("generate", f" (none loaded, or released{why})")
         ids = [r.request_id for r in requests]
         if len(set(ids)) != len(ids):
             raise InvalidRequestError(f"duplicate request_id in one generate call: {sorted(ids)}")
         if sampling.return_routed_experts and self.moe_layout is None:
             raise InvalidRequestError("return_routed_experts: the engine was not started with "
                                       "return_routed_experts=True (SGLang's enable_return_routed_experts)")
-        version_id = self._active.short_id
+        version_id = self._versions.active.short_id
         rows = [(r, c) for r in requests for c in r.candidates(sampling.n)]
         seeds = [candidate_seed(sampling.seed, r.request_id, c) for r, c in rows]
         results, failure, error = None, None, None

@@ -210,7 +210,7 @@ def test_a_load_that_leaves_an_engine_parameter_unwritten_fails_naming_it(engine
     with pytest.raises(WeightsNotWrittenError, match=r"left 1 of \d+ engine parameters unwritten.*"
                                                      r"model\.layers\.1\.post_attention_layernorm\.weight"):
         engine.load_weights(bad_version, iter_buckets(bad, 16 << 10), bad_manifest)
-    assert engine.active_version is None and engine._staged is None
+    assert engine.active_version is None and engine._versions.staged is None
     assert "post_attention_layernorm" in engine.last_load_error
     with pytest.raises(NoActiveVersionError):
         engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=4))
