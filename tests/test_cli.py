@@ -106,6 +106,16 @@ def test_every_numeric_key_has_a_range_rule():
     assert not stale, f"rules for keys that are not in the schema: {stale}"
 
 
+def bad_values(rule) -> list:
+    """Values a range rule refuses: just outside each bound, and nan."""
+    out = [float("nan")]
+    if rule.lo is not None:
+        out.append(rule.lo if rule.lo_open else rule.lo - 1)
+    if rule.hi is not None:
+        out.append(rule.hi if rule.hi_open else rule.hi + 1)
+    return [v for v in out if v not in rule.also]
+
+
 def test_every_range_rule_refuses_its_bad_values_naming_the_key():
     """For every numeric key, each value just outside its range (and nan) is refused by
     check_run() naming that key; the recipes' own values pass."""
@@ -117,7 +127,7 @@ def test_every_range_rule_refuses_its_bad_values_naming_the_key():
     checked = 0
     for key, rule in RANGES.items():
         path = PPO if key.startswith("critic.") else GRPO
-        for bad in rule.bad_values():
+        for bad in bad_values(rule):
             cfg = copy.deepcopy(base[path])
             node = cfg
             *parents, leaf = key.split(".")

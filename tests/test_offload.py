@@ -129,7 +129,7 @@ def test_distributed_optimizer_param_buffer_round_trip(hf):
     pptr = buf.param_data.untyped_storage().data_ptr()
     assert all(p.untyped_storage().data_ptr() == pptr for p in ddp.parameters())
     tokens = make_batch(5)[0]["tokens"]
-    from megarl.models.forward import full_logits
+    from tests._logits import full_logits
     before, params = full_logits(ddp, tokens), params_copy(ddp)
 
     with pytest.raises(ValueError, match="offload_optimizer=True needs the optimizer"):
@@ -149,7 +149,7 @@ def test_distributed_optimizer_param_buffer_round_trip(hf):
 
 
 def test_reference_lives_on_host_between_forwards(hf):
-    from megarl.models.forward import full_logits
+    from tests._logits import full_logits
 
     model = load_model(hf)
     tokens = make_batch(5)[0]["tokens"]

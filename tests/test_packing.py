@@ -2,21 +2,50 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megarl.experience.packing import (
-    pack,
-    pack_batch,
-    pack_layout,
-    pack_response,
-    padded_position_ids,
-    sequence_index,
-    unpack,
-    unpack_response,
-)
+from megarl.experience.packing import PackedLayout, pack, pack_layout, pack_response, unpack, unpack_response
+
+
+# ---- reference computations the packed layout is checked against ------------------------------
+
+
+def padded_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``(bs, seq)`` position ids for the padded layout: cumsum(mask) - 1, 0 on left padding."""
+    return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+
+
+def sequence_index(layout: PackedLayout) -> torch.Tensor:
+    """``(total,)`` int64: the row (sample) each packed token belongs to."""
+    return layout.flat_index // layout.seq_len
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Model inputs in packed form: ``input_ids`` / ``position_ids`` ``(total,)`` plus the layout."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    layout: PackedLayout
+
+
+def pack_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> PackedBatch:
+    """Pack ``input_ids`` ``(bs, seq)`` (prompt + response) under ``attention_mask`` ``(bs, seq)``."""
+    layout = pack_layout(attention_mask, prompt_len)
+    return PackedBatch(
+        input_ids=pack(input_ids, layout),
+        position_ids=layout.position_ids,
+        cu_seqlens=layout.cu_seqlens,
+        max_seqlen=layout.max_seqlen,
+        layout=layout,
+    )
 
 
 @st.composite

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from test_experience_seal import make_facts
-from megarl.algo.routing import expert_load, routing_load_metrics, routing_mismatch
+from megarl.algo.routing import expert_load, routing_load_metrics
+from tests._routing import routing_mismatch
 from megarl.experience.packing import pack, pack_layout
 from megarl.experience.routing import collate_routing
 from megarl.experience.schema import (

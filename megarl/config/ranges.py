@@ -58,15 +58,6 @@ class Range:
         text = " or ".join([f"{a:g}" for a in self.also] + [text])
         return text + (" or null" if self.null else "")
 
-    def bad_values(self) -> list:
-        """Values this rule refuses (for the tests): just outside each bound, and nan."""
-        out = [float("nan")]
-        if self.lo is not None:
-            out.append(self.lo if self.lo_open else self.lo - 1)
-        if self.hi is not None:
-            out.append(self.hi if self.hi_open else self.hi + 1)
-        return [v for v in out if v not in self.also]
-
 
 #: a count of things (>= 1), a count that may be zero (>= 0), a positive real, a probability
 COUNT, COUNT0, POS, SEED = Range(lo=1), Range(lo=0), Range(lo=0, lo_open=True), Range(lo=0)

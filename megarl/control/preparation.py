@@ -47,6 +47,31 @@ class RolloutParityError(MegarlError, RuntimeError):
     them as old log-probs would change the PPO ratio, so the run stops (exit 2)."""
 
 
+def agent_origins(k: int, samples):
+    """Agent trajectories: each token's source (policy or environment), turn and version, as the
+    session recorded them (None: not an agent batch)."""
+    if not any(s.episode is not None for s in samples):
+        return None
+    if not all(s.episode is not None for s in samples):
+        raise RuntimeError(f"iteration {k}: agent trajectories mixed with single-turn samples in one batch")
+    ep = [s.episode for s in samples]
+    return [t.source for t in ep], [t.turn for t in ep], [t.token_versions for t in ep]
+
+
+def inflight_origins(k: int, samples):
+    """Responses that span versions (in-flight weight updates): every token keeps its own
+    version, all of them policy tokens of one turn (None: no response spans versions)."""
+    if not any(s.token_versions is not None for s in samples):
+        return None
+    return ([[1] * len(s.response_ids) for s in samples], [[0] * len(s.response_ids) for s in samples],
+            [s.token_versions or (s.policy_version,) * len(s.response_ids) for s in samples])
+
+
+#: the variants whose records carry per-token origins, asked in order (the first that answers
+#: collates the batch); a batch none answers for is single-turn on one version each
+TOKEN_ORIGINS = (agent_origins, inflight_origins)
+
+
 class ExperiencePreparer:
     """Args: ``cfg`` the run config (reads ``algo``, ``async_rl`` and the rollout's log-prob reuse keys);
     ``actor`` / ``reference`` / ``critic`` the roles (reference and critic may be None);
@@ -109,38 +134,33 @@ class ExperiencePreparer:
         return batch, m
 
     def _collate(self, k: int, samples, v: str):
-        """The samples as padded tensors: single-turn responses; agent trajectories and responses
-        that span versions (in-flight weight updates) with per-token origins; the engine's
-        recorded routing with them under ``algo.routing_replay``."""
+        """The samples as padded tensors, with the engine's recorded routing under
+        ``algo.routing_replay``, and per-token origins when a variant gives them
+        (:data:`TOKEN_ORIGINS`: agent trajectories, responses that span versions)."""
+        routing = self._recorded_routing(samples)
+        prompts, responses, lps = [s.prompt_ids for s in samples], [s.response_ids for s in samples], \
+            [s.raw_log_probs for s in samples]
+        versions = [s.policy_version for s in samples]
+        for origins_of in TOKEN_ORIGINS:
+            origins = origins_of(k, samples)
+            if origins is not None:
+                source, turn, token_versions = origins
+                return collate_trajectories(prompts, responses, lps, source, turn, token_versions, self.pad_id,
+                                            routing=routing, version=v, sample_versions=versions)
+        return collate(prompts, responses, lps, self.pad_id, routing=routing, version=v, sample_versions=versions)
+
+    def _recorded_routing(self, samples):
+        """Each sample's routed experts under ``algo.routing_replay`` (None when off); a sample
+        the engine returned none for fails the iteration."""
         a = self.cfg.algo
-        routing = None
-        if a.routing_replay != "none":
-            lacking = [s.sample_id for s in samples if s.routed_experts is None]
-            if lacking:
-                self.sm.fail("rollout samples without routed experts")
-                raise RuntimeError(f"algo.routing_replay={a.routing_replay}, but the engine returned no routed experts for "
-                                   f"{len(lacking)} sample(s), e.g. {lacking[0]}")
-            routing = [s.routed_experts for s in samples]
-        if any(s.episode is not None for s in samples):  # agent trajectories: per-token origins
-            if not all(s.episode is not None for s in samples):
-                raise RuntimeError(f"iteration {k}: agent trajectories mixed with single-turn samples in one batch")
-            ep = [s.episode for s in samples]
-            return collate_trajectories([s.prompt_ids for s in samples], [s.response_ids for s in samples],
-                                        [s.raw_log_probs for s in samples], [t.source for t in ep], [t.turn for t in ep],
-                                        [t.token_versions for t in ep], self.pad_id, routing=routing, version=v,
-                                        sample_versions=[s.policy_version for s in samples])
-        if any(s.token_versions is not None for s in samples):
-            # responses that span versions (in-flight weight updates): every token keeps its own
-            # version in the record's token origins, all of them policy tokens of one turn
-            return collate_trajectories([s.prompt_ids for s in samples], [s.response_ids for s in samples],
-                                        [s.raw_log_probs for s in samples], [[1] * len(s.response_ids) for s in samples],
-                                        [[0] * len(s.response_ids) for s in samples],
-                                        [s.token_versions or (s.policy_version,) * len(s.response_ids) for s in samples],
-                                        self.pad_id, routing=routing, version=v,
-                                        sample_versions=[s.policy_version for s in samples])
-        return collate([s.prompt_ids for s in samples], [s.response_ids for s in samples],
-                       [s.raw_log_probs for s in samples], self.pad_id, routing=routing, version=v,
-                       sample_versions=[s.policy_version for s in samples])
+        if a.routing_replay == "none":
+            return None
+        lacking = [s.sample_id for s in samples if s.routed_experts is None]
+        if lacking:
+            self.sm.fail("rollout samples without routed experts")
+            raise RuntimeError(f"algo.routing_replay={a.routing_replay}, but the engine returned no routed experts for "
+                               f"{len(lacking)} sample(s), e.g. {lacking[0]}")
+        return [s.routed_experts for s in samples]
 
     def _old_log_probs(self, k: int, v: str, c, rollout_lp, n: int, ntok: float, timer: StageTimer, m: dict):
         """The proximal (old) log-probs: the rollout's when ``rollout.reuse_rollout_log_probs``

@@ -254,14 +254,6 @@ def _micro_batches(tokens: torch.Tensor, micro_batch_size: int) -> List[torch.Te
     return list(tokens.split(micro_batch_size or tokens.shape[0], 0))
 
 
-def full_logits(model, tokens: torch.Tensor, micro_batch_size: int = 0) -> torch.Tensor:
-    """Full-vocabulary logits ``(b, s, vocab)`` for ``tokens`` on every rank."""
-    V = unwrap(model).megarl_spec.vocab_size
-    outs = forward_only(model, _micro_batches(tokens, micro_batch_size),
-                        lambda out, _t: gather_vocab(out, V).float())
-    return torch.cat(outs, 0)
-
-
 def _by_length(model, tokens: torch.Tensor, lengths: Optional[torch.Tensor], micro_batch_size: int,
                on_output: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], trim: int,
                pack: bool = False, routing: Optional[Routing] = None) -> torch.Tensor:

@@ -91,7 +91,7 @@ def routers(model):
 def actor_forward_routing(model, ids: list[int]):
     """Teacher-forced forward of one sequence: (raw log-probs of tokens 1.., the experts each
     router dispatched every token to as sets ``[T][layer] -> frozenset``)."""
-    from megarl.models.forward import full_logits
+    from tests._logits import full_logits
 
     rs = routers(model)
     maps, hooks = [], [r.register_forward_hook(lambda mod, args, out: maps.append(out[1].detach())) for r in rs]
@@ -229,7 +229,7 @@ def ep2_main(out_json: str) -> int:
 
     import torch.distributed as dist
 
-    from megarl.models.forward import full_logits
+    from tests._logits import full_logits
     from megarl.models.megatron_ckpt import load_model
     from megarl.rollout.protocol import GenerationRequest, SamplingParams
     from megarl.rollout.sglang_backend import SGLangRolloutEngine

@@ -137,7 +137,7 @@ def param_digest(model) -> str:
 
 
 def actor_logits(model, ids: list[int]) -> torch.Tensor:
-    from megarl.models.forward import full_logits
+    from tests._logits import full_logits
 
     return full_logits(model, torch.tensor([ids], device="cuda"))[0].float()
 

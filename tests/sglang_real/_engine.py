@@ -69,7 +69,7 @@ class MegatronActor:
 
     def logit_scale(self, results):
         """The largest |logit| over the results' sequences (fp32)."""
-        from megarl.models.forward import full_logits
+        from tests._logits import full_logits
 
         return max(float(full_logits(self.model, torch.tensor([list(r.prompt_ids) + list(r.response_ids)])).abs().max())
                    for r in results)

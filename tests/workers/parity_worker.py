@@ -6,7 +6,8 @@ import os
 import torch
 
 from megarl.models.builder import BuildOptions, build_model
-from megarl.models.forward import full_logits, teacher_forced_log_probs
+from megarl.models.forward import teacher_forced_log_probs
+from tests._logits import full_logits
 from megarl.models.hf_config import load_spec
 from megarl.models.weights import load_hf_weights
 from megarl.runtime import distributed as rt

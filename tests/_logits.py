@@ -1,0 +1,16 @@
+"""Full-vocabulary logits of a megatron model, for the parity tests that compare them with
+another engine's (training never needs them whole: megarl's log-prob passes stay vocab-parallel)."""
+
+from __future__ import annotations
+
+import torch
+
+from megarl.models.forward import forward_only, gather_vocab, unwrap
+
+
+def full_logits(model, tokens: torch.Tensor, micro_batch_size: int = 0) -> torch.Tensor:
+    """Full-vocabulary logits ``(b, s, vocab)`` for ``tokens`` on every rank."""
+    V = unwrap(model).megarl_spec.vocab_size
+    outs = forward_only(model, list(tokens.split(micro_batch_size or tokens.shape[0], 0)),
+                        lambda out, _t: gather_vocab(out, V).float())
+    return torch.cat(outs, 0)
