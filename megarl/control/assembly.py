@@ -241,6 +241,34 @@ def serve_rollout_rank(cfg, world) -> dict:
                           make_generator=make_generator).serve()
 
 
+def _rollout_engine(cfg, parts: Parts, eng: EngineParts, rank0: bool):
+    """What production and evaluation generate with: the engine, or with an environment every
+    candidate a session with it (in split placement the sessions run on the rollout ranks)."""
+    if not cfg.rollout.agent.env:
+        return eng.engine
+    split = cfg.placement.mode == "split"
+    engine, report = agent_engine(cfg, parts.tok, None if split else eng.engine)
+    if rank0:
+        print(f"rollout.agent.env={cfg.rollout.agent.env}: chat template {report.rule}", flush=True)
+    return eng.engine if split else engine
+
+
+def _production_variants(cfg) -> dict:
+    """The producer's admission (generation ahead within the staleness bound, asynchronous RL)
+    and observers (the agent episodes' metrics), as the config asks."""
+    admission = None
+    if cfg.async_rl.max_staleness > 0:  # generation runs ahead on the rollout ranks, within the bound
+        from megarl.control.production_ahead import AheadAdmission
+
+        admission = AheadAdmission(cfg)
+    observers = []
+    if cfg.rollout.agent.env:
+        from megarl.control.production_agent import AgentEpisodeMetrics
+
+        observers.append(AgentEpisodeMetrics())
+    return {"admission": admission, "observers": observers}
+
+
 def wire_components(cfg, parts: Parts, eng: EngineParts, *, sm, progress, run_dir: str, run_id: str, dp: int,
                     rank0: bool, ckpt_root: str) -> Components:
     """The phase components of the iteration over the built parts: publication, production
@@ -265,36 +293,18 @@ def wire_components(cfg, parts: Parts, eng: EngineParts, *, sm, progress, run_di
                            shape_overlong=shape_overlong)
 
     agentic = bool(cfg.rollout.agent.env)
-    rollout_engine = eng.engine
-    if agentic:  # every candidate a session with the environment
-        split = cfg.placement.mode == "split"  # the sessions run on the rollout ranks (serve_rollout_rank)
-        rollout_engine, report = agent_engine(cfg, parts.tok, None if split else eng.engine)
-        if split:
-            rollout_engine = eng.engine
-        if rank0:
-            print(f"rollout.agent.env={cfg.rollout.agent.env}: chat template {report.rule}", flush=True)
+    rollout_engine = _rollout_engine(cfg, parts, eng, rank0)
 
     publisher = WeightPublisher(
         actor=parts.actor, critic=parts.critic, engine=eng.engine, placement=eng.placement, sm=sm,
         time_slice=time_slice, counters=counters, sync_dtype=eng.sync_dtype, bucket_mb=cfg.rollout.bucket_mb,
         max_retries=cfg.rollout.max_retries, corrupt_at=cfg.faults.corrupt_weight_sync_at, injector=parts.injector,
         rank0=rank0)
-    producer_kwargs = dict(
-        grouped=advantage_needs(cfg.algo.advantage).groups, train_data=parts.train_data, sampler=parts.sampler,
+    producer = GroupRolloutProducer(
+        cfg, grouped=advantage_needs(cfg.algo.advantage).groups, train_data=parts.train_data, sampler=parts.sampler,
         engine=rollout_engine, placement=eng.placement,
         scorer=episode_scorer(cfg, parts.tok, counters, quarantine, rank0) if agentic else scorer(True), sm=sm,
-        counters=counters, run_id=run_id, quarantine_path=quarantine)
-    admission = None
-    if cfg.async_rl.max_staleness > 0:  # generation runs ahead on the rollout ranks, within the bound
-        from megarl.control.production_ahead import AheadAdmission
-
-        admission = AheadAdmission(cfg)
-    observers = []
-    if agentic:
-        from megarl.control.production_agent import AgentEpisodeMetrics
-
-        observers.append(AgentEpisodeMetrics())
-    producer = GroupRolloutProducer(cfg, **producer_kwargs, admission=admission, observers=observers)
+        counters=counters, run_id=run_id, quarantine_path=quarantine, **_production_variants(cfg))
     preparer = ExperiencePreparer(
         cfg, actor=parts.actor, reference=parts.reference, critic=parts.critic, time_slice=time_slice, sm=sm,
         kl_ctl=parts.kl_ctl, progress=progress, pad_id=eng.pad_id, run_id=run_id,
