@@ -88,6 +88,41 @@ def test_router_gemm_fails_without_the_accommodation_and_runs_with_it():
     assert out.stdout.split() == ["NameError", "fixed"], out.stdout
 
 
+def test_local_norm_refuses_sequence_parallel_without_the_accommodation_and_marks_it_with():
+    """megatron's torch norm asserts ``not config.sequence_parallel`` (else the accommodation can
+    go); after install() the same norm is built, with its weight marked ``sequence_parallel`` (the
+    flag finalize_model_grads sums over TP ranks by), and its outputs are the plain norm's."""
+    code = (
+        "import torch\n"
+        "from megatron.core.transformer.transformer_config import TransformerConfig\n"
+        "from megatron.core.transformer.torch_norm import WrappedTorchNorm\n"
+        "cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, normalization='RMSNorm',\n"
+        "                        layernorm_epsilon=1e-6, tensor_model_parallel_size=2, sequence_parallel=True)\n"
+        "try:\n"
+        "    WrappedTorchNorm(config=cfg, hidden_size=8, eps=1e-6)\n"
+        "    print('built')\n"
+        "except AssertionError as e:\n"
+        "    assert 'sequence parallel' in str(e), e\n"
+        "    print('refused')\n"
+        "from megarl.runtime import cpu_compat\n"
+        "cpu_compat.install()\n"
+        "norm = WrappedTorchNorm(config=cfg, hidden_size=8, eps=1e-6)\n"
+        "assert isinstance(norm, torch.nn.RMSNorm) and norm.weight.sequence_parallel is True\n"
+        "assert cfg.sequence_parallel is True  # the caller's config is untouched\n"
+        "x = torch.randn(5, 8)\n"
+        "assert torch.equal(norm(x), torch.nn.RMSNorm(8, eps=1e-6)(x))\n"
+        "cfg.sequence_parallel = False\n"
+        "assert not hasattr(WrappedTorchNorm(config=cfg, hidden_size=8).weight, 'sequence_parallel')\n"
+        "print('marked')\n"
+    )
+    from tests._dist import subprocess_env
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(subprocess_env(), CUDA_VISIBLE_DEVICES=""))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["refused", "marked"], out.stdout
+
+
 def test_moe_dispatcher_choice():
     """CPU: a mixture-of-experts config gets the allgather dispatcher; a dense one is untouched."""
     dense = {"num_layers": 2}
@@ -252,6 +287,10 @@ _NOT_ENTRY_POINTS = {
     "megatron.core.pipeline_parallel.get_forward_backward_func": "returns a schedule, an entry point",
     "megatron.core.tensor_parallel": "cpu_compat: random.* are entry points",
     "megatron.core.tensor_parallel.layers": "isinstance checks and parameter attributes",
+    "megatron.core.tensor_parallel.gather_from_sequence_parallel_region": "called by the value head inside the "
+                                                                          "model's forward (an entry point)",
+    "megatron.core.tensor_parallel.reduce_from_tensor_model_parallel_region": "an all-reduce with an identity "
+                                                                               "backward; no device literal",
     "megatron.core.tensor_parallel.vocab_parallel_cross_entropy": "an entry point",
     "megatron.core.transformer.dot_product_attention.DotProductAttention": "isinstance checks; cpu_compat's wrapper",
     "megatron.core.transformer.enums.AttnMaskType": "an enum",
@@ -261,6 +300,7 @@ _NOT_ENTRY_POINTS = {
     "megatron.core.transformer.moe.router.Router": "isinstance checks",
     "megatron.core.transformer.moe.router_replay.RouterReplayAction": "an enum (the replay runs inside the forward)",
     "megatron.core.transformer.transformer_config.TransformerConfig": "configuration",
+    "megatron.core.transformer.torch_norm.WrappedTorchNorm": "patched by cpu_compat (sequence parallelism)",
 }
 
 

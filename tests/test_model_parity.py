@@ -14,6 +14,8 @@ from tests._dist import torchrun
 from tests._tolerance import LAYOUT_FP32_LOGPROB, NET_FP32_LOGPROB, within
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+#: sequence parallelism (parallel.sequence_parallel) at TP=2 and TP=2 x PP=2
+SP_LAYOUTS = [(2, 1), (2, 2)]
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +72,31 @@ def test_logits_match_transformers(family_dirs, tmp_path, tp, pp):
         assert got["padded_log_probs"].ne(0).any() and within(
             pk_err, LAYOUT_FP32_LOGPROB, f"model_parity/{fam}/tp{tp}pp{pp}/packed_vs_padded"), \
             f"{fam} tp={tp} pp={pp}: max |packed - padded log-prob| = {pk_err}"
+
+
+@pytest.mark.parametrize("tp,pp", SP_LAYOUTS, ids=[f"tp{t}pp{p}sp" for t, p in SP_LAYOUTS])
+def test_sequence_parallel_logits_and_values(family_dirs, tmp_path, tp, pp):
+    """Under sequence parallelism (the 19-token rows padded to a multiple of tp and trimmed back)
+    the logits and log-probs are transformers' as at every other layout; a value-head model's
+    values (its head all-gathers the [s/tp, b, h] hidden states) equal those of the same model
+    without it."""
+    torchrun("parity_worker.py", tp * pp, "--tp", str(tp), "--pp", str(pp), "--sp",
+             "--data", str(family_dirs), "--out", str(tmp_path), "--families", *FAMILIES)
+    tokens = torch.load(family_dirs / "tokens.pt")
+    for fam in FAMILIES:
+        ref_logits, ref_lp = _reference(str(family_dirs / fam), tokens)
+        got = torch.load(tmp_path / f"{fam}_tp{tp}_pp{pp}_sp.pt")
+        assert got["logits"].shape == ref_logits.shape, fam
+        err = (got["logits"] - ref_logits).abs().max().item()
+        assert within(err, NET_FP32_LOGPROB, f"model_parity/{fam}/tp{tp}pp{pp}sp/logits"), \
+            f"{fam} tp={tp} pp={pp} sp: max |logit diff| = {err}"
+        lp_err = (got["log_probs"] - ref_lp).abs().max().item()
+        assert within(lp_err, NET_FP32_LOGPROB, f"model_parity/{fam}/tp{tp}pp{pp}sp/log_probs"), lp_err
+        lengths = torch.tensor([19, 4, 11, 1, 16])
+        keep = torch.arange(18)[None, :] < (lengths - 1)[:, None]
+        pad_err = (got["padded_log_probs"] - ref_lp).abs()[keep].max().item()
+        assert within(pad_err, NET_FP32_LOGPROB, f"model_parity/{fam}/tp{tp}pp{pp}sp/padded_log_probs"), pad_err
+        # one implementation, the same weights: the GEMMs see other shapes (the sequence split)
+        v_err = (got["values_sp"] - got["values"]).abs().max().item()
+        assert got["values"].ne(0).any() and within(v_err, LAYOUT_FP32_LOGPROB,
+                                                      f"model_parity/{fam}/tp{tp}pp{pp}sp/values"), v_err

@@ -221,6 +221,14 @@ def _check_layout(moe_dirs, out, tp, pp, ep, etp, nproc):
             f"{fam} {tag}: replayed log-probs differ from one process by {rp_err}"
         # the forced routing is a different sub-network: far outside the tolerance
         assert ((got["replayed_log_probs"] - got["ragged_log_probs"]) * valid).abs().max() > 100 * LAYOUT_FP32_LOGPROB
+        if tp > 1:  # the same with sequence parallelism: each TP rank replays its part of the sequence
+            sp, full = got["replay_sp"], got["replay"]
+            assert (sp["tokens"], sp["replay_differs"]) == (full["tokens"], 0.0), (sp, full)
+            # the routers' own choice on states summed in another order: at most a token apart
+            assert abs(sp["mismatch_tokens"] - full["mismatch_tokens"]) * full["tokens"] <= 1, (sp, full)
+            for key in ("replayed_log_probs", "ragged_log_probs"):
+                sp_err = ((got[f"{key}_sp"] - got[key]) * valid).abs().max().item()
+                assert within(sp_err, LAYOUT_FP32_LOGPROB, f"moe_models/{fam}/{tag}/{key}_sp"), (key, sp_err)
         src = load_file(str(root / fam / "model.safetensors"))
         assert_bitwise(src, load_all(str(out / f"{fam}_{tag}_export")), f"{fam} {tag}: HF -> shards -> HF")
         assert_bitwise(src, load_all(str(out / f"{fam}_{tag}_back")), f"{fam} {tag}: HF -> dist ckpt -> HF")
@@ -274,6 +282,8 @@ def test_parallel_ep_keys_are_validated_by_name():
     # training MoE layers at tp > 1 needs sequence parallelism (megatron-core): refused at start-up
     with pytest.raises(ConfigError, match=r"parallel\.tp.*sequence parallelism"):
         validate_model_fit(load_config(recipe, ["parallel.tp=2"]), spec_from_hf_config(_cfg("qwen3_moe")), "q")
+    validate_model_fit(load_config(recipe, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+                       spec_from_hf_config(_cfg("qwen3_moe")), "q")  # with it, MoE trains at tp > 1
 
 
 #: Qwen3-30B-A3B's config.json (the published model: 30.5 B parameters)

@@ -29,7 +29,7 @@ from megarl.models import mapping
 from megarl.models.hf_config import spec_from_hf_config
 from megarl.rollout.weight_stream import TensorManifest
 from tests._dist import ROOT, torchrun
-from tests._tolerance import adam_weights_tol, within
+from tests._tolerance import LAYOUT_FP32_LOGPROB, adam_weights_tol, within
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2)
 
@@ -68,7 +68,7 @@ def launch(assets, tmp_path_factory):
              # the EP-gathered manifest, retried) and the first load of v1 is corrupted (both engines refuse it)
              "faults.fail_optimizer_step_at=[1]", "faults.corrupt_weight_sync_at=[1]"]
     proc = torchrun("moe_train_worker.py", 2, "--hf", hf, "--out", str(root), "--train", *train)
-    res = {tag: torch.load(root / f"{tag}.pt") for tag in ("ep1", "ep2", "tp2", "pp2", "resume_ep1")}
+    res = {tag: torch.load(root / f"{tag}.pt") for tag in ("ep1", "ep2", "tp2sp", "pp2", "resume_ep1")}
     res["stderr"] = proc.stderr
     return hf, res, run_dir, moe
 
@@ -108,12 +108,38 @@ def test_grpo_update_at_ep2_equals_ep1(launch):
         assert within(rel, 1e-5, f"moe_training/ep2_vs_ep1/{key}_rel"), (key, rel)
 
 
+def test_grpo_update_at_tp2_with_sequence_parallelism_equals_ep1(launch):
+    """MoE training at TP=2 (parallel.sequence_parallel): the same GRPO update as TP=1, and the
+    routers and norms -- replicated over TP, their gradients each TP rank's part of the sequence,
+    summed -- identical on both TP ranks afterwards (Megatron-LM#619: router weights drifting
+    apart under SP + TP + MoE)."""
+    hf, res, _, _ = launch
+    ep1, sp = res["ep1"], res["tp2sp"]
+    assert (sp["ep"], sp["dp"]) == (1, 1)
+    # one forward at another layout (TP splits heads, FFNs and experts' matmuls): fp32 noise
+    err = (sp["old_log_probs"] - ep1["old_log_probs"]).abs().max().item()
+    assert within(err, LAYOUT_FP32_LOGPROB, "moe_training/tp2sp_vs_ep1/old_log_probs"), err
+    assert sp["metrics"]["update/optimizer_steps"] == 2
+    initial = load_file(os.path.join(hf, "model.safetensors"))
+    for k in initial:
+        err = (sp["weights"][k] - ep1["weights"][k]).abs().max().item()
+        assert within(err, adam_weights_tol(3e-3, 2, 1e-3), "moe_training/tp2sp_vs_ep1/weights"), \
+            f"{k}: TP=2 with sequence parallelism differs from TP=1 by {err} after one GRPO update"
+    for key in ("update/grad_norm", "update/grad_norm_max", "update/pg_loss"):
+        rel = abs(sp["metrics"][key] - ep1["metrics"][key]) / abs(ep1["metrics"][key])
+        assert within(rel, 1e-5, f"moe_training/tp2sp_vs_ep1/{key}_rel"), (key, rel)
+    rank0, rank1 = sp["replicated_every_tp_rank"]
+    assert any(".router." in n for n in rank0) and any("layernorm" in n for n in rank0), sorted(rank0)
+    for n in rank0:
+        assert torch.equal(rank0[n], rank1[n]), f"{n} differs across the TP ranks after the update"
+
+
 def test_manifest_at_ep2_is_every_expert_once_in_canonical_order(launch):
     hf, res, _, _ = launch
     with open(os.path.join(hf, "config.json")) as f:
         canonical = mapping.hf_names_in_order(spec_from_hf_config(json.load(f)))
     initial = TensorManifest.from_named_tensors(load_file(os.path.join(hf, "model.safetensors")).items())
-    for tag in ("ep1", "ep2", "tp2", "pp2"):
+    for tag in ("ep1", "ep2", "tp2sp", "pp2"):
         r = res[tag]
         assert [n for n, _ in r["manifest0"]] == canonical, tag  # each name once, canonical order
         assert r["manifest0_every_rank"] == [initial.global_hash] * 2, tag  # identical on every rank

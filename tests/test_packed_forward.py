@@ -168,3 +168,9 @@ def test_config_key_default_and_validation(monkeypatch):
     with pytest.raises(ConfigError, match="algo.pack_sequences.*no THD attention here"):
         check_run(load_config(path, ["algo.pack_sequences=true"]), 1)
     assert check_run(load_config(path, []), 1) == 1  # the default never asks
+    # a packed sequence is not padded to a multiple of tp (yet): refused with sequence parallelism at tp > 1
+    monkeypatch.undo()
+    sp = ["algo.pack_sequences=true", "parallel.tp=2", "parallel.sequence_parallel=true"]
+    with pytest.raises(ConfigError, match="algo.pack_sequences: .*parallel.sequence_parallel"):
+        check_run(load_config(path, sp), 2)
+    assert check_run(load_config(path, sp[1:]), 2) == 1 and check_run(load_config(path, sp[:1] + sp[2:]), 1) == 1

@@ -95,6 +95,10 @@ class ParallelConfig:
     #: ranks taken from the data-parallel ones (ep divides the number of experts and world / (etp x pp))
     ep: int = 1
     etp: Optional[int] = None  # expert tensor-parallel size (null: parallel.tp)
+    #: megatron's sequence parallelism at tp > 1: norms and the residual stream hold 1/tp of the
+    #: sequence on each TP rank (activation memory / tp there); needed to train an MoE model at
+    #: tp > 1.  Sequences are padded to a multiple of tp.  No effect at tp = 1.
+    sequence_parallel: bool = False
 
 
 @dataclass

@@ -377,6 +377,9 @@ def _validate_batches(cfg: TrainConfig, dp: int) -> None:
     for key, v in (("algo.micro_batch_size", a.micro_batch_size),
                    ("algo.forward_micro_batch_size", a.forward_micro_batch_size)):
         _need(v >= 0, key, f"must be >= 1, or 0 for the whole batch in one pass, got {v}")
+    _need(not (a.pack_sequences and p.sequence_parallel and p.tp > 1), "algo.pack_sequences",
+          f"is true with parallel.sequence_parallel at parallel.tp={p.tp}: a packed sequence is not yet padded to a "
+          "multiple of tp; set algo.pack_sequences=false (or parallel.sequence_parallel=false)")
     if a.pack_sequences:
         # megatron's allgather token dispatcher all-gathers equal token counts over the EP group;
         # each rank's packed sequence has its own

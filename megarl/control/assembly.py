@@ -79,18 +79,20 @@ def assemble(cfg, model_path: str, tokenizer_dir: str) -> Parts:
     total_steps = cfg.trainer.iterations * a.ppo_epochs * a.num_mini_batches
     actor = Actor(model_path, p.tp, p.pp, cfg.actor.optim, total_steps, vocab_multiple=cfg.model.vocab_multiple,
                   offload=cfg.actor.offload, moe_aux_loss_coeff=cfg.actor.moe_aux_loss_coeff,
-                  moe_z_loss_coeff=cfg.actor.moe_z_loss_coeff)
+                  moe_z_loss_coeff=cfg.actor.moe_z_loss_coeff, sequence_parallel=p.sequence_parallel)
     reference = None
     if cfg.reference.enabled:
         from megarl.roles.reference import Reference
 
         reference = Reference(cfg.reference.path or model_path, p.tp, p.pp, version="ref-0",
-                              vocab_multiple=cfg.model.vocab_multiple, offload=cfg.reference.offload)
+                              vocab_multiple=cfg.model.vocab_multiple, offload=cfg.reference.offload,
+                              sequence_parallel=p.sequence_parallel)
     critic = None
     if cfg.critic is not None:
         from megarl.roles.critic import Critic
 
-        critic = Critic(cfg.critic, actor.model, p.tp, p.pp, total_steps, vocab_multiple=cfg.model.vocab_multiple)
+        critic = Critic(cfg.critic, actor.model, p.tp, p.pp, total_steps, vocab_multiple=cfg.model.vocab_multiple,
+                        sequence_parallel=p.sequence_parallel)
     injector = FaultInjector(cfg.faults, seed=cfg.faults.seed, rank=dist.get_rank(), world=dist.get_world_size())
     injector = injector if injector.active else None
     reward_fn, runner, reward_model = _rewards(cfg, injector, rank0=dist.get_rank() == 0)
@@ -131,7 +133,7 @@ def _rewards(cfg, injector, rank0: bool):
         reward_model = RewardModel(r.model.path, p.tp, p.pp, tokenizer=r.model.tokenizer,
                                    chat_template=r.model.chat_template, vocab_multiple=cfg.model.vocab_multiple,
                                    offload=r.model.offload, micro_batch_size=cfg.algo.forward_micro_batch_size,
-                                   pack=cfg.algo.pack_sequences)
+                                   pack=cfg.algo.pack_sequences, sequence_parallel=p.sequence_parallel)
     return fn, runner, reward_model
 
 

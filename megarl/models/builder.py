@@ -47,10 +47,23 @@ class BuildOptions:
     #: both off by default (they are training-time regularisers, not part of the function)
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: Optional[float] = None
+    #: megatron's sequence parallelism (effective at tp > 1 only): the residual stream and the
+    #: norms hold 1/tp of the sequence; a forward's sequence length must be a multiple of tp
+    sequence_parallel: bool = False
 
     @property
     def resolved_etp(self) -> int:
         return self.tp if self.etp is None else self.etp
+
+    @property
+    def resolved_sp(self) -> bool:
+        """Sequence parallelism as built: asked for, and more than one TP rank to split over."""
+        return self.sequence_parallel and self.tp > 1
+
+    @property
+    def sequence_multiple(self) -> int:
+        """What a forward's sequence length must be a multiple of (tp under sequence parallelism)."""
+        return self.tp if self.resolved_sp else 1
 
     def resolved_te(self) -> bool:
         if self.use_transformer_engine is None:
@@ -108,7 +121,7 @@ def transformer_config(spec: ModelSpec, opts: BuildOptions):
         cross_entropy_loss_fusion=False,
         tensor_model_parallel_size=opts.tp,
         pipeline_model_parallel_size=opts.pp,
-        sequence_parallel=False,
+        sequence_parallel=opts.resolved_sp,
         params_dtype=opts.params_dtype,
         pipeline_dtype=opts.params_dtype,
         bf16=bf16,
@@ -178,17 +191,25 @@ def layer_spec(spec: ModelSpec, opts: BuildOptions, config=None):
 class ScalarValueHead(torch.nn.Module):
     """``hidden -> 1`` projection, replicated over TP (a scalar cannot be vocab-split).
 
-    Signature-compatible with megatron's ``ColumnParallelLinear`` as used by ``GPTModel``.
+    Signature-compatible with megatron's ``ColumnParallelLinear`` as used by ``GPTModel``.  Under
+    sequence parallelism the hidden states arrive as ``[s/tp, b, h]``; they are all-gathered
+    along the sequence first, so every TP rank computes the values of the whole sequence with the
+    same replicated weights (the backward keeps this rank's slice of the gradient: every rank's
+    loss is the same function of the gathered states).
     """
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, bias: bool = False):
+    def __init__(self, hidden_size: int, dtype: torch.dtype, bias: bool = False, sequence_parallel: bool = False):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=dtype))
         self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype)) if bias else None
-        self.sequence_parallel = False
+        self.sequence_parallel = sequence_parallel
         torch.nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
         return F.linear(hidden_states, self.weight, self.bias), None
 
 
@@ -266,7 +287,8 @@ def build_model(spec: ModelSpec, opts: BuildOptions, seed: int = 1234):
             original_max_position_embeddings=rs.original_max_position_embeddings,
         )
     if spec.value_head and post:
-        model.output_layer = ScalarValueHead(spec.hidden_size, opts.params_dtype, bias=spec.value_head_bias).to(
+        model.output_layer = ScalarValueHead(spec.hidden_size, opts.params_dtype, bias=spec.value_head_bias,
+                                             sequence_parallel=opts.resolved_sp).to(
             next(model.parameters()).device
         )
     if not opts.init_weights:

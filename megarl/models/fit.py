@@ -36,11 +36,11 @@ def validate_model_fit(cfg, spec, where: str) -> None:
         check_expert_fit(spec, p.tp, p.ep, p.etp, where=where)
     except ExpertFitError as e:
         raise ConfigError(f"parallel.{e.size}: {e}") from None
-    # megatron-core's MoELayer refuses to train at TP > 1 without sequence parallelism, which
-    # megarl does not enable: refused here instead of in the first update
-    require(getattr(spec, "moe", None) is None or p.tp == 1, "parallel.tp",
-            f"={p.tp} with the mixture-of-experts model {where}: megatron-core trains MoE layers at tp > 1 only "
-            "with sequence parallelism, which megarl does not enable yet; use parallel.tp=1 with parallel.ep")
+    # megatron-core's MoELayer refuses to train at TP > 1 without sequence parallelism: refused
+    # here, naming the key, instead of in the first update
+    require(getattr(spec, "moe", None) is None or p.tp == 1 or p.sequence_parallel, "parallel.sequence_parallel",
+            f"is false with parallel.tp={p.tp} and the mixture-of-experts model {where}: megatron-core trains MoE "
+            "layers at tp > 1 only with sequence parallelism; set parallel.sequence_parallel=true (or parallel.tp=1)")
     require(cfg.model.vocab_multiple % p.tp == 0, "model.vocab_multiple",
             f"{cfg.model.vocab_multiple} is not divisible by parallel.tp={p.tp} (the padded vocabulary is split over TP)")
     experts = moe_num_experts(spec)

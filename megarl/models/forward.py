@@ -197,29 +197,32 @@ def forward_only(model, micro_batches: List[MicroBatch],
     dev = next(inner.parameters()).device
     results: List[Optional[torch.Tensor]] = []
     targets = targets if targets is not None else [None] * len(micro_batches)
+    # sequence parallelism: each micro-batch runs on whole tp-sized chunks of its rows (right
+    # padding, never attended to by a causal model); on_output sees the micro-batch's own width
+    aligned = [_aligned(mb, tg, sequence_multiple(model)) for mb, tg in zip(micro_batches, targets)]
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             if pp == 1:
-                for mb, tg in zip(micro_batches, targets):
+                for mb, tg, width in aligned:
                     mb = mb.to(dev)
                     out = _call(model, mb, tg, routing)
-                    results.append(on_output(out, _tokens(mb)))
+                    results.append(on_output(*_own(out, _tokens(mb), width)))
                 return results
-            it = iter([(mb.to(dev), tg) for mb, tg in zip(micro_batches, targets)])
+            it = iter([(mb.to(dev), tg, width) for mb, tg, width in aligned])
 
             def step(data_iterator, m):
-                mb, tg = next(data_iterator)
+                mb, tg, width = next(data_iterator)
                 out = _call(m, mb, tg, routing)
 
                 def loss_func(output):
-                    res = on_output(output, _tokens(mb))
+                    res = on_output(*_own(output, _tokens(mb), width))
                     return res, {"result": res}
 
                 return out, loss_func
 
-            for mb in micro_batches:
+            for mb, _tg, _width in aligned:
                 # one micro-batch per schedule call: shapes may differ between micro-batches
                 # (a packed one travels between stages as [total, 1, hidden])
                 tokens = _tokens(mb)
@@ -330,6 +333,38 @@ def _ep_common_widths(model, groups: List[torch.Tensor], widths: List[int]) -> L
     return [max(ws) for ws in zip(*(w for _, w in every))]
 
 
+def _aligned(mb: MicroBatch, tg: Optional[RouterTargets], m: int):
+    """``(micro-batch, targets, width)``: a padded micro-batch right-padded to a multiple of ``m``
+    (tp, for sequence parallelism) with its routing targets widened alike, and its own width."""
+    if isinstance(mb, PackedMicroBatch):
+        if m > 1:
+            raise ValueError("a packed (THD) micro-batch under sequence parallelism: a packed sequence is not yet "
+                             "padded to a multiple of tp; run padded or set parallel.sequence_parallel=false")
+        return mb, tg, None
+    w = mb.shape[1]
+    run = round_up(w, m)
+    if run == w:
+        return mb, tg, w
+    return _pad_columns(mb, run), (None if tg is None else tg.widened(mb.shape[0], run - w)), w
+
+
+def _own(out: torch.Tensor, tokens: torch.Tensor, width: Optional[int]):
+    """A micro-batch's output and tokens at its own width (``width`` None: as they are)."""
+    if width is None or width == tokens.shape[1]:
+        return out, tokens
+    return out[:, :width], tokens[:, :width]
+
+
+def sequence_multiple(model) -> int:
+    """What a forward's sequence length must be a multiple of: tp under sequence parallelism
+    (megatron splits the sequence into tp equal chunks), else 1."""
+    return unwrap(model).megarl_opts.sequence_multiple
+
+
+def round_up(width: int, multiple: int) -> int:
+    return -(-width // multiple) * multiple
+
+
 def _pad_columns(tokens: torch.Tensor, width: int) -> torch.Tensor:
     """``tokens`` right-padded with id 0 to ``width`` columns (unchanged when it has them)."""
     if tokens.shape[1] >= width:
@@ -342,6 +377,9 @@ def _packed(model, tokens: torch.Tensor, lengths: Optional[torch.Tensor], micro_
             routing: Optional[Routing] = None) -> torch.Tensor:
     """:func:`_by_length` with every micro-batch packed (same rows per micro-batch)."""
     _check_packable(model)
+    if sequence_multiple(model) > 1:
+        raise ValueError("pack=True (algo.pack_sequences) with sequence parallelism: a packed sequence is not "
+                         "yet padded to a multiple of tp; run padded or set parallel.sequence_parallel=false")
     if _moe_dispatch_group(model) is not None:
         # each rank's packed sequence has its own token count; the dispatcher's all-gather needs equal ones
         raise ValueError("pack=True (algo.pack_sequences) with an MoE model at expert parallel size > 1: the "
@@ -468,11 +506,14 @@ def vocab_parallel_entropy(logits_shard: torch.Tensor, vocab_size: int) -> torch
     """Entropy ``-sum_v p_v log p_v`` of softmax(logits) from vocab-parallel logits, ``(b, s)``.
 
     H = log Z - sum_v p_v z_v with Z = sum_v exp(z_v): the two sums are all-reduced over the TP
-    group with autograd-aware collectives, so an entropy bonus back-propagates into every shard.
-    Padded vocabulary rows are excluded.
+    group by megatron's ``reduce_from_tensor_model_parallel_region``, whose backward is the
+    identity: every TP rank computes the same loss from the reduced sums, so each shard's gradient
+    is its own part of that one loss's.  (``torch.distributed.nn.functional.all_reduce`` sums the
+    gradients in its backward instead, which scaled an entropy bonus's gradient by tp.)  Padded
+    vocabulary rows are excluded.
     """
     from megatron.core import parallel_state as ps
-    from torch.distributed.nn.functional import all_reduce
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
     z = mask_padded_vocab(logits_shard, vocab_size).float()
     group = ps.get_tensor_model_parallel_group()
@@ -485,6 +526,6 @@ def vocab_parallel_entropy(logits_shard: torch.Tensor, vocab_size: int) -> torch
     s = e.sum(-1)
     ez = (e * torch.where(finite, z - m, torch.zeros((), dtype=z.dtype, device=z.device))).sum(-1)
     if tp > 1:
-        s = all_reduce(s, group=group)
-        ez = all_reduce(ez, group=group)
+        s = reduce_from_tensor_model_parallel_region(s)
+        ez = reduce_from_tensor_model_parallel_region(ez)
     return torch.log(s) - ez / s

@@ -101,13 +101,14 @@ def load_megatron_checkpoint(model, ckpt_dir: str) -> None:
 def load_model(path: str, tp: int = 1, pp: int = 1, dtype: Optional[torch.dtype] = None,
                vocab_multiple: Optional[int] = None, show_progress: bool = False,
                ep: Optional[int] = None, etp: Optional[int] = None, moe_aux_loss_coeff: float = 0.0,
-               moe_z_loss_coeff: Optional[float] = None):
+               moe_z_loss_coeff: Optional[float] = None, sequence_parallel: bool = False):
     """Build the megatron model for ``path`` (HF or megarl checkpoint) at this TP/PP/EP and load it.
 
     megatron parallel state must already be initialised at ``tp``/``pp`` (and ``ep`` / ``etp``;
     None: the sizes the parallel state holds, used by a mixture-of-experts model only).
     ``moe_aux_loss_coeff`` / ``moe_z_loss_coeff``: the router's training losses (a trained
     mixture-of-experts model only; refused on a dense one, megarl/models/moe_losses.py).
+    ``sequence_parallel``: megatron's sequence parallelism at tp > 1 (``parallel.sequence_parallel``).
     """
     from megatron.core import parallel_state as ps
 
@@ -120,7 +121,8 @@ def load_model(path: str, tp: int = 1, pp: int = 1, dtype: Optional[torch.dtype]
         if moe_aux_loss_coeff or moe_z_loss_coeff is not None:
             raise ModelConfigError(f"{path} is a dense model ({spec.architecture}): it has no router for "
                                    "moe_aux_loss_coeff / moe_z_loss_coeff")
-    moe_losses = dict(moe_aux_loss_coeff=moe_aux_loss_coeff, moe_z_loss_coeff=moe_z_loss_coeff)
+    moe_losses = dict(moe_aux_loss_coeff=moe_aux_loss_coeff, moe_z_loss_coeff=moe_z_loss_coeff,
+                      sequence_parallel=sequence_parallel)
     meta = read_meta(path) if is_megatron_checkpoint(path) else None
     if dtype is None:
         # CPU: fp32 only (megatron's half-precision paths need CUDA); GPU: what the checkpoint says

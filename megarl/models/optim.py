@@ -131,7 +131,7 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megarl.models.forward import position_ids_for
+    from megarl.models.forward import position_ids_for, round_up, sequence_multiple
     from megarl.models.router_replay import RouterTargets, RowRouting, routed
 
     if not micro_batches:
@@ -144,17 +144,22 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
                              f"all micro-batches of a step must be [{mbs}, {seq}]")
     dev = next(ddp_model.parameters()).device
     it = iter([{k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in mb.items()} for mb in micro_batches])
+    # sequence parallelism: the model runs on whole tp-sized chunks (right padding, which a causal
+    # model never attends to); the loss sees the micro-batch's own width
+    run = round_up(seq, sequence_multiple(ddp_model))
 
     def step(data_iterator, model):
         mb = next(data_iterator)
+        tokens = _pad_to(mb["tokens"], run)
         targets = None
         if replay_layers is not None:
-            targets = RouterTargets.for_padded(RowRouting(mb["routing"], mb["routing_valid"], replay_layers))
+            rows = RowRouting(mb["routing"], mb["routing_valid"], replay_layers).rows(slice(None), run)
+            targets = RouterTargets.for_padded(rows)
         with routed(model, targets, replay=True):
-            out = model(mb["tokens"], position_ids_for(mb["tokens"]), None)
+            out = model(tokens, position_ids_for(tokens), None)
 
         def loss_func(output):
-            loss, metrics = loss_fn(output, mb)
+            loss, metrics = loss_fn(output[:, :seq] if run != seq else output, mb)
             # (loss, num_tokens, reported): num_tokens is ignored by our finalize function.
             return loss, torch.ones((), dtype=torch.int, device=loss.device), metrics
 
@@ -169,8 +174,15 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
     with moe_losses.step_scope(ddp_model, len(micro_batches)) as moe:
         metrics = get_forward_backward_func()(
             forward_step_func=step, data_iterator=it, model=[ddp_model],
-            num_microbatches=len(micro_batches), seq_length=seq, micro_batch_size=mbs,
+            num_microbatches=len(micro_batches), seq_length=run, micro_batch_size=mbs,
             forward_only=False,
         )
     ok, grad_norm, _ = optimizer.step()
     return StepResult(bool(ok), float(grad_norm or 0.0), list(metrics), moe)
+
+
+def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x`` ``(b, s, ...)`` right-padded with zeros to ``width`` along dim 1 (itself when it has it)."""
+    if x.shape[1] >= width:
+        return x
+    return torch.cat([x, x.new_zeros((x.shape[0], width - x.shape[1]) + tuple(x.shape[2:]))], 1)

@@ -56,7 +56,7 @@ class RowRouting:
             e, v = e[:, :width], v[:, :width]
             if width > e.shape[1]:  # right padding past the grid: filler experts, never valid
                 extra = width - e.shape[1]
-                fill = torch.arange(e.shape[-1], dtype=e.dtype).expand(e.shape[0], extra, *e.shape[2:])
+                fill = torch.arange(e.shape[-1], dtype=e.dtype, device=e.device).expand(e.shape[0], extra, *e.shape[2:])
                 e = torch.cat([e, fill], 1)
                 v = torch.cat([v, v.new_zeros(v.shape[0], extra)], 1)
         return RowRouting(e, v, self.moe_layers)
@@ -77,6 +77,16 @@ class RouterTargets:
         b, s = rows.valid.shape
         e = rows.experts.transpose(0, 1).reshape(s * b, *rows.experts.shape[2:])
         return cls(e.long(), rows.valid.transpose(0, 1).reshape(s * b).bool(), rows.moe_layers)
+
+    def widened(self, b: int, extra: int) -> "RouterTargets":
+        """The targets of the same padded ``(b, s)`` micro-batch right-padded by ``extra`` columns:
+        in the router's order those come last (``s_i * b + b_i``), with the filler experts
+        ``0 .. k-1`` and never valid."""
+        k = self.experts.shape[-1]
+        fill = torch.arange(k, dtype=self.experts.dtype, device=self.experts.device).expand(
+            extra * b, *self.experts.shape[1:-1], k)
+        return RouterTargets(torch.cat([self.experts, fill]), torch.cat([self.valid, self.valid.new_zeros(extra * b)]),
+                             self.moe_layers)
 
     @classmethod
     def for_packed(cls, rows: RowRouting, layout: PackedLayout) -> "RouterTargets":
@@ -151,6 +161,8 @@ class RoutingStats:
     dispatched: torch.Tensor = None
     valid: int = 0
     token_flags: List[torch.Tensor] = field(default_factory=list)
+    #: the comparisons were of this TP rank's share of the sequence (summed over TP in reduce)
+    sequence_parallel: bool = False
 
     def __post_init__(self):
         n = len(self.moe_layers)
@@ -174,6 +186,10 @@ class RoutingStats:
                 dist.all_reduce(nat, group=pp_group)
                 dist.all_reduce(disp, group=pp_group)
         totals = torch.cat([torch.tensor([self.valid, int(flags.sum())]), nat, disp])
+        if self.sequence_parallel:  # each TP rank compared its own part of the sequence
+            from megatron.core import parallel_state as ps
+
+            dist.all_reduce(totals, group=ps.get_tensor_model_parallel_group())
         if dp_group is not None and dist.get_world_size(dp_group) > 1:
             dist.all_reduce(totals, group=dp_group)
         n = max(int(totals[0]), 1)
@@ -208,7 +224,8 @@ def routed(model, targets: Optional[RouterTargets], replay: bool,
     if missing:
         raise RoutingReplayError(f"the routing record has no columns for MoE layers {missing} "
                                  f"(it has layers {list(targets.moe_layers)})")
-    valid = targets.valid
+    shard = _sequence_shard(unwrap(model).config, targets.valid.shape[0])
+    valid = targets.valid[shard]
     # the comparisons stay on the routers' device until the micro-batch ends: one transfer per
     # micro-batch, not a host sync per layer
     dev = routers[0][1].weight.device if routers else valid.device
@@ -222,7 +239,7 @@ def routed(model, targets: Optional[RouterTargets], replay: bool,
     try:
         for layer, router in routers:
             j = cols[layer]
-            ids = targets.experts[:, j].to(router.weight.device)
+            ids = targets.experts[shard, j].to(router.weight.device)
             if ids.shape[-1] != router.topk:
                 raise RoutingReplayError(f"layer {layer}: the record has top-{ids.shape[-1]} routing, "
                                          f"the router routes to {router.topk} experts")
@@ -243,10 +260,28 @@ def routed(model, targets: Optional[RouterTargets], replay: bool,
         for h in handles:
             h.remove()
     if stats is not None:
+        stats.sequence_parallel = shard != slice(None)
         stats.valid += int(valid.sum())
         stats.token_flags.append(acc["flags"].cpu())
         stats.natural += acc["natural"].cpu()
         stats.dispatched += acc["dispatched"].cpu()
+
+
+def _sequence_shard(config, n: int) -> slice:
+    """The tokens this rank's routers see of a micro-batch's ``n`` (all of them; under sequence
+    parallelism the TP rank's contiguous 1/tp: the router sees token ``(b_i, s_i)`` at
+    ``s_i * b + b_i`` and each TP rank holds a range of positions ``s``)."""
+    if not config.sequence_parallel:
+        return slice(None)
+    from megatron.core import parallel_state as ps
+
+    tp, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    if tp == 1:
+        return slice(None)
+    if n % tp:
+        raise RoutingReplayError(f"sequence parallelism: {n} routed tokens do not split over {tp} TP ranks")
+    k = n // tp
+    return slice(r * k, (r + 1) * k)
 
 
 def _observer(j: int, ids: torch.Tensor, valid: torch.Tensor, replay: bool, acc: Dict[str, torch.Tensor]):

@@ -27,10 +27,12 @@ class Actor(HostOffload):
     ``moe_z_loss_coeff`` the router's losses of a mixture-of-experts policy (``actor.*``)."""
 
     def __init__(self, path: str, tp: int, pp: int, optim, total_steps: int, vocab_multiple: int = 128,
-                 offload: bool = False, moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: Optional[float] = None):
+                 offload: bool = False, moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: Optional[float] = None,
+                 sequence_parallel: bool = False):
         self.path = path
         self.model = load_model(path, tp=tp, pp=pp, vocab_multiple=vocab_multiple,
-                                moe_aux_loss_coeff=moe_aux_loss_coeff, moe_z_loss_coeff=moe_z_loss_coeff)
+                                moe_aux_loss_coeff=moe_aux_loss_coeff, moe_z_loss_coeff=moe_z_loss_coeff,
+                                sequence_parallel=sequence_parallel)
         self.ddp, self.optimizer = wrap_for_training(self.model, optim)
         self.scheduler = lr_scheduler(self.optimizer, optim, total_steps)
         self.spec = unwrap(self.model).megarl_spec

@@ -29,9 +29,11 @@ def value_head_spec(actor_spec):
 
 
 class Critic(HostOffload):
-    def __init__(self, cfg, actor_model, tp: int, pp: int, total_steps: int, vocab_multiple: int = 128):
+    def __init__(self, cfg, actor_model, tp: int, pp: int, total_steps: int, vocab_multiple: int = 128,
+                 sequence_parallel: bool = False):
         if cfg.path is not None:
-            self.model = load_model(cfg.path, tp=tp, pp=pp, vocab_multiple=vocab_multiple)
+            self.model = load_model(cfg.path, tp=tp, pp=pp, vocab_multiple=vocab_multiple,
+                                    sequence_parallel=sequence_parallel)
             if not unwrap(self.model).megarl_spec.value_head:
                 from megarl.errors import ConfigError
 

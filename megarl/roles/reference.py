@@ -19,8 +19,8 @@ from megarl.models.weights import unwrap
 
 class Reference:
     def __init__(self, path: str, tp: int, pp: int, version: str, vocab_multiple: int = 128,
-                 offload: bool = False):
-        self.model = load_model(path, tp=tp, pp=pp, vocab_multiple=vocab_multiple)
+                 offload: bool = False, sequence_parallel: bool = False):
+        self.model = load_model(path, tp=tp, pp=pp, vocab_multiple=vocab_multiple, sequence_parallel=sequence_parallel)
         self.model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)

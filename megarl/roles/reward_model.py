@@ -25,10 +25,10 @@ from megarl.runtime.data_parallel import map_rows
 class RewardModel:
     def __init__(self, path: str, tp: int, pp: int, tokenizer: Optional[str] = None,
                  chat_template: Optional[str] = None, vocab_multiple: int = 128, offload: bool = False,
-                 micro_batch_size: int = 8, pack: bool = False):
+                 micro_batch_size: int = 8, pack: bool = False, sequence_parallel: bool = False):
         from megarl.errors import ConfigError
 
-        self.model = load_model(path, tp=tp, pp=pp, vocab_multiple=vocab_multiple)
+        self.model = load_model(path, tp=tp, pp=pp, vocab_multiple=vocab_multiple, sequence_parallel=sequence_parallel)
         if not unwrap(self.model).megarl_spec.value_head:
             raise ConfigError(f"reward.model.path: {path} is not a value-head checkpoint "
                               "(expected an HF *ForTokenClassification with num_labels=1)")

@@ -39,6 +39,13 @@ What is patched, and why (observed on megatron-core 0.16.1):
   attends causally to itself only) and leaves every call without ``packed_seq_params`` to the
   original, untouched.  On CUDA, TE's attention takes THD natively
   (:func:`local_attention_takes_thd` says which).
+* Sequence parallelism: megatron's local (torch) norm refuses ``config.sequence_parallel``
+  (``transformer/torch_norm.py``); transformer-engine's and apex's norms instead mark their
+  weights ``sequence_parallel`` so that ``finalize_model_grads`` sums their gradients over the
+  TP ranks.  :func:`sequence_parallel_norm` builds the same torch norm and marks it so.  The rest
+  of sequence parallelism (the scatter after the embedding, the gathers and reduce-scatters
+  around the TP linears) is megatron's own, over gloo's ``all_gather_into_tensor`` /
+  ``reduce_scatter_tensor``.
 
 What megarl asks of megatron differently on CPU, each a function that callers call
 unconditionally (on CUDA it returns the CUDA behaviour):
@@ -61,6 +68,7 @@ fails loudly when a megatron-core upgrade changes the surface patched here.
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import sys
@@ -289,6 +297,7 @@ def install() -> bool:
     _patch_grad_clipping()
     _patch_local_attention_thd()
     _patch_router_gemm()
+    _patch_norm_for_sequence_parallel()
     _INSTALLED = True
     return True
 
@@ -312,6 +321,36 @@ def _patch_grad_clipping() -> None:
 
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32_cpu
     optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32_cpu
+
+
+def sequence_parallel_norm(original_new, cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
+    """megatron's local (torch) norm under sequence parallelism: the same ``torch.nn.RMSNorm`` /
+    ``LayerNorm``, its weights marked ``sequence_parallel`` so that ``finalize_model_grads``
+    sums their gradients over the TP ranks (each rank's norm saw 1/tp of the sequence).  That is
+    what transformer-engine's and apex's norms do; megatron's torch norm refuses
+    ``config.sequence_parallel`` instead (``transformer/torch_norm.py``)."""
+    if not config.sequence_parallel:
+        return original_new(cls, config, hidden_size, eps, **kwargs)
+    plain = copy.copy(config)  # the same settings, read by the norm's constructor only
+    object.__setattr__(plain, "sequence_parallel", False)
+    norm = original_new(cls, plain, hidden_size, eps, **kwargs)
+    for p in norm.parameters():
+        p.sequence_parallel = True
+    return norm
+
+
+def _patch_norm_for_sequence_parallel() -> None:
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    original = WrappedTorchNorm.__new__
+    if getattr(original, "_megarl_sp", False):
+        return
+
+    def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
+        return sequence_parallel_norm(original, cls, config, hidden_size, eps, **kwargs)
+
+    __new__._megarl_sp = True  # type: ignore[attr-defined]
+    WrappedTorchNorm.__new__ = __new__
 
 
 def _patch_router_gemm() -> None:

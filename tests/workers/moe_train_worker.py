@@ -10,8 +10,10 @@ Layouts, one after the other in the same processes (``rt.initialize`` rebuilds m
   micro-batches each, AdamW with weight decay and clipping at a norm the step exceeds); the
   weights after it (``iter_hf_tensors``) and their manifest; and at both versions a sync into an
   hf rollout engine on *every* rank, what it served read back.
-* ``tp2`` and ``pp2`` (no training: megatron trains MoE at TP > 1 only with sequence
-  parallelism): the manifest of the same checkpoint, for the layout-independence of its hash.
+* ``tp2sp``: the same at TP=2 with sequence parallelism (DP=1; megatron trains MoE layers at
+  TP > 1 only with it), and the TP-replicated weights (routers, norms: their gradients summed
+  over the TP ranks' parts of the sequence) compared across the two TP ranks after the update.
+* ``pp2``: the manifest of the same checkpoint, for the layout-independence of its hash.
 
 Rank 0 saves one file per layout for the test to judge; ranks exchange what the test needs from
 rank 1 (its engine's load reports and served tensors' checksums).  With ``--train ARGS``, the
@@ -72,12 +74,12 @@ def sync_and_read(actor_ddp, engine, version, manifest):
             "num_buckets": report.num_buckets, "buckets": buckets}, {n: e.checksum for n, e in served.entries.items()}
 
 
-def train_layout(a, ep):
-    rt.initialize(tp=1, pp=1, ep=ep)
+def train_layout(a, ep, tp=1, sp=False):
+    rt.initialize(tp=tp, pp=1, ep=ep)
     from megatron.core import parallel_state as ps
 
     cfg = load_config(GRPO_RECIPE, OVERRIDES)
-    actor = Actor(a.hf, 1, 1, cfg.actor.optim, total_steps=4)
+    actor = Actor(a.hf, tp, 1, cfg.actor.optim, total_steps=4, sequence_parallel=sp)
     out = {"ep": ps.get_expert_model_parallel_world_size(), "dp": ps.get_data_parallel_world_size(),
            "edp": ps.get_expert_data_parallel_world_size(),
            # megatron DDP: expert grads in their own buffers, reduced over the expert-data-parallel group
@@ -102,12 +104,17 @@ def train_layout(a, ep):
                                     f.attention_mask)
     batch = sealed_batch(v0, REWARDS, advantages=grpo_advantages(REWARDS, f.response_mask.float()))
     learner = Learner(cfg, actor=actor, critic=None, sm=sm_sealed(v0, f.batch_size, len(REWARDS)),
-                      kl_ctl=FixedKLController(cfg.algo.kl.beta), counters=Counter(), dp=rt.world_size(),
+                      kl_ctl=FixedKLController(cfg.algo.kl.beta), counters=Counter(),
+                      dp=ps.get_data_parallel_world_size(),
                       sync_dtype=None, rank0=rt.is_main(), ckpt_root=a.out)
     metrics = learner.update(0, batch, v0)
     out["metrics"] = {k: metrics[k] for k in ("update/grad_norm", "update/grad_norm_max", "update/optimizer_steps",
                                               "update/pg_loss", "update/tokens")}
     out["weights"] = {k: v.clone() for k, v in iter_hf_tensors(actor.ddp)}
+    if tp > 1:  # every TP-replicated parameter, as each TP rank holds it after the update
+        replicated = {n: p.data.clone() for n, p in actor.ddp.named_parameters()
+                      if not getattr(p, "tensor_model_parallel", False)}
+        out["replicated_every_tp_rank"] = gather_objects(replicated)
     m1 = actor_manifest(actor.ddp)
     v1 = make_version(actor.ddp, m1, run_id="ep-test", optimizer_step=1, tokenizer_hash=H("tok"))
     out["manifest1"] = [(e.name, e.checksum) for e in m1.entries.values()]
@@ -136,7 +143,7 @@ def main():
 
     results, seconds = {}, {}
     for tag, run in (("ep1", lambda: train_layout(a, 1)), ("ep2", lambda: train_layout(a, 2)),
-                     ("tp2", lambda: manifest_layout(a, 2, 1)), ("pp2", lambda: manifest_layout(a, 1, 2))):
+                     ("tp2sp", lambda: train_layout(a, 1, tp=2, sp=True)), ("pp2", lambda: manifest_layout(a, 1, 2))):
         t0 = time.perf_counter()
         results[tag] = run()
         seconds[tag] = time.perf_counter() - t0

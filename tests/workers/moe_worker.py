@@ -76,9 +76,21 @@ def main():
         replayed = teacher_forced_log_probs(model, tokens, micro_batch_size=2, lengths=lengths,
                                             routing=Routing(forced, replay=True, stats=stats))
         replay_m = stats.reduce()  # every rank ran the same rows: no data-parallel sum
+        saved = {"log_probs": lp, "ragged_log_probs": ragged, "replayed_log_probs": replayed, "replay": replay_m}
+        if a.tp > 1:
+            # sequence parallelism: each TP rank's routers see 1/tp of the (padded) sequence and
+            # replay their part of the record; the comparisons are summed over the TP ranks
+            sp_model = load_model(hf_dir, tp=a.tp, pp=a.pp, sequence_parallel=True)
+            sp_stats = RoutingStats(forced.moe_layers)
+            saved["replayed_log_probs_sp"] = teacher_forced_log_probs(
+                sp_model, tokens, micro_batch_size=2, lengths=lengths,
+                routing=Routing(forced, replay=True, stats=sp_stats))
+            saved["replay_sp"] = sp_stats.reduce()
+            saved["ragged_log_probs_sp"] = teacher_forced_log_probs(sp_model, tokens, micro_batch_size=2,
+                                                                    lengths=lengths)
+            del sp_model
         if rt.is_main():
-            torch.save({"log_probs": lp, "ragged_log_probs": ragged, "replayed_log_probs": replayed,
-                        "replay": replay_m}, os.path.join(a.out, f"{fam}_{tag}.pt"))
+            torch.save(saved, os.path.join(a.out, f"{fam}_{tag}.pt"))
         export_hf(model, os.path.join(a.out, f"{fam}_{tag}_export"))
         meg = os.path.join(a.out, f"{fam}_{tag}_meg")
         save_megatron_checkpoint(model, meg, tokenizer_dir=hf_dir)

@@ -21,6 +21,7 @@ p.add_argument("--pp", type=int, default=1)
 p.add_argument("--hf", required=True)
 p.add_argument("--out", required=True)
 p.add_argument("--micro-batch-size", type=int, default=2)
+p.add_argument("--sp", action="store_true", help="sequence parallelism (tp > 1)")
 a = p.parse_args()
 
 rt.initialize(tp=a.tp, pp=a.pp)
@@ -53,12 +54,22 @@ for name, cfg in [
     ("sgd", OptimSettings(optimizer="sgd", lr=0.5, clip_grad=1e9)),
     ("adam", OptimSettings(optimizer="adam", lr=1e-3, weight_decay=0.1, clip_grad=0.05)),
 ]:
-    model = load_model(a.hf, tp=a.tp, pp=a.pp)
+    model = load_model(a.hf, tp=a.tp, pp=a.pp, sequence_parallel=a.sp)
     ddp, opt = wrap_for_training(model, cfg)
     res = train_step(ddp, opt, micro, loss_fn)
     assert res.update_successful
+    if a.tp > 1:
+        # replicated over TP (norms; under sequence parallelism each rank's norm saw its part of
+        # the sequence and finalize_model_grads summed them): every TP rank holds the same values
+        # after the step -- Megatron-LM#619 is router weights drifting apart under SP
+        for n, p_ in ddp.named_parameters():
+            if not getattr(p_, "tensor_model_parallel", False):
+                got = [torch.empty_like(p_.data) for _ in range(a.tp)]
+                torch.distributed.all_gather(got, p_.data.contiguous(), group=ps.get_tensor_model_parallel_group())
+                assert all(torch.equal(got[0], g_) for g_ in got[1:]), f"{name}: {n} differs across TP ranks"
     weights = {k: v.clone() for k, v in iter_hf_tensors(ddp)}
     if rt.is_main():
+        tag = "_sp" if a.sp else ""
         torch.save({"weights": weights, "grad_norm": res.grad_norm},
-                   os.path.join(a.out, f"{name}_tp{a.tp}_pp{a.pp}_dp{dp}.pt"))
+                   os.path.join(a.out, f"{name}_tp{a.tp}_pp{a.pp}_dp{dp}{tag}.pt"))
 rt.shutdown()

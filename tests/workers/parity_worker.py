@@ -6,7 +6,8 @@ import os
 import torch
 
 from megarl.models.builder import BuildOptions, build_model
-from megarl.models.forward import teacher_forced_log_probs
+from megarl.models.forward import scalar_values, teacher_forced_log_probs
+from megarl.roles.critic import value_head_spec
 from tests._logits import full_logits
 from megarl.models.hf_config import load_spec
 from megarl.models.weights import load_hf_weights
@@ -18,6 +19,7 @@ p.add_argument("--pp", type=int, default=1)
 p.add_argument("--data", required=True)
 p.add_argument("--out", required=True)
 p.add_argument("--families", nargs="+", required=True)
+p.add_argument("--sp", action="store_true", help="sequence parallelism (tp > 1); no packed pass under it")
 a = p.parse_args()
 
 rt.initialize(tp=a.tp, pp=a.pp)
@@ -25,15 +27,24 @@ tokens = torch.load(os.path.join(a.data, "tokens.pt"))
 for fam in a.families:
     hf_dir = os.path.join(a.data, fam)
     spec = load_spec(hf_dir)
-    model = build_model(spec, BuildOptions(tp=a.tp, pp=a.pp))
+    model = build_model(spec, BuildOptions(tp=a.tp, pp=a.pp, sequence_parallel=a.sp))
     load_hf_weights(model, hf_dir)
     logits = full_logits(model, tokens, micro_batch_size=2)
     lp = teacher_forced_log_probs(model, tokens, micro_batch_size=3)
     # ragged rows padded (sorted by length) and packed (algo.pack_sequences): same log-probs
     lengths = torch.tensor([19, 4, 11, 1, 16])[: tokens.shape[0]].clamp(max=tokens.shape[1])
     padded = teacher_forced_log_probs(model, tokens, micro_batch_size=2, lengths=lengths)
-    packed = teacher_forced_log_probs(model, tokens, micro_batch_size=2, lengths=lengths, pack=True)
+    out = {"logits": logits, "log_probs": lp, "padded_log_probs": padded}
+    if a.sp:
+        # the value head (critic, reward model) sees [s/tp, b, h] under sequence parallelism: the
+        # same randomly initialised value-head model (build_model seeds every build alike) with
+        # and without it, on the same (odd-length) rows
+        vspec = value_head_spec(spec)
+        values = {sp: scalar_values(build_model(vspec, BuildOptions(tp=a.tp, pp=a.pp, sequence_parallel=sp)), tokens,
+                                    micro_batch_size=2, lengths=lengths) for sp in (False, True)}
+        out["values"], out["values_sp"] = values[False], values[True]
+    else:
+        out["packed_log_probs"] = teacher_forced_log_probs(model, tokens, micro_batch_size=2, lengths=lengths, pack=True)
     if rt.is_main():
-        torch.save({"logits": logits, "log_probs": lp, "padded_log_probs": padded, "packed_log_probs": packed},
-                   os.path.join(a.out, f"{fam}_tp{a.tp}_pp{a.pp}.pt"))
+        torch.save(out, os.path.join(a.out, f"{fam}_tp{a.tp}_pp{a.pp}{'_sp' if a.sp else ''}.pt"))
 rt.shutdown()
