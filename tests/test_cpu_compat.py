@@ -287,6 +287,7 @@ _NOT_ENTRY_POINTS = {
     "megatron.core.pipeline_parallel.get_forward_backward_func": "returns a schedule, an entry point",
     "megatron.core.tensor_parallel": "cpu_compat: random.* are entry points",
     "megatron.core.tensor_parallel.layers": "isinstance checks and parameter attributes",
+    "megatron.core.tensor_parallel.random": "patched by cpu_compat (activation recomputation)",
     "megatron.core.tensor_parallel.gather_from_sequence_parallel_region": "called by the value head inside the "
                                                                           "model's forward (an entry point)",
     "megatron.core.tensor_parallel.reduce_from_tensor_model_parallel_region": "an all-reduce with an identity "
@@ -370,3 +371,48 @@ def test_local_attention_thd_surface():
     src = inspect.getsource(attention.Attention.forward)
     assert "query = query.squeeze(1)" in src and "core_attn_out.reshape(core_attn_out.size(0), 1, -1)" in src
     assert "cu_seqlens" in inspect.signature(rope_utils._apply_rotary_pos_emb_thd).parameters
+
+
+@CPU_ONLY
+def test_recompute_needs_the_accommodations_and_runs_with_them():
+    """Activation recomputation on CPU (parallel.recompute): megatron's checkpoint saves the CUDA
+    RNG state (no CUDA here), its backward re-runs megatron code from the autograd engine, where
+    the device-rewriting mode an entry point pushed is not on the stack (a ``device="cuda"``
+    tensor there fails), and ``CheckpointWithoutOutput()`` believes FP8 is on (``fp8 is not
+    None``) and reads transformer-engine's FP8 state.  Each is shown failing first."""
+    code = (
+        "import torch\n"
+        "from megatron.core.tensor_parallel import random\n"
+        "try:\n"
+        "    random._get_cuda_rng_state()\n"
+        "    print('rng-state')\n"
+        "except (AssertionError, RuntimeError):\n"
+        "    print('no-rng-state')\n"
+        "print('fp8' if random.CheckpointWithoutOutput().fp8 else 'no-fp8')\n"
+        "from megarl.runtime import cpu_compat\n"
+        "cpu_compat.install()\n"
+        "cpu_compat.seed_megatron_rng(3)\n"
+        "def step():\n"
+        "    x = torch.randn(4, requires_grad=True)\n"
+        "    fn = lambda t: t * torch.arange(4.0, device='cuda')  # megatron code's device literal\n"
+        "    with cpu_compat.megatron_scope():\n"
+        "        random.checkpoint(fn, False, x).sum().backward()\n"
+        "    return x.grad\n"
+        "wrapped = random.CheckpointFunction.__dict__['backward']\n"
+        "random.CheckpointFunction.backward = staticmethod(wrapped.__func__.__wrapped__)\n"
+        "try:\n"
+        "    step()\n"
+        "    print('recomputed-in-mode')\n"
+        "except (AssertionError, RuntimeError):\n"
+        "    print('recompute-outside-mode')\n"
+        "random.CheckpointFunction.backward = wrapped\n"
+        "assert torch.equal(step(), torch.arange(4.0))\n"
+        "assert random._get_cuda_rng_state() is None and not random.CheckpointWithoutOutput().fp8\n"
+        "print('fixed')\n"
+    )
+    from tests._dist import subprocess_env
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(subprocess_env(), CUDA_VISIBLE_DEVICES=""))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["no-rng-state", "fp8", "recompute-outside-mode", "fixed"], out.stdout

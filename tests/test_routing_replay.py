@@ -195,6 +195,55 @@ def test_replayed_update_reaches_the_router(moe, tmp_path):
         assert r.router_replay.router_replay_action is None and r.router_replay.target_topk_idx is None
 
 
+def _replayed_step(hf, c, recompute=None):
+    """One AdamW step replaying the rollout's routing, the model built with ``recompute``: its
+    weights after the step (HF names)."""
+    from megarl.models.forward import right_align, token_log_probs_from_logits
+    from megarl.models.weights import iter_hf_tensors
+
+    model = load_model(hf, recompute=recompute)
+    ddp, opt = wrap_for_training(model, ADAM)
+    tokens, plen, rlen = right_align(c.prompt_ids, c.response_ids, c.attention_mask)
+    rows = record_to_rows(c.routed_experts.experts, c.attention_mask, c.prompt_ids.shape[1],
+                          c.routed_experts.moe_layers, tokens.shape[1])
+    mask = (torch.arange(tokens.shape[1] - 1)[None, :] < (plen + rlen - 1)[:, None]).float()
+    mbs = [{"tokens": tokens[i:i + 5], "loss_mask": mask[i:i + 5], "routing": rows.experts[i:i + 5],
+            "routing_valid": rows.valid[i:i + 5]} for i in range(0, tokens.shape[0], 5)]
+
+    def loss_fn(output, mb):
+        lp = token_log_probs_from_logits(output[:, :-1], mb["tokens"][:, 1:], model.megarl_spec.vocab_size)
+        loss = -(lp * mb["loss_mask"]).sum() / mask.sum()
+        return loss, {"loss": loss.detach()}
+
+    assert train_step(ddp, opt, mbs, loss_fn, replay_layers=c.routed_experts.moe_layers).update_successful
+    for _, r in local_routers(model):  # nothing queued for a backward is left behind
+        assert r.router_replay.replay_backward_list == [] and r.router_replay.router_replay_action is None
+    return {k: v.clone() for k, v in iter_hf_tensors(ddp)}
+
+
+def test_recompute_replays_the_recorded_routing_in_the_backward(moe, monkeypatch):
+    """parallel.recompute re-runs the routers in the backward (full recompute; the selective
+    recompute of the MoE layer): each replays the micro-batch's recorded experts there too
+    (megatron's REPLAY_BACKWARD), so the replayed step is bitwise the one without recompute.
+    Negative control: a recompute that routes on its own (nothing queued for the backward)
+    trains another sub-network."""
+    from megarl.config.schema import RecomputeSettings
+    from megarl.models import router_replay
+
+    hf, _ = moe
+    c = rollout(hf, torch.bfloat16)
+    want = _replayed_step(hf, c)
+    for rc in (RecomputeSettings(granularity="full", method="uniform", num_layers=1),
+               RecomputeSettings(granularity="full", method="block", num_layers=2),
+               RecomputeSettings(granularity="selective", modules=["moe"])):
+        got = _replayed_step(hf, c, rc)
+        for k in want:
+            assert torch.equal(got[k], want[k]), (rc, k)
+    monkeypatch.setattr(router_replay, "recomputes_routers", lambda config: False)
+    natural = _replayed_step(hf, c, RecomputeSettings(granularity="full", method="uniform", num_layers=1))
+    assert max((natural[k] - want[k]).abs().max().item() for k in want) > 1e-5
+
+
 def test_replay_refuses_a_record_that_does_not_fit(moe):
     hf, model = moe
     rows = RowRouting(torch.zeros(1, 4, 2, 2, dtype=torch.long), torch.ones(1, 4, dtype=torch.bool), (0, 1))

@@ -234,3 +234,25 @@ def test_split_placement_trains_on_the_ranks_left():
     assert check_run(load_config(GRPO, ["placement.mode=split", "placement.rollout_ranks=2"]), 4) == 2
     cfg = load_config(GRPO, ASYNC + ["async_rl.correction=decoupled", "async_rl.is_cap=null"])
     assert check_run(cfg, 2) == 1
+
+
+def test_megatron_at_scale_keys_default_off_and_are_checked():
+    """parallel.sequence_parallel, parallel.overlap_grad_reduce and parallel.recompute default to
+    today's behaviour; a recompute setting megatron cannot take is refused naming the key."""
+    cfg = load_config(GRPO, [])
+    p = cfg.parallel
+    assert (p.sequence_parallel, p.overlap_grad_reduce, p.recompute.granularity) == (False, False, None)
+    for over in (["parallel.recompute.granularity=full"], ["parallel.recompute.granularity=selective"],
+                 ["parallel.recompute.granularity=full", "parallel.recompute.method=block",
+                  "parallel.recompute.num_layers=2"],
+                 ["parallel.recompute.granularity=selective", "parallel.recompute.modules=[moe,layernorm]"]):
+        assert check_run(load_config(GRPO, over), 1) == 1, over
+    _fail(GRPO, ["parallel.recompute.granularity=some"], "parallel.recompute.granularity")
+    _fail(GRPO, ["parallel.recompute.granularity=full", "parallel.recompute.method=interleaved"],
+          "parallel.recompute.method")
+    _fail(GRPO, ["parallel.recompute.num_layers=0"], "parallel.recompute.num_layers")
+    _fail(GRPO, ["parallel.recompute.granularity=selective", "parallel.recompute.modules=[attn]"],
+          "parallel.recompute.modules[0]")
+    msg = _fail(GRPO, ["parallel.recompute.granularity=selective", "parallel.recompute.modules=[moe_act]"],
+                "parallel.recompute.modules")
+    assert "grouped-GEMM" in msg

@@ -85,6 +85,22 @@ class ModelConfig:
     vocab_multiple: int = 128  # pad the vocabulary to a multiple of this (divisible by parallel.tp)
 
 
+#: what megatron-core 0.16 recomputes selectively (TransformerConfig.recompute_modules)
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+
+
+@dataclass
+class RecomputeSettings:
+    """Activation recomputation of the trained models (actor, critic), megatron's own: the
+    activations of recomputed parts are not kept for the backward but computed again in it."""
+
+    granularity: Optional[str] = None  # null: keep every activation; full: whole layers; selective: named modules
+    method: str = "uniform"  # full: uniform (every layer, in chunks of num_layers) or block (num_layers per stage)
+    num_layers: int = 1  # full: the layers of one recomputed chunk (uniform), or recomputed per stage (block)
+    #: selective: the parts recomputed (core_attn, moe_act, layernorm, mla_up_proj, mlp, moe, shared_experts)
+    modules: List[str] = field(default_factory=lambda: ["core_attn"])
+
+
 @dataclass
 class ParallelConfig:
     """Megatron model parallelism of the trained and frozen roles (dp = world / (tp x pp))."""
@@ -99,6 +115,11 @@ class ParallelConfig:
     #: sequence on each TP rank (activation memory / tp there); needed to train an MoE model at
     #: tp > 1.  Sequences are padded to a multiple of tp.  No effect at tp = 1.
     sequence_parallel: bool = False
+    #: start each gradient bucket's data-parallel all-reduce (reduce-scatter with the distributed
+    #: optimizer) during the last micro-batch's backward, overlapping it (megatron DDP); the
+    #: gradients are the same sums either way
+    overlap_grad_reduce: bool = False
+    recompute: RecomputeSettings = field(default_factory=RecomputeSettings)
 
 
 @dataclass

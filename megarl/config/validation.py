@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 from typing import Callable, Mapping, Optional, Sequence
 
-from megarl.config.schema import ALGORITHMS, ROUTING_REPLAY, TINY_FAMILIES, TINY_VALIDATIONS, TrainConfig
+from megarl.config.schema import (ALGORITHMS, RECOMPUTE_MODULES, ROUTING_REPLAY, TINY_FAMILIES, TINY_VALIDATIONS,
+                                  TrainConfig)
 from megarl.errors import ConfigError, require as _need, require_choice as _choice
 
 
@@ -364,7 +365,23 @@ def _validate_layout(cfg: TrainConfig, world_size: int) -> int:
     _need(world_size % (etp * p.ep * p.pp) == 0, "parallel.ep",
           f"etp x ep x pp = {etp} x {p.ep} x {p.pp} does not divide the world size {world_size} "
           "(megatron takes the expert-parallel ranks from the data-parallel ones)")
+    _validate_recompute(p.recompute)
     return dp
+
+
+def _validate_recompute(rc) -> None:
+    """``parallel.recompute``: what megatron recomputes (how it fits a model's layers is checked
+    on its config.json, :func:`megarl.models.fit.validate_model_fit`)."""
+    _choice(rc.granularity, "parallel.recompute.granularity", (None, "full", "selective"))
+    _choice(rc.method, "parallel.recompute.method", ("uniform", "block"))
+    if rc.granularity == "selective":
+        _need(len(rc.modules) > 0, "parallel.recompute.modules", "must name at least one module with granularity selective")
+        for i, m in enumerate(rc.modules):
+            _choice(m, f"parallel.recompute.modules[{i}]", RECOMPUTE_MODULES)
+        # megarl builds its experts as SequentialMLP (no grouped GEMM) and no model with MLA
+        for m, why in (("moe_act", "needs megatron's grouped-GEMM experts, which megarl does not build"),
+                       ("mla_up_proj", "is for multi-latent attention, which no megarl model has")):
+            _need(m not in rc.modules, "parallel.recompute.modules", f"{m!r} {why}")
 
 
 def _validate_batches(cfg: TrainConfig, dp: int) -> None:

@@ -79,7 +79,8 @@ def assemble(cfg, model_path: str, tokenizer_dir: str) -> Parts:
     total_steps = cfg.trainer.iterations * a.ppo_epochs * a.num_mini_batches
     actor = Actor(model_path, p.tp, p.pp, cfg.actor.optim, total_steps, vocab_multiple=cfg.model.vocab_multiple,
                   offload=cfg.actor.offload, moe_aux_loss_coeff=cfg.actor.moe_aux_loss_coeff,
-                  moe_z_loss_coeff=cfg.actor.moe_z_loss_coeff, sequence_parallel=p.sequence_parallel)
+                  moe_z_loss_coeff=cfg.actor.moe_z_loss_coeff, sequence_parallel=p.sequence_parallel,
+                  overlap_grad_reduce=p.overlap_grad_reduce, recompute=p.recompute)
     reference = None
     if cfg.reference.enabled:
         from megarl.roles.reference import Reference
@@ -92,7 +93,8 @@ def assemble(cfg, model_path: str, tokenizer_dir: str) -> Parts:
         from megarl.roles.critic import Critic
 
         critic = Critic(cfg.critic, actor.model, p.tp, p.pp, total_steps, vocab_multiple=cfg.model.vocab_multiple,
-                        sequence_parallel=p.sequence_parallel)
+                        sequence_parallel=p.sequence_parallel, overlap_grad_reduce=p.overlap_grad_reduce,
+                        recompute=p.recompute)
     injector = FaultInjector(cfg.faults, seed=cfg.faults.seed, rank=dist.get_rank(), world=dist.get_world_size())
     injector = injector if injector.active else None
     reward_fn, runner, reward_model = _rewards(cfg, injector, rank0=dist.get_rank() == 0)

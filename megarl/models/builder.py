@@ -50,6 +50,12 @@ class BuildOptions:
     #: megatron's sequence parallelism (effective at tp > 1 only): the residual stream and the
     #: norms hold 1/tp of the sequence; a forward's sequence length must be a multiple of tp
     sequence_parallel: bool = False
+    #: activation recomputation (``parallel.recompute``): None, "full" or "selective"; for full the
+    #: method ("uniform" / "block") and layer count, for selective the recomputed modules
+    recompute_granularity: Optional[str] = None
+    recompute_method: Optional[str] = None
+    recompute_num_layers: Optional[int] = None
+    recompute_modules: Optional[tuple] = None
 
     @property
     def resolved_etp(self) -> int:
@@ -74,6 +80,26 @@ class BuildOptions:
         return self.use_transformer_engine
 
 
+def recompute_options(rc) -> dict:
+    """:class:`BuildOptions` fields for a ``parallel.recompute`` section (``{}`` when off)."""
+    if rc is None or rc.granularity is None:
+        return {}
+    if rc.granularity == "full":
+        return dict(recompute_granularity="full", recompute_method=rc.method, recompute_num_layers=rc.num_layers)
+    return dict(recompute_granularity="selective", recompute_modules=tuple(rc.modules))
+
+
+def _recompute_config(opts: BuildOptions) -> dict:
+    if opts.recompute_granularity is None:
+        return {}
+    out = dict(recompute_granularity=opts.recompute_granularity)
+    if opts.recompute_granularity == "full":
+        out.update(recompute_method=opts.recompute_method, recompute_num_layers=opts.recompute_num_layers)
+    else:
+        out.update(recompute_modules=list(opts.recompute_modules))
+    return out
+
+
 def padded_vocab_size(spec: ModelSpec, opts: BuildOptions) -> int:
     padded = spec.padded_vocab_size(opts.vocab_multiple)
     if padded % opts.tp:
@@ -95,6 +121,7 @@ def transformer_config(spec: ModelSpec, opts: BuildOptions):
     fp16 = opts.params_dtype == torch.float16
     return TransformerConfig(**cpu_compat.adjust_transformer_config(dict(
         **moe_transformer_config(spec, opts),
+        **_recompute_config(opts),
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         ffn_hidden_size=spec.ffn_hidden_size,

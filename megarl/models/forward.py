@@ -218,21 +218,30 @@ def forward_only(model, micro_batches: List[MicroBatch],
 
                 def loss_func(output):
                     res = on_output(*_own(output, _tokens(mb), width))
-                    return res, {"result": res}
+                    # the schedule divides the first element in place by the micro-batch count
+                    # (megatron's loss averaging): a scalar of its own, never the result
+                    return torch.zeros((), device=res.device), {"result": res}
 
                 return out, loss_func
 
-            for mb, _tg, _width in aligned:
-                # one micro-batch per schedule call: shapes may differ between micro-batches
-                # (a packed one travels between stages as [total, 1, hidden])
-                tokens = _tokens(mb)
-                fb = get_forward_backward_func()
-                store = fb(forward_step_func=step, data_iterator=it, model=[model],
-                           num_microbatches=1, seq_length=tokens.shape[1],
-                           micro_batch_size=tokens.shape[0], forward_only=True)
-                last = ps.is_pipeline_last_stage()
-                res = store[0]["result"] if last else None
-                results.append(res)
+            # every micro-batch in one schedule call, so the stages work on different
+            # micro-batches at once; their shapes differ (widths; a packed one travels between
+            # stages as [total, 1, hidden]), so the stages tell each other every activation's shape
+            # (megatron's variable_seq_lengths, for this call only: training steps have one shape)
+            shapes = [tuple(_tokens(mb).shape) for mb, _tg, _width in aligned]
+            config = inner.config
+            variable = config.variable_seq_lengths
+            config.variable_seq_lengths = True
+            try:
+                store = get_forward_backward_func()(
+                    forward_step_func=step, data_iterator=it, model=[model], num_microbatches=len(aligned),
+                    seq_length=max(s[1] for s in shapes), micro_batch_size=max(s[0] for s in shapes),
+                    forward_only=True)
+            finally:
+                config.variable_seq_lengths = variable
+            # the results live on the last stage (broadcast below)
+            last = ps.is_pipeline_last_stage()
+            results.extend([entry["result"] for entry in store] if last else [None] * len(aligned))
     finally:
         if was_training:
             model.train()

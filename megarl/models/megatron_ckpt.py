@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megarl.models.builder import BuildOptions, build_model
+from megarl.models.builder import BuildOptions, build_model, recompute_options
 from megarl.models.hf_config import ModelConfigError, load_spec
 from megarl.models.safetensors_io import CheckpointError, copy_tokenizer_files, read_format_json
 from megarl.models.weights import load_hf_weights, unwrap
@@ -101,14 +101,15 @@ def load_megatron_checkpoint(model, ckpt_dir: str) -> None:
 def load_model(path: str, tp: int = 1, pp: int = 1, dtype: Optional[torch.dtype] = None,
                vocab_multiple: Optional[int] = None, show_progress: bool = False,
                ep: Optional[int] = None, etp: Optional[int] = None, moe_aux_loss_coeff: float = 0.0,
-               moe_z_loss_coeff: Optional[float] = None, sequence_parallel: bool = False):
+               moe_z_loss_coeff: Optional[float] = None, sequence_parallel: bool = False, recompute=None):
     """Build the megatron model for ``path`` (HF or megarl checkpoint) at this TP/PP/EP and load it.
 
     megatron parallel state must already be initialised at ``tp``/``pp`` (and ``ep`` / ``etp``;
     None: the sizes the parallel state holds, used by a mixture-of-experts model only).
     ``moe_aux_loss_coeff`` / ``moe_z_loss_coeff``: the router's training losses (a trained
     mixture-of-experts model only; refused on a dense one, megarl/models/moe_losses.py).
-    ``sequence_parallel``: megatron's sequence parallelism at tp > 1 (``parallel.sequence_parallel``).
+    ``sequence_parallel``: megatron's sequence parallelism at tp > 1 (``parallel.sequence_parallel``);
+    ``recompute``: a ``parallel.recompute`` section (activation recomputation of a trained model).
     """
     from megatron.core import parallel_state as ps
 
@@ -122,7 +123,7 @@ def load_model(path: str, tp: int = 1, pp: int = 1, dtype: Optional[torch.dtype]
             raise ModelConfigError(f"{path} is a dense model ({spec.architecture}): it has no router for "
                                    "moe_aux_loss_coeff / moe_z_loss_coeff")
     moe_losses = dict(moe_aux_loss_coeff=moe_aux_loss_coeff, moe_z_loss_coeff=moe_z_loss_coeff,
-                      sequence_parallel=sequence_parallel)
+                      sequence_parallel=sequence_parallel, **recompute_options(recompute))
     meta = read_meta(path) if is_megatron_checkpoint(path) else None
     if dtype is None:
         # CPU: fp32 only (megatron's half-precision paths need CUDA); GPU: what the checkpoint says

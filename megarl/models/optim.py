@@ -30,7 +30,7 @@ def _finalize_without_token_scaling(model_chunks, num_tokens=None, **kwargs):
 
 
 def wrap_for_training(model, cfg: OptimSettings, *, sgd_momentum: float = 0.0,
-                      use_distributed_optimizer: Optional[bool] = None):
+                      use_distributed_optimizer: Optional[bool] = None, overlap_grad_reduce: bool = False):
     """Wrap a freshly built megatron model in megatron DDP and build its optimizer.
 
     ``cfg`` is the config's optimizer section (``actor.optim`` / ``critic.optim``), used as it
@@ -40,6 +40,10 @@ def wrap_for_training(model, cfg: OptimSettings, *, sgd_momentum: float = 0.0,
     :func:`megarl.roles.common.lr_scheduler`'s.  Two settings are not config keys (a new key
     would change every run's config hash): ``sgd_momentum`` (0: plain SGD; megatron's own
     default is 0.9) and ``use_distributed_optimizer`` (None: on CUDA yes, on CPU no).
+    ``overlap_grad_reduce`` (``parallel.overlap_grad_reduce``): megatron DDP starts each gradient
+    bucket's data-parallel reduction as soon as the last micro-batch's backward has filled it,
+    overlapping it with the rest of the backward; ``finalize_model_grads`` waits for them.  The
+    same sums in the same buckets: the gradients do not change.
 
     Returns ``(ddp_model, optimizer)``.
     """
@@ -54,7 +58,7 @@ def wrap_for_training(model, cfg: OptimSettings, *, sgd_momentum: float = 0.0,
     tconf.finalize_model_grads_func = _finalize_without_token_scaling
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=overlap_grad_reduce,
         use_distributed_optimizer=use_dist_opt,
         average_in_collective=False,  # gloo has no ReduceOp.AVG; we sum by contract anyway
         # megatron's check raises on the rank whose *local* gradients are non-finite, before the
@@ -132,7 +136,7 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megarl.models.forward import position_ids_for, round_up, sequence_multiple
-    from megarl.models.router_replay import RouterTargets, RowRouting, routed
+    from megarl.models.router_replay import RouterTargets, RowRouting, clear_replay, routed
 
     if not micro_batches:
         raise ValueError("train_step needs at least one micro-batch")
@@ -172,11 +176,15 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
 
     # the router's aux / z losses at the coefficient's scale (inert for dense models)
     with moe_losses.step_scope(ddp_model, len(micro_batches)) as moe:
-        metrics = get_forward_backward_func()(
-            forward_step_func=step, data_iterator=it, model=[ddp_model],
-            num_microbatches=len(micro_batches), seq_length=run, micro_batch_size=mbs,
-            forward_only=False,
-        )
+        try:
+            metrics = get_forward_backward_func()(
+                forward_step_func=step, data_iterator=it, model=[ddp_model],
+                num_microbatches=len(micro_batches), seq_length=run, micro_batch_size=mbs,
+                forward_only=False,
+            )
+        finally:
+            if replay_layers is not None:  # the experts queued for the recomputes, if any
+                clear_replay(ddp_model)
     ok, grad_norm, _ = optimizer.step()
     return StepResult(bool(ok), float(grad_norm or 0.0), list(metrics), moe)
 

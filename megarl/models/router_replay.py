@@ -212,13 +212,18 @@ def routed(model, targets: Optional[RouterTargets], replay: bool,
     """Run one micro-batch's forward with its routing: ``replay`` dispatches every token of every
     MoE layer on this stage to ``targets``' experts; ``stats`` accumulates the comparisons.
     Nothing happens when ``targets`` is None.  The replay state is cleared on exit (the backward
-    of an un-recomputed forward needs no routing)."""
+    of an un-recomputed forward needs no routing) -- unless the model recomputes its routers in
+    the backward (``parallel.recompute``: full, or selective with "moe"): then each router keeps
+    this micro-batch's experts queued and replays them in the recompute (megatron's
+    ``REPLAY_BACKWARD``, first in first out, the order the schedules run the backwards in), and
+    the caller clears them after the step (:func:`clear_replay`)."""
     if targets is None:
         yield
         return
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     routers = local_routers(model)
+    keep = replay and model.training and recomputes_routers(unwrap(model).config)
     cols = {layer: j for j, layer in enumerate(targets.moe_layers)}
     missing = [layer for layer, _ in routers if layer not in cols]
     if missing:
@@ -247,16 +252,25 @@ def routed(model, targets: Optional[RouterTargets], replay: bool,
                 rr = router.router_replay
                 if rr is None:
                     raise RoutingReplayError("routing replay needs a model built with moe_enable_routing_replay")
-                rr.target_topk_idx = ids
+                if keep:
+                    rr.set_target_indices(ids)  # also queued for the recompute in the backward
+                else:
+                    rr.target_topk_idx = ids
                 rr.router_replay_action = RouterReplayAction.REPLAY_FORWARD
             if acc is not None:
                 handles.append(router.register_forward_hook(_observer(j, ids, valid.to(ids.device), replay, acc)))
         yield
     finally:
         for _layer, router in routers:
-            if router.router_replay is not None:
-                router.router_replay.clear_indices()
-                router.router_replay.clear_router_replay_action()
+            rr = router.router_replay
+            if rr is None:
+                continue
+            if keep:
+                rr.target_topk_idx = None
+                rr.router_replay_action = RouterReplayAction.REPLAY_BACKWARD
+            else:
+                rr.clear_indices()
+                rr.clear_router_replay_action()
         for h in handles:
             h.remove()
     if stats is not None:
@@ -265,6 +279,22 @@ def routed(model, targets: Optional[RouterTargets], replay: bool,
         stats.token_flags.append(acc["flags"].cpu())
         stats.natural += acc["natural"].cpu()
         stats.dispatched += acc["dispatched"].cpu()
+
+
+def recomputes_routers(config) -> bool:
+    """Whether a training forward of a model with this config is re-run in its backward through
+    the MoE routers (full recompute, or the selective recompute of the MoE layer)."""
+    g = config.recompute_granularity
+    return g == "full" or (g == "selective" and "moe" in (config.recompute_modules or ()))
+
+
+def clear_replay(model) -> None:
+    """Drop every router's replay state: targets, the experts queued for the backward's
+    recompute, the action."""
+    for _layer, router in local_routers(model):
+        if router.router_replay is not None:
+            router.router_replay.clear_indices()
+            router.router_replay.clear_router_replay_action()
 
 
 def _sequence_shard(config, n: int) -> slice:

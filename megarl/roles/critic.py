@@ -30,10 +30,10 @@ def value_head_spec(actor_spec):
 
 class Critic(HostOffload):
     def __init__(self, cfg, actor_model, tp: int, pp: int, total_steps: int, vocab_multiple: int = 128,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, overlap_grad_reduce: bool = False, recompute=None):
         if cfg.path is not None:
             self.model = load_model(cfg.path, tp=tp, pp=pp, vocab_multiple=vocab_multiple,
-                                    sequence_parallel=sequence_parallel)
+                                    sequence_parallel=sequence_parallel, recompute=recompute)
             if not unwrap(self.model).megarl_spec.value_head:
                 from megarl.errors import ConfigError
 
@@ -46,7 +46,7 @@ class Critic(HostOffload):
             self.model = build_model(value_head_spec(actor.megarl_spec), opts)
             self._copy_trunk(actor)
             self.init = "actor"
-        self.ddp, self.optimizer = wrap_for_training(self.model, cfg.optim)
+        self.ddp, self.optimizer = wrap_for_training(self.model, cfg.optim, overlap_grad_reduce=overlap_grad_reduce)
         self.scheduler = lr_scheduler(self.optimizer, cfg.optim, total_steps)
         self.value_clip = cfg.value_clip
         self.steps = 0

@@ -46,6 +46,13 @@ What is patched, and why (observed on megatron-core 0.16.1):
   of sequence parallelism (the scatter after the embedding, the gathers and reduce-scatters
   around the TP linears) is megatron's own, over gloo's ``all_gather_into_tensor`` /
   ``reduce_scatter_tensor``.
+* Activation recomputation (``parallel.recompute``): megatron's ``CheckpointFunction`` saves and
+  restores the CUDA RNG state around the recompute (there is none: the CPU generator and
+  megatron's tracker are saved beside it), and its backward re-runs megatron code from the
+  autograd engine, where the device-rewriting mode is not on the torch function stack
+  (:func:`_in_mode` puts it there); ``CheckpointWithoutOutput()`` -- the selective recompute of
+  the norms -- takes FP8 to be on (``fp8 is not None`` with ``fp8=False``) and reads
+  transformer-engine's FP8 state, which does not exist without TE.  :func:`_patch_checkpoint_rng`.
 
 What megarl asks of megatron differently on CPU, each a function that callers call
 unconditionally (on CUDA it returns the CUDA behaviour):
@@ -298,6 +305,7 @@ def install() -> bool:
     _patch_local_attention_thd()
     _patch_router_gemm()
     _patch_norm_for_sequence_parallel()
+    _patch_checkpoint_rng()
     _INSTALLED = True
     return True
 
@@ -351,6 +359,69 @@ def _patch_norm_for_sequence_parallel() -> None:
 
     __new__._megarl_sp = True  # type: ignore[attr-defined]
     WrappedTorchNorm.__new__ = __new__
+
+
+def _no_cuda_rng_state(*_args, **_kwargs):
+    """megatron's ``_get_cuda_rng_state`` on a machine without CUDA: there is no CUDA generator
+    to save (the CPU generator's state is saved beside it, and the model-parallel tracker's)."""
+    return None
+
+
+def _set_no_cuda_rng_state(new_state, *_args, **_kwargs) -> None:
+    """megatron's ``_set_cuda_rng_state`` on a machine without CUDA: nothing to restore."""
+    if new_state is not None:
+        raise RuntimeError("a CUDA RNG state to restore on a machine without CUDA")
+
+
+def _in_mode(fn):
+    """``fn`` run with the device-rewriting mode on this thread's torch function stack, whatever
+    the scope counter says: the autograd engine runs a Function's backward with the torch
+    function stack it keeps for the backward pass, where the mode an entry point pushed is not."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        from torch.overrides import _get_current_function_mode_stack
+
+        if _MODE is None or any(m is _MODE for m in _get_current_function_mode_stack()):
+            return fn(*args, **kwargs)
+        _push_mode()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _pop_mode()
+
+    call._megarl_in_mode = True  # type: ignore[attr-defined]
+    return call
+
+
+def _patch_checkpoint_rng() -> None:
+    """Activation recomputation: ``tensor_parallel.random.CheckpointFunction`` saves the CUDA RNG
+    state in its forward and restores it for the recompute in its backward (without CUDA the CPU
+    generator and megatron's tracker are all there is), and its backward re-runs the layers --
+    megatron code, with its ``device="cuda"`` causal mask -- from the autograd engine, outside
+    the mode the entry point pushed (:func:`_in_mode`)."""
+    from megatron.core.tensor_parallel import random
+
+    random._get_cuda_rng_state = _no_cuda_rng_state
+    random._set_cuda_rng_state = _set_no_cuda_rng_state
+    original_init = random.CheckpointWithoutOutput.__init__
+    if not getattr(original_init, "_megarl_no_fp8", False):
+        # ``CheckpointWithoutOutput(fp8=False)`` sets ``self.fp8 = fp8 is not None`` -- True -- and
+        # its forward then reads transformer-engine's FP8 state, a NameError without TE (the
+        # selective recompute of "layernorm" and "moe_act" builds it so); no FP8 without TE
+        @functools.wraps(original_init)
+        def __init__(self, fp8=False):
+            original_init(self, fp8)
+            if not fp8:
+                self.fp8 = False
+
+        __init__._megarl_no_fp8 = True  # type: ignore[attr-defined]
+        random.CheckpointWithoutOutput.__init__ = __init__
+    for cls in (random.CheckpointFunction, random.CheckpointWithoutOutputFunction):
+        backward = cls.__dict__["backward"]
+        fn = backward.__func__ if isinstance(backward, staticmethod) else backward
+        if not getattr(fn, "_megarl_in_mode", False):
+            cls.backward = staticmethod(_in_mode(fn))
 
 
 def _patch_router_gemm() -> None:

@@ -22,9 +22,26 @@ p.add_argument("--hf", required=True)
 p.add_argument("--out", required=True)
 p.add_argument("--micro-batch-size", type=int, default=2)
 p.add_argument("--sp", action="store_true", help="sequence parallelism (tp > 1)")
+p.add_argument("--overlap", action="store_true", help="overlapped gradient reduction (DDP buckets)")
+p.add_argument("--recompute", default=None,
+               help="comma-separated parallel.recompute modes, each run in turn: full-uniform, full-block, "
+                    "selective (core_attn and mlp), selective-layernorm")
 a = p.parse_args()
 
 rt.initialize(tp=a.tp, pp=a.pp)
+
+
+def recompute_settings(mode):
+    from megarl.config.schema import RecomputeSettings
+
+    if mode is None:
+        return None
+    granularity, _, detail = mode.partition("-")
+    if granularity == "full":
+        return RecomputeSettings(granularity="full", method=detail, num_layers=1)
+    return RecomputeSettings(granularity="selective", modules=[detail] if detail else ["core_attn", "mlp"])
+
+
 from megatron.core import parallel_state as ps  # noqa: E402
 
 dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -50,12 +67,16 @@ def loss_fn(output, mb):
     return loss, {"loss": loss.detach()}
 
 
-for name, cfg in [
-    ("sgd", OptimSettings(optimizer="sgd", lr=0.5, clip_grad=1e9)),
-    ("adam", OptimSettings(optimizer="adam", lr=1e-3, weight_decay=0.1, clip_grad=0.05)),
-]:
-    model = load_model(a.hf, tp=a.tp, pp=a.pp, sequence_parallel=a.sp)
-    ddp, opt = wrap_for_training(model, cfg)
+OPTIMIZERS = [("sgd", OptimSettings(optimizer="sgd", lr=0.5, clip_grad=1e9)),
+              ("adam", OptimSettings(optimizer="adam", lr=1e-3, weight_decay=0.1, clip_grad=0.05))]
+for mode, (name, cfg) in [(m, o) for m in (a.recompute.split(",") if a.recompute else [None]) for o in OPTIMIZERS]:
+    model = load_model(a.hf, tp=a.tp, pp=a.pp, sequence_parallel=a.sp, recompute=recompute_settings(mode))
+    ddp, opt = wrap_for_training(model, cfg, overlap_grad_reduce=a.overlap)
+    events = []  # each bucket group's reduction: started in the backward, or only when finalized?
+    for bg in ddp.bucket_groups:
+        for what in ("start_grad_sync", "finish_grad_sync"):
+            original = getattr(bg, what)
+            setattr(bg, what, lambda *x, _o=original, _w=what, **k: (events.append(_w), _o(*x, **k))[1])
     res = train_step(ddp, opt, micro, loss_fn)
     assert res.update_successful
     if a.tp > 1:
@@ -68,8 +89,16 @@ for name, cfg in [
                 torch.distributed.all_gather(got, p_.data.contiguous(), group=ps.get_tensor_model_parallel_group())
                 assert all(torch.equal(got[0], g_) for g_ in got[1:]), f"{name}: {n} differs across TP ranks"
     weights = {k: v.clone() for k, v in iter_hf_tensors(ddp)}
+    saved = {"weights": weights, "grad_norm": res.grad_norm}
+    if dp > 1:
+        # a second step: megatron DDP learns each bucket's gradients in the first, so only from the
+        # second on does an overlapped reduction start inside the backward, before finalize waits
+        events.clear()
+        res2 = train_step(ddp, opt, micro, loss_fn)
+        assert events and (events[0] == "start_grad_sync") == a.overlap, events
+        saved.update(weights2={k: v.clone() for k, v in iter_hf_tensors(ddp)}, grad_norm2=res2.grad_norm,
+                     first_event2=events[0])
     if rt.is_main():
-        tag = "_sp" if a.sp else ""
-        torch.save({"weights": weights, "grad_norm": res.grad_norm},
-                   os.path.join(a.out, f"{name}_tp{a.tp}_pp{a.pp}_dp{dp}{tag}.pt"))
+        tag = ("_sp" if a.sp else "") + ("_overlap" if a.overlap else "") + (f"_{mode}" if mode else "")
+        torch.save(saved, os.path.join(a.out, f"{name}_tp{a.tp}_pp{a.pp}_dp{dp}{tag}.pt"))
 rt.shutdown()

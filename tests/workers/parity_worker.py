@@ -6,7 +6,8 @@ import os
 import torch
 
 from megarl.models.builder import BuildOptions, build_model
-from megarl.models.forward import scalar_values, teacher_forced_log_probs
+from megarl.models.forward import (PackedMicroBatch, forward_only, scalar_values, teacher_forced_log_probs,
+                                   token_log_probs_from_logits)
 from megarl.roles.critic import value_head_spec
 from tests._logits import full_logits
 from megarl.models.hf_config import load_spec
@@ -45,6 +46,21 @@ for fam in a.families:
         out["values"], out["values_sp"] = values[False], values[True]
     else:
         out["packed_log_probs"] = teacher_forced_log_probs(model, tokens, micro_batch_size=2, lengths=lengths, pack=True)
+    if a.pp > 1:
+        # forward-only passes are pipelined: every micro-batch in one schedule call, of differing
+        # widths (and packed ones), each result what a call of its own gives
+        widths = [19, 4, 11, 16]
+        mbs = [tokens[i:i + 1, :w] for i, w in enumerate(widths)] + [tokens[:2, :7]]
+        if not a.sp:
+            mbs += [PackedMicroBatch.from_rows(tokens[:3, :12], torch.tensor([12, 5, 9]))]
+        V = spec.vocab_size
+
+        def on_output(o, t):
+            return token_log_probs_from_logits(o[:, :-1], t[:, 1:], V)
+
+        together = forward_only(model, mbs, on_output)
+        alone = [forward_only(model, [mb], on_output)[0] for mb in mbs]
+        out["pipelined_equals_alone"] = [torch.equal(x, y) for x, y in zip(together, alone)]
     if rt.is_main():
         torch.save(out, os.path.join(a.out, f"{fam}_tp{a.tp}_pp{a.pp}{'_sp' if a.sp else ''}.pt"))
 rt.shutdown()
