@@ -27,7 +27,6 @@ from megarl.control.state_machine import (
 from megarl.data.tokenizer import TokenizerContract
 from megarl.experience.schema import check_mask_layout
 from megarl.models.forward import (
-    full_logits,
     gather_response,
     response_log_probs,
     right_align,
@@ -38,6 +37,7 @@ from megarl.models.optim import train_step, wrap_for_training
 from megarl.models.weights import export_hf
 from megarl.rollout.hf_backend import HFRolloutEngine
 from megarl.rollout.protocol import GenerationRequest, SamplingParams
+from tests._logits import full_logits
 from megarl.rollout.weight_stream import ManifestMismatchError, TensorManifest, iter_buckets
 from megarl.rollout.weight_sync import actor_manifest, make_version, sync_actor_to_engine
 from megarl.runtime import distributed as rt
