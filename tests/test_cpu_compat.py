@@ -11,6 +11,17 @@ import pytest
 from megarl.runtime import cpu_compat
 
 
+def _run_without_cuda(code: str) -> list:
+    """The words ``code`` prints, run in a fresh interpreter that sees no CUDA device (it must
+    exit 0: its stderr is the failure message)."""
+    from tests._dist import subprocess_env
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(subprocess_env(), CUDA_VISIBLE_DEVICES=""))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.split()
+
+
 def test_megatron_core_version_is_verified():
     v = cpu_compat.megatron_core_version()
     assert v.startswith(cpu_compat.VERIFIED_MEGATRON_CORE), (
@@ -80,12 +91,7 @@ def test_router_gemm_fails_without_the_accommodation_and_runs_with_it():
         "assert torch.equal(y, torch.mm(x, w.t()))\n"
         "print('fixed')\n"
     )
-    from tests._dist import subprocess_env
-
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=dict(subprocess_env(), CUDA_VISIBLE_DEVICES=""))
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["NameError", "fixed"], out.stdout
+    assert _run_without_cuda(code) == ["NameError", "fixed"]
 
 
 def test_local_norm_refuses_sequence_parallel_without_the_accommodation_and_marks_it_with():
@@ -115,12 +121,7 @@ def test_local_norm_refuses_sequence_parallel_without_the_accommodation_and_mark
         "assert not hasattr(WrappedTorchNorm(config=cfg, hidden_size=8).weight, 'sequence_parallel')\n"
         "print('marked')\n"
     )
-    from tests._dist import subprocess_env
-
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=dict(subprocess_env(), CUDA_VISIBLE_DEVICES=""))
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["refused", "marked"], out.stdout
+    assert _run_without_cuda(code) == ["refused", "marked"]
 
 
 def test_moe_dispatcher_choice():
@@ -410,9 +411,4 @@ def test_recompute_needs_the_accommodations_and_runs_with_them():
         "assert random._get_cuda_rng_state() is None and not random.CheckpointWithoutOutput().fp8\n"
         "print('fixed')\n"
     )
-    from tests._dist import subprocess_env
-
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=dict(subprocess_env(), CUDA_VISIBLE_DEVICES=""))
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["no-rng-state", "fp8", "recompute-outside-mode", "fixed"], out.stdout
+    assert _run_without_cuda(code) == ["no-rng-state", "fp8", "recompute-outside-mode", "fixed"]

@@ -49,6 +49,18 @@ def _reference(hf_dir, tokens):
     return logits, lp
 
 
+def _check_transformers_parity(got, ref_logits, ref_lp, fam, tag):
+    """Logits and log-probs at a layout against transformers'."""
+    assert got["logits"].shape == ref_logits.shape, fam
+    # fp32, 2 layers, transformers vs megatron at this layout: two implementations, every
+    # reduction in another order (logits of the tiny init are |x| < ~5)
+    err = (got["logits"] - ref_logits).abs().max().item()
+    assert within(err, NET_FP32_LOGPROB, f"model_parity/{fam}/{tag}/logits"), f"{fam} {tag}: max |logit diff| = {err}"
+    lp_err = (got["log_probs"] - ref_lp).abs().max().item()
+    assert within(lp_err, NET_FP32_LOGPROB, f"model_parity/{fam}/{tag}/log_probs"), \
+        f"{fam} {tag}: max |log-prob diff| = {lp_err}"
+
+
 @pytest.mark.parametrize("tp,pp", LAYOUTS, ids=[f"tp{t}pp{p}" for t, p in LAYOUTS])
 def test_logits_match_transformers(family_dirs, tmp_path, tp, pp):
     torchrun("parity_worker.py", tp * pp, "--tp", str(tp), "--pp", str(pp),
@@ -57,19 +69,11 @@ def test_logits_match_transformers(family_dirs, tmp_path, tp, pp):
     for fam in FAMILIES:
         ref_logits, ref_lp = _reference(str(family_dirs / fam), tokens)
         got = torch.load(tmp_path / f"{fam}_tp{tp}_pp{pp}.pt")
-        assert got["logits"].shape == ref_logits.shape, fam
-        # fp32, 2 layers, transformers vs megatron at this layout: two implementations, every
-        # reduction in another order (logits of the tiny init are |x| < ~5)
-        err = (got["logits"] - ref_logits).abs().max().item()
-        assert within(err, NET_FP32_LOGPROB, f"model_parity/{fam}/tp{tp}pp{pp}/logits"), \
-            f"{fam} tp={tp} pp={pp}: max |logit diff| = {err}"
-        lp_err = (got["log_probs"] - ref_lp).abs().max().item()
-        assert within(lp_err, NET_FP32_LOGPROB, f"model_parity/{fam}/tp{tp}pp{pp}/log_probs"), \
-            f"{fam} tp={tp} pp={pp}: max |log-prob diff| = {lp_err}"
-        # packed forward-only passes (algo.pack_sequences) equal the padded ones at every layout:
-        # one implementation, the GEMMs see other shapes (one packed row vs padded rows)
+        _check_transformers_parity(got, ref_logits, ref_lp, fam, f"tp{tp}pp{pp}")
         if pp > 1:  # one pipelined schedule call over micro-batches of differing shapes, padded and packed
             assert got["pipelined_equals_alone"] == [True] * 6, got["pipelined_equals_alone"]
+        # packed forward-only passes (algo.pack_sequences) equal the padded ones at every layout:
+        # one implementation, the GEMMs see other shapes (one packed row vs padded rows)
         pk_err = (got["packed_log_probs"] - got["padded_log_probs"]).abs().max().item()
         assert got["padded_log_probs"].ne(0).any() and within(
             pk_err, LAYOUT_FP32_LOGPROB, f"model_parity/{fam}/tp{tp}pp{pp}/packed_vs_padded"), \
@@ -88,12 +92,7 @@ def test_sequence_parallel_logits_and_values(family_dirs, tmp_path, tp, pp):
     for fam in FAMILIES:
         ref_logits, ref_lp = _reference(str(family_dirs / fam), tokens)
         got = torch.load(tmp_path / f"{fam}_tp{tp}_pp{pp}_sp.pt")
-        assert got["logits"].shape == ref_logits.shape, fam
-        err = (got["logits"] - ref_logits).abs().max().item()
-        assert within(err, NET_FP32_LOGPROB, f"model_parity/{fam}/tp{tp}pp{pp}sp/logits"), \
-            f"{fam} tp={tp} pp={pp} sp: max |logit diff| = {err}"
-        lp_err = (got["log_probs"] - ref_lp).abs().max().item()
-        assert within(lp_err, NET_FP32_LOGPROB, f"model_parity/{fam}/tp{tp}pp{pp}sp/log_probs"), lp_err
+        _check_transformers_parity(got, ref_logits, ref_lp, fam, f"tp{tp}pp{pp}sp")
         lengths = torch.tensor([19, 4, 11, 1, 16])
         keep = torch.arange(18)[None, :] < (lengths - 1)[:, None]
         pad_err = (got["padded_log_probs"] - ref_lp).abs()[keep].max().item()

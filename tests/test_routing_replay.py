@@ -163,13 +163,9 @@ def test_bf16_rollout_mismatch_measured_and_removed_by_replay(moe):
     assert k3(lp_on) < k3(lp_off)
 
 
-def test_replayed_update_reaches_the_router(moe, tmp_path):
-    """One optimizer step with replay: the router weights get a non-zero gradient (the gate
-    probabilities of the replayed experts are computed from the router's logits)."""
-    hf, _ = moe
-    model = load_model(hf)
-    ddp, opt = wrap_for_training(model, ADAM)
-    c = rollout(hf, torch.bfloat16)
+def _replay_batch(c, vocab_size: int):
+    """The rollout ``c`` as update micro-batches of 5 rows carrying its recorded routing, and a
+    token-mean NLL loss over its real tokens."""
     from megarl.models.forward import right_align, token_log_probs_from_logits
 
     tokens, plen, rlen = right_align(c.prompt_ids, c.response_ids, c.attention_mask)
@@ -180,10 +176,21 @@ def test_replayed_update_reaches_the_router(moe, tmp_path):
             "routing_valid": rows.valid[i:i + 5]} for i in range(0, tokens.shape[0], 5)]
 
     def loss_fn(output, mb):
-        lp = token_log_probs_from_logits(output[:, :-1], mb["tokens"][:, 1:], model.megarl_spec.vocab_size)
+        lp = token_log_probs_from_logits(output[:, :-1], mb["tokens"][:, 1:], vocab_size)
         loss = -(lp * mb["loss_mask"]).sum() / mask.sum()
         return loss, {"loss": loss.detach()}
 
+    return mbs, loss_fn
+
+
+def test_replayed_update_reaches_the_router(moe, tmp_path):
+    """One optimizer step with replay: the router weights get a non-zero gradient (the gate
+    probabilities of the replayed experts are computed from the router's logits)."""
+    hf, _ = moe
+    model = load_model(hf)
+    ddp, opt = wrap_for_training(model, ADAM)
+    c = rollout(hf, torch.bfloat16)
+    mbs, loss_fn = _replay_batch(c, model.megarl_spec.vocab_size)
     routers = local_routers(model)
     assert len(routers) == 3
     before = [r.weight.detach().clone() for _, r in routers]
@@ -198,23 +205,11 @@ def test_replayed_update_reaches_the_router(moe, tmp_path):
 def _replayed_step(hf, c, recompute=None):
     """One AdamW step replaying the rollout's routing, the model built with ``recompute``: its
     weights after the step (HF names)."""
-    from megarl.models.forward import right_align, token_log_probs_from_logits
     from megarl.models.weights import iter_hf_tensors
 
     model = load_model(hf, recompute=recompute)
     ddp, opt = wrap_for_training(model, ADAM)
-    tokens, plen, rlen = right_align(c.prompt_ids, c.response_ids, c.attention_mask)
-    rows = record_to_rows(c.routed_experts.experts, c.attention_mask, c.prompt_ids.shape[1],
-                          c.routed_experts.moe_layers, tokens.shape[1])
-    mask = (torch.arange(tokens.shape[1] - 1)[None, :] < (plen + rlen - 1)[:, None]).float()
-    mbs = [{"tokens": tokens[i:i + 5], "loss_mask": mask[i:i + 5], "routing": rows.experts[i:i + 5],
-            "routing_valid": rows.valid[i:i + 5]} for i in range(0, tokens.shape[0], 5)]
-
-    def loss_fn(output, mb):
-        lp = token_log_probs_from_logits(output[:, :-1], mb["tokens"][:, 1:], model.megarl_spec.vocab_size)
-        loss = -(lp * mb["loss_mask"]).sum() / mask.sum()
-        return loss, {"loss": loss.detach()}
-
+    mbs, loss_fn = _replay_batch(c, model.megarl_spec.vocab_size)
     assert train_step(ddp, opt, mbs, loss_fn, replay_layers=c.routed_experts.moe_layers).update_successful
     for _, r in local_routers(model):  # nothing queued for a backward is left behind
         assert r.router_replay.replay_backward_list == [] and r.router_replay.router_replay_action is None

@@ -297,7 +297,7 @@ def _by_length(model, tokens: torch.Tensor, lengths: Optional[torch.Tensor], mic
     groups = list(order.split(micro_batch_size or tokens.shape[0]))
     widths = [max(int(lengths[g].max()), trim + 1) for g in groups]
     run = _ep_common_widths(model, groups, widths)
-    mbs = [_pad_columns(tokens[g, :w], r) for g, w, r in zip(groups, widths, run)]
+    mbs = [pad_columns(tokens[g, :w], r) for g, w, r in zip(groups, widths, run)]
     # a widened micro-batch replays the filler routing (0 .. k-1) on its extra columns
     tg = None if routing is None else [routing.targets(mb, g, mb.shape[1]) for mb, g in zip(mbs, groups)]
     results = forward_only(model, mbs, on_output, tg, routing)
@@ -354,7 +354,7 @@ def _aligned(mb: MicroBatch, tg: Optional[RouterTargets], m: int):
     run = round_up(w, m)
     if run == w:
         return mb, tg, w
-    return _pad_columns(mb, run), (None if tg is None else tg.widened(mb.shape[0], run - w)), w
+    return pad_columns(mb, run), (None if tg is None else tg.widened(mb.shape[0], run - w)), w
 
 
 def _own(out: torch.Tensor, tokens: torch.Tensor, width: Optional[int]):
@@ -374,7 +374,7 @@ def round_up(width: int, multiple: int) -> int:
     return -(-width // multiple) * multiple
 
 
-def _pad_columns(tokens: torch.Tensor, width: int) -> torch.Tensor:
+def pad_columns(tokens: torch.Tensor, width: int) -> torch.Tensor:
     """``tokens`` right-padded with id 0 to ``width`` columns (unchanged when it has them)."""
     if tokens.shape[1] >= width:
         return tokens

@@ -135,7 +135,7 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megarl.models.forward import position_ids_for, round_up, sequence_multiple
+    from megarl.models.forward import pad_columns, position_ids_for, round_up, sequence_multiple
     from megarl.models.router_replay import RouterTargets, RowRouting, clear_replay, routed
 
     if not micro_batches:
@@ -154,7 +154,7 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
 
     def step(data_iterator, model):
         mb = next(data_iterator)
-        tokens = _pad_to(mb["tokens"], run)
+        tokens = pad_columns(mb["tokens"], run)
         targets = None
         if replay_layers is not None:
             rows = RowRouting(mb["routing"], mb["routing_valid"], replay_layers).rows(slice(None), run)
@@ -187,10 +187,3 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
                 clear_replay(ddp_model)
     ok, grad_norm, _ = optimizer.step()
     return StepResult(bool(ok), float(grad_norm or 0.0), list(metrics), moe)
-
-
-def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
-    """``x`` ``(b, s, ...)`` right-padded with zeros to ``width`` along dim 1 (itself when it has it)."""
-    if x.shape[1] >= width:
-        return x
-    return torch.cat([x, x.new_zeros((x.shape[0], width - x.shape[1]) + tuple(x.shape[2:]))], 1)
