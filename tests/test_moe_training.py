@@ -68,7 +68,7 @@ def launch(assets, tmp_path_factory):
              # the EP-gathered manifest, retried) and the first load of v1 is corrupted (both engines refuse it)
              "faults.fail_optimizer_step_at=[1]", "faults.corrupt_weight_sync_at=[1]"]
     proc = torchrun("moe_train_worker.py", 2, "--hf", hf, "--out", str(root), "--train", *train)
-    res = {tag: torch.load(root / f"{tag}.pt") for tag in ("ep1", "ep2", "tp2sp", "pp2", "resume_ep1")}
+    res = {tag: torch.load(root / f"{tag}.pt") for tag in ("ep1", "ep2", "tp2sp", "pp2", "ep2tok", "resume_ep1")}
     res["stderr"] = proc.stderr
     return hf, res, run_dir, moe
 
@@ -193,20 +193,43 @@ def test_resume_at_another_ep_is_refused(launch):
     assert [json.loads(line)["iteration"] for line in open(run_dir / "metrics.jsonl")] == [0, 1]
 
 
+def test_token_budget_at_ep2_equals_padded(launch):
+    """algo.micro_batch_tokens at EP=2: the old log-probs and the GRPO update on packed token-budget
+    micro-batches equal the padded ones at EP=2.  The two EP ranks hold different rows, so their
+    packed micro-batches differ in length; the allgather token dispatcher (CPU) needs equal ones,
+    and each is lengthened with filler tokens to the longer (without that, the 7-row pass fails
+    in the all-gather: tried)."""
+    hf, res, _, _ = launch
+    ep2, tok = res["ep2"], res["ep2tok"]
+    # packed against padded forwards: the same per-row maths, fp32 rounding at most
+    for key in ("old_log_probs", "old_log_probs_7"):  # _7: the two ranks' packed micro-batches differ in length
+        err = (tok[key] - ep2[key]).abs().max().item()
+        assert within(err, LAYOUT_FP32_LOGPROB, f"moe_training/ep2tok_vs_ep2/{key}"), err
+    assert int((ep2["old_log_probs_7"] < 0).sum()) >= 13
+    assert tok["metrics"]["update/optimizer_steps"] == 2
+    assert tok["metrics"]["update/tokens"] == ep2["metrics"]["update/tokens"]
+    initial = load_file(os.path.join(hf, "model.safetensors"))
+    for k in initial:
+        err = (tok["weights"][k] - ep2["weights"][k]).abs().max().item()
+        assert within(err, adam_weights_tol(3e-3, 2, 1e-3), "moe_training/ep2tok_vs_ep2/weights"), (k, err)
+    # the same loss over the same global normaliser, summed in another order: relative 1e-6
+    for key in ("update/grad_norm", "update/grad_norm_max", "update/pg_loss"):
+        rel = abs(tok["metrics"][key] - ep2["metrics"][key]) / abs(ep2["metrics"][key])
+        assert within(rel, 1e-6, f"moe_training/ep2tok_vs_ep2/{key}_rel"), (key, rel)
+
+
 # ---- in process -------------------------------------------------------------------------------
 
 
-def test_packing_is_refused_at_ep2_naming_the_key():
-    """Packed sequences have a different token count on each EP rank, which the allgather token
-    dispatcher cannot gather (its all-gather needs equal sizes): refused at start-up."""
+def test_packing_is_accepted_at_ep2():
+    """Packed micro-batches at EP=2 are lengthened to a common length per micro-batch over the EP
+    group (the dispatcher's all-gather needs equal sizes): no longer refused."""
     from megarl.commands.run_checks import check_run
-    from megarl.config import ConfigError, load_config
+    from megarl.config import load_config
 
     recipe = os.path.join(ROOT, "configs", "grpo_arith_tiny.yaml")
-    assert check_run(load_config(recipe, ["parallel.ep=2"]), 2) == 2
-    assert check_run(load_config(recipe, ["algo.pack_sequences=true"]), 2) == 2
-    with pytest.raises(ConfigError, match=r"algo\.pack_sequences: is true with parallel\.ep=2"):
-        check_run(load_config(recipe, ["parallel.ep=2", "algo.pack_sequences=true"]), 2)
+    assert check_run(load_config(recipe, ["parallel.ep=2", "algo.pack_sequences=true"]), 2) == 2
+    assert check_run(load_config(recipe, ["parallel.ep=2", "algo.micro_batch_tokens=256"]), 2) == 2
 
 
 def test_engine_names_fused_experts_as_the_checkpoint(tmp_path):

@@ -74,10 +74,13 @@ def test_packed_log_probs_equal_padded(ckpts, thd_attention):
         for role in (actor, ref):
             padded = role.log_probs(prompt, response, attn, mbs)
             packed = role.log_probs(prompt, response, attn, mbs, pack=True)
+            # algo.micro_batch_tokens: rows first-fit into 40 tokens (the 96-token rows alone), or 200
+            budgets = [role.log_probs(prompt, response, attn, mbs, micro_batch_tokens=b) for b in (40, 200)]
             assert packed.shape == padded.shape == response.shape
             past = torch.arange(response.shape[1])[None, :] >= rlen[:, None]
             assert not packed[past].any() and padded[~past].ne(0).any()
-            worst = max(worst, float((packed - padded).abs().max()))
+            assert not any(b[past].any() for b in budgets)
+            worst = max([worst, float((packed - padded).abs().max())] + [float((b - padded).abs().max()) for b in budgets])
     print(f"\nmax |packed - padded| log-prob ({thd_attention}): {worst:.3e}")
     assert within(worst, TOL, f"packed_forward/log_probs/{thd_attention}"), worst
 
@@ -92,8 +95,10 @@ def test_packed_critic_values_equal_padded(ckpts, thd_attention):
     for mbs in (0, 5):
         per_token, boot = critic.values(prompt, response, attn, mbs)
         per_token_p, boot_p = critic.values(prompt, response, attn, mbs, pack=True)
+        per_token_b, boot_b = critic.values(prompt, response, attn, mbs, micro_batch_tokens=64)  # a token budget
         assert per_token.ne(0).any() and boot.ne(0).all()
-        worst = max(worst, float((per_token_p - per_token).abs().max()), float((boot_p - boot).abs().max()))
+        worst = max(worst, float((per_token_p - per_token).abs().max()), float((boot_p - boot).abs().max()),
+                    float((per_token_b - per_token).abs().max()), float((boot_b - boot).abs().max()))
     print(f"\nmax |packed - padded| value ({thd_attention}): {worst:.3e}")
     assert within(worst, VTOL, f"packed_forward/values/{thd_attention}"), worst
 
@@ -133,6 +138,13 @@ def test_attention_stays_inside_each_sequence(ckpts):
             assert within(err, TOL, "packed_forward/logits_vs_alone"), (i, float(err))
             if i:  # attention across the boundary: far outside the tolerance
                 assert (leaky[starts[i]:starts[i] + n] - alone).abs().max() > 100 * TOL, i
+        # filler tokens (what sequence parallelism and the MoE dispatcher ask for) are one more
+        # sequence: the real tokens' logits do not move
+        filled = mb.padded_to(mb.tokens.shape[1] + 5)
+        assert filled.filler == 5 and filled.position_ids[0, -5:].tolist() == list(range(5))
+        assert filled.packed_seq_params().cu_seqlens_q.tolist() == starts + [starts[-1] + 5]
+        with_filler = model(filled.tokens, filled.position_ids, None, packed_seq_params=filled.packed_seq_params())[0]
+        assert torch.equal(with_filler[:mb.real_tokens], packed)
 
 
 def test_scalar_values_with_empty_row(ckpts):
@@ -168,9 +180,16 @@ def test_config_key_default_and_validation(monkeypatch):
     with pytest.raises(ConfigError, match="algo.pack_sequences.*no THD attention here"):
         check_run(load_config(path, ["algo.pack_sequences=true"]), 1)
     assert check_run(load_config(path, []), 1) == 1  # the default never asks
-    # a packed sequence is not padded to a multiple of tp (yet): refused with sequence parallelism at tp > 1
+    with pytest.raises(ConfigError, match="algo.micro_batch_tokens.*no THD attention here"):
+        check_run(load_config(path, ["algo.micro_batch_tokens=512"]), 1)
     monkeypatch.undo()
-    sp = ["algo.pack_sequences=true", "parallel.tp=2", "parallel.sequence_parallel=true"]
-    with pytest.raises(ConfigError, match="algo.pack_sequences: .*parallel.sequence_parallel"):
-        check_run(load_config(path, sp), 2)
-    assert check_run(load_config(path, sp[1:]), 2) == 1 and check_run(load_config(path, sp[:1] + sp[2:]), 1) == 1
+    assert AlgoConfig().micro_batch_tokens == 0
+    with pytest.raises(ConfigError, match="algo.micro_batch_tokens: must be >= 1"):
+        check_run(load_config(path, ["algo.micro_batch_tokens=-1"]), 1)
+    # a token budget cuts the update's micro-batches: the row count need not divide the mini-batch
+    assert check_run(load_config(path, ["algo.micro_batch_tokens=512", "algo.micro_batch_size=7"]), 1) == 1
+    with pytest.raises(ConfigError, match="algo.micro_batch_size"):
+        check_run(load_config(path, ["algo.micro_batch_size=7"]), 1)
+    # packed sequences get filler tokens up to a multiple of tp: no longer refused with sequence parallelism
+    sp = ["algo.pack_sequences=true", "algo.micro_batch_tokens=512", "parallel.tp=2", "parallel.sequence_parallel=true"]
+    assert check_run(load_config(path, sp), 2) == 1

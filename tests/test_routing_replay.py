@@ -25,7 +25,7 @@ from megarl.rollout.protocol import GenerationRequest, SamplingParams
 from megarl.rollout.weight_stream import TensorManifest, hf_logical_tensors, iter_buckets
 from megarl.versions import PolicyVersion
 from tests._tiny_actor import ADAM
-from tests._tolerance import LAYOUT_FP32_LOGPROB, NET_FP32_LOGPROB, within
+from tests._tolerance import LAYOUT_FP32_LOGPROB, NET_FP32_LOGPROB, adam_weights_tol, within
 
 #: wide init (routing depends on the input), 8 experts top-2 over 3 MoE layers
 SHAPE = dict(hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2, num_layers=3,
@@ -163,10 +163,11 @@ def test_bf16_rollout_mismatch_measured_and_removed_by_replay(moe):
     assert k3(lp_on) < k3(lp_off)
 
 
-def _replay_batch(c, vocab_size: int):
+def _replay_batch(c, vocab_size: int, packed: bool = False):
     """The rollout ``c`` as update micro-batches of 5 rows carrying its recorded routing, and a
-    token-mean NLL loss over its real tokens."""
-    from megarl.models.forward import right_align, token_log_probs_from_logits
+    token-mean NLL loss over its real tokens.  ``packed``: each micro-batch also as one packed
+    sequence of its rows (``algo.micro_batch_tokens``' form), which is what the model then runs."""
+    from megarl.models.forward import PackedMicroBatch, next_token_terms, right_align, token_log_probs_from_logits
 
     tokens, plen, rlen = right_align(c.prompt_ids, c.response_ids, c.attention_mask)
     rows = record_to_rows(c.routed_experts.experts, c.attention_mask, c.prompt_ids.shape[1],
@@ -174,9 +175,15 @@ def _replay_batch(c, vocab_size: int):
     mask = (torch.arange(tokens.shape[1] - 1)[None, :] < (plen + rlen - 1)[:, None]).float()
     mbs = [{"tokens": tokens[i:i + 5], "loss_mask": mask[i:i + 5], "routing": rows.experts[i:i + 5],
             "routing_valid": rows.valid[i:i + 5]} for i in range(0, tokens.shape[0], 5)]
+    if packed:
+        for i, mb in enumerate(mbs):
+            own = (plen + rlen)[i * 5:i * 5 + 5]
+            mb["tokens"] = mb["tokens"][:, :int(own.max())]
+            mb["loss_mask"] = mb["loss_mask"][:, :int(own.max()) - 1]
+            mb["packed"] = PackedMicroBatch.from_rows(mb["tokens"], own)
 
     def loss_fn(output, mb):
-        lp = token_log_probs_from_logits(output[:, :-1], mb["tokens"][:, 1:], vocab_size)
+        lp = next_token_terms(output, mb, lambda logits, nxt: token_log_probs_from_logits(logits, nxt, vocab_size))
         loss = -(lp * mb["loss_mask"]).sum() / mask.sum()
         return loss, {"loss": loss.detach()}
 
@@ -202,14 +209,14 @@ def test_replayed_update_reaches_the_router(moe, tmp_path):
         assert r.router_replay.router_replay_action is None and r.router_replay.target_topk_idx is None
 
 
-def _replayed_step(hf, c, recompute=None):
-    """One AdamW step replaying the rollout's routing, the model built with ``recompute``: its
-    weights after the step (HF names)."""
+def _replayed_step(hf, c, recompute=None, packed=False):
+    """One AdamW step replaying the rollout's routing, the model built with ``recompute``, on padded
+    or ``packed`` micro-batches: its weights after the step (HF names)."""
     from megarl.models.weights import iter_hf_tensors
 
     model = load_model(hf, recompute=recompute)
     ddp, opt = wrap_for_training(model, ADAM)
-    mbs, loss_fn = _replay_batch(c, model.megarl_spec.vocab_size)
+    mbs, loss_fn = _replay_batch(c, model.megarl_spec.vocab_size, packed)
     assert train_step(ddp, opt, mbs, loss_fn, replay_layers=c.routed_experts.moe_layers).update_successful
     for _, r in local_routers(model):  # nothing queued for a backward is left behind
         assert r.router_replay.replay_backward_list == [] and r.router_replay.router_replay_action is None
@@ -237,6 +244,23 @@ def test_recompute_replays_the_recorded_routing_in_the_backward(moe, monkeypatch
     monkeypatch.setattr(router_replay, "recomputes_routers", lambda config: False)
     natural = _replayed_step(hf, c, RecomputeSettings(granularity="full", method="uniform", num_layers=1))
     assert max((natural[k] - want[k]).abs().max().item() for k in want) > 1e-5
+
+
+def test_packed_replayed_step_equals_padded(moe):
+    """Token-budget micro-batches run packed: the recorded routing is laid out in packed order
+    (``RouterTargets.for_packed``) and replayed there, in the forward and in a full recompute's
+    backward, so the step equals the padded one (fp32 rounding: the GEMMs see other shapes), and
+    with recompute bitwise the packed step without it."""
+    from megarl.config.schema import RecomputeSettings
+
+    hf, _ = moe
+    c = rollout(hf, torch.bfloat16)
+    padded, packed = _replayed_step(hf, c), _replayed_step(hf, c, packed=True)
+    err = max((packed[k] - padded[k]).abs().max().item() for k in padded)
+    assert within(err, adam_weights_tol(ADAM.lr, 1, 1e-3), "routing_replay/packed_vs_padded"), err
+    again = _replayed_step(hf, c, RecomputeSettings(granularity="full", method="uniform", num_layers=1), packed=True)
+    for k in packed:
+        assert torch.equal(again[k], packed[k]), k
 
 
 def test_replay_refuses_a_record_that_does_not_fit(moe):

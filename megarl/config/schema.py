@@ -263,6 +263,11 @@ class AlgoConfig:
     forward_micro_batch_size: int = 16
     #: forward-only passes run each micro-batch's real tokens as one packed (THD) sequence; false = padded
     pack_sequences: bool = False
+    #: a token budget per micro-batch, per DP rank (0: off).  The update (actor and critic) and the
+    #: forward-only passes then pack rows first-fit into micro-batches of at most this many real
+    #: tokens (a longer row gets one of its own) instead of cutting micro_batch_size /
+    #: forward_micro_batch_size rows; every DP rank runs as many micro-batches
+    micro_batch_tokens: int = 0
     dynamic_sampling: DynamicSampling = field(default_factory=DynamicSampling)
     partial_groups: str = "drop"  # drop | allow_partial
     min_partial_size: Optional[int] = None  # allow_partial: the smallest group kept

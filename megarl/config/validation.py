@@ -394,22 +394,17 @@ def _validate_batches(cfg: TrainConfig, dp: int) -> None:
     for key, v in (("algo.micro_batch_size", a.micro_batch_size),
                    ("algo.forward_micro_batch_size", a.forward_micro_batch_size)):
         _need(v >= 0, key, f"must be >= 1, or 0 for the whole batch in one pass, got {v}")
-    _need(not (a.pack_sequences and p.sequence_parallel and p.tp > 1), "algo.pack_sequences",
-          f"is true with parallel.sequence_parallel at parallel.tp={p.tp}: a packed sequence is not yet padded to a "
-          "multiple of tp; set algo.pack_sequences=false (or parallel.sequence_parallel=false)")
-    if a.pack_sequences:
-        # megatron's allgather token dispatcher all-gathers equal token counts over the EP group;
-        # each rank's packed sequence has its own
-        _need(p.ep == 1, "algo.pack_sequences",
-              f"is true with parallel.ep={p.ep}: packed sequences have a different token count on each "
-              "expert-parallel rank, which the MoE token dispatcher cannot gather; set algo.pack_sequences=false")
+    _need(a.micro_batch_tokens >= 0, "algo.micro_batch_tokens",
+          f"must be >= 1 (tokens per micro-batch), or 0 for micro-batches of rows, got {a.micro_batch_tokens}")
     mini = t.prompts_per_iteration * r.n // a.num_mini_batches
-    _need(a.micro_batch_size == 0 or mini % (dp * a.micro_batch_size) == 0, "algo.micro_batch_size",
+    # a token budget cuts the update's micro-batches itself (the row counts are unused there)
+    _need(a.micro_batch_tokens or a.micro_batch_size == 0 or mini % (dp * a.micro_batch_size) == 0,
+          "algo.micro_batch_size",
           f"a mini-batch of {t.prompts_per_iteration} prompts x {r.n} samples / {a.num_mini_batches} = {mini} "
           f"is not divisible by dp x micro_batch_size = {dp} x {a.micro_batch_size}")
     if cfg.critic is not None:
         cm = cfg.critic.micro_batch_size
-        _need(cm == 0 or mini % (dp * cm) == 0, "critic.micro_batch_size",
+        _need(a.micro_batch_tokens or cm == 0 or mini % (dp * cm) == 0, "critic.micro_batch_size",
               f"a mini-batch of {mini} samples is not divisible by dp x critic.micro_batch_size = "
               f"{dp} x {cfg.critic.micro_batch_size}")
 

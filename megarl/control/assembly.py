@@ -135,7 +135,8 @@ def _rewards(cfg, injector, rank0: bool):
         reward_model = RewardModel(r.model.path, p.tp, p.pp, tokenizer=r.model.tokenizer,
                                    chat_template=r.model.chat_template, vocab_multiple=cfg.model.vocab_multiple,
                                    offload=r.model.offload, micro_batch_size=cfg.algo.forward_micro_batch_size,
-                                   pack=cfg.algo.pack_sequences, sequence_parallel=p.sequence_parallel)
+                                   pack=cfg.algo.pack_sequences, micro_batch_tokens=cfg.algo.micro_batch_tokens,
+                                   sequence_parallel=p.sequence_parallel)
     return fn, runner, reward_model
 
 

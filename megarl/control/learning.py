@@ -27,10 +27,12 @@ from megarl.algo.objective import actor_loss
 from megarl.algo.policy_loss import PolicyLossConfig
 from megarl.algo.value_loss import clipped_value_loss
 from megarl.control.batch import plan_mini_batches
+from megarl.experience.token_budget import plan_token_micro_batches
 from megarl.control.state_machine import IterationStateMachine
 from megarl.errors import MegarlError
 from megarl.experience.schema import ExperienceBatch, LogProbs
-from megarl.models.forward import gather_response, token_log_probs_from_logits, vocab_parallel_entropy
+from megarl.models.forward import (PackedMicroBatch, gather_response, next_token_terms, token_log_probs_from_logits,
+                                   token_terms, vocab_parallel_entropy)
 from megarl.models.router_replay import record_to_rows
 from megarl.observability.metrics import StageTimer
 from megarl.roles.common import sequence_length, step_tensors
@@ -162,14 +164,20 @@ class Learner:
         kl_beta = self.kl_ctl.value
         for _epoch in range(a.ppo_epochs):
             for plan in plan_mini_batches(batch.facts.group_id, a.num_mini_batches, self.dp, a.micro_batch_size, gen):
-                rows, is_pad = plan.rank_rows(dp_rank(), self.dp)
                 norm = global_normaliser(batch.derived.loss_mask[plan.rows], a.agg_mode, norm_constant=self.norm_constant)
-                local = {name: t[rows].clone() for name, t in columns.items()}
-                local["loss_mask"][is_pad] = 0
+                if a.micro_batch_tokens:
+                    mbs = token_micro_batches(columns, plan.rows, a.micro_batch_tokens, dp_rank(), self.dp)
+                    actor_mbs, critic_mbs = mbs, mbs
+                else:
+                    rows, is_pad = plan.rank_rows(dp_rank(), self.dp)
+                    local = {name: t[rows].clone() for name, t in columns.items()}
+                    local["loss_mask"][is_pad] = 0
+                    actor_mbs = _micro_batches(local, a.micro_batch_size, rows.numel())
+                    critic_mbs = _micro_batches(local, cfg.critic.micro_batch_size, rows.numel()) if self.critic else None
                 if train_actor:
-                    self._actor_step(batch, version, local, rows.numel(), norm, kl_beta, replay_layers, log)
+                    self._actor_step(batch, version, actor_mbs, norm, kl_beta, replay_layers, log)
                 if self.critic is not None:
-                    self._critic_step(batch, local, rows.numel(), norm, log)
+                    self._critic_step(batch, critic_mbs, norm, log)
         m = self._update_metrics(log, kl_beta)
         self._adapt_kl(batch)
         self.completed = True
@@ -209,9 +217,8 @@ class Learner:
             replay_layers = routed.moe_layers
         return columns, replay_layers
 
-    def _actor_step(self, batch, version, local, n_rows: int, norm, kl_beta: float, replay_layers, log: "_StepLog"):
+    def _actor_step(self, batch, version, mbs, norm, kl_beta: float, replay_layers, log: "_StepLog"):
         loss_fn = self._actor_loss_fn(batch, version, norm, kl_beta, self.policy_cfg.kl.placement == "loss")
-        mbs = _micro_batches(local, self.cfg.algo.micro_batch_size, n_rows)
         res = self._guarded_step("actor", lambda: self.actor.train_step(mbs, loss_fn, replay_layers=replay_layers))
         log.grad_norms.append(res.grad_norm)
         log.skipped += 0 if res.update_successful else 1
@@ -219,9 +226,8 @@ class Learner:
         log.actor[-1].update(res.moe_losses)  # update/moe_aux_loss, update/moe_z_loss when enabled
         log.actor_steps += 1
 
-    def _critic_step(self, batch, local, n_rows: int, norm, log: "_StepLog"):
+    def _critic_step(self, batch, cmbs, norm, log: "_StepLog"):
         vloss = self._value_loss_fn(batch.facts.response_len, norm)
-        cmbs = _micro_batches(local, self.cfg.critic.micro_batch_size, n_rows)
         cres = self._guarded_step("critic", lambda: self.critic.train_step(cmbs, vloss))
         log.critic_norms.append(cres.grad_norm)
         log.critic.append(self._reduce_step_metrics(cres.metrics))
@@ -264,15 +270,12 @@ class Learner:
         v = version.short_id
 
         def loss_fn(output, mb):
-            lp_all = token_log_probs_from_logits(output[:, :-1], mb["tokens"][:, 1:], V)
+            lp_all = next_token_terms(output, mb, lambda logits, nxt: token_log_probs_from_logits(logits, nxt, V))
             lp = gather_response(lp_all, mb["prompt_lens"], mb["response_lens"], R)
-            if need_entropy_grad:
-                ent = gather_response(vocab_parallel_entropy(output[:, :-1], V), mb["prompt_lens"],
-                                      mb["response_lens"], R)
-            else:
-                with torch.no_grad():
-                    ent = gather_response(vocab_parallel_entropy(output[:, :-1].detach(), V),
-                                          mb["prompt_lens"], mb["response_lens"], R)
+            with torch.set_grad_enabled(need_entropy_grad and torch.is_grad_enabled()):
+                ent = next_token_terms(output if need_entropy_grad else output.detach(), mb,
+                                       lambda logits, _nxt: vocab_parallel_entropy(logits, V))
+                ent = gather_response(ent, mb["prompt_lens"], mb["response_lens"], R)
             out = actor_loss(
                 lp, old_log_probs=LogProbs(mb["old_log_probs"], old_prod), advantages=mb["advantages"],
                 loss_mask=mb["loss_mask"], cfg=self.policy_cfg, normaliser=norm,
@@ -286,7 +289,7 @@ class Learner:
         a = self.cfg.algo
 
         def vloss(output, mb):
-            vals = gather_response(output[..., 0].float(), mb["prompt_lens"], mb["response_lens"], R)
+            vals = gather_response(token_terms(output[..., 0].float(), mb), mb["prompt_lens"], mb["response_lens"], R)
             out = clipped_value_loss(vals, mb["old_values"], mb["returns"], mb["loss_mask"],
                                      self.critic.value_clip, a.agg_mode, norm)
             return out.loss, {**out.metrics, "value_loss": float(out.loss.detach())}
@@ -343,6 +346,27 @@ def _micro_batches(local: Dict[str, torch.Tensor], size: int, rows: int) -> List
     """This rank's mini-batch rows cut into micro-batches of ``size`` rows (0: all at once)."""
     step = size or rows
     return [{name: t[i:i + step] for name, t in local.items()} for i in range(0, rows, step)]
+
+
+def token_micro_batches(columns: Dict[str, torch.Tensor], rows: torch.Tensor, budget: int, rank: int,
+                        dp: int) -> List[Dict[str, torch.Tensor]]:
+    """This rank's packed micro-batches of the mini-batch ``rows`` under a token budget
+    (``algo.micro_batch_tokens``, :func:`~megarl.experience.token_budget.plan_token_micro_batches`):
+    each holds its rows' columns cut to its longest row and, as ``packed``, the rows' real tokens
+    back to back.  A filler micro-batch repeats a row with its loss mask 0."""
+    lengths = (columns["prompt_lens"] + columns["response_lens"])[rows]
+    plan = plan_token_micro_batches(lengths.tolist(), budget, dp)[rank]
+    out = []
+    for bin_rows, pad in zip(plan.bins, plan.pad):
+        idx = rows[torch.tensor(bin_rows, dtype=torch.long)]
+        mb = {name: t[idx].clone() for name, t in columns.items()}
+        own = mb["prompt_lens"] + mb["response_lens"]
+        mb["tokens"] = mb["tokens"][:, :int(own.max())]
+        if pad:
+            mb["loss_mask"].zero_()
+        mb["packed"] = PackedMicroBatch.from_rows(mb["tokens"], own)
+        out.append(mb)
+    return out
 
 
 def combine_steps(steps: List[Dict[str, float]], prefix: str) -> Dict[str, float]:

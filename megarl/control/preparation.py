@@ -167,7 +167,7 @@ class ExperiencePreparer:
         (after the token-by-token parity check that iteration runs), else the actor's on v (with
         the recorded routing for an MoE batch); the rollout/actor gap in ``m``."""
         cfg = self.cfg
-        mbs, pack = cfg.algo.forward_micro_batch_size, cfg.algo.pack_sequences
+        mbs, pack, budget = cfg.algo.forward_micro_batch_size, cfg.algo.pack_sequences, cfg.algo.micro_batch_tokens
         every = cfg.rollout.log_prob_parity_every
         check_parity = cfg.rollout.reuse_rollout_log_probs and (
             not self.progress.parity_checked or (every > 0 and k % every == 0))
@@ -177,12 +177,12 @@ class ExperiencePreparer:
             if reuse:
                 old = rollout_lp
             elif c.routed_experts is not None:
-                vals, routing_m = self._old_log_probs_routed(c, mbs, pack)
+                vals, routing_m = self._old_log_probs_routed(c, mbs, pack, budget)
                 old = LogProbs(vals, LogProbProducer("actor", v, "raw"))
                 m.update(routing_m)
             else:
-                vals = map_rows(lambda *t: self.actor.log_probs(*t, mbs, pack=pack), c.prompt_ids,
-                                c.response_ids, c.attention_mask).cpu()
+                vals = map_rows(lambda *t: self.actor.log_probs(*t, mbs, pack=pack, micro_batch_tokens=budget),
+                                c.prompt_ids, c.response_ids, c.attention_mask).cpu()
                 old = LogProbs(vals, LogProbProducer("actor", v, "raw"))
             m["prep/old_log_prob_s"] = time.perf_counter() - t0
             m["prep/actor_tokens_per_s"] = ntok / max(m["prep/old_log_prob_s"], 1e-9)
@@ -204,11 +204,12 @@ class ExperiencePreparer:
         """The reference model's log-probs (None without one) and the KL to it, in ``m``."""
         if self.reference is None:
             return None
-        mbs, pack = self.cfg.algo.forward_micro_batch_size, self.cfg.algo.pack_sequences
+        a = self.cfg.algo
+        mbs, pack, budget = a.forward_micro_batch_size, a.pack_sequences, a.micro_batch_tokens
         with timer.stage("ref_log_prob", samples=n, tokens=int(ntok)):
             t0 = time.perf_counter()
-            vals = map_rows(lambda *t: self.reference.log_probs(*t, mbs, pack=pack), c.prompt_ids,
-                            c.response_ids, c.attention_mask).cpu()
+            vals = map_rows(lambda *t: self.reference.log_probs(*t, mbs, pack=pack, micro_batch_tokens=budget),
+                            c.prompt_ids, c.response_ids, c.attention_mask).cpu()
             ref = LogProbs(vals, LogProbProducer("reference", self.reference.version, "raw"))
             m["prep/ref_log_prob_s"] = time.perf_counter() - t0
             m["prep/ref_tokens_per_s"] = ntok / max(m["prep/ref_log_prob_s"], 1e-9)
@@ -222,14 +223,15 @@ class ExperiencePreparer:
         """The critic's per-token values and bootstrap values ((None, None) without a critic)."""
         if self.critic is None:
             return None, None
-        mbs, pack = self.cfg.algo.forward_micro_batch_size, self.cfg.algo.pack_sequences
+        a = self.cfg.algo
+        mbs, pack, budget = a.forward_micro_batch_size, a.pack_sequences, a.micro_batch_tokens
         self.critic.onload()
         with timer.stage("critic_values", samples=n, tokens=int(ntok)):
             t0 = time.perf_counter()
             R = c.response_ids.shape[1]
 
             def crit(*t):
-                pt, b = self.critic.values(*t, mbs, pack=pack)
+                pt, b = self.critic.values(*t, mbs, pack=pack, micro_batch_tokens=budget)
                 return torch.cat([pt, b[:, None]], 1)
 
             both = map_rows(crit, c.prompt_ids, c.response_ids, c.attention_mask).cpu()
@@ -263,7 +265,7 @@ class ExperiencePreparer:
             raise RuntimeError(f"ranks sealed different experience: {hashes}")
         return sealed
 
-    def _old_log_probs_routed(self, c, mbs: int, pack: bool):
+    def _old_log_probs_routed(self, c, mbs: int, pack: bool, budget: int):
         """The old log-probs of an MoE batch with its recorded routing: replayed under
         ``algo.routing_replay=rollout``; in both modes the trainer's own top-k is compared with
         the record (``prep/routing/mismatch_*``: the rollout / trainer routing mismatch replay
@@ -277,7 +279,8 @@ class ExperiencePreparer:
             real = torch.arange(rows.start, rows.start + prompt_ids.shape[0]) < n
             routing = RecordRouting(experts, routed.moe_layers, replay=self.cfg.algo.routing_replay == "rollout",
                                     stats=stats, real_rows=real)
-            return self.actor.log_probs(prompt_ids, response_ids, attention_mask, mbs, pack=pack, routing=routing)
+            return self.actor.log_probs(prompt_ids, response_ids, attention_mask, mbs, pack=pack, routing=routing,
+                                        micro_batch_tokens=budget)
 
         vals = map_rows(fn, c.prompt_ids, c.response_ids, c.attention_mask, routed.experts).cpu()
         group = data_parallel.dp_group() if data_parallel.dp_size() > 1 else None

@@ -16,12 +16,17 @@ __all__ = ["validate_model_fit", "moe_num_experts", "check_packing"]
 
 
 def check_packing(cfg) -> None:
-    """``algo.pack_sequences`` needs a process that can run packed (THD) forwards."""
-    if cfg.algo.pack_sequences:
-        from megarl.models.forward import packing_unsupported_reason
+    """``algo.pack_sequences`` and ``algo.micro_batch_tokens`` need a process that can run packed
+    (THD) forwards."""
+    from megarl.models.forward import packing_unsupported_reason
 
+    if cfg.algo.pack_sequences:
         why = packing_unsupported_reason()
         require(why is None, "algo.pack_sequences", f"is true, but {why}")
+    if cfg.algo.micro_batch_tokens:
+        why = packing_unsupported_reason()
+        require(why is None, "algo.micro_batch_tokens", f"is {cfg.algo.micro_batch_tokens} (packed micro-batches), "
+                f"but {why}")
 
 
 def validate_model_fit(cfg, spec, where: str) -> None:

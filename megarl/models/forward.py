@@ -63,8 +63,11 @@ def token_log_probs_from_logits(logits_shard: torch.Tensor, targets: torch.Tenso
     logits = mask_padded_vocab(logits_shard, vocab_size)
     if temperature != 1.0:
         logits = logits / temperature
-    # megatron's kernel expects [s, b, v] and returns the negative log-likelihood.
-    nll = vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous().float(),
+    # megatron's kernel expects [s, b, v], returns the negative log-likelihood, and works in place
+    # on what it is given: always a copy (for one row in fp32, transpose, contiguous and float
+    # would all hand it the model's own logits, which the entropy then read exponentiated)
+    nll = vocab_parallel_cross_entropy(logits.transpose(0, 1).to(torch.float32, copy=True,
+                                                                  memory_format=torch.contiguous_format),
                                        targets.transpose(0, 1).contiguous())
     return -nll.transpose(0, 1)
 
@@ -89,13 +92,17 @@ def position_ids_for(tokens: torch.Tensor) -> torch.Tensor:
 class PackedMicroBatch:
     """The rows of one micro-batch as one packed (THD) sequence.
 
-    ``tokens`` / ``position_ids`` ``(1, total)``: the real tokens of every row back to back and
-    their positions within their row; ``layout`` maps packed tokens back to the ``(b, s)`` rows.
+    ``tokens`` / ``position_ids`` ``(1, total + filler)``: the real tokens of every row back to
+    back and their positions within their row, then ``filler`` tokens of id 0 that form a
+    sequence of their own (attention never crosses a ``cu_seqlens`` boundary, so they change no
+    real token's output; they make the length what sequence parallelism or the MoE dispatcher
+    needs); ``layout`` maps the real packed tokens back to the ``(b, s)`` rows.
     """
 
     tokens: torch.Tensor
     position_ids: torch.Tensor
     layout: PackedLayout
+    filler: int = 0
 
     @classmethod
     def from_rows(cls, tokens: torch.Tensor, lengths: torch.Tensor) -> "PackedMicroBatch":
@@ -104,16 +111,33 @@ class PackedMicroBatch:
         layout = pack_layout(mask, tokens.shape[1])
         return cls(pack(tokens, layout)[None], layout.position_ids[None], layout)
 
+    @property
+    def real_tokens(self) -> int:
+        return self.layout.total_tokens
+
+    def padded_to(self, length: int) -> "PackedMicroBatch":
+        """The same micro-batch with filler tokens up to ``length`` in all (unchanged when it
+        has them already)."""
+        extra = length - self.tokens.shape[1]
+        if extra <= 0:
+            return self
+        filler_positions = torch.arange(extra, dtype=self.position_ids.dtype, device=self.position_ids.device)
+        return PackedMicroBatch(pad_columns(self.tokens, length), torch.cat([self.position_ids, filler_positions[None]], 1),
+                                self.layout, self.filler + extra)
+
     def to(self, dev) -> "PackedMicroBatch":
-        return PackedMicroBatch(self.tokens.to(dev), self.position_ids.to(dev), self.layout)
+        return PackedMicroBatch(self.tokens.to(dev), self.position_ids.to(dev), self.layout, self.filler)
 
     def packed_seq_params(self):
-        """megatron-core's THD parameters: attention within ``cu_seqlens`` boundaries, RoPE per
-        sequence (``max_seqlen`` sizes the RoPE table)."""
+        """megatron-core's THD parameters: attention within ``cu_seqlens`` boundaries (the filler is
+        one more sequence), RoPE per sequence (``max_seqlen`` sizes the RoPE table)."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
         cu = self.layout.cu_seqlens.to(self.tokens.device)
         n = self.layout.max_seqlen
+        if self.filler:
+            cu = torch.cat([cu, cu.new_full((1,), int(cu[-1]) + self.filler)])
+            n = max(n, self.filler)
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n, max_seqlen_kv=n)
 
 
@@ -268,7 +292,7 @@ def _micro_batches(tokens: torch.Tensor, micro_batch_size: int) -> List[torch.Te
 
 def _by_length(model, tokens: torch.Tensor, lengths: Optional[torch.Tensor], micro_batch_size: int,
                on_output: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], trim: int,
-               pack: bool = False, routing: Optional[Routing] = None) -> torch.Tensor:
+               pack: bool = False, routing: Optional[Routing] = None, micro_batch_tokens: int = 0) -> torch.Tensor:
     """``forward_only`` over micro-batches of rows of similar length, each cut to its longest row.
 
     Rows are right-padded and attention is causal, so the padding after a row's last token never
@@ -283,10 +307,13 @@ def _by_length(model, tokens: torch.Tensor, lengths: Optional[torch.Tensor], mic
     its ``(1, total - trim, ...)`` result is unpacked to the rows (entries that straddle two
     rows land past a row's ``length - trim`` and are zeroed like the padding).
 
+    ``micro_batch_tokens`` (``algo.micro_batch_tokens``; implies ``pack``): micro-batches of at
+    most that many real tokens instead of ``micro_batch_size`` rows.
+
     ``routing``: each micro-batch takes its rows' routing (same cut).
     """
-    if pack:
-        return _packed(model, tokens, lengths, micro_batch_size, on_output, trim, routing)
+    if pack or micro_batch_tokens:
+        return _packed(model, tokens, lengths, micro_batch_size, on_output, trim, routing, micro_batch_tokens)
     if lengths is None:
         mbs = _micro_batches(tokens, micro_batch_size)
         step = micro_batch_size or tokens.shape[0]
@@ -323,12 +350,13 @@ def _moe_dispatch_group(model):
 def _ep_common_widths(model, groups: List[torch.Tensor], widths: List[int]) -> List[int]:
     """The width each micro-batch runs at: its own, except for an MoE model at EP > 1.
 
-    There the allgather token dispatcher (megatron-core ``MoEAllGatherTokenDispatcher``) gathers
-    every micro-batch's tokens over the expert TP x EP group with one equal-sized all-gather, so
-    the ranks of that group, which hold different rows (they are data-parallel ranks for
-    everything but the experts), must run the same number of micro-batches of the same shape:
-    each is widened to the widest among them.  The extra columns are right padding, which causal
-    attention never lets reach a row's real positions.  Collective over that group."""
+    There the allgather token dispatcher (megatron-core ``MoEAllGatherTokenDispatcher``, which
+    ``cpu_compat`` selects on CPU) gathers every micro-batch's tokens over the expert TP x EP group
+    with one equal-sized all-gather, so the ranks of that group, which hold different rows (they
+    are data-parallel ranks for everything but the experts), must run the same number of
+    micro-batches of the same shape: each is widened to the widest among them.  (The alltoall
+    dispatcher built on CUDA needs only the same number.)  The extra columns are right padding,
+    which causal attention never lets reach a row's real positions.  Collective over that group."""
     group = _moe_dispatch_group(model)
     if group is None:
         return widths
@@ -343,13 +371,14 @@ def _ep_common_widths(model, groups: List[torch.Tensor], widths: List[int]) -> L
 
 
 def _aligned(mb: MicroBatch, tg: Optional[RouterTargets], m: int):
-    """``(micro-batch, targets, width)``: a padded micro-batch right-padded to a multiple of ``m``
-    (tp, for sequence parallelism) with its routing targets widened alike, and its own width."""
+    """``(micro-batch, targets, width)``: a micro-batch lengthened to a multiple of ``m`` (tp, for
+    sequence parallelism) -- a padded one by right padding, a packed one by filler tokens -- with
+    its routing targets widened alike, and the width its outputs are cut back to."""
     if isinstance(mb, PackedMicroBatch):
-        if m > 1:
-            raise ValueError("a packed (THD) micro-batch under sequence parallelism: a packed sequence is not yet "
-                             "padded to a multiple of tp; run padded or set parallel.sequence_parallel=false")
-        return mb, tg, None
+        run = round_up(mb.tokens.shape[1], m)
+        if tg is not None and run > mb.tokens.shape[1]:
+            tg = tg.widened(1, run - mb.tokens.shape[1])
+        return mb.padded_to(run), tg, mb.real_tokens
     w = mb.shape[1]
     run = round_up(w, m)
     if run == w:
@@ -383,16 +412,13 @@ def pad_columns(tokens: torch.Tensor, width: int) -> torch.Tensor:
 
 def _packed(model, tokens: torch.Tensor, lengths: Optional[torch.Tensor], micro_batch_size: int,
             on_output: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], trim: int,
-            routing: Optional[Routing] = None) -> torch.Tensor:
-    """:func:`_by_length` with every micro-batch packed (same rows per micro-batch)."""
+            routing: Optional[Routing] = None, micro_batch_tokens: int = 0) -> torch.Tensor:
+    """:func:`_by_length` with every micro-batch packed: ``micro_batch_size`` rows each, or, with
+    ``micro_batch_tokens``, rows first-fit into that many tokens each
+    (:func:`megarl.experience.token_budget.first_fit`)."""
+    from megarl.experience.token_budget import first_fit
+
     _check_packable(model)
-    if sequence_multiple(model) > 1:
-        raise ValueError("pack=True (algo.pack_sequences) with sequence parallelism: a packed sequence is not "
-                         "yet padded to a multiple of tp; run padded or set parallel.sequence_parallel=false")
-    if _moe_dispatch_group(model) is not None:
-        # each rank's packed sequence has its own token count; the dispatcher's all-gather needs equal ones
-        raise ValueError("pack=True (algo.pack_sequences) with an MoE model at expert parallel size > 1: the "
-                         "allgather token dispatcher needs the same token count on every EP rank; run padded")
     B, S = tokens.shape
     if lengths is None:
         lengths = torch.full((B,), S, dtype=torch.long)
@@ -401,12 +427,16 @@ def _packed(model, tokens: torch.Tensor, lengths: Optional[torch.Tensor], micro_
         raise ValueError(f"lengths up to {int(lengths.max())} exceed the {S} token columns")
     # a row without tokens still takes one (its outputs are zeroed below, as with padding)
     real = lengths.clamp(min=1)
-    order = torch.argsort(lengths, descending=True, stable=True)
-    groups = list(order.split(micro_batch_size or B))
+    if micro_batch_tokens:
+        groups = [torch.tensor(b, dtype=torch.long) for b in first_fit(real.tolist(), micro_batch_tokens)]
+    else:
+        groups = list(torch.argsort(lengths, descending=True, stable=True).split(micro_batch_size or B))
     widths = [int(real[g].max()) for g in groups]
     items = [PackedMicroBatch.from_rows(tokens[g, :w], real[g]) for g, w in zip(groups, widths)]
     tg = None if routing is None else [routing.targets(it, g, w) for it, g, w in zip(items, groups, widths)]
-    results = forward_only(model, items, on_output, tg, routing)
+    n_own = len(items)
+    items, tg = _ep_common_packs(model, items, tg, routing)
+    results = forward_only(model, items, on_output, tg, routing)[:n_own]
     out = None
     for g, w, item, res in zip(groups, widths, items, results):
         per_token = res[0]  # (total - trim, ...): entry k belongs to packed token k
@@ -421,29 +451,95 @@ def _packed(model, tokens: torch.Tensor, lengths: Optional[torch.Tensor], micro_
     return out.masked_fill_(past.reshape(past.shape + (1,) * (out.dim() - 2)), 0)
 
 
+def common_pack_lengths(model, lengths: List[int]) -> List[int]:
+    """The length each packed micro-batch runs at: its own, except for an MoE model at EP > 1,
+    where megatron's allgather token dispatcher (``cpu_compat`` selects it on CPU) gathers equal
+    token counts over the expert TP x EP group, whose ranks hold different rows: there the ranks
+    must run as many micro-batches, and each is lengthened (by filler tokens) to the longest of its
+    index over the group.  (The alltoall dispatcher built on CUDA needs only as many; the filler is
+    a few tokens.)  Collective over that group."""
+    group = _moe_dispatch_group(model)
+    if group is None:
+        return list(lengths)
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, list(lengths), group=group)
+    counts = [len(e) for e in every]
+    if len(set(counts)) != 1:
+        raise ValueError("MoE at expert parallel size > 1: the ranks of an expert-parallel group must run as many "
+                         f"packed micro-batches (the token dispatcher gathers each); got {counts}")
+    return [max(column) for column in zip(*every)]
+
+
+def _ep_common_packs(model, items: List[PackedMicroBatch], tg: Optional[List[RouterTargets]],
+                     routing: Optional[Routing]):
+    """The packed micro-batches an MoE model at EP > 1 runs (:func:`common_pack_lengths`): as many
+    on every rank of the dispatch group (a rank with fewer repeats its first, whose results are
+    dropped), each lengthened by filler tokens to the longest of its index.  Collective over that
+    group; as given otherwise."""
+    group = _moe_dispatch_group(model)
+    if group is None:
+        return items, tg
+    counts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(counts, len(items), group=group)
+    extra = max(counts) - len(items)
+    items = items + [items[0]] * extra
+    if tg is not None:  # a repeat is dispatched as the first was, and counts in no routing statistic
+        tg = tg + [RouterTargets(tg[0].experts, torch.zeros_like(tg[0].valid), tg[0].moe_layers)] * extra
+    longest = common_pack_lengths(model, [int(it.tokens.shape[1]) for it in items])
+    if tg is not None:
+        tg = [t.widened(1, n - it.tokens.shape[1]) if n > it.tokens.shape[1] else t
+              for t, it, n in zip(tg, items, longest)]
+    return [it.padded_to(n) for it, n in zip(items, longest)], tg
+
+
+def next_token_terms(output: torch.Tensor, mb, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``(b, w - 1)``: ``fn(logits, next tokens)`` per position of a training micro-batch's rows
+    (position t of a row: the output at its token t against its token t + 1), whether the model ran
+    them padded (``output`` ``(b, w, ...)``) or packed (``mb["packed"]``; ``output`` ``(1, total,
+    ...)`` over the real packed tokens: computed there, then unpacked to the rows).  ``fn`` maps
+    ``(n, t, ...)`` outputs and ``(n, t)`` tokens to ``(n, t)``."""
+    p = mb.get("packed")
+    if p is None:
+        return fn(output[:, :-1], mb["tokens"][:, 1:])
+    vals = fn(output[:, :-1], p.tokens[:, 1:p.real_tokens])[0]
+    # a row's last token predicts the next row's first: that entry lands past the row's end
+    return unpack(torch.cat([vals, vals.new_zeros(1)]), p.layout)[:, :-1]
+
+
+def token_terms(values: torch.Tensor, mb) -> torch.Tensor:
+    """``(b, w)``: a per-token output of a training micro-batch (``(b, w)`` padded, ``(1, total)``
+    packed) on its rows."""
+    p = mb.get("packed")
+    return values if p is None else unpack(values[0], p.layout)
+
+
 def teacher_forced_log_probs(model, tokens: torch.Tensor, micro_batch_size: int = 0,
                              temperature: float = 1.0, lengths: Optional[torch.Tensor] = None,
-                             pack: bool = False, routing: Optional[Routing] = None) -> torch.Tensor:
+                             pack: bool = False, routing: Optional[Routing] = None,
+                             micro_batch_tokens: int = 0) -> torch.Tensor:
     """``(b, s-1)``: log-prob of ``tokens[:, t+1]`` given ``tokens[:, :t+1]`` on every rank.
 
     With ``lengths`` (each row's real tokens; right padding after them), micro-batches group
     rows of similar length and skip the padding; positions past a row's length are 0.
-    ``pack=True``: each micro-batch runs as one packed (THD) sequence (see the module doc).
+    ``pack=True``: each micro-batch runs as one packed (THD) sequence (see the module doc);
+    ``micro_batch_tokens``: packed micro-batches cut by that token budget.
     ``routing`` (MoE): the rows' routing, replayed and / or compared (:class:`Routing`)."""
     V = unwrap(model).megarl_spec.vocab_size
 
     def on_output(out, toks):
         return token_log_probs_from_logits(out[:, :-1], toks[:, 1:], V, temperature).float()
 
-    return _by_length(model, tokens, lengths, micro_batch_size, on_output, trim=1, pack=pack, routing=routing)
+    return _by_length(model, tokens, lengths, micro_batch_size, on_output, trim=1, pack=pack, routing=routing,
+                      micro_batch_tokens=micro_batch_tokens)
 
 
 def scalar_values(model, tokens: torch.Tensor, micro_batch_size: int = 0,
-                  lengths: Optional[torch.Tensor] = None, pack: bool = False) -> torch.Tensor:
+                  lengths: Optional[torch.Tensor] = None, pack: bool = False,
+                  micro_batch_tokens: int = 0) -> torch.Tensor:
     """``(b, s)`` scalar head outputs of a value-head model (critic / reward model); with
-    ``lengths`` and ``pack``, as :func:`teacher_forced_log_probs` (0 past a row's length)."""
+    ``lengths``, ``pack`` and ``micro_batch_tokens``, as :func:`teacher_forced_log_probs` (0 past a row's length)."""
     return _by_length(model, tokens, lengths, micro_batch_size, lambda out, _t: out[..., 0].float(), trim=0,
-                      pack=pack)
+                      pack=pack, micro_batch_tokens=micro_batch_tokens)
 
 
 def right_align(prompt_ids: torch.Tensor, response_ids: torch.Tensor, attention_mask: torch.Tensor):
@@ -495,10 +591,11 @@ def gather_response(per_position: torch.Tensor, prompt_lens: torch.Tensor, respo
 def response_log_probs(model, prompt_ids: torch.Tensor, response_ids: torch.Tensor,
                        attention_mask: torch.Tensor, micro_batch_size: int = 0,
                        temperature: float = 1.0, pack: bool = False,
-                       routing: Optional[RecordRouting] = None) -> torch.Tensor:
+                       routing: Optional[RecordRouting] = None, micro_batch_tokens: int = 0) -> torch.Tensor:
     """Teacher-forced log-prob of every response token, ``(b, R)`` aligned with
     ``response_ids`` (0 at padding), from experience-layout tensors.  Collective over the
-    model-parallel group; same result on every rank.  ``pack``: packed (THD) micro-batches.
+    model-parallel group; same result on every rank.  ``pack``: packed (THD) micro-batches;
+    ``micro_batch_tokens``: packed ones cut by that token budget.
     ``routing`` (MoE): the record's routing of these rows, replayed and / or compared."""
     tokens, plen, rlen = right_align(prompt_ids, response_ids, attention_mask)
     rt = None
@@ -507,7 +604,7 @@ def response_log_probs(model, prompt_ids: torch.Tensor, response_ids: torch.Tens
                               tokens.shape[1], routing.real_rows)
         rt = Routing(rows, routing.replay, routing.stats)
     lp = teacher_forced_log_probs(model, tokens, micro_batch_size, temperature, lengths=plen + rlen, pack=pack,
-                                  routing=rt)
+                                  routing=rt, micro_batch_tokens=micro_batch_tokens)
     return gather_response(lp, plen, rlen, response_ids.shape[1])
 
 

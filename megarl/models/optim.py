@@ -128,6 +128,13 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
     step must share ``s`` (pad to a common length; padding is masked out by ``loss_fn``).
     ``loss_fn`` returns ``sum(terms) / global_normaliser`` for its micro-batch.
 
+    Packed micro-batches (``algo.micro_batch_tokens``): every micro-batch also holds ``packed``, a
+    :class:`~megarl.models.forward.PackedMicroBatch` of its rows, which is what the model runs
+    (``tokens`` stays the rows' ``(b, w)`` grid for the loss); their lengths differ, and megatron's
+    pipeline stages then tell each other every activation's shape.  ``loss_fn`` sees the output
+    of the real packed tokens, ``(1, total, ...)``; :func:`~megarl.models.forward.next_token_terms`
+    and :func:`~megarl.models.forward.token_terms` bring it to the rows.
+
     ``replay_layers`` (MoE routing replay): every micro-batch also holds ``routing`` ``(b, s,
     layers, k)`` and ``routing_valid`` ``(b, s)`` on its token grid
     (:func:`megarl.models.router_replay.record_to_rows`; columns: these decoder layers), and
@@ -135,35 +142,65 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megarl.models.forward import pad_columns, position_ids_for, round_up, sequence_multiple
+    from megarl.models.forward import (common_pack_lengths, pad_columns, position_ids_for, round_up,
+                                       sequence_multiple)
     from megarl.models.router_replay import RouterTargets, RowRouting, clear_replay, routed
+    from megarl.models.weights import unwrap
 
     if not micro_batches:
         raise ValueError("train_step needs at least one micro-batch")
-    seq = micro_batches[0]["tokens"].shape[1]
-    mbs = micro_batches[0]["tokens"].shape[0]
-    for i, mb in enumerate(micro_batches):
-        if tuple(mb["tokens"].shape) != (mbs, seq):
-            raise ValueError(f"micro-batch {i} has tokens of shape {list(mb['tokens'].shape)}; "
-                             f"all micro-batches of a step must be [{mbs}, {seq}]")
+    packed = ["packed" in mb for mb in micro_batches]
+    if any(packed) and not all(packed):
+        raise ValueError(f"micro-batches {[i for i, p in enumerate(packed) if not p]} are padded and the others "
+                         "packed; a step runs one kind")
+    multiple = sequence_multiple(ddp_model)
+    if packed[0]:
+        # filler tokens: sequence parallelism, up to a multiple of tp; MoE at EP > 1 (on CPU), up to
+        # the longest of the EP ranks' same micro-batch
+        runs = [round_up(n, multiple) for n in
+                common_pack_lengths(ddp_model, [mb["packed"].tokens.shape[1] for mb in micro_batches])]
+        mbs = 1
+    else:
+        seq = micro_batches[0]["tokens"].shape[1]
+        mbs = micro_batches[0]["tokens"].shape[0]
+        for i, mb in enumerate(micro_batches):
+            if tuple(mb["tokens"].shape) != (mbs, seq):
+                raise ValueError(f"micro-batch {i} has tokens of shape {list(mb['tokens'].shape)}; "
+                                 f"all micro-batches of a step must be [{mbs}, {seq}]")
+        # sequence parallelism: the model runs on whole tp-sized chunks (right padding, which a
+        # causal model never attends to); the loss sees the micro-batch's own width
+        runs = [round_up(seq, multiple)] * len(micro_batches)
     dev = next(ddp_model.parameters()).device
-    it = iter([{k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in mb.items()} for mb in micro_batches])
-    # sequence parallelism: the model runs on whole tp-sized chunks (right padding, which a causal
-    # model never attends to); the loss sees the micro-batch's own width
-    run = round_up(seq, sequence_multiple(ddp_model))
+    it = iter([({k: (v.to(dev) if torch.is_tensor(v) or k == "packed" else v) for k, v in mb.items()}, run)
+               for mb, run in zip(micro_batches, runs)])
 
-    def step(data_iterator, model):
-        mb = next(data_iterator)
-        tokens = pad_columns(mb["tokens"], run)
+    def padded_forward(model, mb, run):
         targets = None
         if replay_layers is not None:
             rows = RowRouting(mb["routing"], mb["routing_valid"], replay_layers).rows(slice(None), run)
             targets = RouterTargets.for_padded(rows)
+        tokens = pad_columns(mb["tokens"], run)
         with routed(model, targets, replay=True):
-            out = model(tokens, position_ids_for(tokens), None)
+            return model(tokens, position_ids_for(tokens), None), mb["tokens"].shape[1]
+
+    def packed_forward(model, mb, run):
+        p = mb["packed"]
+        targets = None
+        if replay_layers is not None:
+            rows = RowRouting(mb["routing"], mb["routing_valid"], replay_layers).rows(slice(None), p.layout.seq_len)
+            targets = RouterTargets.for_packed(rows, p.layout)
+            if run > p.real_tokens:  # the filler sequence: filler experts, never valid
+                targets = targets.widened(1, run - p.real_tokens)
+        p = p.padded_to(run)
+        with routed(model, targets, replay=True):
+            return model(p.tokens, p.position_ids, None, packed_seq_params=p.packed_seq_params()), p.real_tokens
+
+    def step(data_iterator, model):
+        mb, run = next(data_iterator)
+        out, own = (packed_forward if "packed" in mb else padded_forward)(model, mb, run)
 
         def loss_func(output):
-            loss, metrics = loss_fn(output[:, :seq] if run != seq else output, mb)
+            loss, metrics = loss_fn(output[:, :own] if output.shape[1] != own else output, mb)
             # (loss, num_tokens, reported): num_tokens is ignored by our finalize function.
             return loss, torch.ones((), dtype=torch.int, device=loss.device), metrics
 
@@ -174,15 +211,21 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
     optimizer.zero_grad()
     from megarl.models import moe_losses
 
+    config = unwrap(ddp_model).config
+    variable = config.variable_seq_lengths
+    # micro-batches of different lengths: the pipeline stages tell each other every activation's
+    # shape (megatron's variable_seq_lengths, for this step only)
+    config.variable_seq_lengths = variable or len(set(runs)) > 1
     # the router's aux / z losses at the coefficient's scale (inert for dense models)
     with moe_losses.step_scope(ddp_model, len(micro_batches)) as moe:
         try:
             metrics = get_forward_backward_func()(
                 forward_step_func=step, data_iterator=it, model=[ddp_model],
-                num_microbatches=len(micro_batches), seq_length=run, micro_batch_size=mbs,
+                num_microbatches=len(micro_batches), seq_length=max(runs), micro_batch_size=mbs,
                 forward_only=False,
             )
         finally:
+            config.variable_seq_lengths = variable
             if replay_layers is not None:  # the experts queued for the recomputes, if any
                 clear_replay(ddp_model)
     ok, grad_norm, _ = optimizer.step()

@@ -49,13 +49,15 @@ class Actor(HostOffload):
         return self.spec.vocab_size
 
     def log_probs(self, prompt_ids: torch.Tensor, response_ids: torch.Tensor, attention_mask: torch.Tensor,
-                  micro_batch_size: int, pack: bool = False, routing: Optional[RecordRouting] = None) -> torch.Tensor:
+                  micro_batch_size: int, pack: bool = False, routing: Optional[RecordRouting] = None,
+                  micro_batch_tokens: int = 0) -> torch.Tensor:
         """``(b, R)`` raw-space log-probs of the response tokens under the current weights
         (collective over the model-parallel group, eval mode, no grad); ``pack``: each
-        micro-batch as one packed sequence (``algo.pack_sequences``); ``routing`` (MoE): the
-        rows' recorded routing, replayed and / or compared."""
+        micro-batch as one packed sequence (``algo.pack_sequences``); ``micro_batch_tokens``: packed
+        micro-batches cut by that token budget; ``routing`` (MoE): the rows' recorded routing,
+        replayed and / or compared."""
         return response_log_probs(self.ddp, prompt_ids, response_ids, attention_mask, micro_batch_size, pack=pack,
-                                  routing=routing)
+                                  routing=routing, micro_batch_tokens=micro_batch_tokens)
 
     def train_step(self, micro_batches: Sequence[Dict[str, torch.Tensor]],
                    loss_fn: Callable, after_optimizer_step: Optional[Callable[[], None]] = None,

@@ -69,16 +69,17 @@ class Critic(HostOffload):
                 raise ValueError(f"critic parameter {name} {tuple(p.shape)} has no counterpart in the actor")
 
     def values(self, prompt_ids: torch.Tensor, response_ids: torch.Tensor, attention_mask: torch.Tensor,
-               micro_batch_size: int, pack: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+               micro_batch_size: int, pack: bool = False, micro_batch_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """V(s_t) before each response token ``(b, R)`` and V(s_T) after the last one ``(b,)``.
 
         s_t is the prefix (prompt, response[:t]); its value is read at the position of its last
         token, ``prompt_len - 1 + t``, the same position that predicts response token t.
-        ``pack``: each micro-batch as one packed sequence (``algo.pack_sequences``).
+        ``pack``: each micro-batch as one packed sequence (``algo.pack_sequences``);
+        ``micro_batch_tokens``: packed micro-batches cut by that token budget.
         """
         st = step_tensors(prompt_ids, response_ids, attention_mask)
         v = scalar_values(self.ddp, st["tokens"], micro_batch_size, lengths=st["prompt_lens"] + st["response_lens"],
-                          pack=pack)
+                          pack=pack, micro_batch_tokens=micro_batch_tokens)
         R = response_ids.shape[1]
         per_token = gather_response(v, st["prompt_lens"], st["response_lens"], R)
         last = (st["prompt_lens"] + st["response_lens"] - 1).clamp(max=v.shape[1] - 1)

@@ -37,12 +37,13 @@ class Reference:
         return self.offloader.on_device() if self.offloader is not None else contextlib.nullcontext()
 
     def log_probs(self, prompt_ids: torch.Tensor, response_ids: torch.Tensor, attention_mask: torch.Tensor,
-                  micro_batch_size: int, pack: bool = False) -> torch.Tensor:
+                  micro_batch_size: int, pack: bool = False, micro_batch_tokens: int = 0) -> torch.Tensor:
         """``(b, R)`` reference log-probs of the response tokens (collective over the MP group);
-        ``pack``: each micro-batch as one packed sequence (``algo.pack_sequences``)."""
+        ``pack``: each micro-batch as one packed sequence (``algo.pack_sequences``);
+        ``micro_batch_tokens``: packed micro-batches cut by that token budget."""
         with self._on_device():
             return response_log_probs(self.model, prompt_ids, response_ids, attention_mask, micro_batch_size,
-                                      pack=pack)
+                                      pack=pack, micro_batch_tokens=micro_batch_tokens)
 
     @torch.no_grad()
     def refresh_from(self, actor_model, version: str) -> None:

@@ -25,7 +25,8 @@ from megarl.runtime.data_parallel import map_rows
 class RewardModel:
     def __init__(self, path: str, tp: int, pp: int, tokenizer: Optional[str] = None,
                  chat_template: Optional[str] = None, vocab_multiple: int = 128, offload: bool = False,
-                 micro_batch_size: int = 8, pack: bool = False, sequence_parallel: bool = False):
+                 micro_batch_size: int = 8, pack: bool = False, sequence_parallel: bool = False,
+                 micro_batch_tokens: int = 0):
         from megarl.errors import ConfigError
 
         self.model = load_model(path, tp=tp, pp=pp, vocab_multiple=vocab_multiple, sequence_parallel=sequence_parallel)
@@ -39,6 +40,7 @@ class RewardModel:
         self.version = f"rm-{self.contract.hash[7:15]}-{path}"
         self.micro_batch_size = micro_batch_size
         self.pack = pack  # algo.pack_sequences: each micro-batch as one packed sequence
+        self.micro_batch_tokens = micro_batch_tokens  # algo.micro_batch_tokens: packed, cut by tokens
         self.offloader = None
         if offload:
             from megarl.roles.offload import ReferenceOffloader
@@ -68,7 +70,8 @@ class RewardModel:
         ctx = self.offloader.on_device() if self.offloader is not None else contextlib.nullcontext()
         with ctx:
             def run(tok, ln):
-                v = scalar_values(self.model, tok, self.micro_batch_size, lengths=ln, pack=self.pack)
+                v = scalar_values(self.model, tok, self.micro_batch_size, lengths=ln, pack=self.pack,
+                                  micro_batch_tokens=self.micro_batch_tokens)
                 return v.gather(1, (ln - 1)[:, None].to(v.device))[:, 0].float()
 
             return map_rows(run, tokens, lengths).cpu()

@@ -14,6 +14,8 @@ Layouts, one after the other in the same processes (``rt.initialize`` rebuilds m
   TP > 1 only with it), and the TP-replicated weights (routers, norms: their gradients summed
   over the TP ranks' parts of the sequence) compared across the two TP ranks after the update.
 * ``pp2``: the manifest of the same checkpoint, for the layout-independence of its hash.
+* ``ep2tok``: ``ep2`` with token-budget micro-batches (``algo.micro_batch_tokens``) for the old
+  log-probs and the update: packed, a different token count on each EP rank, lengthened alike.
 
 Rank 0 saves one file per layout for the test to judge; ranks exchange what the test needs from
 rank 1 (its engine's load reports and served tensors' checksums).  With ``--train ARGS``, the
@@ -49,6 +51,11 @@ OVERRIDES = ["rollout.n=3", "trainer.prompts_per_iteration=4", "algo.num_mini_ba
              "actor.optim.clip_grad=0.1", "algo.entropy_coef=0.01"]
 
 
+#: ``ep2tok``: micro-batches of at most 9 tokens (rows are 5-8), packed, for the update and the
+#: old log-probs: each EP rank's packed micro-batches differ in length and are lengthened alike
+TOKEN_BUDGET = 9
+
+
 def grpo_advantages(rewards, response_mask):
     """(r - mean_group) / (std_group + 1e-6) on every response token (GRPO, unbiased std)."""
     adv = []
@@ -74,11 +81,11 @@ def sync_and_read(actor_ddp, engine, version, manifest):
             "num_buckets": report.num_buckets, "buckets": buckets}, {n: e.checksum for n, e in served.entries.items()}
 
 
-def train_layout(a, ep, tp=1, sp=False):
+def train_layout(a, ep, tp=1, sp=False, budget=0):
     rt.initialize(tp=tp, pp=1, ep=ep)
     from megatron.core import parallel_state as ps
 
-    cfg = load_config(GRPO_RECIPE, OVERRIDES)
+    cfg = load_config(GRPO_RECIPE, OVERRIDES + [f"algo.micro_batch_tokens={budget}"])
     actor = Actor(a.hf, tp, 1, cfg.actor.optim, total_steps=4, sequence_parallel=sp)
     out = {"ep": ps.get_expert_model_parallel_world_size(), "dp": ps.get_data_parallel_world_size(),
            "edp": ps.get_expert_data_parallel_world_size(),
@@ -100,8 +107,11 @@ def train_layout(a, ep, tp=1, sp=False):
     probe = sealed_batch(v0, REWARDS)
     f = probe.facts
     # old log-probs the way preparation computes them: rows split over DP, micro-batches of 2 by length
-    out["old_log_probs"] = map_rows(lambda *t: actor.log_probs(*t, 2), f.prompt_ids, f.response_ids,
-                                    f.attention_mask)
+    out["old_log_probs"] = map_rows(lambda *t: actor.log_probs(*t, 2, micro_batch_tokens=budget), f.prompt_ids,
+                                    f.response_ids, f.attention_mask)
+    # 7 rows: 4 on the first rank, 3 and a pad row on the second, so the ranks' micro-batches differ
+    out["old_log_probs_7"] = map_rows(lambda *t: actor.log_probs(*t, 2, micro_batch_tokens=budget),
+                                      f.prompt_ids[:7], f.response_ids[:7], f.attention_mask[:7])
     batch = sealed_batch(v0, REWARDS, advantages=grpo_advantages(REWARDS, f.response_mask.float()))
     learner = Learner(cfg, actor=actor, critic=None, sm=sm_sealed(v0, f.batch_size, len(REWARDS)),
                       kl_ctl=FixedKLController(cfg.algo.kl.beta), counters=Counter(),
@@ -143,7 +153,8 @@ def main():
 
     results, seconds = {}, {}
     for tag, run in (("ep1", lambda: train_layout(a, 1)), ("ep2", lambda: train_layout(a, 2)),
-                     ("tp2sp", lambda: train_layout(a, 1, tp=2, sp=True)), ("pp2", lambda: manifest_layout(a, 1, 2))):
+                     ("tp2sp", lambda: train_layout(a, 1, tp=2, sp=True)), ("pp2", lambda: manifest_layout(a, 1, 2)),
+                     ("ep2tok", lambda: train_layout(a, 2, budget=TOKEN_BUDGET))):
         t0 = time.perf_counter()
         results[tag] = run()
         seconds[tag] = time.perf_counter() - t0
