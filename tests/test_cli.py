@@ -343,10 +343,14 @@ def test_print_config_and_dry_run_on_every_recipe(tmp_path):
     # Qwen3-30B-A3B at ep 8 on 8 GPUs: 16 experts of each layer per GPU, replicated attention
     out = dry_outs["grpo_qwen3_30b_a3b.yaml"]
     assert "128 experts (top-8) over ep 8 x etp 1" in out and "sglang, 2 inference group(s) of rollout.tp=4" in out
-    assert "30.53 B parameters, 5.16 B on the heaviest tp x pp shard" in out
-    # 5.16e9 params of which 3.62e9 experts: the dense 1.54e9's fp32 main + Adam over dp 8 (2.1 GiB), the
-    # experts' over the expert data-parallel group of 8 / ep 8 = 1 (40.5 GiB)
-    assert "actor        weights 9.6 GiB + grads 19.2 GiB + optimizer 42.7 GiB = 71.5 GiB" in out
+    assert "30.53 B parameters, 4.01 B on the heaviest tp x pp shard" in out
+    # TP 4 + SP, EP 8, etp 1: 4.01e9 params of which 3.62e9 experts: the dense 0.39e9's fp32 main + Adam over
+    # dp 2 (2.2 GiB), the experts' over the expert data-parallel group of 8 / (ep 8 x etp 1) = 1 (40.5 GiB)
+    assert "actor        weights 7.5 GiB + grads 14.9 GiB + optimizer 42.7 GiB = 65.1 GiB" in out
+    assert ("a micro-batch of 16384 tokens (algo.micro_batch_tokens=16384); sequence parallelism on; recompute full "
+            "(uniform, 1 layer(s) a chunk)") in out
+    assert "logits  2.3 GiB on the last stage (chunked: 4096 positions at a time)" in out
+    assert "left out:" in out and "context parallelism is not built yet" in out
 
 
 def test_param_count_matches_the_published_sizes():
@@ -359,6 +363,39 @@ def test_param_count_matches_the_published_sizes():
     assert count_params(spec_from_hf_config(LLAMA3_8B), 128, 1, 1).total == 8_030_261_248
     # tp 4: every weight matrix split four ways (the norms are replicated)
     assert abs(count_params(spec_from_hf_config(LLAMA3_8B), 128, 4, 1).per_shard * 4 - 8_030_261_248) < 4 * 300_000
+
+
+def test_activation_estimate_by_recompute_sequence_parallelism_and_chunking():
+    """The dry run's activation estimate (megarl/commands/activation_memory.py) for Qwen2-7B's
+    layers, hand-checked: a 8192-token micro-batch at tp 2 keeps 2 bytes x 8192 x (4h/2 + (2q + 2kv)/2
+    + 3f/2) = 650 MB a layer with sequence parallelism (the h terms split too), 2 x 8192 x 4h more
+    without; full recompute keeps each layer's input (2 x 8192 x h / 2) and one layer's activations;
+    the fp32 softmax (4 x 8192 x V/2) goes with algo.log_prob_chunk."""
+    from megarl.commands.activation_memory import activation_lines
+    from megarl.models.hf_config import spec_from_hf_config
+
+    spec = spec_from_hf_config(QWEN2_7B)
+    h, q, kv, f = 3584, 3584, 512, 18944
+    path = os.path.join(CONFIGS, "grpo_qwen2_7b.yaml")
+
+    def estimate(*overrides):
+        lines = activation_lines(load_config(path, ["data.train_path=x", "model.path=x", *overrides]), spec, 4)
+        layers = float(lines[1].split(": ")[1].split(" GiB")[0])
+        return layers, lines
+
+    sp, lines = estimate()
+    assert f"({round(2 * 8192 * (4 * h / 2 + (2 * q + 2 * kv) / 2 + 3 * f / 2) / 2 ** 20)} MiB a layer" in lines[1]
+    assert abs(sp - 28 * 2 * 8192 * (4 * h / 2 + (2 * q + 2 * kv) / 2 + 3 * f / 2) / 2 ** 30) < 0.05
+    no_sp, _ = estimate("parallel.sequence_parallel=false")
+    assert abs(no_sp - sp - 28 * 2 * 8192 * 2 * h / 2 ** 30) < 0.1  # printed to 0.1 GiB
+    full, lines = estimate("parallel.recompute.granularity=full")
+    assert abs(full - (28 * 2 * 8192 * h / 2 + 2 * 8192 * (2 * h + q + kv + 1.5 * f)) / 2 ** 30) < 0.05
+    assert sp / full > 10
+    _, lines = estimate("algo.log_prob_chunk=0")
+    assert "incl. the fp32 softmax 2.3 GiB" in lines[2]
+    # without a token budget: 2 rows of 1024 + 2048 tokens, padded to the longest
+    _, lines = estimate("algo.micro_batch_tokens=0")
+    assert "a micro-batch of 6144 tokens (2 row(s) x (1024 prompt + 2048 response tokens)" in lines[0]
 
 
 # ---- the resume story -------------------------------------------------------------------------

@@ -184,7 +184,7 @@ def test_config_key_default_and_validation(monkeypatch):
         check_run(load_config(path, ["algo.micro_batch_tokens=512"]), 1)
     monkeypatch.undo()
     assert AlgoConfig().micro_batch_tokens == 0
-    with pytest.raises(ConfigError, match="algo.micro_batch_tokens: must be >= 1"):
+    with pytest.raises(ConfigError, match="algo.micro_batch_tokens: must be >= 0, got -1"):
         check_run(load_config(path, ["algo.micro_batch_tokens=-1"]), 1)
     # a token budget cuts the update's micro-batches: the row count need not divide the mini-batch
     assert check_run(load_config(path, ["algo.micro_batch_tokens=512", "algo.micro_batch_size=7"]), 1) == 1

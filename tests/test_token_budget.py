@@ -8,6 +8,8 @@
   two SGD steps, at TP=2, PP=2, DP=2 and TP=2 with sequence parallelism (one launch,
   ``tests/workers/token_budget_worker.py``).  EP=2 (GRPO, MoE) is in ``tests/test_moe_training.py``.
   The loss keeps the global normaliser, so only the order of the sums changes: fp32 rounding.
+* Chunked log-probs and entropy (``algo.log_prob_chunk``, ``megarl/models/chunked_logits.py``) in
+  the same launch: the functions against megatron's kernel at TP=2, and the update with them.
 """
 
 import random
@@ -100,3 +102,38 @@ def test_update_on_token_budget_equals_padded(runs, layout):
     for role in ("actor", "critic"):
         err = max((padded[role][k] - tokens[role][k]).abs().max().item() for k in padded[role])
         assert within(err, 1e-6, f"token_budget/{layout}/{role}_weights"), (role, err)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "tp2sp"])
+def test_chunked_log_probs_change_no_number_of_the_update(runs, layout):
+    """algo.log_prob_chunk (3 positions at a time, no fp32 copy of the whole logits) on the same
+    token-budget update: the log-prob path is megatron's kernel's operations in its order (values
+    and gradients bitwise), the entropy bonus's gradient only its rounding -- fp32 noise."""
+    results, _ = runs
+    tokens, chunked = results[layout]["tokens"], results[layout]["chunked"]
+    # the first step's loss is computed before any gradient: bitwise; after it, the entropy bonus's
+    # gradient (fp32 rounding) has moved the weights by ~1e-9
+    assert chunked["metrics"]["update/first_step_pg_loss"] == tokens["metrics"]["update/first_step_pg_loss"]
+    for key in ("update/grad_norm", "update/critic_grad_norm", "update/pg_loss", "update/entropy", "update/kl_loss"):
+        rel = abs(chunked["metrics"][key] - tokens["metrics"][key]) / abs(tokens["metrics"][key])
+        assert within(rel, 1e-6, f"token_budget/{layout}/chunked_{key}"), (key, rel)
+    for role in ("actor", "critic"):
+        err = max((chunked[role][k] - tokens[role][k]).abs().max().item() for k in tokens[role])
+        assert within(err, 1e-6, f"token_budget/{layout}/chunked_{role}_weights"), (role, err)
+
+
+def test_chunked_functions_at_tp2(runs):
+    """The chunked log-probs (temperature 0.7, a padded vocabulary split over two TP ranks) equal
+    megatron's vocab-parallel cross-entropy bitwise, values and gradients; the chunked entropy its
+    values bitwise and its gradient to fp32 rounding (another order of the same terms)."""
+    results, _ = runs
+    f = results["chunked_functions_tp2"]
+    (lp_full, g_full), (lp_chunk, g_chunk) = f["log_probs"][0], f["log_probs"][4]
+    assert torch.equal(lp_full, lp_chunk) and torch.equal(g_full, g_chunk)
+    assert bool((lp_full < 0).all()) and g_full.abs().max() > 0.1
+    (h_full, g_full), (h_chunk, g_chunk) = f["entropy"][0], f["entropy"][4]
+    assert torch.equal(h_full, h_chunk)
+    # each gradient entry is p_v (z_v - E[z]) x weight, |terms| <= ~10: fp32 rounding ~1e-6 absolute
+    err = (g_full - g_chunk).abs().max().item()
+    assert within(err, 1e-5, "token_budget/chunked_entropy_grad_tp2"), err
+    assert g_full.abs().max() > 0.1

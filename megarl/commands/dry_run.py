@@ -175,8 +175,9 @@ def _memory_lines(cfg, spec, dp: int) -> List[str]:
     else:
         lines.append(f"  {'rollout':<13}hf engine: a full copy of the weights on each DP replica's leader "
                      f"({_gib(actor.total * 4 / GiB)} in fp32)")
-    lines.append("  (activations come on top and depend on the sequence lengths and micro-batch sizes)")
-    return lines
+    from megarl.commands.activation_memory import activation_lines
+
+    return lines + activation_lines(cfg, spec, dp)
 
 
 def dry_run(cfg, world_size: Optional[int] = None) -> dict:

@@ -113,6 +113,7 @@ RANGES = {
     "algo.kl.beta": Range(lo=0), "algo.kl.target": POS, "algo.kl.horizon": COUNT,
     "algo.ppo_epochs": COUNT, "algo.num_mini_batches": COUNT,
     "algo.micro_batch_size": COUNT0, "algo.forward_micro_batch_size": COUNT0,  # 0: all at once
+    "algo.micro_batch_tokens": COUNT0, "algo.log_prob_chunk": COUNT0,  # 0: off
     "algo.dynamic_sampling.max_rounds": COUNT,
     "algo.min_partial_size": Range(lo=1, null=True),
     "algo.rollout_correction.token_is_cap": Range(lo=1, null=True),

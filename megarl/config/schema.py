@@ -268,6 +268,9 @@ class AlgoConfig:
     #: tokens (a longer row gets one of its own) instead of cutting micro_batch_size /
     #: forward_micro_batch_size rows; every DP rank runs as many micro-batches
     micro_batch_tokens: int = 0
+    #: log-probs and entropy from the logits a chunk of this many positions at a time, with no fp32
+    #: copy of the whole logits (megarl/models/chunked_logits.py); 0: the whole micro-batch at once
+    log_prob_chunk: int = 0
     dynamic_sampling: DynamicSampling = field(default_factory=DynamicSampling)
     partial_groups: str = "drop"  # drop | allow_partial
     min_partial_size: Optional[int] = None  # allow_partial: the smallest group kept

@@ -386,7 +386,7 @@ def _validate_recompute(rc) -> None:
 
 def _validate_batches(cfg: TrainConfig, dp: int) -> None:
     """Batch arithmetic: whole groups per mini-batch, equal micro-batches on every DP rank; packing."""
-    a, r, t, p = cfg.algo, cfg.rollout, cfg.trainer, cfg.parallel
+    a, r, t = cfg.algo, cfg.rollout, cfg.trainer
     # batch arithmetic: whole groups per mini-batch, equal micro-batches on every DP rank
     _need(t.prompts_per_iteration % a.num_mini_batches == 0, "algo.num_mini_batches",
           f"{a.num_mini_batches} does not divide trainer.prompts_per_iteration={t.prompts_per_iteration} "
@@ -394,8 +394,6 @@ def _validate_batches(cfg: TrainConfig, dp: int) -> None:
     for key, v in (("algo.micro_batch_size", a.micro_batch_size),
                    ("algo.forward_micro_batch_size", a.forward_micro_batch_size)):
         _need(v >= 0, key, f"must be >= 1, or 0 for the whole batch in one pass, got {v}")
-    _need(a.micro_batch_tokens >= 0, "algo.micro_batch_tokens",
-          f"must be >= 1 (tokens per micro-batch), or 0 for micro-batches of rows, got {a.micro_batch_tokens}")
     mini = t.prompts_per_iteration * r.n // a.num_mini_batches
     # a token budget cuts the update's micro-batches itself (the row counts are unused there)
     _need(a.micro_batch_tokens or a.micro_batch_size == 0 or mini % (dp * a.micro_batch_size) == 0,

@@ -80,14 +80,14 @@ def assemble(cfg, model_path: str, tokenizer_dir: str) -> Parts:
     actor = Actor(model_path, p.tp, p.pp, cfg.actor.optim, total_steps, vocab_multiple=cfg.model.vocab_multiple,
                   offload=cfg.actor.offload, moe_aux_loss_coeff=cfg.actor.moe_aux_loss_coeff,
                   moe_z_loss_coeff=cfg.actor.moe_z_loss_coeff, sequence_parallel=p.sequence_parallel,
-                  overlap_grad_reduce=p.overlap_grad_reduce, recompute=p.recompute)
+                  overlap_grad_reduce=p.overlap_grad_reduce, recompute=p.recompute, log_prob_chunk=a.log_prob_chunk)
     reference = None
     if cfg.reference.enabled:
         from megarl.roles.reference import Reference
 
         reference = Reference(cfg.reference.path or model_path, p.tp, p.pp, version="ref-0",
                               vocab_multiple=cfg.model.vocab_multiple, offload=cfg.reference.offload,
-                              sequence_parallel=p.sequence_parallel)
+                              sequence_parallel=p.sequence_parallel, log_prob_chunk=a.log_prob_chunk)
     critic = None
     if cfg.critic is not None:
         from megarl.roles.critic import Critic

@@ -267,14 +267,16 @@ class Learner:
         old_prod = f.old_log_probs.producer
         ref_prod = f.ref_log_probs.producer if f.ref_log_probs is not None else None
         need_entropy_grad = self.cfg.algo.entropy_coef > 0
+        chunk = self.cfg.algo.log_prob_chunk
         v = version.short_id
 
         def loss_fn(output, mb):
-            lp_all = next_token_terms(output, mb, lambda logits, nxt: token_log_probs_from_logits(logits, nxt, V))
+            lp_all = next_token_terms(output, mb, lambda logits, nxt: token_log_probs_from_logits(logits, nxt, V,
+                                                                                                   chunk=chunk))
             lp = gather_response(lp_all, mb["prompt_lens"], mb["response_lens"], R)
             with torch.set_grad_enabled(need_entropy_grad and torch.is_grad_enabled()):
                 ent = next_token_terms(output if need_entropy_grad else output.detach(), mb,
-                                       lambda logits, _nxt: vocab_parallel_entropy(logits, V))
+                                       lambda logits, _nxt: vocab_parallel_entropy(logits, V, chunk))
                 ent = gather_response(ent, mb["prompt_lens"], mb["response_lens"], R)
             out = actor_loss(
                 lp, old_log_probs=LogProbs(mb["old_log_probs"], old_prod), advantages=mb["advantages"],

@@ -49,16 +49,23 @@ def mask_padded_vocab(logits_shard: torch.Tensor, vocab_size: int) -> torch.Tens
 
 
 def token_log_probs_from_logits(logits_shard: torch.Tensor, targets: torch.Tensor, vocab_size: int,
-                                temperature: float = 1.0) -> torch.Tensor:
+                                temperature: float = 1.0, chunk: int = 0) -> torch.Tensor:
     """``log softmax(logits / T)[target]`` from vocab-parallel logits.
 
     Args:
         logits_shard: ``(b, s, V_padded / tp)`` this TP rank's slice of the logits.
         targets: ``(b, s)`` token ids (global vocabulary).
+        chunk: ``algo.log_prob_chunk``: positions at a time, without an fp32 copy of the whole
+            logits (:mod:`megarl.models.chunked_logits`: the same values, bitwise); 0: all at once.
     Returns:
         ``(b, s)`` log-probs, identical on every TP rank, with gradient to the logits.
     """
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    if chunk:
+        from megarl.models.chunked_logits import chunked_token_log_probs
+
+        return chunked_token_log_probs(logits_shard, targets, vocab_size, temperature, chunk)
 
     logits = mask_padded_vocab(logits_shard, vocab_size)
     if temperature != 1.0:
@@ -516,18 +523,19 @@ def token_terms(values: torch.Tensor, mb) -> torch.Tensor:
 def teacher_forced_log_probs(model, tokens: torch.Tensor, micro_batch_size: int = 0,
                              temperature: float = 1.0, lengths: Optional[torch.Tensor] = None,
                              pack: bool = False, routing: Optional[Routing] = None,
-                             micro_batch_tokens: int = 0) -> torch.Tensor:
+                             micro_batch_tokens: int = 0, log_prob_chunk: int = 0) -> torch.Tensor:
     """``(b, s-1)``: log-prob of ``tokens[:, t+1]`` given ``tokens[:, :t+1]`` on every rank.
 
     With ``lengths`` (each row's real tokens; right padding after them), micro-batches group
     rows of similar length and skip the padding; positions past a row's length are 0.
     ``pack=True``: each micro-batch runs as one packed (THD) sequence (see the module doc);
-    ``micro_batch_tokens``: packed micro-batches cut by that token budget.
+    ``micro_batch_tokens``: packed micro-batches cut by that token budget.  ``log_prob_chunk``:
+    log-probs from the logits that many positions at a time (:func:`token_log_probs_from_logits`).
     ``routing`` (MoE): the rows' routing, replayed and / or compared (:class:`Routing`)."""
     V = unwrap(model).megarl_spec.vocab_size
 
     def on_output(out, toks):
-        return token_log_probs_from_logits(out[:, :-1], toks[:, 1:], V, temperature).float()
+        return token_log_probs_from_logits(out[:, :-1], toks[:, 1:], V, temperature, log_prob_chunk).float()
 
     return _by_length(model, tokens, lengths, micro_batch_size, on_output, trim=1, pack=pack, routing=routing,
                       micro_batch_tokens=micro_batch_tokens)
@@ -591,11 +599,13 @@ def gather_response(per_position: torch.Tensor, prompt_lens: torch.Tensor, respo
 def response_log_probs(model, prompt_ids: torch.Tensor, response_ids: torch.Tensor,
                        attention_mask: torch.Tensor, micro_batch_size: int = 0,
                        temperature: float = 1.0, pack: bool = False,
-                       routing: Optional[RecordRouting] = None, micro_batch_tokens: int = 0) -> torch.Tensor:
+                       routing: Optional[RecordRouting] = None, micro_batch_tokens: int = 0,
+                       log_prob_chunk: int = 0) -> torch.Tensor:
     """Teacher-forced log-prob of every response token, ``(b, R)`` aligned with
     ``response_ids`` (0 at padding), from experience-layout tensors.  Collective over the
     model-parallel group; same result on every rank.  ``pack``: packed (THD) micro-batches;
-    ``micro_batch_tokens``: packed ones cut by that token budget.
+    ``micro_batch_tokens``: packed ones cut by that token budget; ``log_prob_chunk``: see
+    :func:`token_log_probs_from_logits`.
     ``routing`` (MoE): the record's routing of these rows, replayed and / or compared."""
     tokens, plen, rlen = right_align(prompt_ids, response_ids, attention_mask)
     rt = None
@@ -604,11 +614,11 @@ def response_log_probs(model, prompt_ids: torch.Tensor, response_ids: torch.Tens
                               tokens.shape[1], routing.real_rows)
         rt = Routing(rows, routing.replay, routing.stats)
     lp = teacher_forced_log_probs(model, tokens, micro_batch_size, temperature, lengths=plen + rlen, pack=pack,
-                                  routing=rt, micro_batch_tokens=micro_batch_tokens)
+                                  routing=rt, micro_batch_tokens=micro_batch_tokens, log_prob_chunk=log_prob_chunk)
     return gather_response(lp, plen, rlen, response_ids.shape[1])
 
 
-def vocab_parallel_entropy(logits_shard: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def vocab_parallel_entropy(logits_shard: torch.Tensor, vocab_size: int, chunk: int = 0) -> torch.Tensor:
     """Entropy ``-sum_v p_v log p_v`` of softmax(logits) from vocab-parallel logits, ``(b, s)``.
 
     H = log Z - sum_v p_v z_v with Z = sum_v exp(z_v): the two sums are all-reduced over the TP
@@ -616,10 +626,16 @@ def vocab_parallel_entropy(logits_shard: torch.Tensor, vocab_size: int) -> torch
     identity: every TP rank computes the same loss from the reduced sums, so each shard's gradient
     is its own part of that one loss's.  (``torch.distributed.nn.functional.all_reduce`` sums the
     gradients in its backward instead, which scaled an entropy bonus's gradient by tp.)  Padded
-    vocabulary rows are excluded.
+    vocabulary rows are excluded.  ``chunk`` (``algo.log_prob_chunk``): that many positions at a
+    time (:mod:`megarl.models.chunked_logits`: the same values, bitwise; gradients to fp32 noise).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+    if chunk:
+        from megarl.models.chunked_logits import chunked_entropy
+
+        return chunked_entropy(logits_shard, vocab_size, chunk)
 
     z = mask_padded_vocab(logits_shard, vocab_size).float()
     group = ps.get_tensor_model_parallel_group()

@@ -28,8 +28,10 @@ class Actor(HostOffload):
 
     def __init__(self, path: str, tp: int, pp: int, optim, total_steps: int, vocab_multiple: int = 128,
                  offload: bool = False, moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: Optional[float] = None,
-                 sequence_parallel: bool = False, overlap_grad_reduce: bool = False, recompute=None):
+                 sequence_parallel: bool = False, overlap_grad_reduce: bool = False, recompute=None,
+                 log_prob_chunk: int = 0):
         self.path = path
+        self.log_prob_chunk = log_prob_chunk  # algo.log_prob_chunk, for the forward-only log-probs
         self.model = load_model(path, tp=tp, pp=pp, vocab_multiple=vocab_multiple,
                                 moe_aux_loss_coeff=moe_aux_loss_coeff, moe_z_loss_coeff=moe_z_loss_coeff,
                                 sequence_parallel=sequence_parallel, recompute=recompute)
@@ -57,7 +59,8 @@ class Actor(HostOffload):
         micro-batches cut by that token budget; ``routing`` (MoE): the rows' recorded routing,
         replayed and / or compared."""
         return response_log_probs(self.ddp, prompt_ids, response_ids, attention_mask, micro_batch_size, pack=pack,
-                                  routing=routing, micro_batch_tokens=micro_batch_tokens)
+                                  routing=routing, micro_batch_tokens=micro_batch_tokens,
+                                  log_prob_chunk=self.log_prob_chunk)
 
     def train_step(self, micro_batches: Sequence[Dict[str, torch.Tensor]],
                    loss_fn: Callable, after_optimizer_step: Optional[Callable[[], None]] = None,

@@ -19,7 +19,8 @@ from megarl.models.weights import unwrap
 
 class Reference:
     def __init__(self, path: str, tp: int, pp: int, version: str, vocab_multiple: int = 128,
-                 offload: bool = False, sequence_parallel: bool = False):
+                 offload: bool = False, sequence_parallel: bool = False, log_prob_chunk: int = 0):
+        self.log_prob_chunk = log_prob_chunk  # algo.log_prob_chunk
         self.model = load_model(path, tp=tp, pp=pp, vocab_multiple=vocab_multiple, sequence_parallel=sequence_parallel)
         self.model.eval()
         for p in self.model.parameters():
@@ -43,7 +44,8 @@ class Reference:
         ``micro_batch_tokens``: packed micro-batches cut by that token budget."""
         with self._on_device():
             return response_log_probs(self.model, prompt_ids, response_ids, attention_mask, micro_batch_size,
-                                      pack=pack, micro_batch_tokens=micro_batch_tokens)
+                                      pack=pack, micro_batch_tokens=micro_batch_tokens,
+                                      log_prob_chunk=self.log_prob_chunk)
 
     @torch.no_grad()
     def refresh_from(self, actor_model, version: str) -> None:

@@ -28,6 +28,10 @@ Rows (each a pass/fail with its figures; a row whose inputs failed is "not run")
    output rendered by the tiny chat template in between; every policy token is what the engine
    sampled (the per-sample audit) and its raw log-prob equals the megatron actor's teacher-forced
    log-prob over the whole trajectory, environment tokens included as context.
+10. (after the packed forward) ``algo.micro_batch_tokens`` and ``algo.log_prob_chunk``: one optimizer step
+   on packed token-budget micro-batches (THD through TE's attention, in training) has the padded
+   step's gradient norm (bf16: 2e-2 relative); chunked log-probs equal megatron's kernel's, and the
+   log-prob pass's peak CUDA memory with and without chunking is reported.
 """
 
 from __future__ import annotations
@@ -468,6 +472,66 @@ def check_packed(ctx):
             f"{B} rows, mbs 16: padded {secs[False][0] * 1e3:.1f} ms, packed {secs[True][0] * 1e3:.1f} ms")
 
 
+def check_token_budget(ctx):
+    """algo.micro_batch_tokens and algo.log_prob_chunk on CUDA: one optimizer step on packed
+    token-budget micro-batches (THD through TE's attention, in training) has the padded step's
+    gradient norm, and chunked log-probs equal megatron's kernel's while the pass's peak CUDA memory
+    drops by about the fp32 logits."""
+    from megarl.experience.token_budget import first_fit
+    from megarl.models.forward import (PackedMicroBatch, next_token_terms, response_log_probs,
+                                       token_log_probs_from_logits)
+    from megarl.models.optim import train_step
+
+    g = torch.Generator().manual_seed(5)
+    lengths = [int(n) for n in torch.randint(12, 200, (24,), generator=g)]  # >= the 8 prompt tokens below
+    lengths[0] = 900  # the tail
+    tokens = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    for i, n in enumerate(lengths):
+        tokens[i, :n] = torch.randint(10, 1000, (n,), generator=g)
+    lens = torch.tensor(lengths)
+    mask = (torch.arange(tokens.shape[1] - 1)[None, :] < (lens - 1)[:, None]).float()
+    V = unwrap_spec(ctx.ddp).vocab_size
+    norm = float(mask.sum())
+
+    def loss_fn(output, mb):
+        lp = next_token_terms(output, mb, lambda logits, nxt: token_log_probs_from_logits(logits, nxt, V))
+        return -(lp * mb["loss_mask"][:, :lp.shape[1]]).sum() / norm, {}
+
+    padded = [{"tokens": tokens[i:i + 4], "loss_mask": mask[i:i + 4]} for i in range(0, len(lengths), 4)]
+    packed = []
+    for rows in first_fit(lengths, 1024):
+        idx = torch.tensor(rows)
+        w = int(lens[idx].max())
+        packed.append({"tokens": tokens[idx, :w], "loss_mask": mask[idx, :w - 1],
+                       "packed": PackedMicroBatch.from_rows(tokens[idx, :w], lens[idx])})
+    start = {k: v.detach().clone() for k, v in ctx.ddp.state_dict().items() if torch.is_tensor(v)}
+    norms = []
+    for mbs in (padded, packed):
+        ctx.ddp.load_state_dict(start, strict=False)
+        norms.append(train_step(ctx.ddp, ctx.opt, mbs, loss_fn).grad_norm)
+    ctx.ddp.load_state_dict(start, strict=False)
+    rel = abs(norms[1] - norms[0]) / norms[0]
+    assert rel < 2e-2, f"grad norm padded {norms[0]:.5f} vs token budget {norms[1]:.5f} (bf16: 2e-2 relative)"
+    prompt, resp = tokens[:, :8].cuda(), tokens[:, 8:].cuda()
+    attn = (torch.arange(tokens.shape[1])[None, :] < lens[:, None]).long().cuda()
+    peaks, outs = {}, {}
+    for chunk in (0, 64):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        outs[chunk] = response_log_probs(ctx.ddp, prompt, resp, attn, 0, log_prob_chunk=chunk)
+        peaks[chunk] = torch.cuda.max_memory_allocated() - base
+    assert torch.equal(outs[0], outs[64]), "chunked log-probs differ from megatron's kernel's"
+    return (f"grad norm padded {norms[0]:.5f}, token budget {norms[1]:.5f} ({len(padded)} vs {len(packed)} "
+            f"micro-batches); log-prob pass peak {peaks[0] / 2**20:.0f} MiB whole, {peaks[64] / 2**20:.0f} MiB chunked")
+
+
+def unwrap_spec(model):
+    from megarl.models.weights import unwrap
+
+    return unwrap(model).megarl_spec
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None, help="also write the rows here")
@@ -492,7 +556,8 @@ def main(argv=None) -> int:
                  "TP=1 weight sync bandwidth",
                  "weight checksum: GPU == CPU, GB/s",
                  "packed (THD, TE) forward-only = padded",
-                 "agent sessions: input_ids continuation, policy tokens = actor's log-probs"]
+                 "agent sessions: input_ids continuation, policy tokens = actor's log-probs",
+                 "token-budget update (THD on TE) = padded; chunked log-probs, peak memory"]
         try:
             table.run(names[0], lambda: check_setup(ctx))
             table.run(names[1], lambda: check_greedy(ctx), needs=(names[0],))
@@ -508,6 +573,7 @@ def main(argv=None) -> int:
             table.run(names[7], lambda: check_bandwidth(ctx), needs=(names[0],))
             table.run(names[8], lambda: check_checksum(ctx))
             table.run(names[9], lambda: check_packed(ctx), needs=(names[0],))
+            table.run(names[11], lambda: check_token_budget(ctx), needs=(names[9],))
         finally:
             if ctx.engine is not None:
                 ctx.engine.shutdown()

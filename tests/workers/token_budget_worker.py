@@ -38,6 +38,35 @@ OVERRIDES = ["rollout.n=3", f"trainer.prompts_per_iteration={GROUPS}", "algo.num
              "critic.optim.optimizer=sgd", "critic.optim.lr=0.5", "critic.optim.clip_grad=0.0",
              "algo.entropy_coef=0.01", "algo.kl.placement=loss", "algo.kl.beta=0.05"]
 BUDGET = 16
+#: algo.log_prob_chunk in the third mode: log-probs and entropy 3 positions at a time
+CHUNK = 3
+
+
+def chunked_functions():
+    """megarl/models/chunked_logits.py against the whole-tensor functions on this TP rank's shard of
+    one set of logits (a padded vocabulary, a temperature): values, and gradients of a weighted sum."""
+    from megatron.core import parallel_state as ps
+
+    from megarl.models.forward import token_log_probs_from_logits, vocab_parallel_entropy
+
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    gen = torch.Generator().manual_seed(3)
+    V, padded = 301, 304
+    full = torch.randn(3, 19, padded, generator=gen) * 3
+    shard = full[..., rank * padded // tp:(rank + 1) * padded // tp]
+    targets = torch.randint(0, V, (3, 19), generator=gen)
+    weights = torch.randn(3, 18, generator=gen)
+    out = {}
+    for name, fn in (("log_probs", lambda x, c: token_log_probs_from_logits(x[:, :-1], targets[:, 1:], V, 0.7, c)),
+                     ("entropy", lambda x, c: vocab_parallel_entropy(x[:, :-1], V, c))):
+        got = {}
+        for chunk in (0, 4):
+            x = shard.clone().requires_grad_()
+            val = fn(x, chunk)
+            (val * weights).sum().backward()
+            got[chunk] = (val.detach(), x.grad)
+        out[name] = got
+    return out
 
 
 def ppo_batch():
@@ -70,10 +99,10 @@ def ppo_batch():
     return v, with_derived(seal(ExperienceBatch(facts)), derived)
 
 
-def update(a, tp, pp, sp, budget):
+def update(a, tp, pp, sp, budget, chunk=0):
     from megatron.core import parallel_state as ps
 
-    cfg = load_config(PPO_RECIPE, OVERRIDES + [f"algo.micro_batch_tokens={budget}"])
+    cfg = load_config(PPO_RECIPE, OVERRIDES + [f"algo.micro_batch_tokens={budget}", f"algo.log_prob_chunk={chunk}"])
     actor = Actor(a.hf, tp, pp, cfg.actor.optim, total_steps=4, vocab_multiple=16, sequence_parallel=sp)
     critic = Critic(cfg.critic, actor.model, tp, pp, total_steps=4, vocab_multiple=16, sequence_parallel=sp)
     v, batch = ppo_batch()
@@ -107,7 +136,10 @@ def main():
     results = {}
     for tag, tp, pp, sp in (("tp2", 2, 1, False), ("pp2", 1, 2, False), ("dp2", 1, 1, False), ("tp2sp", 2, 1, True)):
         rt.initialize(tp=tp, pp=pp)
-        results[tag] = {"padded": update(a, tp, pp, sp, 0), "tokens": update(a, tp, pp, sp, BUDGET)}
+        results[tag] = {"padded": update(a, tp, pp, sp, 0), "tokens": update(a, tp, pp, sp, BUDGET),
+                        "chunked": update(a, tp, pp, sp, BUDGET, chunk=CHUNK)}
+        if tag == "tp2":
+            results["chunked_functions_tp2"] = chunked_functions()
     if rt.is_main():
         torch.save(results, os.path.join(a.out, "token_budget.pt"))
     rt.shutdown()

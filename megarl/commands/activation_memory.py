@@ -1,0 +1,102 @@
+"""The dry run's estimate of the update's activation memory per GPU, from config.json and the keys.
+
+After Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
+arXiv 2205.05198), for the layers megarl builds on CUDA (transformer-engine: flash attention, so no
+``s x s`` score tensor is kept; RMSNorm; SwiGLU MLPs; bf16 activations, 2 bytes).  Per decoder
+layer and micro-batch of ``T`` tokens, what the backward keeps:
+
+* attention: the norm's input and output (``2h``), Q, K, V (``q + 2 kv``), the attention output
+  (``q``), then the MLP's norm input and output (``2h``);
+* MLP: gate and up outputs and the SwiGLU output (``3f``); an MoE layer instead keeps ``top_k`` of
+  its experts' (``3 f_moe`` each, over expert TP) and the shared expert's, and the router's fp32
+  logits (``4 E`` bytes);
+
+``2 T (4h + 2q + 2kv + 3f)`` bytes, where TP splits ``q``, ``kv`` and ``f`` and sequence parallelism
+also the ``h`` terms (megatron saves the sequence-parallel shard and gathers it again in the
+backward).  Recomputation keeps less: ``full`` only each recomputed chunk's input (``2 T h``, /tp
+under SP) plus one chunk's activations while it is recomputed; ``selective`` drops the named parts
+(``mlp``: its inner ``3f``; ``layernorm``: the norms' outputs; ``moe`` / ``moe_act``: the experts'
+inner tensors; ``core_attn`` nothing more with flash attention, which keeps no scores).  Under
+1F1B the first pipeline stage holds ``min(pp, micro-batches)`` micro-batches in flight.  The last
+stage adds the logits (``2 T V/tp``), their gradient (the same) and, without
+``algo.log_prob_chunk``, the fp32 softmax megatron's cross-entropy keeps (``4 T V/tp``).
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+GiB = 1024 ** 3
+
+
+def micro_batch_tokens(cfg, dp: int) -> tuple:
+    """``(tokens of one micro-batch, how they were counted)``: the token budget, or the rows of a
+    micro-batch at the longest prompt plus the longest response (padded to the batch's longest)."""
+    a, r, t = cfg.algo, cfg.rollout, cfg.trainer
+    if a.micro_batch_tokens:
+        return a.micro_batch_tokens, f"algo.micro_batch_tokens={a.micro_batch_tokens}"
+    rows = a.micro_batch_size or max(t.prompts_per_iteration * r.n // a.num_mini_batches // dp, 1)
+    width = cfg.data.max_prompt_tokens + r.max_new_tokens
+    return rows * width, (f"{rows} row(s) x ({cfg.data.max_prompt_tokens} prompt + {r.max_new_tokens} response "
+                          "tokens), padded to the longest")
+
+
+def _layer_bytes(spec, i: int, T: int, tp: int, etp: int, sp: bool, drop: set) -> float:
+    """Bytes one decoder layer keeps for its backward (module doc), without recomputation but
+    for the selectively recomputed parts in ``drop``."""
+    h, d = spec.hidden_size, spec.head_dim
+    q, kv = spec.num_attention_heads * d, spec.num_query_groups * d
+    seq = tp if sp else 1
+    norms_in, norms_out = 2 * h / seq, (0 if "layernorm" in drop else 2 * h / seq)
+    attn = (2 * q + 2 * kv) / tp
+    moe = getattr(spec, "moe", None)
+    if moe is not None and moe.moe_layers[i]:
+        inner = 0 if drop & {"moe", "moe_act"} else moe.top_k * 3 * moe.ffn_hidden_size / etp
+        shared = 3 * (moe.shared_expert_ffn_hidden_size or 0) / tp
+        mlp = inner + (0 if "shared_experts" in drop else shared) + h / seq  # the experts' input tokens
+        router = 2 * moe.num_experts / seq  # fp32 logits: 4 bytes = 2 x 2
+    else:
+        mlp, router = (0 if "mlp" in drop else 3 * spec.ffn_hidden_size / tp), 0
+    return 2 * T * (norms_in + norms_out + attn + mlp + router)
+
+
+def activation_lines(cfg, spec, dp: int) -> List[str]:
+    """The dry run's lines on the update's activation memory (module doc)."""
+    p, a = cfg.parallel, cfg.algo
+    T, how = micro_batch_tokens(cfg, dp)
+    tp, pp = p.tp, p.pp
+    etp = p.etp or p.tp
+    sp = bool(p.sequence_parallel and tp > 1)
+    rc = p.recompute
+    layers = -(-spec.num_layers // pp)  # the first stage's
+    drop = set(rc.modules) if rc.granularity == "selective" else set()
+    per_layer = [_layer_bytes(spec, i, T, tp, etp, sp, drop) for i in range(layers)]
+    if rc.granularity == "full":
+        n = max(rc.num_layers, 1)
+        chunk_input = 2 * T * spec.hidden_size / (tp if sp else 1)
+        if rc.method == "block":
+            kept = sum(per_layer[n:]) + min(n, layers) * chunk_input + max(per_layer[:n], default=0)
+        else:
+            kept = -(-layers // n) * chunk_input + sum(sorted(per_layer)[-n:])
+        mode = f"full ({rc.method}, {n} layer(s) a chunk)"
+    else:
+        kept = sum(per_layer)
+        mode = f"selective ({', '.join(rc.modules)})" if rc.granularity == "selective" else "none"
+    rows_per_rank = cfg.trainer.prompts_per_iteration * cfg.rollout.n // a.num_mini_batches // dp
+    micro = max(rows_per_rank // a.micro_batch_size, 1) if (a.micro_batch_size and not a.micro_batch_tokens) else pp
+    inflight = min(pp, micro)
+    vocab = spec.padded_vocab_size(cfg.model.vocab_multiple) / tp
+    logits = 2 * 2 * T * vocab + (0 if a.log_prob_chunk else 4 * T * vocab)
+    fp32_note = (f"chunked: {a.log_prob_chunk} positions at a time" if a.log_prob_chunk
+                 else f"incl. the fp32 softmax {4 * T * vocab / GiB:.1f} GiB; algo.log_prob_chunk drops it")
+    total = inflight * kept + logits
+    return [
+        f"activations per GPU in the update (bf16, flash attention; arXiv 2205.05198's accounting): a micro-batch "
+        f"of {T} tokens ({how}); sequence parallelism {'on' if sp else 'off'}; recompute {mode}",
+        f"  layers  {layers} on the first stage x {inflight} micro-batch(es) in flight (1F1B at pp {pp}): "
+        f"{inflight * kept / GiB:.1f} GiB ({kept / max(layers, 1) / GiB * 1024:.0f} MiB a layer a micro-batch)",
+        f"  logits  {logits / GiB:.1f} GiB on the last stage ({fp32_note})",
+        f"  total   ~{total / GiB:.1f} GiB (left out: the sequence gathered under SP while a layer runs, the MoE "
+        "dispatcher's permutation buffers, megatron's temporary buffers, allocator fragmentation; "
+        "context parallelism is not built yet; measured on CPU: bench/scale.py)",
+    ]
