@@ -47,10 +47,10 @@ class FakeLogProbRole:
         self.calls = Counter()
         self.routings = []  # the MoE routing each call was given (None: the router's own)
 
-    def log_probs(self, prompt_ids, response_ids, attention_mask, mbs, pack=False, routing=None):
+    def log_probs(self, prompt_ids, response_ids, attention_mask, mbs, pack=False, routing=None, micro_batch_tokens=0):
         self.calls["log_probs"] += 1
         self.routings.append(routing)
-        assert prompt_ids.shape[0] == self.truth.shape[0] and mbs == 0 and pack is False  # the config's
+        assert prompt_ids.shape[0] == self.truth.shape[0] and mbs == 0 and pack is False and micro_batch_tokens == 0
         return self.truth + self.shift * self.mask
 
     def onload(self):
