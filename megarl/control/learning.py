@@ -2,8 +2,9 @@
 
 ``ppo_epochs`` x ``num_mini_batches`` optimizer steps; each mini-batch holds whole groups
 (seeded shuffle) and is padded to equal micro-batches on every DP rank with rows whose loss
-mask is 0, so every rank runs the same number of forward/backward passes under one global
-normaliser.  The actor (and critic) step through megatron's forward-backward schedule, so PP
+mask is 0 -- or, with ``algo.micro_batch_tokens``, packed into token-budget micro-batches, as many
+on every DP rank (:func:`token_micro_batches`) -- so every rank runs the same number of
+forward/backward passes under one global normaliser.  The actor (and critic) step through megatron's forward-backward schedule, so PP
 works.  A step is *guarded*: an exception or a non-finite grad norm on any rank makes every
 rank abandon the update together; the actor and critic are then rolled back to v from a host
 snapshot (proven by the weight manifest on every rank) and the update is retried, skipped or

@@ -13,7 +13,11 @@ rows of each micro-batch back to back in one ``[1, total]`` sequence with megatr
 ``PackedSeqParams(qkv_format="thd")``: attention never crosses a ``cu_seqlens`` boundary and
 RoPE restarts at 0 in every sequence, so each row's outputs equal the padded forward's up to
 float rounding.  On CUDA this is transformer-engine's varlen attention; without TE the local
-attention gets its THD path from ``megarl.runtime.cpu_compat`` (CPU only).
+attention gets its THD path from ``megarl.runtime.cpu_compat`` (CPU only).  With
+``micro_batch_tokens`` (``algo.micro_batch_tokens``) the packed micro-batches are cut by a token
+budget instead of a row count; the update's packed micro-batches
+(:func:`megarl.models.optim.train_step`) reach their loss through :func:`next_token_terms` and
+:func:`token_terms`.
 """
 
 from __future__ import annotations
