@@ -350,7 +350,7 @@ def test_print_config_and_dry_run_on_every_recipe(tmp_path):
     assert ("a micro-batch of 16384 tokens (algo.micro_batch_tokens=16384); sequence parallelism on; recompute full "
             "(uniform, 1 layer(s) a chunk)") in out
     assert "logits  2.3 GiB on the last stage (chunked: 4096 positions at a time)" in out
-    assert "left out:" in out and "context parallelism is not built yet" in out
+    assert "left out:" in out and "the K/V chunks context parallelism exchanges" in out
 
 
 def test_param_count_matches_the_published_sizes():
@@ -396,6 +396,11 @@ def test_activation_estimate_by_recompute_sequence_parallelism_and_chunking():
     # without a token budget: 2 rows of 1024 + 2048 tokens, padded to the longest
     _, lines = estimate("algo.micro_batch_tokens=0")
     assert "a micro-batch of 6144 tokens (2 row(s) x (1024 prompt + 2048 response tokens)" in lines[0]
+    # context parallelism: each of the cp ranks keeps its half of every token's activations and logits
+    cp, lines = estimate("algo.micro_batch_tokens=0", "parallel.cp=2")
+    assert "a micro-batch of 6144 tokens" in lines[0] and "3072 on each of cp 2 ranks" in lines[0]
+    padded, _ = estimate("algo.micro_batch_tokens=0")
+    assert abs(cp - padded / 2) < 0.1
 
 
 # ---- the resume story -------------------------------------------------------------------------

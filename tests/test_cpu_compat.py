@@ -412,3 +412,28 @@ def test_recompute_needs_the_accommodations_and_runs_with_them():
         "print('fixed')\n"
     )
     assert _run_without_cuda(code) == ["no-rng-state", "fp8", "recompute-outside-mode", "fixed"]
+
+
+def test_local_attention_context_parallel_surface():
+    """The context-parallel stand-in: megatron's local attention still refuses cp > 1 (else the
+    wrapper can go), the constructor's signature is the one the wrapper forwards, and megatron
+    still pins the index it picks each CP rank's RoPE rows with (the mode drops the pinning)."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    original = getattr(DotProductAttention.__init__, "__wrapped__", DotProductAttention.__init__)
+    assert "Context parallelism is only supported by TEDotProductAttention" in inspect.getsource(original)
+    assert list(inspect.signature(original).parameters)[:2] == ["self", "config"]
+    assert "pin_memory=True" in inspect.getsource(rope_utils.get_pos_emb_on_this_cp_rank)
+
+
+@CPU_ONLY
+def test_pinned_allocations_land_in_plain_memory_inside_megatron():
+    import torch
+
+    with pytest.raises(RuntimeError, match="pin_memory"):
+        torch.tensor([1, 2], device="cpu", pin_memory=True)
+    cpu_compat.install()
+    with cpu_compat.megatron_scope():
+        t = torch.tensor([1, 2], device="cpu", pin_memory=True)
+    assert t.tolist() == [1, 2] and not t.is_pinned()

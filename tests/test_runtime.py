@@ -10,9 +10,14 @@ from megarl.runtime.distributed import ParallelConfigError, ParallelLayout
 from tests._dist import ROOT
 
 
-def test_layout_rejects_context_parallel_and_unfit_expert_parallel_by_name():
-    with pytest.raises(ParallelConfigError, match=r"parallel\.cp=2"):
-        ParallelLayout(cp=2).validate(4)
+def test_layout_sizes_context_and_expert_parallel_and_rejects_unfit_ones_by_name():
+    # context parallelism: dp = world / (tp x pp x cp)
+    assert ParallelLayout(cp=2).validate(4) == 2
+    assert ParallelLayout(tp=2, cp=2).validate(8) == 2
+    with pytest.raises(ParallelConfigError, match=r"tp\*pp\*cp = 1\*1\*2 = 2"):
+        ParallelLayout(cp=2).validate(3)
+    with pytest.raises(ParallelConfigError, match=r"parallel\.cp must be >= 1"):
+        ParallelLayout(cp=0).validate(2)
     # expert parallelism: the EP groups come out of the data-parallel ranks (etp * ep * pp | world)
     assert ParallelLayout(ep=2).validate(4) == 4
     assert ParallelLayout(tp=2, ep=2).validate(4) == 2
@@ -23,7 +28,7 @@ def test_layout_rejects_context_parallel_and_unfit_expert_parallel_by_name():
         ParallelLayout(tp=2, ep=2).validate(2)
     with pytest.raises(ParallelConfigError, match=r"parallel\.etp"):
         ParallelLayout(etp=0).validate(2)
-    with pytest.raises(ParallelConfigError, match="not divisible by tp\\*pp"):
+    with pytest.raises(ParallelConfigError, match="not divisible by tp\\*pp\\*cp"):
         ParallelLayout(tp=2, pp=2).validate(6)
     assert ParallelLayout(tp=2, pp=1).validate(8) == 4
 

@@ -19,7 +19,9 @@ under SP) plus one chunk's activations while it is recomputed; ``selective`` dro
 inner tensors; ``core_attn`` nothing more with flash attention, which keeps no scores).  Under
 1F1B the first pipeline stage holds ``min(pp, micro-batches)`` micro-batches in flight.  The last
 stage adds the logits (``2 T V/tp``), their gradient (the same) and, without
-``algo.log_prob_chunk``, the fp32 softmax megatron's cross-entropy keeps (``4 T V/tp``).
+``algo.log_prob_chunk``, the fp32 softmax megatron's cross-entropy keeps (``4 T V/tp``).  Context
+parallelism (``parallel.cp``) gives each rank ``T / cp`` of a micro-batch's tokens: every term
+above is per rank's tokens.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def _layer_bytes(spec, i: int, T: int, tp: int, etp: int, sp: bool, drop: set) -
 def activation_lines(cfg, spec, dp: int) -> List[str]:
     """The dry run's lines on the update's activation memory (module doc)."""
     p, a = cfg.parallel, cfg.algo
-    T, how = micro_batch_tokens(cfg, dp)
+    tokens, how = micro_batch_tokens(cfg, dp)
+    T = -(-tokens // p.cp)  # this context-parallel rank's share of them
     tp, pp = p.tp, p.pp
     etp = p.etp or p.tp
     sp = bool(p.sequence_parallel and tp > 1)
@@ -92,11 +95,12 @@ def activation_lines(cfg, spec, dp: int) -> List[str]:
     total = inflight * kept + logits
     return [
         f"activations per GPU in the update (bf16, flash attention; arXiv 2205.05198's accounting): a micro-batch "
-        f"of {T} tokens ({how}); sequence parallelism {'on' if sp else 'off'}; recompute {mode}",
+        f"of {tokens} tokens ({how}){f', {T} on each of cp {p.cp} ranks' if p.cp > 1 else ''}; "
+        f"sequence parallelism {'on' if sp else 'off'}; recompute {mode}",
         f"  layers  {layers} on the first stage x {inflight} micro-batch(es) in flight (1F1B at pp {pp}): "
         f"{inflight * kept / GiB:.1f} GiB ({kept / max(layers, 1) / GiB * 1024:.0f} MiB a layer a micro-batch)",
         f"  logits  {logits / GiB:.1f} GiB on the last stage ({fp32_note})",
         f"  total   ~{total / GiB:.1f} GiB (left out: the sequence gathered under SP while a layer runs, the MoE "
-        "dispatcher's permutation buffers, megatron's temporary buffers, allocator fragmentation; "
-        "context parallelism is not built yet; measured on CPU: bench/scale.py)",
+        "dispatcher's permutation buffers, megatron's temporary buffers, allocator fragmentation, the K/V chunks "
+        "context parallelism exchanges; measured on CPU: bench/scale.py)",
     ]

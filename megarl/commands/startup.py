@@ -223,7 +223,7 @@ def write_run_files(cfg, run_dir: str, cfg_hash: str, world: int, dp: int, sourc
     os.makedirs(run_dir, exist_ok=True)
     OmegaConf.save(OmegaConf.structured(cfg), os.path.join(run_dir, "config.yaml"))
     info = {"config_hash": cfg_hash, "recipe": cfg.recipe, "run_id": cfg.trainer.run_id,
-            "world_size": world, "tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp,
+            "world_size": world, "tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "cp": cfg.parallel.cp, "dp": dp,
             "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "argv": sys.argv}
     if sources:  # Hub ids the config named: id, revision and the commit the run loaded
         info["sources"] = sources

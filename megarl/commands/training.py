@@ -68,8 +68,8 @@ def run_training(cfg, world: int, start: Start) -> dict:
             stats = serve_rollout_rank(cfg, world_side)
             world_side.close()
             return {"role": "rollout", **stats}
-    rt.initialize(tp=cfg.parallel.tp, pp=cfg.parallel.pp, ep=cfg.parallel.ep, etp=cfg.parallel.etp,
-                  seed=cfg.trainer.seed)
+    p = cfg.parallel
+    rt.initialize(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, seed=cfg.trainer.seed)
     run_dir = broadcast_object(cfg.trainer.run_dir or default_run_dir(cfg))
     cfg.trainer.run_dir = run_dir
     cfg.trainer.run_id = cfg.trainer.run_id or os.path.basename(os.path.normpath(run_dir)).replace("/", "-")
@@ -95,8 +95,9 @@ def run_training(cfg, world: int, start: Start) -> dict:
 
 def _start_line(cfg, world: int, dp: int, run_dir: str, h: str) -> str:
     split = cfg.placement.mode == "split"
+    cp = f" x cp {cfg.parallel.cp}" if cfg.parallel.cp > 1 else ""
     side = (f"world {world} = {world - cfg.placement.rollout_ranks} trainer rank(s): " if split else f"world {world} = ")
     rollout = (f" + {cfg.placement.rollout_ranks} rollout rank(s) (placement split, async_rl.max_staleness="
                f"{cfg.async_rl.max_staleness})" if split else "")
     return (f"megarl.train: recipe {cfg.recipe}, {cfg.algo.name} ({cfg.algo.advantage}), {side}"
-            f"tp {cfg.parallel.tp} x pp {cfg.parallel.pp} x dp {dp}{rollout}, run dir {run_dir}, config {h[:15]}")
+            f"tp {cfg.parallel.tp} x pp {cfg.parallel.pp}{cp} x dp {dp}{rollout}, run dir {run_dir}, config {h[:15]}")

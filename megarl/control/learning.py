@@ -324,10 +324,13 @@ class Learner:
     def _reduce_step_metrics(self, local: List[Dict[str, float]]) -> Dict[str, float]:
         """One optimizer step's micro-batch metrics (they live on the last PP stage) reduced over
         micro-batches and DP ranks: loss shares summed, ratio tails min / max, the rest
-        token-weighted means."""
+        token-weighted means.  Each replica reports once: its TP ranks and its context-parallel
+        ranks computed the same loss of the same rows (summing them would count every row cp times)."""
         from megatron.core import parallel_state as ps
 
-        mine = local if (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0) else []
+        reporter = (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+                    and ps.get_context_parallel_rank() == 0)
+        mine = local if reporter else []
         allm = [d for part in gather_objects(mine) for d in part]
         out: Dict[str, float] = {}
         for key in sorted({k for d in allm for k in d}):

@@ -14,6 +14,7 @@ with and without transformer-engine) placed over the expert-parallel group.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -56,6 +57,9 @@ class BuildOptions:
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None
     recompute_modules: Optional[tuple] = None
+    #: context-parallel size (``parallel.cp``): each sequence split over cp ranks
+    #: (:mod:`megarl.models.context_parallel`); None: the initialised parallel state's
+    cp: Optional[int] = None
 
     @property
     def resolved_etp(self) -> int:
@@ -68,8 +72,11 @@ class BuildOptions:
 
     @property
     def sequence_multiple(self) -> int:
-        """What a forward's sequence length must be a multiple of (tp under sequence parallelism)."""
-        return self.tp if self.resolved_sp else 1
+        """What a forward's sequence length must be a multiple of: tp under sequence parallelism,
+        times 2 x cp under context parallelism (each CP rank holds two of 2 x cp chunks, which
+        sequence parallelism splits again over tp)."""
+        cp = self.cp or 1
+        return (self.tp if self.resolved_sp else 1) * (2 * cp if cp > 1 else 1)
 
     def resolved_te(self) -> bool:
         if self.use_transformer_engine is None:
@@ -148,6 +155,7 @@ def transformer_config(spec: ModelSpec, opts: BuildOptions):
         cross_entropy_loss_fusion=False,
         tensor_model_parallel_size=opts.tp,
         pipeline_model_parallel_size=opts.pp,
+        context_parallel_size=opts.cp or 1,
         sequence_parallel=opts.resolved_sp,
         params_dtype=opts.params_dtype,
         pipeline_dtype=opts.params_dtype,
@@ -285,6 +293,11 @@ def build_model(spec: ModelSpec, opts: BuildOptions, seed: int = 1234):
             f"build options tp={want[0]} pp={want[1]} ep={want[2]} etp={want[3]} disagree with the "
             f"initialised parallel state tp={have[0]} pp={have[1]} ep={have[2]} etp={have[3]}"
         )
+    cp = ps.get_context_parallel_world_size()
+    if opts.cp is None:
+        opts = dataclasses.replace(opts, cp=cp)
+    elif opts.cp != cp:
+        raise ModelConfigError(f"build options cp={opts.cp} disagree with the initialised parallel state cp={cp}")
     cpu_compat.seed_megatron_rng(seed)
     config = transformer_config(spec, opts)
     pre = parallel_state.is_pipeline_first_stage()

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.experience.packing import PackedLayout, pack, pack_layout, unpack
+from megarl.models import context_parallel
 from megarl.models.router_replay import (RecordRouting, RouterTargets, RoutingStats, RowRouting, record_to_rows,
                                          routed)
 from megarl.models.weights import unwrap
@@ -156,6 +157,35 @@ MicroBatch = Union[torch.Tensor, PackedMicroBatch]
 
 
 @dataclass(frozen=True)
+class PositionWise:
+    """A forward-only pass's output function given position by position: ``fn(outputs (n, t,
+    ...), labels (n, t)) -> (n, t, ...)``; with ``shift`` the labels are the next tokens and the
+    last position (which predicts past the sequence) is dropped.
+
+    Called as ``on_output(output, tokens)`` on a whole sequence, it is the function
+    :func:`forward_only` has always taken.  Given position by position, the same function runs on
+    a context-parallel rank's share of a sequence (:mod:`megarl.models.context_parallel`: labels
+    shifted on the whole row, then split; the per-position results gathered back to rows)."""
+
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    shift: bool
+
+    def __call__(self, output: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        if self.shift:
+            return self.fn(output[:, :-1], tokens[:, 1:])
+        return self.fn(output, tokens)
+
+    def on_context_parallel_share(self, output: torch.Tensor, tokens: torch.Tensor, width: int) -> torch.Tensor:
+        """The whole rows' result from this CP rank's ``output`` (its positions of ``tokens``, the
+        whole padded rows), cut to ``width`` (less the shifted position)."""
+        from megarl.models import context_parallel
+
+        labels = context_parallel.shifted_labels(tokens) if self.shift else tokens
+        whole = context_parallel.gather(self.fn(output, context_parallel.split(labels)))
+        return whole[:, :width - 1] if self.shift else whole[:, :width]
+
+
+@dataclass(frozen=True)
 class Routing:
     """MoE routing for a forward pass (``algo.routing_replay``): ``rows`` on the pass's token
     grid; ``replay`` dispatches to the recorded experts; ``stats`` compares with the record."""
@@ -204,7 +234,19 @@ def _call(model, mb: MicroBatch, targets: Optional[RouterTargets] = None, routin
     with routed(model, targets, routing is not None and routing.replay, routing.stats if routing else None):
         if isinstance(mb, PackedMicroBatch):
             return model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
-        return model(mb, position_ids_for(mb), None)
+        # context parallelism: this rank's positions of the rows (the whole rows otherwise)
+        return model(context_parallel.split(mb), context_parallel.split(position_ids_for(mb)), None)
+
+
+def _result(on_output, out: torch.Tensor, tokens: torch.Tensor, width: int) -> torch.Tensor:
+    """``on_output`` of a micro-batch's output at its own width; under context parallelism
+    ``out`` holds this rank's positions only, and ``on_output`` must be a :class:`PositionWise`."""
+    if context_parallel.size() == 1:
+        return on_output(*_own(out, tokens, width))
+    if not isinstance(on_output, PositionWise):
+        raise TypeError("forward_only under context parallelism needs a PositionWise output function "
+                        f"(per position, labels shifted on the whole row), got {on_output!r}")
+    return on_output.on_context_parallel_share(out, tokens, width)
 
 
 def _tokens(mb: MicroBatch) -> torch.Tensor:
@@ -230,6 +272,11 @@ def forward_only(model, micro_batches: List[MicroBatch],
     inner = unwrap(model)
     pp = ps.get_pipeline_model_parallel_world_size()
     dev = next(inner.parameters()).device
+    if context_parallel.size() > 1:
+        why = context_parallel.check_supported(packed=any(isinstance(mb, PackedMicroBatch) for mb in micro_batches),
+                                               moe=inner.megarl_spec.moe is not None, routing=routing is not None)
+        if why is not None:
+            raise ValueError(f"parallel.cp={context_parallel.size()}: {why}")
     results: List[Optional[torch.Tensor]] = []
     targets = targets if targets is not None else [None] * len(micro_batches)
     # sequence parallelism: each micro-batch runs on whole tp-sized chunks of its rows (right
@@ -243,7 +290,7 @@ def forward_only(model, micro_batches: List[MicroBatch],
                 for mb, tg, width in aligned:
                     mb = mb.to(dev)
                     out = _call(model, mb, tg, routing)
-                    results.append(on_output(*_own(out, _tokens(mb), width)))
+                    results.append(_result(on_output, out, _tokens(mb), width))
                 return results
             it = iter([(mb.to(dev), tg, width) for mb, tg, width in aligned])
 
@@ -252,7 +299,7 @@ def forward_only(model, micro_batches: List[MicroBatch],
                 out = _call(m, mb, tg, routing)
 
                 def loss_func(output):
-                    res = on_output(*_own(output, _tokens(mb), width))
+                    res = _result(on_output, output, _tokens(mb), width)
                     # the schedule divides the first element in place by the micro-batch count
                     # (megatron's loss averaging): a scalar of its own, never the result
                     return torch.zeros((), device=res.device), {"result": res}
@@ -263,7 +310,7 @@ def forward_only(model, micro_batches: List[MicroBatch],
             # micro-batches at once; their shapes differ (widths; a packed one travels between
             # stages as [total, 1, hidden]), so the stages tell each other every activation's shape
             # (megatron's variable_seq_lengths, for this call only: training steps have one shape)
-            shapes = [tuple(_tokens(mb).shape) for mb, _tg, _width in aligned]
+            shapes = [tuple(_tokens(mb).shape) for mb, _tg, _width in aligned]  # megatron divides by cp itself
             config = inner.config
             variable = config.variable_seq_lengths
             config.variable_seq_lengths = True
@@ -510,6 +557,10 @@ def next_token_terms(output: torch.Tensor, mb, fn: Callable[[torch.Tensor, torch
     ...)`` over the real packed tokens: computed there, then unpacked to the rows).  ``fn`` maps
     ``(n, t, ...)`` outputs and ``(n, t)`` tokens to ``(n, t)``."""
     p = mb.get("packed")
+    run = mb.get("context_parallel_width")
+    if run is not None:  # this CP rank's positions of the rows padded to run (module context_parallel)
+        return PositionWise(fn, shift=True).on_context_parallel_share(output, pad_columns(mb["tokens"], run),
+                                                                      mb["tokens"].shape[1])
     if p is None:
         return fn(output[:, :-1], mb["tokens"][:, 1:])
     vals = fn(output[:, :-1], p.tokens[:, 1:p.real_tokens])[0]
@@ -520,6 +571,8 @@ def next_token_terms(output: torch.Tensor, mb, fn: Callable[[torch.Tensor, torch
 def token_terms(values: torch.Tensor, mb) -> torch.Tensor:
     """``(b, w)``: a per-token output of a training micro-batch (``(b, w)`` padded, ``(1, total)``
     packed) on its rows."""
+    if mb.get("context_parallel_width") is not None:
+        return context_parallel.gather(values)[:, :mb["tokens"].shape[1]]
     p = mb.get("packed")
     return values if p is None else unpack(values[0], p.layout)
 
@@ -538,9 +591,8 @@ def teacher_forced_log_probs(model, tokens: torch.Tensor, micro_batch_size: int 
     ``routing`` (MoE): the rows' routing, replayed and / or compared (:class:`Routing`)."""
     V = unwrap(model).megarl_spec.vocab_size
 
-    def on_output(out, toks):
-        return token_log_probs_from_logits(out[:, :-1], toks[:, 1:], V, temperature, log_prob_chunk).float()
-
+    on_output = PositionWise(lambda out, nxt: token_log_probs_from_logits(out, nxt, V, temperature,
+                                                                           log_prob_chunk).float(), shift=True)
     return _by_length(model, tokens, lengths, micro_batch_size, on_output, trim=1, pack=pack, routing=routing,
                       micro_batch_tokens=micro_batch_tokens)
 
@@ -550,7 +602,8 @@ def scalar_values(model, tokens: torch.Tensor, micro_batch_size: int = 0,
                   micro_batch_tokens: int = 0) -> torch.Tensor:
     """``(b, s)`` scalar head outputs of a value-head model (critic / reward model); with
     ``lengths``, ``pack`` and ``micro_batch_tokens``, as :func:`teacher_forced_log_probs` (0 past a row's length)."""
-    return _by_length(model, tokens, lengths, micro_batch_size, lambda out, _t: out[..., 0].float(), trim=0,
+    return _by_length(model, tokens, lengths, micro_batch_size, PositionWise(lambda out, _t: out[..., 0].float(), False),
+                      trim=0,
                       pack=pack, micro_batch_tokens=micro_batch_tokens)
 
 

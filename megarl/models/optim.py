@@ -135,6 +135,12 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
     of the real packed tokens, ``(1, total, ...)``; :func:`~megarl.models.forward.next_token_terms`
     and :func:`~megarl.models.forward.token_terms` bring it to the rows.
 
+    Context parallelism (``parallel.cp``, padded micro-batches): the model runs this CP rank's
+    positions of the rows (:mod:`megarl.models.context_parallel`), and the micro-batch also holds
+    ``context_parallel_width``, the padded width they were cut from: ``loss_fn`` sees this rank's
+    positions' output, and :func:`~megarl.models.forward.next_token_terms` /
+    :func:`~megarl.models.forward.token_terms` gather its per-token terms to the whole rows.
+
     ``replay_layers`` (MoE routing replay): every micro-batch also holds ``routing`` ``(b, s,
     layers, k)`` and ``routing_valid`` ``(b, s)`` on its token grid
     (:func:`megarl.models.router_replay.record_to_rows`; columns: these decoder layers), and
@@ -142,6 +148,7 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megarl.models import context_parallel
     from megarl.models.forward import (common_pack_lengths, pad_columns, position_ids_for, round_up,
                                        sequence_multiple)
     from megarl.models.router_replay import RouterTargets, RowRouting, clear_replay, routed
@@ -154,6 +161,12 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
         raise ValueError(f"micro-batches {[i for i, p in enumerate(packed) if not p]} are padded and the others "
                          "packed; a step runs one kind")
     multiple = sequence_multiple(ddp_model)
+    cp = context_parallel.size()
+    if cp > 1:
+        why = context_parallel.check_supported(packed=packed[0], moe=unwrap(ddp_model).megarl_spec.moe is not None,
+                                               routing=replay_layers is not None)
+        if why is not None:
+            raise ValueError(f"parallel.cp={cp}: {why}")
     if packed[0]:
         # filler tokens: sequence parallelism, up to a multiple of tp; MoE at EP > 1 (on CPU), up to
         # the longest of the EP ranks' same micro-batch
@@ -180,6 +193,9 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
             rows = RowRouting(mb["routing"], mb["routing_valid"], replay_layers).rows(slice(None), run)
             targets = RouterTargets.for_padded(rows)
         tokens = pad_columns(mb["tokens"], run)
+        if cp > 1:  # this rank's positions; the loss gathers its terms back to the rows (next_token_terms)
+            mb["context_parallel_width"] = run
+            return model(context_parallel.split(tokens), context_parallel.split(position_ids_for(tokens)), None), None
         with routed(model, targets, replay=True):
             return model(tokens, position_ids_for(tokens), None), mb["tokens"].shape[1]
 
@@ -200,7 +216,7 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
         out, own = (packed_forward if "packed" in mb else padded_forward)(model, mb, run)
 
         def loss_func(output):
-            loss, metrics = loss_fn(output[:, :own] if output.shape[1] != own else output, mb)
+            loss, metrics = loss_fn(output[:, :own] if own is not None and output.shape[1] != own else output, mb)
             # (loss, num_tokens, reported): num_tokens is ignored by our finalize function.
             return loss, torch.ones((), dtype=torch.int, device=loss.device), metrics
 

@@ -39,6 +39,13 @@ What is patched, and why (observed on megatron-core 0.16.1):
   attends causally to itself only) and leaves every call without ``packed_seq_params`` to the
   original, untouched.  On CUDA, TE's attention takes THD natively
   (:func:`local_attention_takes_thd` says which).
+* Context parallelism (``parallel.cp``): megatron's local ``DotProductAttention`` asserts
+  ``context_parallel_size == 1`` (transformer-engine's attention is the one that splits a
+  sequence over CP ranks, on CUDA).  The same wrapper builds it at cp 1 and, at cp > 1, gives it
+  a stand-in (:func:`context_parallel_core_attention`: all-gather K and V over the CP group, a
+  causal mask on the positions of the whole sequence).  The rest -- RoPE for each rank's zig-zag
+  chunks, the gradient reduction over data x context parallel ranks -- is megatron's own.  The
+  mode also drops ``pin_memory=True`` (megatron pins the chunk index it picks RoPE rows with).
 * Sequence parallelism: megatron's local (torch) norm refuses ``config.sequence_parallel``
   (``transformer/torch_norm.py``); transformer-engine's and apex's norms instead mark their
   weights ``sequence_parallel`` so that ``finalize_model_grads`` sums their gradients over the
@@ -107,7 +114,8 @@ def _is_cuda_device(dev) -> bool:
 
 
 class _CudaToCpuMode(TorchFunctionMode):
-    """Rewrites ``device=cuda`` to ``cpu`` and turns ``Tensor.cuda()`` into identity."""
+    """Rewrites ``device=cuda`` to ``cpu``, drops ``pin_memory=True`` and turns ``Tensor.cuda()``
+    into identity."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -116,6 +124,8 @@ class _CudaToCpuMode(TorchFunctionMode):
         dev = kwargs.get("device")
         if dev is not None and _is_cuda_device(dev):
             kwargs = dict(kwargs, device="cpu")
+        if kwargs.get("pin_memory"):  # page-locked host memory is for copies to a GPU; there is none
+            kwargs = dict(kwargs, pin_memory=False)
         if func is torch.Tensor.to and args and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)
@@ -488,17 +498,86 @@ def thd_core_attention(original, module, query, key, value, packed_seq_params):
     return ctx.reshape(width * n, -1).index_select(0, flat)
 
 
+class _GatherOverContext(torch.autograd.Function):
+    """All-gather ``[s / cp, ...]`` over the context-parallel group along the first dimension
+    (rank after rank); the backward sums every rank's gradient of this rank's part
+    (reduce-scatter): each CP rank's queries attend to every rank's keys and values."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        n = torch.distributed.get_world_size(group)
+        out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
+        torch.distributed.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        n = torch.distributed.get_world_size(ctx.group)
+        out = grad.new_empty((grad.shape[0] // n,) + tuple(grad.shape[1:]))
+        torch.distributed.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
+        return out, None
+
+
+def context_parallel_core_attention(original, module, query, key, value):
+    """Causal self-attention of this context-parallel rank's zig-zag share of the sequence
+    (:mod:`megarl.models.context_parallel`) through megatron's local attention: the keys and values
+    of every CP rank are all-gathered (each rank's part in that rank's order), and query position
+    ``p`` attends to key position ``q`` iff ``q <= p`` in the *whole* sequence.  The function of
+    transformer-engine's CP attention (which exchanges the K/V chunks ring-wise instead, without
+    ever holding them all); ``[sq, b, np, hn]`` in, ``[sq, b, np * hn]`` out."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megarl.models.context_parallel import all_positions, positions
+
+    if module.attn_mask_type != AttnMaskType.causal:
+        raise NotImplementedError(f"context parallelism on CPU: only causal self-attention, not {module.attn_mask_type}")
+    group = ps.get_context_parallel_group()
+    cp = torch.distributed.get_world_size(group)
+    length = query.shape[0] * cp
+    key, value = _GatherOverContext.apply(key, group), _GatherOverContext.apply(value, group)
+    q_pos = positions(length, cp, ps.get_context_parallel_rank(), query.device)
+    k_pos = all_positions(length, cp, query.device)
+    masked = k_pos[None, :] > q_pos[:, None]  # True: not attended (megatron's mask convention)
+    return original(module, query, key, value, masked[None, None])
+
+
+def local_attention_init(original_init, module, config, *args, **kwargs) -> None:
+    """megatron's local ``DotProductAttention`` built for a context-parallel model: it asserts
+    ``context_parallel_size == 1`` (only transformer-engine's attention splits the sequence on
+    CUDA); the stand-in (:func:`context_parallel_core_attention`) does it on CPU, so the module is
+    built from the same settings at cp 1 and then holds the real ones."""
+    if config.context_parallel_size == 1:
+        return original_init(module, config, *args, **kwargs)
+    plain = copy.copy(config)  # read by the constructor only
+    object.__setattr__(plain, "context_parallel_size", 1)
+    original_init(module, plain, *args, **kwargs)
+    module.config = config
+
+
 def _patch_local_attention_thd() -> None:
+    """Packed (THD) sequences and context parallelism for megatron's local attention on CPU."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     original = DotProductAttention.forward
     if getattr(original, "_megarl_thd", False):
         return
+    original_init = DotProductAttention.__init__
+
+    @functools.wraps(original_init)
+    def __init__(self, config, *args, **kwargs):
+        local_attention_init(original_init, self, config, *args, **kwargs)
 
     @functools.wraps(original)
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if self.config.context_parallel_size > 1:
+            if thd or attention_bias is not None:
+                raise NotImplementedError("context parallelism on CPU: padded sequences without attention bias only")
+            return context_parallel_core_attention(original, self, query, key, value)
+        if not thd:
             return original(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                             attention_bias=attention_bias, packed_seq_params=packed_seq_params)
         if attention_bias is not None:
@@ -507,6 +586,7 @@ def _patch_local_attention_thd() -> None:
 
     forward._megarl_thd = True  # type: ignore[attr-defined]
     DotProductAttention.forward = forward
+    DotProductAttention.__init__ = __init__
 
 
 def seed_megatron_rng(seed: int) -> None:

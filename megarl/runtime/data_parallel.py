@@ -34,10 +34,12 @@ def dp_rank() -> int:
 
 
 def is_mp_leader() -> bool:
-    """The first rank of this DP replica's model-parallel group (tp rank 0, first PP stage)."""
+    """The first rank of this DP replica's model-parallel group (tp rank 0, cp rank 0, first PP
+    stage): one per replica, as the context-parallel ranks of a replica hold the same rows."""
     from megatron.core import parallel_state as ps
 
-    return ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
+    return (ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
+            and ps.get_context_parallel_rank() == 0)
 
 
 def padded_rows(n: int, parts: int) -> int:

@@ -1,5 +1,5 @@
 """Process-group bring-up: ``torch.distributed`` from the torchrun environment, then
-megatron-core ``parallel_state`` with TP, PP and DP, and for mixture-of-experts models EP
+megatron-core ``parallel_state`` with TP, PP, CP and DP, and for mixture-of-experts models EP
 (expert parallel) and ETP (expert tensor parallel).
 
 Expert parallelism is megatron's: the EP groups are carved out of the data-parallel ranks
@@ -52,14 +52,10 @@ class ParallelLayout:
                 raise ParallelConfigError(f"parallel.{key} must be >= 1, got {getattr(self, key)}")
         if self.etp is not None and self.etp < 1:
             raise ParallelConfigError(f"parallel.etp must be >= 1 or null, got {self.etp}")
-        if self.cp != 1:
-            raise ParallelConfigError(
-                f"parallel.cp={self.cp}: context parallelism is not supported yet; set it to 1"
-            )
-        mp = self.tp * self.pp
+        mp = self.tp * self.pp * self.cp
         if world_size % mp != 0:
             raise ParallelConfigError(
-                f"world size {world_size} is not divisible by tp*pp = {self.tp}*{self.pp} = {mp}"
+                f"world size {world_size} is not divisible by tp*pp*cp = {self.tp}*{self.pp}*{self.cp} = {mp}"
             )
         emp = self.resolved_etp * self.ep * self.pp
         if world_size % emp != 0:
@@ -114,8 +110,9 @@ def initialize(
     """Bring up torch.distributed and megatron-core parallel state; seed every rank.
 
     ``ep`` / ``etp``: megatron's expert-parallel and expert-tensor-parallel sizes (``etp`` None:
-    ``tp``).  Raises :class:`ParallelConfigError` (before touching any process group) when the
-    layout does not fit the world size, or context parallelism is requested.
+    ``tp``); ``cp``: context-parallel size (each sequence split over cp ranks,
+    :mod:`megarl.models.context_parallel`).  Raises :class:`ParallelConfigError` (before touching any
+    process group) when the layout does not fit the world size.
     """
     layout = ParallelLayout(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp)
     # split placement brought up the trainer ranks' own world already (megarl.runtime.split)
@@ -131,6 +128,7 @@ def initialize(
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=layout.resolved_etp,
         distributed_timeout_minutes=timeout_minutes,

@@ -4,7 +4,9 @@
 # agent sessions continuing from input_ids),
 # then the mixture-of-experts program (tests/gpu/test_moe_sglang.py, its own table, under 5
 # minutes): SGLang's routed experts returned and replayed in the actor on one GPU, and EP=2
-# weight sync into SGLang on two GPUs (a SKIP row, not a failure, when only one is present).
+# weight sync into SGLang on two GPUs (a SKIP row, not a failure, when only one is present),
+# then context parallelism on transformer-engine's attention (tests/gpu/test_context_parallel.py,
+# CP=2 = CP=1 on two GPUs; a SKIP row with one; MEGARL_GPU_CP_TIMEOUT, default 240).
 # Exit status 0 only if every row passed (or was skipped).  Run it in the Docker image (see Dockerfile):
 #
 #   docker run --gpus all --ipc=host --shm-size=16g megarl:gpu bash tests/gpu/run.sh
@@ -43,4 +45,17 @@ if [ "$moe_rc" -eq 124 ]; then
     echo "MoE GPU check: timed out after ${MEGARL_GPU_MOE_TIMEOUT:-300} s (rows printed above finished)"
 fi
 [ "$rc" -eq 0 ] && rc=$moe_rc
+cp_json="${MEGARL_GPU_CHECK_JSON:+${MEGARL_GPU_CHECK_JSON%.json}_cp.json}"
+cp_json="${cp_json:-${OUT:+$OUT/gpu_cp_check.json}}"
+cp_args=()
+[ -n "$cp_json" ] && cp_args+=(--json "$cp_json")
+if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
+    CUDA_VISIBLE_DEVICES="${MEGARL_GPU_EP_DEVICES:-0,1}" timeout --signal=TERM --kill-after=20 \
+        "${MEGARL_GPU_CP_TIMEOUT:-240}" python3 -m torch.distributed.run --nproc-per-node 2 \
+        tests/gpu/test_context_parallel.py "${cp_args[@]}"
+else
+    python3 tests/gpu/test_context_parallel.py "${cp_args[@]}"  # a SKIP row: one GPU
+fi
+cp_rc=$?
+[ "$rc" -eq 0 ] && rc=$cp_rc
 exit "$rc"
