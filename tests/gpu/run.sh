@@ -5,7 +5,7 @@
 # then the mixture-of-experts program (tests/gpu/test_moe_sglang.py, its own table, under 5
 # minutes): SGLang's routed experts returned and replayed in the actor on one GPU, and EP=2
 # weight sync into SGLang on two GPUs (a SKIP row, not a failure, when only one is present),
-# then context parallelism on transformer-engine's attention (tests/gpu/test_context_parallel.py,
+# then context parallelism on transformer-engine's attention (tests/gpu/test_context_parallel_te.py,
 # CP=2 = CP=1 on two GPUs; a SKIP row with one; MEGARL_GPU_CP_TIMEOUT, default 240).
 # Exit status 0 only if every row passed (or was skipped).  Run it in the Docker image (see Dockerfile):
 #
@@ -52,9 +52,9 @@ cp_args=()
 if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
     CUDA_VISIBLE_DEVICES="${MEGARL_GPU_EP_DEVICES:-0,1}" timeout --signal=TERM --kill-after=20 \
         "${MEGARL_GPU_CP_TIMEOUT:-240}" python3 -m torch.distributed.run --nproc-per-node 2 \
-        tests/gpu/test_context_parallel.py "${cp_args[@]}"
+        tests/gpu/test_context_parallel_te.py "${cp_args[@]}"
 else
-    python3 tests/gpu/test_context_parallel.py "${cp_args[@]}"  # a SKIP row: one GPU
+    python3 tests/gpu/test_context_parallel_te.py "${cp_args[@]}"  # a SKIP row: one GPU
 fi
 cp_rc=$?
 [ "$rc" -eq 0 ] && rc=$cp_rc

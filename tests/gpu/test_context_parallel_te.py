@@ -1,7 +1,7 @@
 """The context-parallel GPU check (issue 31): transformer-engine's CP attention under megarl's plumbing.
 
     bash tests/gpu/run.sh                                   # runs this last (2 GPUs; SKIP with one)
-    torchrun --nproc-per-node 2 tests/gpu/test_context_parallel.py [--json PATH]
+    torchrun --nproc-per-node 2 tests/gpu/test_context_parallel_te.py [--json PATH]
 
 On 2 GPUs, one random tiny Llama in bf16 built with transformer-engine's layer spec, from one
 checkpoint: at CP=1 (each rank the whole rows) and at CP=2 (each rank its zig-zag half,
