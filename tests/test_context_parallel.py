@@ -8,6 +8,9 @@
   log-probs and values after it, at CP=2, CP=2 x TP=2 (with and without sequence parallelism, the
   former with full activation recomputation) and CP=2 x PP=2.  The attention is the CPU stand-in in ``megarl/runtime/cpu_compat.py``
   (``context_parallel_core_attention``); transformer-engine's is a row of ``tests/gpu/run.sh``.
+* The same at every CP layout with token-budget micro-batches (packed THD sequences, each split over
+  the CP ranks on its own; rows padded at their ends to multiples of 2 x cp), against the same
+  padded CP=1 reference.
 * Negative controls: labels shifted on each rank's share (verl PR #4250), and the gathered
   terms' gradient summed over CP ranks (every gradient times cp): both caught by the same bounds.
 """
@@ -77,10 +80,10 @@ def test_config_refuses_what_does_not_run_split():
     recipe = f"{ROOT}/configs/grpo_arith_tiny.yaml"
     with pytest.raises(ConfigError, match="parallel.cp"):
         validate(load_config(recipe, ["parallel.cp=2"]), 3)
-    for key, value in (("algo.pack_sequences", "true"), ("algo.micro_batch_tokens", "64"), ("parallel.ep", "2")):
-        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-            validate(load_config(recipe, ["parallel.cp=2", f"{key}={value}"]), 4)
+    with pytest.raises(ConfigError, match=r"parallel\.ep"):
+        validate(load_config(recipe, ["parallel.cp=2", "parallel.ep=2"]), 4)
     assert validate(load_config(recipe, ["parallel.cp=2"]), 4) == 2  # dp = world / (tp x pp x cp)
+    assert validate(load_config(recipe, ["parallel.cp=2", "algo.micro_batch_tokens=64"]), 4) == 2
 
 
 @pytest.fixture(scope="module")
@@ -95,10 +98,16 @@ def _rel(a, b):
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUTS + [f"{layout}_tokens" for layout in LAYOUTS])
 def test_context_parallel_equals_no_context_parallelism(runs, layout):
     results, initial = runs
     base, got = results["cp1"], results[layout]
+    # what ran: the stand-in CP attention, on padded rows or on packed (THD) sequences only
+    packed = layout.endswith("_tokens")
+    assert got["attention"].get("thd" if packed else "padded", 0) > 0, got["attention"]
+    assert got["attention"].get("padded" if packed else "thd", 0) == 0, got["attention"]
+    assert "attention" not in base or not base["attention"], "CP=1 runs megatron's own attention"
+    assert all(p == packed for step in got["packed"] for p in step) and got["packed"], got["packed"]
     moved = max((base["actor"][k] - initial[k]).abs().max().item() for k in initial)
     assert moved > 1e-3, "the update did not move the actor; the comparison would be vacuous"
     assert base["values_after"].abs().max() > 0.5, "the critic's values after the update must not be vacuous"

@@ -307,23 +307,24 @@ def test_ppo_torchrun_tp2_sequence_parallel(assets, tmp_path):
     assert all(math.isfinite(x["update/critic_grad_norm"]) and x["update/critic_grad_norm"] > 0 for x in m)
 
 
-def test_ppo_torchrun_context_parallel(assets, tmp_path):
-    """PPO with each sequence split over two context-parallel ranks (parallel.cp=2, dp 1): the
+@pytest.mark.parametrize("budget", [0, 64])
+def test_ppo_torchrun_context_parallel(assets, tmp_path, budget):
+    """PPO with each sequence split over two context-parallel ranks (parallel.cp=2, dp 1), on
+    padded micro-batches and on token-budget ones (packed sequences, each split on its own): the
     actor, the reference and the critic run their halves of every row, the rollout engine is built
     once (one replica), the old log-probs still equal what transformers computes from each
     version's export (check_structure), and the update's metrics are the replica's, reported once
     (tokens = the batch's response tokens, not twice them)."""
-    run_dir = str(tmp_path / "ppo_cp2")
+    run_dir = str(tmp_path / f"ppo_cp2_{budget}")
     run_train(assets, run_dir, PPO, nproc=2, extra=["parallel.cp=2", "critic.warmup_iters=0",
-                                                     "critic.micro_batch_size=4"])
+                                                     "critic.micro_batch_size=4", f"algo.micro_batch_tokens={budget}"])
     check_structure(run_dir, "ppo", groups_per_publish=1)
     m = metrics(run_dir)
     for x, b in zip(m, batches(run_dir)):
         assert x["update/tokens"] == float(b.facts.response_mask.sum())  # one optimizer step (run_train)
-    # the critic starts at V = 0: it learns from the first iteration whose returns are not all 0
+    # the critic starts at V = 0: it has a gradient wherever its error is not 0
     assert all(math.isfinite(x["update/critic_grad_norm"]) for x in m)
-    assert all(x["update/critic_grad_norm"] > 0 for x in m if x["rollout/reward_std"] > 0)
-    assert any(x["rollout/reward_std"] > 0 for x in m)
+    assert all(x["update/critic_grad_norm"] > 0 for x in m if x["update/critic_value_mse"] > 0)
 
 
 def test_a_hostile_scorer_is_statuses_never_zero_and_never_stalls_the_trainer(assets, tmp_path):

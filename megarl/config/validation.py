@@ -360,17 +360,9 @@ def _validate_layout(cfg: TrainConfig, world_size: int) -> int:
           f"tp x pp x cp = {p.tp} x {p.pp} x {p.cp} = {mp} does not divide the world size {world_size} "
           f"(tp x pp x cp x dp must equal the number of processes)")
     dp = world_size // mp
-    if p.cp > 1:
-        # what runs split over context-parallel ranks today: padded micro-batches of a dense model
-        a = cfg.algo
-        _need(not a.pack_sequences, "algo.pack_sequences",
-              f"is true with parallel.cp={p.cp}: packed (THD) sequences are not split over context-parallel ranks "
-              "yet; set algo.pack_sequences=false")
-        _need(not a.micro_batch_tokens, "algo.micro_batch_tokens",
-              f"is {a.micro_batch_tokens} with parallel.cp={p.cp}: token-budget micro-batches are packed (THD) "
-              "sequences, which are not split over context-parallel ranks yet; set algo.micro_batch_tokens=0")
-        _need(p.ep == 1, "parallel.ep", f"is {p.ep} with parallel.cp={p.cp}: mixture-of-experts models are not run "
-              "with context parallelism yet")
+    # what runs split over context-parallel ranks today: dense models
+    _need(p.cp == 1 or p.ep == 1, "parallel.ep", f"is {p.ep} with parallel.cp={p.cp}: mixture-of-experts models are "
+          "not run with context parallelism yet")
     _need(p.ep >= 1, "parallel.ep", f"must be >= 1, got {p.ep}")
     _need(p.etp is None or p.etp >= 1, "parallel.etp", f"must be >= 1 or null, got {p.etp}")
     etp = p.tp if p.etp is None else p.etp

@@ -25,6 +25,12 @@ What the data path must get right, and where megarl does it:
 * **Padding to** ``2 * cp`` (times ``tp`` under sequence parallelism, which splits each rank's
   share again): :attr:`megarl.models.builder.BuildOptions.sequence_multiple`.  The padding is at
   the end of each row, which causal attention never lets reach a real position.
+* **Packed (THD) micro-batches** (``algo.pack_sequences``, ``algo.micro_batch_tokens``): every
+  sequence of the pack is split on its own (:func:`sequence_positions`), so each row is padded at
+  its end to a multiple of ``2 * cp`` (padding that belongs to the row's sequence and that none of
+  its real tokens attends to), and the pack's filler sequence to a multiple of ``2 * cp`` (times
+  tp under SP) in all.  ``cu_seqlens`` stay the whole pack's; megatron's THD RoPE picks each
+  sequence's chunks by them.
 """
 
 from __future__ import annotations
@@ -67,17 +73,35 @@ def positions(length: int, cp: int, cp_rank: int, device=None) -> torch.Tensor:
     return torch.cat([torch.arange(first, first + c, device=device), torch.arange(second, second + c, device=device)])
 
 
-def all_positions(length: int, cp: int, device=None) -> torch.Tensor:
+def sequence_positions(cu_seqlens: torch.Tensor, cp: int, cp_rank: int, device=None) -> torch.Tensor:
+    """The positions of a packed (THD) pack that CP rank ``cp_rank`` holds: every sequence of
+    ``cu_seqlens`` (each a multiple of ``2 * cp`` long) split on its own, its two chunks in
+    sequence order (transformer-engine's THD layout, and megatron's per-sequence RoPE rows)."""
+    cu = [int(c) for c in cu_seqlens]
+    return torch.cat([start + positions(end - start, cp, cp_rank, device) for start, end in zip(cu[:-1], cu[1:])])
+
+
+def _held(length: int, cp: int, cp_rank: int, cu_seqlens, device) -> torch.Tensor:
+    if cu_seqlens is None:
+        return positions(length, cp, cp_rank, device)
+    if int(cu_seqlens[-1]) != length:
+        raise ValueError(f"context parallelism: cu_seqlens ends at {int(cu_seqlens[-1])}, "
+                         f"the pack has {length} positions")
+    return sequence_positions(cu_seqlens, cp, cp_rank, device)
+
+
+def all_positions(length: int, cp: int, device=None, cu_seqlens=None) -> torch.Tensor:
     """The positions of every CP rank's share, rank after rank: the order of an all-gather."""
-    return torch.cat([positions(length, cp, r, device) for r in range(cp)])
+    return torch.cat([_held(length, cp, r, cu_seqlens, device) for r in range(cp)])
 
 
-def split(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-    """This CP rank's positions of ``x`` along ``dim`` (the whole sequence there)."""
+def split(x: torch.Tensor, dim: int = 1, cu_seqlens=None) -> torch.Tensor:
+    """This CP rank's positions of ``x`` along ``dim``: of the whole sequence there, or, for a
+    packed pack (``cu_seqlens``), of each of its sequences."""
     cp = size()
     if cp == 1:
         return x
-    return x.index_select(dim, positions(x.shape[dim], cp, rank(), x.device))
+    return x.index_select(dim, _held(x.shape[dim], cp, rank(), cu_seqlens, x.device))
 
 
 def shifted_labels(tokens: torch.Tensor) -> torch.Tensor:
@@ -92,34 +116,33 @@ class _Gather(torch.autograd.Function):
     loss of the gathered rows: module doc)."""
 
     @staticmethod
-    def forward(ctx, local: torch.Tensor, cp_group, cp: int, cp_rank: int) -> torch.Tensor:
+    def forward(ctx, local: torch.Tensor, cp_group, cp: int, cp_rank: int, cu_seqlens) -> torch.Tensor:
         n = local.shape[1]
-        ctx.keep = positions(n * cp, cp, cp_rank, local.device)
+        ctx.keep = _held(n * cp, cp, cp_rank, cu_seqlens, local.device)
         moved = local.movedim(1, 0).contiguous()  # gather along the first dimension
         parts = moved.new_empty((cp * n,) + tuple(moved.shape[1:]))
         dist.all_gather_into_tensor(parts, moved, group=cp_group)
-        whole = torch.empty_like(parts).index_copy_(0, all_positions(n * cp, cp, local.device), parts)
+        order = all_positions(n * cp, cp, local.device, cu_seqlens)
+        whole = torch.empty_like(parts).index_copy_(0, order, parts)
         return whole.movedim(0, 1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad.index_select(1, ctx.keep), None, None, None
+        return grad.index_select(1, ctx.keep), None, None, None, None
 
 
-def gather(local: torch.Tensor) -> torch.Tensor:
-    """Whole rows ``(b, s, ...)`` from every CP rank's ``(b, s / cp, ...)`` positions, the same on
-    every CP rank; differentiable (module doc: the gradient is not summed over CP)."""
+def gather(local: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
+    """Whole rows ``(b, s, ...)`` from every CP rank's ``(b, s / cp, ...)`` positions (of each
+    sequence of ``cu_seqlens`` for a packed pack), the same on every CP rank; differentiable
+    (module doc: the gradient is not summed over CP)."""
     cp = size()
     if cp == 1:
         return local
-    return _Gather.apply(local, group(), cp, rank())
+    return _Gather.apply(local, group(), cp, rank(), cu_seqlens)
 
 
-def check_supported(*, packed: bool, moe: bool, routing: bool = False) -> Optional[str]:
+def check_supported(*, moe: bool, routing: bool = False) -> Optional[str]:
     """None when context parallelism can run this pass, else why not (the callers raise it)."""
-    if packed:
-        return ("packed (THD) micro-batches (algo.pack_sequences, algo.micro_batch_tokens) are not split over "
-                "context-parallel ranks yet: run padded micro-batches with parallel.cp > 1")
     if moe:
         return "mixture-of-experts models are not run with context parallelism yet"
     if routing:

@@ -18,6 +18,10 @@ attention gets its THD path from ``megarl.runtime.cpu_compat`` (CPU only).  With
 budget instead of a row count; the update's packed micro-batches
 (:func:`megarl.models.optim.train_step`) reach their loss through :func:`next_token_terms` and
 :func:`token_terms`.
+
+Under context parallelism (``parallel.cp``) every forward runs this rank's positions of each row,
+or of each packed sequence, and the output functions are :class:`PositionWise`: labels shifted on
+the whole row, per-token results gathered back to rows (:mod:`megarl.models.context_parallel`).
 """
 
 from __future__ import annotations
@@ -140,17 +144,35 @@ class PackedMicroBatch:
     def to(self, dev) -> "PackedMicroBatch":
         return PackedMicroBatch(self.tokens.to(dev), self.position_ids.to(dev), self.layout, self.filler)
 
+    def cu_seqlens(self) -> torch.Tensor:
+        """The pack's sequence boundaries, the filler sequence included."""
+        cu = self.layout.cu_seqlens.to(self.tokens.device)
+        if self.filler:
+            cu = torch.cat([cu, cu.new_full((1,), int(cu[-1]) + self.filler)])
+        return cu
+
     def packed_seq_params(self):
         """megatron-core's THD parameters: attention within ``cu_seqlens`` boundaries (the filler is
         one more sequence), RoPE per sequence (``max_seqlen`` sizes the RoPE table)."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        cu = self.layout.cu_seqlens.to(self.tokens.device)
-        n = self.layout.max_seqlen
-        if self.filler:
-            cu = torch.cat([cu, cu.new_full((1,), int(cu[-1]) + self.filler)])
-            n = max(n, self.filler)
+        cu = self.cu_seqlens()
+        n = max(self.layout.max_seqlen, self.filler)
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n, max_seqlen_kv=n)
+
+    def rows_padded_to(self, multiple: int) -> "PackedMicroBatch":
+        """The same rows with every sequence lengthened at its end to a multiple of ``multiple``
+        (context parallelism splits each sequence into ``2 x cp`` chunks): padding of the row's own
+        sequence, after its real tokens, which causal attention never lets them see.  ``layout``
+        then maps the padded sequences (outputs past a row's real length are the caller's to drop)."""
+        if multiple == 1:
+            return self
+        if self.filler:
+            raise ValueError("rows_padded_to: pad the rows before adding filler tokens")
+        lengths = (self.layout.cu_seqlens[1:] - self.layout.cu_seqlens[:-1]).long().cpu()
+        rows = unpack(self.tokens[0, :self.real_tokens], self.layout)
+        run = -(-lengths // multiple) * multiple
+        return PackedMicroBatch.from_rows(pad_columns(rows, int(run.max())), run)
 
 
 MicroBatch = Union[torch.Tensor, PackedMicroBatch]
@@ -175,13 +197,14 @@ class PositionWise:
             return self.fn(output[:, :-1], tokens[:, 1:])
         return self.fn(output, tokens)
 
-    def on_context_parallel_share(self, output: torch.Tensor, tokens: torch.Tensor, width: int) -> torch.Tensor:
+    def on_context_parallel_share(self, output: torch.Tensor, tokens: torch.Tensor, width: int,
+                                  cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The whole rows' result from this CP rank's ``output`` (its positions of ``tokens``, the
-        whole padded rows), cut to ``width`` (less the shifted position)."""
-        from megarl.models import context_parallel
-
+        whole padded rows, or the whole pack of ``cu_seqlens``), cut to ``width`` (less the shifted
+        position)."""
         labels = context_parallel.shifted_labels(tokens) if self.shift else tokens
-        whole = context_parallel.gather(self.fn(output, context_parallel.split(labels)))
+        whole = context_parallel.gather(self.fn(output, context_parallel.split(labels, cu_seqlens=cu_seqlens)),
+                                        cu_seqlens)
         return whole[:, :width - 1] if self.shift else whole[:, :width]
 
 
@@ -232,21 +255,25 @@ def _check_packable(model) -> None:
 
 def _call(model, mb: MicroBatch, targets: Optional[RouterTargets] = None, routing: Optional[Routing] = None):
     with routed(model, targets, routing is not None and routing.replay, routing.stats if routing else None):
+        # context parallelism: this rank's positions of the rows, of each packed sequence (the whole rows otherwise)
         if isinstance(mb, PackedMicroBatch):
-            return model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
-        # context parallelism: this rank's positions of the rows (the whole rows otherwise)
+            cu = mb.cu_seqlens()
+            return model(context_parallel.split(mb.tokens, cu_seqlens=cu),
+                         context_parallel.split(mb.position_ids, cu_seqlens=cu), None,
+                         packed_seq_params=mb.packed_seq_params())
         return model(context_parallel.split(mb), context_parallel.split(position_ids_for(mb)), None)
 
 
-def _result(on_output, out: torch.Tensor, tokens: torch.Tensor, width: int) -> torch.Tensor:
+def _result(on_output, out: torch.Tensor, mb: MicroBatch, width: int) -> torch.Tensor:
     """``on_output`` of a micro-batch's output at its own width; under context parallelism
     ``out`` holds this rank's positions only, and ``on_output`` must be a :class:`PositionWise`."""
     if context_parallel.size() == 1:
-        return on_output(*_own(out, tokens, width))
+        return on_output(*_own(out, _tokens(mb), width))
     if not isinstance(on_output, PositionWise):
         raise TypeError("forward_only under context parallelism needs a PositionWise output function "
                         f"(per position, labels shifted on the whole row), got {on_output!r}")
-    return on_output.on_context_parallel_share(out, tokens, width)
+    cu = mb.cu_seqlens() if isinstance(mb, PackedMicroBatch) else None
+    return on_output.on_context_parallel_share(out, _tokens(mb), width, cu)
 
 
 def _tokens(mb: MicroBatch) -> torch.Tensor:
@@ -273,8 +300,7 @@ def forward_only(model, micro_batches: List[MicroBatch],
     pp = ps.get_pipeline_model_parallel_world_size()
     dev = next(inner.parameters()).device
     if context_parallel.size() > 1:
-        why = context_parallel.check_supported(packed=any(isinstance(mb, PackedMicroBatch) for mb in micro_batches),
-                                               moe=inner.megarl_spec.moe is not None, routing=routing is not None)
+        why = context_parallel.check_supported(moe=inner.megarl_spec.moe is not None, routing=routing is not None)
         if why is not None:
             raise ValueError(f"parallel.cp={context_parallel.size()}: {why}")
     results: List[Optional[torch.Tensor]] = []
@@ -290,7 +316,7 @@ def forward_only(model, micro_batches: List[MicroBatch],
                 for mb, tg, width in aligned:
                     mb = mb.to(dev)
                     out = _call(model, mb, tg, routing)
-                    results.append(_result(on_output, out, _tokens(mb), width))
+                    results.append(_result(on_output, out, mb, width))
                 return results
             it = iter([(mb.to(dev), tg, width) for mb, tg, width in aligned])
 
@@ -299,7 +325,7 @@ def forward_only(model, micro_batches: List[MicroBatch],
                 out = _call(m, mb, tg, routing)
 
                 def loss_func(output):
-                    res = _result(on_output, output, _tokens(mb), width)
+                    res = _result(on_output, output, mb, width)
                     # the schedule divides the first element in place by the micro-batch count
                     # (megatron's loss averaging): a scalar of its own, never the result
                     return torch.zeros((), device=res.device), {"result": res}
@@ -490,7 +516,9 @@ def _packed(model, tokens: torch.Tensor, lengths: Optional[torch.Tensor], micro_
     else:
         groups = list(torch.argsort(lengths, descending=True, stable=True).split(micro_batch_size or B))
     widths = [int(real[g].max()) for g in groups]
-    items = [PackedMicroBatch.from_rows(tokens[g, :w], real[g]) for g, w in zip(groups, widths)]
+    cp = context_parallel.size()  # each sequence split into 2 x cp chunks: rows padded at their ends
+    items = [PackedMicroBatch.from_rows(tokens[g, :w], real[g]).rows_padded_to(2 * cp if cp > 1 else 1)
+             for g, w in zip(groups, widths)]
     tg = None if routing is None else [routing.targets(it, g, w) for it, g, w in zip(items, groups, widths)]
     n_own = len(items)
     items, tg = _ep_common_packs(model, items, tg, routing)
@@ -561,6 +589,9 @@ def next_token_terms(output: torch.Tensor, mb, fn: Callable[[torch.Tensor, torch
     if run is not None:  # this CP rank's positions of the rows padded to run (module context_parallel)
         return PositionWise(fn, shift=True).on_context_parallel_share(output, pad_columns(mb["tokens"], run),
                                                                       mb["tokens"].shape[1])
+    if p is not None and mb.get("context_parallel_packed"):  # this CP rank's positions of each sequence
+        vals = PositionWise(fn, shift=True).on_context_parallel_share(output, p.tokens, p.real_tokens, p.cu_seqlens())
+        return unpack(torch.cat([vals[0], vals.new_zeros(1)]), p.layout)[:, :mb["tokens"].shape[1] - 1]
     if p is None:
         return fn(output[:, :-1], mb["tokens"][:, 1:])
     vals = fn(output[:, :-1], p.tokens[:, 1:p.real_tokens])[0]
@@ -574,6 +605,9 @@ def token_terms(values: torch.Tensor, mb) -> torch.Tensor:
     if mb.get("context_parallel_width") is not None:
         return context_parallel.gather(values)[:, :mb["tokens"].shape[1]]
     p = mb.get("packed")
+    if p is not None and mb.get("context_parallel_packed"):
+        whole = context_parallel.gather(values, p.cu_seqlens())[0, :p.real_tokens]
+        return unpack(whole, p.layout)[:, :mb["tokens"].shape[1]]
     return values if p is None else unpack(values[0], p.layout)
 
 
@@ -602,8 +636,8 @@ def scalar_values(model, tokens: torch.Tensor, micro_batch_size: int = 0,
                   micro_batch_tokens: int = 0) -> torch.Tensor:
     """``(b, s)`` scalar head outputs of a value-head model (critic / reward model); with
     ``lengths``, ``pack`` and ``micro_batch_tokens``, as :func:`teacher_forced_log_probs` (0 past a row's length)."""
-    return _by_length(model, tokens, lengths, micro_batch_size, PositionWise(lambda out, _t: out[..., 0].float(), False),
-                      trim=0,
+    values = PositionWise(lambda out, _t: out[..., 0].float(), shift=False)
+    return _by_length(model, tokens, lengths, micro_batch_size, values, trim=0,
                       pack=pack, micro_batch_tokens=micro_batch_tokens)
 
 

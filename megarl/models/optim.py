@@ -135,10 +135,11 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
     of the real packed tokens, ``(1, total, ...)``; :func:`~megarl.models.forward.next_token_terms`
     and :func:`~megarl.models.forward.token_terms` bring it to the rows.
 
-    Context parallelism (``parallel.cp``, padded micro-batches): the model runs this CP rank's
-    positions of the rows (:mod:`megarl.models.context_parallel`), and the micro-batch also holds
-    ``context_parallel_width``, the padded width they were cut from: ``loss_fn`` sees this rank's
-    positions' output, and :func:`~megarl.models.forward.next_token_terms` /
+    Context parallelism (``parallel.cp``): the model runs this CP rank's positions of the rows, or of
+    each packed sequence (:mod:`megarl.models.context_parallel`; packed rows padded at their ends to
+    multiples of 2 x cp); the micro-batch also holds ``context_parallel_width`` (padded: the width
+    the rows were cut from) or ``context_parallel_packed`` (and ``packed`` as it ran): ``loss_fn``
+    sees this rank's positions' output, and :func:`~megarl.models.forward.next_token_terms` /
     :func:`~megarl.models.forward.token_terms` gather its per-token terms to the whole rows.
 
     ``replay_layers`` (MoE routing replay): every micro-batch also holds ``routing`` ``(b, s,
@@ -163,13 +164,16 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
     multiple = sequence_multiple(ddp_model)
     cp = context_parallel.size()
     if cp > 1:
-        why = context_parallel.check_supported(packed=packed[0], moe=unwrap(ddp_model).megarl_spec.moe is not None,
+        why = context_parallel.check_supported(moe=unwrap(ddp_model).megarl_spec.moe is not None,
                                                routing=replay_layers is not None)
         if why is not None:
             raise ValueError(f"parallel.cp={cp}: {why}")
+        if packed[0]:  # each sequence is split into 2 x cp chunks: every row padded at its end
+            micro_batches = [dict(mb, packed=mb["packed"].rows_padded_to(2 * cp), context_parallel_packed=True)
+                             for mb in micro_batches]
     if packed[0]:
         # filler tokens: sequence parallelism, up to a multiple of tp; MoE at EP > 1 (on CPU), up to
-        # the longest of the EP ranks' same micro-batch
+        # the longest of the EP ranks' same micro-batch; context parallelism, 2 x cp (x tp)
         runs = [round_up(n, multiple) for n in
                 common_pack_lengths(ddp_model, [mb["packed"].tokens.shape[1] for mb in micro_batches])]
         mbs = 1
@@ -208,6 +212,12 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
             if run > p.real_tokens:  # the filler sequence: filler experts, never valid
                 targets = targets.widened(1, run - p.real_tokens)
         p = p.padded_to(run)
+        if cp > 1:  # this rank's positions of each sequence; the loss gathers its terms (next_token_terms)
+            mb["packed"] = p
+            cu = p.cu_seqlens()
+            return model(context_parallel.split(p.tokens, cu_seqlens=cu),
+                         context_parallel.split(p.position_ids, cu_seqlens=cu), None,
+                         packed_seq_params=p.packed_seq_params()), None
         with routed(model, targets, replay=True):
             return model(p.tokens, p.position_ids, None, packed_seq_params=p.packed_seq_params()), p.real_tokens
 

@@ -43,7 +43,8 @@ What is patched, and why (observed on megatron-core 0.16.1):
   ``context_parallel_size == 1`` (transformer-engine's attention is the one that splits a
   sequence over CP ranks, on CUDA).  The same wrapper builds it at cp 1 and, at cp > 1, gives it
   a stand-in (:func:`context_parallel_core_attention`: all-gather K and V over the CP group, a
-  causal mask on the positions of the whole sequence).  The rest -- RoPE for each rank's zig-zag
+  causal mask on the positions of the whole sequence, and for packed (THD) sequences within each
+  ``cu_seqlens`` sequence).  The rest -- RoPE for each rank's zig-zag
   chunks, the gradient reduction over data x context parallel ranks -- is megatron's own.  The
   mode also drops ``pin_memory=True`` (megatron pins the chunk index it picks RoPE rows with).
 * Sequence parallelism: megatron's local (torch) norm refuses ``config.sequence_parallel``
@@ -519,28 +520,40 @@ class _GatherOverContext(torch.autograd.Function):
         return out, None
 
 
-def context_parallel_core_attention(original, module, query, key, value):
+def context_parallel_core_attention(original, module, query, key, value, packed_seq_params=None):
     """Causal self-attention of this context-parallel rank's zig-zag share of the sequence
     (:mod:`megarl.models.context_parallel`) through megatron's local attention: the keys and values
     of every CP rank are all-gathered (each rank's part in that rank's order), and query position
-    ``p`` attends to key position ``q`` iff ``q <= p`` in the *whole* sequence.  The function of
-    transformer-engine's CP attention (which exchanges the K/V chunks ring-wise instead, without
-    ever holding them all); ``[sq, b, np, hn]`` in, ``[sq, b, np * hn]`` out."""
+    ``p`` attends to key position ``q`` iff ``q <= p`` in the *whole* sequence -- and, for a packed
+    (THD) pack, iff both are in the same ``cu_seqlens`` sequence (each sequence split on its own).
+    The function of transformer-engine's CP attention (which exchanges the K/V chunks ring-wise
+    instead, without ever holding them all); ``[sq, b, np, hn]`` in, ``[sq, b, np * hn]`` out
+    (THD: ``[t, np, hn]`` in, ``[t, np * hn]`` out)."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megarl.models.context_parallel import all_positions, positions
+    from megarl.models.context_parallel import all_positions
 
     if module.attn_mask_type != AttnMaskType.causal:
-        raise NotImplementedError(f"context parallelism on CPU: only causal self-attention, not {module.attn_mask_type}")
+        raise NotImplementedError("context parallelism on CPU: only causal self-attention, "
+                                  f"not {module.attn_mask_type}")
+    thd = packed_seq_params is not None
+    if thd and query.dim() == 3:  # [t, np, hn]: a batch of one
+        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
     group = ps.get_context_parallel_group()
-    cp = torch.distributed.get_world_size(group)
-    length = query.shape[0] * cp
+    cp, rank = torch.distributed.get_world_size(group), ps.get_context_parallel_rank()
+    local = query.shape[0]
+    length = local * cp
+    cu = packed_seq_params.cu_seqlens_q.to(device=query.device, dtype=torch.long) if thd else None
     key, value = _GatherOverContext.apply(key, group), _GatherOverContext.apply(value, group)
-    q_pos = positions(length, cp, ps.get_context_parallel_rank(), query.device)
-    k_pos = all_positions(length, cp, query.device)
+    k_pos = all_positions(length, cp, query.device, cu)  # the whole-pack position of each gathered key
+    q_pos = k_pos[rank * local:(rank + 1) * local]
     masked = k_pos[None, :] > q_pos[:, None]  # True: not attended (megatron's mask convention)
-    return original(module, query, key, value, masked[None, None])
+    if thd:  # and nothing across a sequence boundary
+        seq = torch.bucketize(k_pos, cu[1:], right=True)
+        masked |= seq[None, :] != seq[rank * local:(rank + 1) * local, None]
+    out = original(module, query, key, value, masked[None, None])
+    return out.reshape(local, -1) if thd else out
 
 
 def local_attention_init(original_init, module, config, *args, **kwargs) -> None:
@@ -574,9 +587,10 @@ def _patch_local_attention_thd() -> None:
                 packed_seq_params=None):
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         if self.config.context_parallel_size > 1:
-            if thd or attention_bias is not None:
-                raise NotImplementedError("context parallelism on CPU: padded sequences without attention bias only")
-            return context_parallel_core_attention(original, self, query, key, value)
+            if attention_bias is not None:
+                raise NotImplementedError("context parallelism on CPU: no attention bias")
+            return context_parallel_core_attention(original, self, query, key, value,
+                                                   packed_seq_params if thd else None)
         if not thd:
             return original(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                             attention_bias=attention_bias, packed_seq_params=packed_seq_params)

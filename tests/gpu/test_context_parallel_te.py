@@ -7,8 +7,8 @@ On 2 GPUs, one random tiny Llama in bf16 built with transformer-engine's layer s
 checkpoint: at CP=1 (each rank the whole rows) and at CP=2 (each rank its zig-zag half,
 TE's ``TEDotProductAttention`` exchanging K/V chunks ring-wise, ``cp_comm_type`` p2p):
 
-1. teacher-forced log-probs of ragged rows (``megarl.models.forward.teacher_forced_log_probs``):
-   CP=2 equals CP=1 to bf16 tolerance;
+1. teacher-forced log-probs of ragged rows (``megarl.models.forward.teacher_forced_log_probs``),
+   padded and packed into token-budget (THD) micro-batches: CP=2 equals CP=1 to bf16 tolerance;
 2. one optimizer step's gradient norm (a next-token loss through ``next_token_terms``, the
    global normaliser): CP=2 equals CP=1 to bf16 tolerance (a gradient summed over CP ranks would
    show as 2x).
@@ -68,6 +68,8 @@ def measure(hf: str, cp: int, tokens: torch.Tensor, lengths: torch.Tensor):
     ddp, opt = wrap_for_training(model, OptimSettings(optimizer="sgd", lr=0.0, clip_grad=0.0))
     tok, lens = tokens.cuda(), lengths.cuda()
     lp = teacher_forced_log_probs(ddp, tok, 4, lengths=lens)
+    # packed (THD) token-budget micro-batches: TE's THD CP attention, each sequence split on its own
+    lp_packed = teacher_forced_log_probs(ddp, tok, 4, lengths=lens, micro_batch_tokens=1024)
     V = unwrap(ddp).megarl_spec.vocab_size
     mask = (torch.arange(tok.shape[1] - 1, device=tok.device)[None, :] < (lens - 1)[:, None]).float()
     norm = float(mask.sum())
@@ -78,7 +80,7 @@ def measure(hf: str, cp: int, tokens: torch.Tensor, lengths: torch.Tensor):
 
     mbs = [{"tokens": tok[i:i + 4], "loss_mask": mask[i:i + 4]} for i in range(0, tok.shape[0], 4)]
     grad_norm = train_step(ddp, opt, mbs, loss_fn).grad_norm
-    return lp.float().cpu(), grad_norm, core.__name__
+    return lp.float().cpu(), lp_packed.float().cpu(), grad_norm, core.__name__
 
 
 def main(argv=None) -> int:
@@ -110,9 +112,9 @@ def main(argv=None) -> int:
                 lengths = torch.randint(8, 500, (8,), generator=g)
                 tokens = torch.randint(10, 1000, (8, 512), generator=g)
                 tokens = tokens * (torch.arange(512)[None, :] < lengths[:, None])
-                lp1, gn1, _ = measure(hf, 1, tokens, lengths)
-                lp2, gn2, core = measure(hf, 2, tokens, lengths)
-                err = float((lp2 - lp1).abs().max())
+                lp1, _packed1, gn1, _ = measure(hf, 1, tokens, lengths)
+                lp2, packed2, gn2, core = measure(hf, 2, tokens, lengths)
+                err = max(float((lp2 - lp1).abs().max()), float((packed2 - lp1).abs().max()))
                 rel = abs(gn2 - gn1) / gn1
                 assert err < LOG_PROB_ATOL, f"max |log-prob CP=2 - CP=1| {err:.4f} >= {LOG_PROB_ATOL}"
                 assert rel < GRAD_NORM_RTOL, f"grad norm CP=1 {gn1:.5f} vs CP=2 {gn2:.5f}"

@@ -11,6 +11,10 @@ of the real :class:`~megarl.control.learning.Learner` (actor and critic, two SGD
 the actor's log-probs and the critic's values after it.  Rank 0 saves them with the update's
 metrics and every weight after it.
 
+At every CP layout the same again with token-budget micro-batches (``algo.micro_batch_tokens``:
+packed THD sequences, each split over the CP ranks on its own, rows padded at their ends to
+multiples of 2 x cp), against the same CP=1 reference (padded micro-batches of rows).
+
 Negative controls, at CP=2: the log-probs with each rank's share shifted on its own (the labels
 across a chunk edge go wrong, verl PR #4250), and the update with the gathered terms' gradient
 summed over the CP ranks (the backward of ``torch.distributed.nn.all_gather``), which scales
@@ -33,16 +37,16 @@ from megarl.roles.actor import Actor
 from megarl.roles.critic import Critic
 from megarl.runtime import distributed as rt
 from tests._control_fakes import sm_sealed
-from tests.workers.token_budget_worker import GROUPS, OVERRIDES, PPO_RECIPE, ppo_batch
+from tests.workers.token_budget_worker import BUDGET, GROUPS, OVERRIDES, PPO_RECIPE, ppo_batch
 
 LAYOUTS = (("cp1", 1, 1, 1, False), ("cp2", 1, 1, 2, False), ("cp2tp2", 2, 1, 2, False),
            ("cp2tp2sp", 2, 1, 2, True), ("cp2pp2", 1, 2, 2, False))
 
 
-def roles(a, tp, pp, sp):
+def roles(a, tp, pp, sp, budget=0):
     from megarl.config.schema import RecomputeSettings
 
-    cfg = load_config(PPO_RECIPE, OVERRIDES)
+    cfg = load_config(PPO_RECIPE, OVERRIDES + [f"algo.micro_batch_tokens={budget}"])
     # with sequence parallelism also full recomputation: the backward re-runs the CP attention's gathers
     rc = RecomputeSettings(granularity="full") if sp else None
     actor = Actor(a.hf, tp, pp, cfg.actor.optim, total_steps=4, vocab_multiple=16, sequence_parallel=sp, recompute=rc)
@@ -51,9 +55,10 @@ def roles(a, tp, pp, sp):
     return cfg, actor, critic
 
 
-def log_probs(actor, batch):
+def log_probs(actor, batch, budget=0):
     f = batch.facts
-    return actor.log_probs(f.prompt_ids, f.response_ids, f.attention_mask, micro_batch_size=2)
+    return actor.log_probs(f.prompt_ids, f.response_ids, f.attention_mask, micro_batch_size=2,
+                           micro_batch_tokens=budget)
 
 
 def update(cfg, actor, critic, v, batch, out):
@@ -65,14 +70,37 @@ def update(cfg, actor, critic, v, batch, out):
     return learner.update(0, batch, v)
 
 
-def run_layout(a, tp, pp, sp):
-    cfg, actor, critic = roles(a, tp, pp, sp)
+def counting_attention():
+    """Counts of the CPU stand-in CP attention's calls by kind (padded rows, packed THD)."""
+    from megarl.runtime import cpu_compat
+
+    counts = Counter()
+    real = cpu_compat.context_parallel_core_attention
+
+    def counted(original, module, query, key, value, packed_seq_params=None):
+        counts["thd" if packed_seq_params is not None else "padded"] += 1
+        return real(original, module, query, key, value, packed_seq_params)
+
+    cpu_compat.context_parallel_core_attention = counted
+    return counts
+
+
+def run_layout(a, tp, pp, sp, budget=0):
+    cfg, actor, critic = roles(a, tp, pp, sp, budget)
     v, batch = ppo_batch()
     f = batch.facts
-    before = log_probs(actor, batch)
+    kinds = []  # per optimizer step: whether each micro-batch ran packed
+    for role in (actor, critic):
+        def recorded(mbs, loss_fn, _step=role.train_step, **kw):
+            kinds.append([("packed" in mb) for mb in mbs])
+            return _step(mbs, loss_fn, **kw)
+
+        role.train_step = recorded
+    before = log_probs(actor, batch, budget)
     metrics = update(cfg, actor, critic, v, batch, a.out)
-    values, bootstrap = critic.values(f.prompt_ids, f.response_ids, f.attention_mask, micro_batch_size=2)
-    return {"log_probs": before, "metrics": metrics, "log_probs_after": log_probs(actor, batch),
+    values, bootstrap = critic.values(f.prompt_ids, f.response_ids, f.attention_mask, micro_batch_size=2,
+                                      micro_batch_tokens=budget)
+    return {"log_probs": before, "metrics": metrics, "log_probs_after": log_probs(actor, batch, budget), "packed": kinds,
             "values_after": values, "bootstrap_after": bootstrap,
             "actor": {k: t.clone() for k, t in iter_hf_tensors(actor.ddp)},
             "critic": {k: t.clone() for k, t in iter_hf_tensors(critic.ddp)}}
@@ -93,7 +121,7 @@ def labels_shifted_per_share(a):
     V = unwrap(actor.ddp).megarl_spec.vocab_size
 
     class PerShare(PositionWise):
-        def on_context_parallel_share(self, output, toks, width):
+        def on_context_parallel_share(self, output, toks, width, cu_seqlens=None):
             own = context_parallel.split(toks)
             labels = torch.cat([own[:, 1:], own.new_zeros((own.shape[0], 1))], 1)
             return context_parallel.gather(self.fn(output, labels))[:, :width - 1]
@@ -128,10 +156,16 @@ def main():
     p.add_argument("--out", required=True)
     a = p.parse_args()
     results = {}
+    attention = counting_attention()
     for tag, tp, pp, cp, sp in LAYOUTS:
         rt.initialize(tp=tp, pp=pp, cp=cp)
-        print("layout", tag, flush=True)
         results[tag] = run_layout(a, tp, pp, sp)
+        results[tag]["attention"] = dict(attention)
+        attention.clear()
+        if cp > 1:  # packed token-budget micro-batches, every sequence split on its own
+            results[tag + "_tokens"] = run_layout(a, tp, pp, sp, BUDGET)
+            results[tag + "_tokens"]["attention"] = dict(attention)
+            attention.clear()
         if tag == "cp2":
             results["control_labels_per_share"] = labels_shifted_per_share(a)
             results["control_summed_gradient"] = update_with_summed_gather_gradient(a)
