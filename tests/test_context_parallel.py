@@ -80,8 +80,10 @@ def test_config_refuses_what_does_not_run_split():
     recipe = f"{ROOT}/configs/grpo_arith_tiny.yaml"
     with pytest.raises(ConfigError, match="parallel.cp"):
         validate(load_config(recipe, ["parallel.cp=2"]), 3)
-    with pytest.raises(ConfigError, match=r"parallel\.ep"):
-        validate(load_config(recipe, ["parallel.cp=2", "parallel.ep=2"]), 4)
+    for key, value in (("algo.routing_replay", "rollout"), ("actor.moe_aux_loss_coeff", "0.01")):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            validate(load_config(recipe, ["parallel.cp=2", f"{key}={value}"]), 4)
+    assert validate(load_config(recipe, ["parallel.cp=2", "parallel.ep=2"]), 4) == 2  # MoE: experts over CP x DP
     assert validate(load_config(recipe, ["parallel.cp=2"]), 4) == 2  # dp = world / (tp x pp x cp)
     assert validate(load_config(recipe, ["parallel.cp=2", "algo.micro_batch_tokens=64"]), 4) == 2
 

@@ -68,7 +68,8 @@ def launch(assets, tmp_path_factory):
              # the EP-gathered manifest, retried) and the first load of v1 is corrupted (both engines refuse it)
              "faults.fail_optimizer_step_at=[1]", "faults.corrupt_weight_sync_at=[1]"]
     proc = torchrun("moe_train_worker.py", 2, "--hf", hf, "--out", str(root), "--train", *train)
-    res = {tag: torch.load(root / f"{tag}.pt") for tag in ("ep1", "ep2", "tp2sp", "pp2", "ep2tok", "resume_ep1")}
+    res = {tag: torch.load(root / f"{tag}.pt") for tag in ("ep1", "ep2", "tp2sp", "pp2", "ep2tok", "cp2ep2",
+                                                            "cp2ep2tok", "resume_ep1")}
     res["stderr"] = proc.stderr
     return hf, res, run_dir, moe
 
@@ -216,6 +217,31 @@ def test_token_budget_at_ep2_equals_padded(launch):
     for key in ("update/grad_norm", "update/grad_norm_max", "update/pg_loss"):
         rel = abs(tok["metrics"][key] - ep2["metrics"][key]) / abs(ep2["metrics"][key])
         assert within(rel, 1e-6, f"moe_training/ep2tok_vs_ep2/{key}_rel"), (key, rel)
+
+
+@pytest.mark.parametrize("tag", ["cp2ep2", "cp2ep2tok"])
+def test_context_parallel_moe_equals_ep1(launch, tag):
+    """parallel.cp=2 with the experts over EP=2 (world 2: megatron's EP group is the two CP ranks,
+    which hold halves of the same rows), padded and on token-budget micro-batches (each packed
+    sequence split on its own): the old log-probs, the GRPO update's norms, losses and every weight
+    equal EP=1's; the weights' manifest and both engines' synced copies are the same as at EP=1."""
+    hf, res, _, _ = launch
+    ep1, cp = res["ep1"], res[tag]
+    assert (cp["ep"], cp["dp"], cp["edp"]) == (2, 1, 1) and cp["held_experts"] == [[0, 1], [2, 3]]
+    for key in ("old_log_probs", "old_log_probs_7"):
+        err = (cp[key] - ep1[key]).abs().max().item()
+        assert within(err, LAYOUT_FP32_LOGPROB, f"moe_training/{tag}_vs_ep1/{key}"), err
+    assert cp["metrics"]["update/optimizer_steps"] == 2
+    assert cp["metrics"]["update/tokens"] == ep1["metrics"]["update/tokens"]  # reported once per replica
+    initial = load_file(os.path.join(hf, "model.safetensors"))
+    for k in initial:
+        err = (cp["weights"][k] - ep1["weights"][k]).abs().max().item()
+        assert within(err, adam_weights_tol(3e-3, 2, 1e-3), f"moe_training/{tag}_vs_ep1/weights"), (k, err)
+    for key in ("update/grad_norm", "update/grad_norm_max", "update/pg_loss"):
+        rel = abs(cp["metrics"][key] - ep1["metrics"][key]) / abs(ep1["metrics"][key])
+        assert within(rel, 1e-5, f"moe_training/{tag}_vs_ep1/{key}_rel"), (key, rel)
+    assert cp["manifest0_hash"] == ep1["manifest0_hash"]
+    assert len(set(cp["manifest1_every_rank"])) == 1
 
 
 # ---- in process -------------------------------------------------------------------------------

@@ -109,7 +109,8 @@ class ParallelConfig:
     pp: int = 1  # pipeline-parallel size; tp x pp x cp x dp = the number of processes
     #: context-parallel size: each sequence split over cp ranks along its length (zig-zag, 2 x cp
     #: chunks; sequences padded to a multiple of 2 x cp, times tp with sequence parallelism);
-    #: attention and activation memory per rank / cp; packed sequences split one by one.  Dense models
+    #: attention and activation memory per rank / cp; packed sequences split one by one.  Not yet
+    #: with MoE routing replay or the router's losses
     cp: int = 1
     #: expert-parallel size of a mixture-of-experts model: each layer's experts are spread over ep
     #: ranks taken from the data-parallel ones (ep divides the number of experts and world / (etp x pp))

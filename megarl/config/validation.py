@@ -360,9 +360,15 @@ def _validate_layout(cfg: TrainConfig, world_size: int) -> int:
           f"tp x pp x cp = {p.tp} x {p.pp} x {p.cp} = {mp} does not divide the world size {world_size} "
           f"(tp x pp x cp x dp must equal the number of processes)")
     dp = world_size // mp
-    # what runs split over context-parallel ranks today: dense models
-    _need(p.cp == 1 or p.ep == 1, "parallel.ep", f"is {p.ep} with parallel.cp={p.cp}: mixture-of-experts models are "
-          "not run with context parallelism yet")
+    if p.cp > 1:  # what does not run split over context-parallel ranks yet
+        a = cfg.algo
+        _need(a.routing_replay == "none", "algo.routing_replay",
+              f"is {a.routing_replay!r} with parallel.cp={p.cp}: routing replay is not run with context parallelism "
+              "yet; set algo.routing_replay=none (or parallel.cp=1)")
+        for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            _need(getattr(cfg.actor, key) in (None, 0.0), f"actor.{key}",
+                  f"is {getattr(cfg.actor, key)} with parallel.cp={p.cp}: the router's losses are not scaled for "
+                  "context-parallel ranks yet; leave them off (or parallel.cp=1)")
     _need(p.ep >= 1, "parallel.ep", f"must be >= 1, got {p.ep}")
     _need(p.etp is None or p.etp >= 1, "parallel.etp", f"must be >= 1 or null, got {p.etp}")
     etp = p.tp if p.etp is None else p.etp

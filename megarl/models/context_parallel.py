@@ -141,10 +141,8 @@ def gather(local: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
     return _Gather.apply(local, group(), cp, rank(), cu_seqlens)
 
 
-def check_supported(*, moe: bool, routing: bool = False) -> Optional[str]:
+def check_supported(*, routing: bool = False) -> Optional[str]:
     """None when context parallelism can run this pass, else why not (the callers raise it)."""
-    if moe:
-        return "mixture-of-experts models are not run with context parallelism yet"
     if routing:
         return "routing replay is not run with context parallelism yet"
     return None

@@ -56,9 +56,6 @@ def validate_model_fit(cfg, spec, where: str) -> None:
         require(getattr(cfg.actor, key) in (None, 0.0) or moe_num_experts(spec) is not None, f"actor.{key}",
                 f"is {getattr(cfg.actor, key)}, but {where} describes a dense model ({spec.architecture}: no router "
                 f"to regularise); use actor.{key}={'null' if key == 'moe_z_loss_coeff' else '0'}")
-    require(p.cp == 1 or moe_num_experts(spec) is None, "parallel.cp",
-            f"is {p.cp}, but {where} is a mixture-of-experts model: MoE models are not run with context "
-            "parallelism yet; use parallel.cp=1")
     if cfg.algo.routing_replay != "none":
         require(moe_num_experts(spec) is not None, "algo.routing_replay",
                 f"is {cfg.algo.routing_replay!r}, but {where} describes a dense model "

@@ -300,7 +300,7 @@ def forward_only(model, micro_batches: List[MicroBatch],
     pp = ps.get_pipeline_model_parallel_world_size()
     dev = next(inner.parameters()).device
     if context_parallel.size() > 1:
-        why = context_parallel.check_supported(moe=inner.megarl_spec.moe is not None, routing=routing is not None)
+        why = context_parallel.check_supported(routing=routing is not None)
         if why is not None:
             raise ValueError(f"parallel.cp={context_parallel.size()}: {why}")
     results: List[Optional[torch.Tensor]] = []

@@ -164,8 +164,7 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
     multiple = sequence_multiple(ddp_model)
     cp = context_parallel.size()
     if cp > 1:
-        why = context_parallel.check_supported(moe=unwrap(ddp_model).megarl_spec.moe is not None,
-                                               routing=replay_layers is not None)
+        why = context_parallel.check_supported(routing=replay_layers is not None)
         if why is not None:
             raise ValueError(f"parallel.cp={cp}: {why}")
         if packed[0]:  # each sequence is split into 2 x cp chunks: every row padded at its end

@@ -16,6 +16,9 @@ Layouts, one after the other in the same processes (``rt.initialize`` rebuilds m
 * ``pp2``: the manifest of the same checkpoint, for the layout-independence of its hash.
 * ``ep2tok``: ``ep2`` with token-budget micro-batches (``algo.micro_batch_tokens``) for the old
   log-probs and the update: packed, a different token count on each EP rank, lengthened alike.
+* ``cp2ep2`` and ``cp2ep2tok``: context parallelism (CP=2, DP=1) with the experts over EP=2 --
+  megatron takes the EP group from the CP ranks, which hold halves of the same rows -- padded and
+  packed: every sequence split over the two ranks, each rank's tokens dispatched to its experts.
 
 Rank 0 saves one file per layout for the test to judge; ranks exchange what the test needs from
 rank 1 (its engine's load reports and served tensors' checksums).  With ``--train ARGS``, the
@@ -81,8 +84,8 @@ def sync_and_read(actor_ddp, engine, version, manifest):
             "num_buckets": report.num_buckets, "buckets": buckets}, {n: e.checksum for n, e in served.entries.items()}
 
 
-def train_layout(a, ep, tp=1, sp=False, budget=0):
-    rt.initialize(tp=tp, pp=1, ep=ep)
+def train_layout(a, ep, tp=1, sp=False, budget=0, cp=1):
+    rt.initialize(tp=tp, pp=1, ep=ep, cp=cp)
     from megatron.core import parallel_state as ps
 
     cfg = load_config(GRPO_RECIPE, OVERRIDES + [f"algo.micro_batch_tokens={budget}"])
@@ -154,7 +157,9 @@ def main():
     results, seconds = {}, {}
     for tag, run in (("ep1", lambda: train_layout(a, 1)), ("ep2", lambda: train_layout(a, 2)),
                      ("tp2sp", lambda: train_layout(a, 1, tp=2, sp=True)), ("pp2", lambda: manifest_layout(a, 1, 2)),
-                     ("ep2tok", lambda: train_layout(a, 2, budget=TOKEN_BUDGET))):
+                     ("ep2tok", lambda: train_layout(a, 2, budget=TOKEN_BUDGET)),
+                     ("cp2ep2", lambda: train_layout(a, 2, cp=2)),
+                     ("cp2ep2tok", lambda: train_layout(a, 2, cp=2, budget=TOKEN_BUDGET))):
         t0 = time.perf_counter()
         results[tag] = run()
         seconds[tag] = time.perf_counter() - t0
