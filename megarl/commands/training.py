@@ -52,9 +52,8 @@ def prepare_start(cfg, world: int) -> Start:
 def run_training(cfg, world: int, start: Start) -> dict:
     import torch
 
-    from megarl.control.trainer import Trainer
     from megarl.runtime import distributed as rt
-    from megarl.runtime.data_parallel import broadcast_object
+    from megarl.runtime.liveness import start_peer_watch
 
     if cfg.trainer.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -70,6 +69,25 @@ def run_training(cfg, world: int, start: Start) -> dict:
             return {"role": "rollout", **stats}
     p = cfg.parallel
     rt.initialize(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, seed=cfg.trainer.seed)
+    # a rank lost mid-run is named within parallel.peer_timeout_s (split placement beats on its own)
+    watch = start_peer_watch(p.peer_timeout_s) if world_side is None else None
+    try:
+        result = _train(cfg, world, start, world_side)
+    except Exception as e:
+        if watch is not None:
+            watch.explain(e)  # a collective's broken connection: the watcher names the lost rank
+        raise
+    if watch is not None:
+        watch.stop()  # before any rank leaves: rt.shutdown's barrier follows
+    rt.shutdown()
+    return result
+
+
+def _train(cfg, world: int, start: Start, world_side) -> dict:
+    from megarl.control.trainer import Trainer
+    from megarl.runtime import distributed as rt
+    from megarl.runtime.data_parallel import broadcast_object
+
     run_dir = broadcast_object(cfg.trainer.run_dir or default_run_dir(cfg))
     cfg.trainer.run_dir = run_dir
     cfg.trainer.run_id = cfg.trainer.run_id or os.path.basename(os.path.normpath(run_dir)).replace("/", "-")
@@ -89,7 +107,6 @@ def run_training(cfg, world: int, start: Start) -> dict:
         acc = result.get("heldout_accuracy")
         print(f"done: {result['iterations']} iterations; final held-out accuracy "
               f"{'-' if acc is None else f'{acc:.3f}'}; exports in {os.path.join(run_dir, 'export')}", flush=True)
-    rt.shutdown()
     return result
 
 

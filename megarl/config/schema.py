@@ -124,6 +124,11 @@ class ParallelConfig:
     #: optimizer) during the last micro-batch's backward, overlapping it (megatron DDP); the
     #: gradients are the same sums either way
     overlap_grad_reduce: bool = False
+    #: seconds a rank's heartbeat (in the job's store) may stand still before the others declare it
+    #: lost, say which rank on which host, and exit (status 75) for the job to restart from its last
+    #: checkpoint, rather than wait out the process group's 30 minutes (megarl/runtime/liveness.py);
+    #: null: no watch.  Hybrid placement; split placement has placement.timeout_s
+    peer_timeout_s: Optional[float] = 300.0
     recompute: RecomputeSettings = field(default_factory=RecomputeSettings)
 
 
