@@ -130,3 +130,25 @@ def test_slurm_log_opens_in_a_fresh_submit_directory(tmp_path):
     proc = subprocess.run(["bash", SCRIPT, str(cfg)], env=env, capture_output=True, text=True, cwd=submit)
     assert proc.returncode == 0, proc.stderr
     assert sorted(os.listdir(submit)) == [log.name], os.listdir(submit)   # no logs/ of its own
+
+
+def test_stop_file_written_since_the_launch_is_honoured(tmp_path, monkeypatch):
+    """A STOP found at start-up is the last stop's (removed) unless it was written after the launch
+    script's stamp: Slurm's time-limit warning arriving while the trainer starts is not lost."""
+    import pytest
+
+    from megarl.control.trainer import stop_file_is_stale
+    from megarl.errors import MegarlError
+
+    stop = tmp_path / "STOP"
+    stop.touch()
+    os.utime(stop, (1000.0, 1000.0))
+    monkeypatch.delenv("MEGARL_LAUNCH_TIME", raising=False)
+    assert stop_file_is_stale(str(stop))  # no stamp (not launched by the script): stale, as before
+    monkeypatch.setenv("MEGARL_LAUNCH_TIME", "2000.25")
+    assert stop_file_is_stale(str(stop))  # written before this launch
+    os.utime(stop, (2000.5, 2000.5))
+    assert not stop_file_is_stale(str(stop))  # the warning came while the trainer started
+    monkeypatch.setenv("MEGARL_LAUNCH_TIME", "yesterday")
+    with pytest.raises(MegarlError, match="MEGARL_LAUNCH_TIME"):
+        stop_file_is_stale(str(stop))

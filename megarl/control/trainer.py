@@ -30,6 +30,7 @@ from typing import Dict, Optional
 import torch.distributed as dist
 
 from megarl.config.schema import TrainConfig
+from megarl.errors import MegarlError
 from megarl.control.assembly import assemble, assemble_engine, wire_components
 from megarl.control.export import Exporter
 from megarl.control.interfaces import RunProgress
@@ -41,6 +42,23 @@ from megarl.observability.sample_log import SampleLogger
 from megarl.rollout.weight_sync import actor_manifest, make_version
 from megarl.runtime.data_parallel import broadcast_object, dp_size, gather_objects
 from megarl.runtime.run_dir import resume_command
+
+
+def stop_file_is_stale(path: str) -> bool:
+    """Whether ``<run_dir>/STOP`` found at start-up is the last stop's (removed) rather than a
+    request made since this launch (honoured at the first commit).  launch/multinode.sh stamps
+    its launch in ``MEGARL_LAUNCH_TIME`` (seconds since the epoch): a STOP written after it is the
+    scheduler's time-limit warning arriving while the trainer started, and must not be lost.
+    Without the stamp every STOP found at start-up is taken as stale."""
+    launched = os.environ.get("MEGARL_LAUNCH_TIME")
+    if not launched:
+        return True
+    try:
+        stamp = float(launched)
+    except ValueError:
+        raise MegarlError(f"MEGARL_LAUNCH_TIME={launched!r}: expected the launch's time in seconds since the epoch "
+                          "(launch/multinode.sh sets it)") from None
+    return os.path.getmtime(path) < stamp
 
 
 class Trainer:
@@ -56,7 +74,7 @@ class Trainer:
         self.stop_signal = False
         self._install_signal_handlers()
         self.stop_file = os.path.join(run_dir, "STOP")
-        if self.rank0 and os.path.exists(self.stop_file):
+        if self.rank0 and os.path.exists(self.stop_file) and stop_file_is_stale(self.stop_file):
             os.remove(self.stop_file)
 
         parts = assemble(cfg, model_path, tokenizer_dir)
