@@ -3,10 +3,17 @@ time-out; a rank that finished is not; a store that stops answering is reported;
 transport failure is held until the lost rank is named.  (The node-lost run through a real Slurm
 cluster is tests/test_slurm_cluster.py.)"""
 
+import datetime
+import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
 import torch.distributed as dist
+
+from tests._dist import free_port
 
 from megarl.runtime.liveness import EXIT_PEER_LOST, PeerWatch, looks_like_a_lost_peer
 
@@ -49,7 +56,8 @@ def test_a_silent_rank_is_named_by_every_other_within_the_timeout():
         reasons = ranks.wait([0, 1, 3], TIMEOUT + 20 * PERIOD + 5.0)  # margins for a loaded machine
         took = time.monotonic() - t0
         assert set(reasons) == {0, 1, 3}, reasons
-        assert took >= TIMEOUT  # not before its heartbeat has stood still for the time-out
+        # not before its heartbeat has stood still for the time-out (it last moved up to a period before the kill)
+        assert took >= TIMEOUT - PERIOD
         for r in (0, 1, 3):
             assert "rank 2 (" in reasons[r] and "lost" in reasons[r] and f"peer_timeout_s={TIMEOUT:g}" in reasons[r]
             assert reasons[r].startswith(f"megarl: rank {r} ") and f"exit status {EXIT_PEER_LOST}" in reasons[r]
@@ -95,6 +103,37 @@ def test_a_store_that_stops_answering_is_reported():
     assert len(got) == 1 and "the job's store at h:1 stopped answering" in got[0], got
 
 
+def test_a_store_host_that_goes_silent_is_reported_within_the_timeout():
+    """The store's host stops answering without closing its connections (SIGSTOP here; a cut link
+    on a cluster): the c10d client's call would wait for good, so the guard times the look."""
+    port = free_port()
+    host = subprocess.Popen([sys.executable, "-c", "import datetime, time, torch.distributed as d; "
+                             f"s = d.TCPStore('127.0.0.1', {port}, None, True, datetime.timedelta(seconds=60), "
+                             "wait_for_workers=False); print('up', flush=True); time.sleep(600)"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout.readline().strip() == "up"
+        client = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=TIMEOUT),
+                               wait_for_workers=False)
+        got = []
+        w = PeerWatch(client, 0, 2, TIMEOUT, PERIOD, on_lost=got.append, where=f"the job's store at 127.0.0.1:{port}")
+        time.sleep(3 * PERIOD)
+        assert got == []
+        t0 = time.monotonic()
+        os.kill(host.pid, signal.SIGSTOP)
+        deadline = t0 + TIMEOUT + 20 * PERIOD + 5.0
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.02)
+        took = time.monotonic() - t0
+        assert len(got) == 1 and f"the job's store at 127.0.0.1:{port} has not answered for" in got[0], got
+        assert TIMEOUT - PERIOD <= took, took
+    finally:
+        host.kill()  # the blocked call fails on the closed connection, and the watcher's thread ends
+        host.wait()
+    w._thread.join(timeout=30)
+    assert not w._thread.is_alive() and len(got) == 1  # reported once
+
+
 def test_explain_holds_a_transport_failure_until_the_lost_rank_is_named():
     ranks = _Ranks(2)
     try:
@@ -109,7 +148,7 @@ def test_explain_holds_a_transport_failure_until_the_lost_rank_is_named():
         t0 = time.monotonic()
         ranks.kill(1)
         ranks.watches[0].explain(broken)  # returns once the watcher named rank 1 (it would have exited)
-        assert time.monotonic() - t0 >= TIMEOUT and "rank 1 (" in ranks.reasons[0]
+        assert time.monotonic() - t0 >= TIMEOUT - PERIOD and "rank 1 (" in ranks.reasons[0]
     finally:
         ranks.close()
 

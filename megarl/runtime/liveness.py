@@ -14,7 +14,8 @@ was lost, on which host, and ends its process with :data:`EXIT_PEER_LOST` (75, E
 again).  The launcher sees failed workers, and the job is restarted (``launch/multinode.sh``'s
 requeue, or Slurm's own after a node failure) from its last checkpoint; nothing committed is lost,
 as a checkpoint is published atomically.  A store that stops answering (its host is the lost node)
-is reported the same way, bounded by the same time-out.  A rank that ends its run says so first
+is reported the same way, bounded by the same time-out (a guard thread times each look: the c10d
+client's own time-out bounds waits for keys, not a reply that never comes).  A rank that ends its run says so first
 (:meth:`PeerWatch.stop`), so a finished rank is never taken for a lost one.
 
 The thread runs whatever the main thread is blocked in: a C++ collective releases the GIL.  Where
@@ -83,10 +84,16 @@ class PeerWatch:
         self._found = threading.Event()
         self._stop = threading.Event()
         self._seen: Optional[tuple] = None  # (neighbour's counter, monotonic time it last moved)
+        self._look_started: Optional[float] = None  # a look in progress: since when
+        self._report_lock = threading.Lock()
         store.set(f"{prefix}/host/{rank}", socket.gethostname())
         store.add(self._key("beat", rank), 1)
         self._thread = threading.Thread(target=self._watch, name=f"megarl-peer-watch-{rank}", daemon=True)
         self._thread.start()
+        # a store whose host stopped answering without closing the connection (its link cut) blocks
+        # a store call for good: the c10d client's time-out bounds waits for keys, not replies
+        self._guard = threading.Thread(target=self._guard_looks, name=f"megarl-peer-watch-guard-{rank}", daemon=True)
+        self._guard.start()
 
     def _key(self, what: str, rank: Optional[int] = None) -> str:
         return f"{self.prefix}/{what}" if rank is None else f"{self.prefix}/{what}/{rank}"
@@ -128,14 +135,32 @@ class PeerWatch:
             pass
         return why
 
+    def _report(self, why: str) -> None:
+        with self._report_lock:
+            if self.lost is not None:
+                return
+            self.lost = why
+        try:
+            self.on_lost(f"megarl: rank {self.rank} ({socket.gethostname()}) stops: {why}; exit status "
+                         f"{EXIT_PEER_LOST}, so that the job restarts from its last checkpoint")
+        finally:
+            self._found.set()
+
     def _watch(self) -> None:
         while not self._stop.wait(self.period_s):
+            self._look_started = time.monotonic()
             why = self.check()
+            self._look_started = None
             if why:
-                self.lost = why
-                self._found.set()
-                self.on_lost(f"megarl: rank {self.rank} ({socket.gethostname()}) stops: {why}; exit status "
-                             f"{EXIT_PEER_LOST}, so that the job restarts from its last checkpoint")
+                self._report(why)
+                return
+
+    def _guard_looks(self) -> None:
+        while not self._stop.wait(self.period_s) and self.lost is None:
+            started = self._look_started
+            if started is not None and time.monotonic() - started > self.timeout_s:
+                self._report(f"{self.where} has not answered for {time.monotonic() - started:.0f} s; its host is "
+                             f"lost or cut off (parallel.peer_timeout_s={self.timeout_s:g})")
                 return
 
     def explain(self, error: BaseException) -> None:
@@ -153,8 +178,9 @@ class PeerWatch:
         except Exception:
             pass
         self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=self.period_s + self.timeout_s + 5.0)
+        for t in (self._thread, self._guard):
+            if t is not threading.current_thread():
+                t.join(timeout=self.period_s + self.timeout_s + 5.0)
 
 
 def start_peer_watch(timeout_s: Optional[float]) -> Optional[PeerWatch]:
