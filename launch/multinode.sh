@@ -23,7 +23,9 @@
 # checkpoint.  Slurm signals this script (USR1) 10 minutes before the time limit; the script
 # writes <run dir>/STOP, the trainer checkpoints at its next commit and exits, and the script
 # requeues the job.  A run that finished writes <run dir>/DONE and is never requeued; a crash is
-# requeued at most MEGARL_MAX_REQUEUES times (SLURM_RESTART_COUNT counts them).
+# requeued at most MEGARL_MAX_REQUEUES times (SLURM_RESTART_COUNT counts them).  A node lost
+# mid-run is named by the surviving ranks within parallel.peer_timeout_s (they exit 75); Slurm sets
+# the node down after SlurmdTimeout and requeues the job, which resumes once it has its nodes.
 #SBATCH --job-name=megarl
 #SBATCH --requeue
 #SBATCH --signal=B:USR1@600
