@@ -272,17 +272,53 @@ def _ensure_tp_attributes(model) -> None:
             tpl.set_tensor_model_parallel_attributes(w, True, dim, 1)
 
 
-def build_model(spec: ModelSpec, opts: BuildOptions, seed: int = 1234):
+def virtual_stages() -> int:
+    """Virtual pipeline stages per PP rank in the initialised parallel state (1: none)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_virtual_pipeline_model_parallel_world_size() or 1
+
+
+def build_model_chunks(spec: ModelSpec, opts: BuildOptions, seed: int = 1234) -> list:
+    """This rank's model chunks: one per virtual pipeline stage (``rt.initialize(vpp=...)``), in
+    vp-stage order, sharing one ``TransformerConfig``; a one-element list without virtual stages.
+
+    Under interleaving, PP rank r's chunk v holds the layers of global chunk ``v * pp + r``
+    (megatron's layer offset): with 4 layers at pp=2 x vpp=2, rank 0 holds layers 0 and 2, rank 1
+    layers 1 and 3.  Each layer's ``layer_number`` is global, so the HF mapping needs nothing else.
+    """
+    vpp = virtual_stages()
+    if vpp == 1:
+        return [build_model(spec, opts, seed)]
+    if spec.num_layers % (opts.pp * vpp):
+        raise ModelConfigError(f"num_hidden_layers={spec.num_layers} is not divisible by pp x vpp = "
+                               f"{opts.pp} x {vpp} (every virtual pipeline stage holds as many layers)")
+    config = None
+    chunks = []
+    for v in range(vpp):
+        chunks.append(build_model(spec, opts, seed, vp_stage=v, config=config))
+        config = chunks[0].config
+    return chunks
+
+
+def build_model(spec: ModelSpec, opts: BuildOptions, seed: int = 1234, vp_stage: Optional[int] = None,
+                config=None):
     """Build this rank's stage of the model (megatron parallel_state must be initialised).
 
     Every rank seeds identically before building: with CPU initialisation megatron builds the
-    full master weight and slices it, so all ranks must draw the same numbers.
+    full master weight and slices it, so all ranks must draw the same numbers.  ``vp_stage``:
+    the virtual pipeline stage to build, with virtual stages (:func:`build_model_chunks` builds
+    them all, on one ``config``).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     check_parallel_fit(spec, opts.tp, opts.pp, ep=opts.ep, etp=opts.resolved_etp)
     ps = parallel_state
+    vpp = virtual_stages()
+    if (vpp > 1) != (vp_stage is not None):
+        raise ModelConfigError(f"build_model: vp_stage={vp_stage} with {vpp} virtual pipeline stage(s) initialised "
+                               "(build_model_chunks builds every stage)")
     want = (opts.tp, opts.pp, opts.ep, opts.resolved_etp)
     have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
             ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size())
@@ -299,9 +335,13 @@ def build_model(spec: ModelSpec, opts: BuildOptions, seed: int = 1234):
     elif opts.cp != cp:
         raise ModelConfigError(f"build options cp={opts.cp} disagree with the initialised parallel state cp={cp}")
     cpu_compat.seed_megatron_rng(seed)
-    config = transformer_config(spec, opts)
-    pre = parallel_state.is_pipeline_first_stage()
-    post = parallel_state.is_pipeline_last_stage()
+    if config is None:
+        config = transformer_config(spec, opts)
+        if vpp > 1:
+            config.virtual_pipeline_model_parallel_size = vpp
+    pre = parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    post = parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    virtual = {} if vp_stage is None else {"vp_stage": vp_stage}
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(spec, opts, config),
@@ -314,6 +354,7 @@ def build_model(spec: ModelSpec, opts: BuildOptions, seed: int = 1234):
         position_embedding_type="rope",
         rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
         rope_scaling=False,
+        **virtual,
     )
     if spec.rope_scaling is not None and hasattr(model, "rotary_pos_emb"):
         # GPTModel only forwards the factor; the HF config also sets the other three knobs.

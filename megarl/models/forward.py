@@ -292,10 +292,15 @@ def forward_only(model, micro_batches: List[MicroBatch],
     return a tensor whose shape is a function of ``tokens.shape`` only; its results are
     broadcast from the last stage so every rank returns the same list.  For a packed
     micro-batch, ``tokens`` is its ``(1, total)`` packed sequence.
+
+    ``model``: one model, or this rank's list of model chunks under virtual pipeline stages
+    (:func:`megarl.models.builder.build_model_chunks`), run by megatron's interleaved schedule.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]  # virtual pipeline stages: one per stage
+    model = chunks[0]
     inner = unwrap(model)
     pp = ps.get_pipeline_model_parallel_world_size()
     dev = next(inner.parameters()).device
@@ -309,7 +314,8 @@ def forward_only(model, micro_batches: List[MicroBatch],
     # padding, never attended to by a causal model); on_output sees the micro-batch's own width
     aligned = [_aligned(mb, tg, sequence_multiple(model)) for mb, tg in zip(micro_batches, targets)]
     was_training = model.training
-    model.eval()
+    for c in chunks:
+        c.eval()
     try:
         with torch.no_grad():
             if pp == 1:
@@ -318,7 +324,14 @@ def forward_only(model, micro_batches: List[MicroBatch],
                     out = _call(model, mb, tg, routing)
                     results.append(_result(on_output, out, mb, width))
                 return results
-            it = iter([(mb.to(dev), tg, width) for mb, tg, width in aligned])
+            items = [(mb.to(dev), tg, width) for mb, tg, width in aligned]
+            real = len(items)
+            if len(chunks) > 1 and real % pp:
+                # megatron's interleaved schedule runs micro-batches in groups of pp: repeat the last
+                # one up to a multiple of pp (their results are dropped)
+                items += [items[-1]] * (pp - real % pp)
+            # every model chunk draws the micro-batches in order from an iterator of its own
+            it = iter(items) if len(chunks) == 1 else [iter(items) for _ in chunks]
 
             def step(data_iterator, m):
                 mb, tg, width = next(data_iterator)
@@ -336,23 +349,24 @@ def forward_only(model, micro_batches: List[MicroBatch],
             # micro-batches at once; their shapes differ (widths; a packed one travels between
             # stages as [total, 1, hidden]), so the stages tell each other every activation's shape
             # (megatron's variable_seq_lengths, for this call only: training steps have one shape)
-            shapes = [tuple(_tokens(mb).shape) for mb, _tg, _width in aligned]  # megatron divides by cp itself
+            shapes = [tuple(_tokens(mb).shape) for mb, _tg, _width in items]  # megatron divides by cp itself
             config = inner.config
             variable = config.variable_seq_lengths
             config.variable_seq_lengths = True
             try:
                 store = get_forward_backward_func()(
-                    forward_step_func=step, data_iterator=it, model=[model], num_microbatches=len(aligned),
+                    forward_step_func=step, data_iterator=it, model=chunks, num_microbatches=len(items),
                     seq_length=max(s[1] for s in shapes), micro_batch_size=max(s[0] for s in shapes),
                     forward_only=True)
             finally:
                 config.variable_seq_lengths = variable
             # the results live on the last stage (broadcast below)
             last = ps.is_pipeline_last_stage()
-            results.extend([entry["result"] for entry in store] if last else [None] * len(aligned))
+            results.extend([entry["result"] for entry in store][:real] if last else [None] * real)
     finally:
         if was_training:
-            model.train()
+            for c in chunks:
+                c.train()
     # Broadcast each result from the last stage (shapes are agreed via a small header).
     group = ps.get_pipeline_model_parallel_group()
     src = dist.get_global_rank(group, pp - 1)

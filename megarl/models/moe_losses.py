@@ -59,7 +59,8 @@ def step_scope(ddp_model, num_micro_batches: int) -> Iterator[Dict[str, float]]:
     megatron's tracker cleared before and read after.  Yields a dict that holds, after the block,
     ``moe_aux_loss`` / ``moe_z_loss`` (the enabled ones).  Inert (no collective, nothing
     changed) for a dense model or one with both losses off."""
-    tconf = ddp_model.config
+    chunks = list(ddp_model) if isinstance(ddp_model, (list, tuple)) else [ddp_model]  # virtual pipeline stages
+    tconf = chunks[0].config
     out: Dict[str, float] = {}
     if not enabled(tconf):
         yield out
@@ -68,7 +69,7 @@ def step_scope(ddp_model, num_micro_batches: int) -> Iterator[Dict[str, float]]:
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
     from megatron.core.transformer.moe.router import Router
 
-    for m in ddp_model.modules():
+    for m in (m for c in chunks for m in c.modules()):
         if isinstance(m, Router):
             m.calculate_per_token_loss = False  # no x T: megarl's finalize does not divide by T
     dp = ps.get_data_parallel_world_size()

@@ -45,6 +45,10 @@ def wrap_for_training(model, cfg: OptimSettings, *, sgd_momentum: float = 0.0,
     overlapping it with the rest of the backward; ``finalize_model_grads`` waits for them.  The
     same sums in the same buckets: the gradients do not change.
 
+    ``model`` may be this rank's list of model chunks (virtual pipeline stages,
+    :func:`megarl.models.builder.build_model_chunks`): each chunk gets its own DDP (bucketing on
+    the first only, as megatron does), one optimizer spans them, and ``ddp_model`` is the list.
+
     Returns ``(ddp_model, optimizer)``.
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -53,7 +57,10 @@ def wrap_for_training(model, cfg: OptimSettings, *, sgd_momentum: float = 0.0,
     if cfg.optimizer not in ("adam", "sgd"):
         raise ValueError(f"optim.optimizer={cfg.optimizer!r}: expected 'adam' or 'sgd'")
     use_dist_opt = cpu_compat.use_distributed_optimizer(use_distributed_optimizer)
-    tconf = model.config
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    tconf = chunks[0].config
+    if any(c.config is not tconf for c in chunks):
+        raise ValueError("wrap_for_training: the model chunks must share one TransformerConfig (build_model_chunks)")
     tconf.calculate_per_token_loss = True
     tconf.finalize_model_grads_func = _finalize_without_token_scaling
     ddp_config = DistributedDataParallelConfig(
@@ -67,9 +74,11 @@ def wrap_for_training(model, cfg: OptimSettings, *, sgd_momentum: float = 0.0,
         # rolls the step back everywhere (megarl/control/learning.py, update failures)
         check_for_nan_in_grad=False,
     )
-    spec, opts = model.megarl_spec, model.megarl_opts
-    ddp = DistributedDataParallel(config=tconf, ddp_config=ddp_config, module=model)
-    ddp.megarl_spec, ddp.megarl_opts = spec, opts
+    spec, opts = chunks[0].megarl_spec, chunks[0].megarl_opts
+    ddps = [DistributedDataParallel(config=tconf, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
+            for i, c in enumerate(chunks)]
+    for ddp in ddps:
+        ddp.megarl_spec, ddp.megarl_opts = spec, opts
     ocfg = OptimizerConfig(
         optimizer=cfg.optimizer,
         lr=cfg.lr,
@@ -85,15 +94,18 @@ def wrap_for_training(model, cfg: OptimSettings, *, sgd_momentum: float = 0.0,
         params_dtype=tconf.params_dtype,
         use_distributed_optimizer=use_dist_opt,
     )
-    optimizer = get_megatron_optimizer(ocfg, [ddp])
+    optimizer = get_megatron_optimizer(ocfg, ddps)
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         if getattr(opt, "init_state_fn", "absent") is None:
             # megatron gives SGD no state initialiser, and loading a checkpoint calls it
             # (sharded_state_dict(is_loading=True)): without one no SGD run could resume
             opt.init_state_fn = _init_sgd_state
     tconf.grad_scale_func = optimizer.scale_loss if (tconf.fp16 or tconf.bf16) else None
-    tconf.no_sync_func = ddp.no_sync
-    return ddp, optimizer
+    if len(ddps) == 1:
+        tconf.no_sync_func = ddps[0].no_sync
+        return ddps[0], optimizer
+    tconf.no_sync_func = [d.no_sync for d in ddps]
+    return ddps, optimizer
 
 
 def _init_sgd_state(opt, config=None) -> None:
@@ -157,6 +169,9 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
 
     if not micro_batches:
         raise ValueError("train_step needs at least one micro-batch")
+    chunks = list(ddp_model) if isinstance(ddp_model, (list, tuple)) else [ddp_model]  # virtual pipeline stages
+    if len(chunks) > 1 and replay_layers is not None:
+        raise ValueError("routing replay with virtual pipeline stages is not supported yet")
     packed = ["packed" in mb for mb in micro_batches]
     if any(packed) and not all(packed):
         raise ValueError(f"micro-batches {[i for i, p in enumerate(packed) if not p]} are padded and the others "
@@ -186,9 +201,15 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
         # sequence parallelism: the model runs on whole tp-sized chunks (right padding, which a
         # causal model never attends to); the loss sees the micro-batch's own width
         runs = [round_up(seq, multiple)] * len(micro_batches)
-    dev = next(ddp_model.parameters()).device
-    it = iter([({k: (v.to(dev) if torch.is_tensor(v) or k == "packed" else v) for k, v in mb.items()}, run)
-               for mb, run in zip(micro_batches, runs)])
+    dev = next(chunks[0].parameters()).device
+    items = [({k: (v.to(dev) if torch.is_tensor(v) or k == "packed" else v) for k, v in mb.items()}, run)
+             for mb, run in zip(micro_batches, runs)]
+    pp = unwrap(chunks[0]).config.pipeline_model_parallel_size
+    if len(chunks) > 1 and len(items) % pp:
+        # megatron's interleaved schedule runs micro-batches in groups of pp: the last one again,
+        # its loss times zero (no gradient, no metrics), up to a multiple of pp
+        items += [(dict(items[-1][0], megarl_filler=True), items[-1][1])] * (pp - len(items) % pp)
+    it = iter(items) if len(chunks) == 1 else [iter(items) for _ in chunks]
 
     def padded_forward(model, mb, run):
         targets = None
@@ -226,13 +247,16 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
 
         def loss_func(output):
             loss, metrics = loss_fn(output[:, :own] if own is not None and output.shape[1] != own else output, mb)
+            if mb.get("megarl_filler"):
+                loss, metrics = loss * 0.0, None
             # (loss, num_tokens, reported): num_tokens is ignored by our finalize function.
             return loss, torch.ones((), dtype=torch.int, device=loss.device), metrics
 
         return out, loss_func
 
-    ddp_model.train()
-    ddp_model.zero_grad_buffer()
+    for c in chunks:
+        c.train()
+        c.zero_grad_buffer()
     optimizer.zero_grad()
     from megarl.models import moe_losses
 
@@ -245,8 +269,8 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
     with moe_losses.step_scope(ddp_model, len(micro_batches)) as moe:
         try:
             metrics = get_forward_backward_func()(
-                forward_step_func=step, data_iterator=it, model=[ddp_model],
-                num_microbatches=len(micro_batches), seq_length=max(runs), micro_batch_size=mbs,
+                forward_step_func=step, data_iterator=it, model=chunks,
+                num_microbatches=len(items), seq_length=max(runs), micro_batch_size=mbs,
                 forward_only=False,
             )
         finally:
@@ -254,4 +278,4 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
             if replay_layers is not None:  # the experts queued for the recomputes, if any
                 clear_replay(ddp_model)
     ok, grad_norm, _ = optimizer.step()
-    return StepResult(bool(ok), float(grad_norm or 0.0), list(metrics), moe)
+    return StepResult(bool(ok), float(grad_norm or 0.0), [m for m in metrics if m is not None], moe)

@@ -31,18 +31,29 @@ from megarl.models.safetensors_io import CheckpointError, HFCheckpointReader, wr
 
 
 def unwrap(model):
-    """The bare megatron module under DDP / Float16Module wrappers."""
+    """The bare megatron module under DDP / Float16Module wrappers (of a list of model chunks: the
+    first chunk's)."""
+    if isinstance(model, (list, tuple)):
+        model = model[0]
     while hasattr(model, "module"):
         model = model.module
     return model
 
 
-def _owner_stage(rule: mapping.ParamRule, spec: ModelSpec, pp: int) -> int:
+def chunks_of(model) -> list:
+    """The bare model chunks of this rank: a list of chunks (virtual pipeline stages,
+    :func:`megarl.models.builder.build_model_chunks`) or one model, unwrapped."""
+    return [unwrap(m) for m in model] if isinstance(model, (list, tuple)) else [unwrap(model)]
+
+
+def _owner_stage(rule: mapping.ParamRule, spec: ModelSpec, pp: int, vpp: int = 1) -> int:
+    """The PP rank holding ``rule``: layers go to global chunks of ``num_layers / (pp x vpp)``,
+    and global chunk c lives on PP rank ``c mod pp`` (interleaved; c itself without virtual stages)."""
     if rule.where == "first":
         return 0
     if rule.where == "last":
         return pp - 1
-    return rule.layer // (spec.num_layers // pp)
+    return (rule.layer // (spec.num_layers // (pp * vpp))) % pp
 
 
 def _pp_tp():
@@ -79,6 +90,10 @@ def load_hf_weights(model, hf_dir: str, spec: Optional[ModelSpec] = None, show_p
     its TP slice of each.  Shapes are checked against the config first, so a checkpoint that
     disagrees with its ``config.json`` fails naming the file and tensor.
     """
+    if isinstance(model, (list, tuple)):  # virtual pipeline stages: each chunk loads its own layers
+        for chunk in model:
+            load_hf_weights(chunk, hf_dir, spec, show_progress)
+        return
     model = unwrap(model)
     spec = spec or model.megarl_spec
     opts = model.megarl_opts
@@ -128,9 +143,18 @@ def load_hf_weights(model, hf_dir: str, spec: Optional[ModelSpec] = None, show_p
 
 
 def _stage_params(model) -> Dict[str, torch.Tensor]:
-    local = mapping.stage_param_names(model)
-    params = dict(model.named_parameters())
-    return {canon: params[name] for canon, name in local.items()}
+    """``{canonical name: parameter}`` over this rank's chunks (names are global: no clashes)."""
+    out = {}
+    for chunk in chunks_of(model):
+        params = dict(chunk.named_parameters())
+        out.update({canon: params[name] for canon, name in mapping.stage_param_names(chunk).items()})
+    return out
+
+
+def _virtual_stages() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_virtual_pipeline_model_parallel_world_size() or 1
 
 
 def _merged_rules(model, spec: ModelSpec, merge):
@@ -140,9 +164,10 @@ def _merged_rules(model, spec: ModelSpec, merge):
     its owner EP rank (``owner EP rank`` is None for everything else: every EP rank holds it)."""
     pp_rank, pp, _, _ = _pp_tp()
     ep_rank, ep, _, _ = _ep_etp()
+    vpp = _virtual_stages()
     mine = _stage_params(model)
     for rule in mapping.rules(spec):
-        owner = _owner_stage(rule, spec, pp)
+        owner = _owner_stage(rule, spec, pp, vpp)
         ep_owner = mapping.expert_owner(rule, spec, ep)
         if owner != pp_rank or (ep_owner is not None and ep_owner != ep_rank):
             yield rule, owner, ep_owner, None
@@ -172,8 +197,7 @@ def iter_hf_views(model, spec: Optional[ModelSpec] = None,
     of the weights in place (the manifest's checksums), which combine the stages' results
     themselves.  A routed expert is yielded only on its owner EP rank (its ETP shards gathered).
     """
-    model = unwrap(model)
-    spec = spec or model.megarl_spec
+    spec = spec or unwrap(model).megarl_spec
     for _rule, _owner, _ep_owner, views in _merged_rules(
             model, spec, lambda rule, shards: mapping.hf_views_from_shards(rule, shards, spec)):
         for name, (shape, view) in (views or {}).items():
@@ -197,15 +221,15 @@ def iter_hf_tensors(model, spec: Optional[ModelSpec] = None, dtype: Optional[tor
     """
     from megatron.core import parallel_state as ps
 
-    model = unwrap(model)
-    spec = spec or model.megarl_spec
+    first = unwrap(model)
+    spec = spec or first.megarl_spec
     pp_rank, pp, _, _ = _pp_tp()
     ep_rank, ep, _, _ = _ep_etp()
     shapes = mapping.hf_shapes(spec)
     pp_group = ps.get_pipeline_model_parallel_group()
     ep_group = ps.get_expert_model_parallel_group() if ep > 1 else None
-    param_dtype = next(model.parameters()).dtype
-    dev = next(model.parameters()).device
+    param_dtype = next(first.parameters()).dtype
+    dev = next(first.parameters()).device
     for rule, owner, ep_owner, merged in _merged_rules(
             model, spec, lambda rule, shards: mapping.hf_from_shards(rule, shards, spec, out=out)):
         for name in rule.hf_names:
@@ -250,7 +274,7 @@ def export_hf(model, out_dir: str, tokenizer_dir: Optional[str] = None,
     # default: the dtype the source checkpoint declared (a bf16 checkpoint trained in fp32 on
     # CPU goes back to bf16 exactly), else the parameters' own
     dtype = dtype or spec.checkpoint_dtype or next(model_.parameters()).dtype
-    stream = iter_hf_tensors(model_, spec, dtype=dtype)
+    stream = iter_hf_tensors(model if isinstance(model, (list, tuple)) else model_, spec, dtype=dtype)
     rank0 = (not dist.is_initialized()) or dist.get_rank() == 0
     if show_progress and rank0:
         from tqdm import tqdm

@@ -40,6 +40,7 @@ class ParallelLayout:
     cp: int = 1
     ep: int = 1
     etp: Optional[int] = None  # expert tensor parallel size; None: tp
+    vpp: int = 1  # virtual pipeline stages per PP rank (interleaved 1F1B); needs pp > 1
 
     @property
     def resolved_etp(self) -> int:
@@ -50,6 +51,9 @@ class ParallelLayout:
         for key in ("tp", "pp", "cp", "ep"):
             if getattr(self, key) < 1:
                 raise ParallelConfigError(f"parallel.{key} must be >= 1, got {getattr(self, key)}")
+        if self.vpp < 1 or (self.vpp > 1 and self.pp < 2):
+            raise ParallelConfigError(f"virtual pipeline stages vpp={self.vpp}: expected 1, or more than 1 with "
+                                      f"pp > 1 (pp={self.pp})")
         if self.etp is not None and self.etp < 1:
             raise ParallelConfigError(f"parallel.etp must be >= 1 or null, got {self.etp}")
         mp = self.tp * self.pp * self.cp
@@ -106,15 +110,18 @@ def initialize(
     seed: int = 1234,
     timeout_minutes: int = 30,
     etp: Optional[int] = None,
+    vpp: int = 1,
 ) -> ParallelLayout:
     """Bring up torch.distributed and megatron-core parallel state; seed every rank.
 
     ``ep`` / ``etp``: megatron's expert-parallel and expert-tensor-parallel sizes (``etp`` None:
     ``tp``); ``cp``: context-parallel size (each sequence split over cp ranks,
-    :mod:`megarl.models.context_parallel`).  Raises :class:`ParallelConfigError` (before touching any
+    :mod:`megarl.models.context_parallel`); ``vpp``: virtual pipeline stages per PP rank (each
+    rank holds ``vpp`` model chunks, :func:`megarl.models.builder.build_model_chunks`, and
+    megatron's schedules interleave them).  Raises :class:`ParallelConfigError` (before touching any
     process group) when the layout does not fit the world size.
     """
-    layout = ParallelLayout(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp)
+    layout = ParallelLayout(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, vpp=vpp)
     # split placement brought up the trainer ranks' own world already (megarl.runtime.split)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     layout.validate(world)
@@ -131,6 +138,7 @@ def initialize(
         context_parallel_size=cp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=layout.resolved_etp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         distributed_timeout_minutes=timeout_minutes,
         create_gloo_process_groups=cpu_compat.on_cpu(),
     )
