@@ -17,7 +17,9 @@ from tests._dist import free_port
 
 from megarl.runtime.liveness import EXIT_PEER_LOST, PeerWatch, looks_like_a_lost_peer
 
-TIMEOUT, PERIOD = 1.5, 0.1
+#: a time-out far above any scheduling delay of a beating thread on a loaded machine, a period
+#: short enough for the tests to be quick
+TIMEOUT, PERIOD = 3.0, 0.1
 
 
 class _Ranks:

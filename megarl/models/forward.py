@@ -36,7 +36,7 @@ from megarl.experience.packing import PackedLayout, pack, pack_layout, unpack
 from megarl.models import context_parallel
 from megarl.models.router_replay import (RecordRouting, RouterTargets, RoutingStats, RowRouting, record_to_rows,
                                          routed)
-from megarl.models.weights import unwrap
+from megarl.models.weights import as_chunks, unwrap
 
 
 
@@ -299,7 +299,7 @@ def forward_only(model, micro_batches: List[MicroBatch],
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    chunks = list(model) if isinstance(model, (list, tuple)) else [model]  # virtual pipeline stages: one per stage
+    chunks = as_chunks(model)  # virtual pipeline stages: one per stage
     model = chunks[0]
     inner = unwrap(model)
     pp = ps.get_pipeline_model_parallel_world_size()

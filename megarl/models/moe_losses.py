@@ -59,7 +59,9 @@ def step_scope(ddp_model, num_micro_batches: int) -> Iterator[Dict[str, float]]:
     megatron's tracker cleared before and read after.  Yields a dict that holds, after the block,
     ``moe_aux_loss`` / ``moe_z_loss`` (the enabled ones).  Inert (no collective, nothing
     changed) for a dense model or one with both losses off."""
-    chunks = list(ddp_model) if isinstance(ddp_model, (list, tuple)) else [ddp_model]  # virtual pipeline stages
+    from megarl.models.weights import as_chunks
+
+    chunks = as_chunks(ddp_model)  # virtual pipeline stages
     tconf = chunks[0].config
     out: Dict[str, float] = {}
     if not enabled(tconf):

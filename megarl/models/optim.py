@@ -57,7 +57,9 @@ def wrap_for_training(model, cfg: OptimSettings, *, sgd_momentum: float = 0.0,
     if cfg.optimizer not in ("adam", "sgd"):
         raise ValueError(f"optim.optimizer={cfg.optimizer!r}: expected 'adam' or 'sgd'")
     use_dist_opt = cpu_compat.use_distributed_optimizer(use_distributed_optimizer)
-    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    from megarl.models.weights import as_chunks
+
+    chunks = as_chunks(model)
     tconf = chunks[0].config
     if any(c.config is not tconf for c in chunks):
         raise ValueError("wrap_for_training: the model chunks must share one TransformerConfig (build_model_chunks)")
@@ -165,11 +167,11 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
     from megarl.models.forward import (common_pack_lengths, pad_columns, position_ids_for, round_up,
                                        sequence_multiple)
     from megarl.models.router_replay import RouterTargets, RowRouting, clear_replay, routed
-    from megarl.models.weights import unwrap
+    from megarl.models.weights import as_chunks, unwrap
 
     if not micro_batches:
         raise ValueError("train_step needs at least one micro-batch")
-    chunks = list(ddp_model) if isinstance(ddp_model, (list, tuple)) else [ddp_model]  # virtual pipeline stages
+    chunks = as_chunks(ddp_model)  # virtual pipeline stages
     if len(chunks) > 1 and replay_layers is not None:
         raise ValueError("routing replay with virtual pipeline stages is not supported yet")
     packed = ["packed" in mb for mb in micro_batches]

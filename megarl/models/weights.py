@@ -33,17 +33,21 @@ from megarl.models.safetensors_io import CheckpointError, HFCheckpointReader, wr
 def unwrap(model):
     """The bare megatron module under DDP / Float16Module wrappers (of a list of model chunks: the
     first chunk's)."""
-    if isinstance(model, (list, tuple)):
-        model = model[0]
+    model = as_chunks(model)[0]
     while hasattr(model, "module"):
         model = model.module
     return model
 
 
+def as_chunks(model) -> list:
+    """This rank's model chunks as a list, wrappers kept: the list of chunks under virtual pipeline
+    stages (:func:`megarl.models.builder.build_model_chunks`), else ``[model]``."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
 def chunks_of(model) -> list:
-    """The bare model chunks of this rank: a list of chunks (virtual pipeline stages,
-    :func:`megarl.models.builder.build_model_chunks`) or one model, unwrapped."""
-    return [unwrap(m) for m in model] if isinstance(model, (list, tuple)) else [unwrap(model)]
+    """The bare model chunks of this rank (:func:`as_chunks`, unwrapped)."""
+    return [unwrap(m) for m in as_chunks(model)]
 
 
 def _owner_stage(rule: mapping.ParamRule, spec: ModelSpec, pp: int, vpp: int = 1) -> int:
