@@ -307,6 +307,38 @@ def test_ppo_torchrun_tp2_sequence_parallel(assets, tmp_path):
     assert all(math.isfinite(x["update/critic_grad_norm"]) and x["update/critic_grad_norm"] > 0 for x in m)
 
 
+@pytest.fixture(scope="module")
+def assets_4_layers(assets, tmp_path_factory):
+    """The session's task files with a 4-layer tiny model (2 chunks of 1 layer per rank at pp=2 x vpp=2)."""
+    model = tmp_path_factory.mktemp("assets4") / "tiny"
+    subprocess.run([sys.executable, "-m", "megarl.tinymodel", "--out", str(model), "--steps", "40",
+                    "--target-accuracy", "0", "--hidden-size", "64", "--num-layers", "4", "--intermediate-size", "128",
+                    "--max-digits", "2"], check=True, env=subprocess_env(), capture_output=True, timeout=600)
+    return dict(assets, model=str(model))
+
+
+def test_ppo_torchrun_virtual_pipeline_then_resumed_without(assets_4_layers, tmp_path):
+    """PPO at PP=2 with two virtual stages per rank (parallel.vpp=2, interleaved 1F1B): the actor,
+    the reference and the critic each hold two chunks of one layer (4 layers); the old log-probs
+    still equal what transformers computes from each version's export, which the actor wrote from
+    its chunks (check_structure), and the critic trains.  Then its checkpoint (one dist-checkpoint
+    entry per chunk, model0 / model1) is resumed at PP=2 without virtual stages: the loaded actor's
+    logical weights hash to the checkpointed manifest (the trainer's bitwise check), the actor's
+    and critic's optimizer states reshard, and the run goes on."""
+    assets = assets_4_layers
+    run_dir = str(tmp_path / "ppo_vpp2")
+    run_train(assets, run_dir, PPO, nproc=2, extra=["parallel.pp=2", "parallel.vpp=2", "critic.warmup_iters=0",
+                                                     "critic.micro_batch_size=4", "trainer.checkpoint_every=2", *DENSE])
+    check_structure(run_dir, "ppo", groups_per_publish=1)
+    assert "vpp: 2" in open(os.path.join(run_dir, "config.yaml")).read()
+    m = metrics(run_dir)  # a dense reward: both roles have gradients in every update
+    assert all(math.isfinite(x[k]) and x[k] > 0 for x in m for k in ("update/grad_norm", "update/critic_grad_norm"))
+    out = run_train(assets, run_dir, PPO, nproc=2, extra=["parallel.pp=2", "critic.warmup_iters=0",
+                                                           "critic.micro_batch_size=4", "trainer.iterations=3", *DENSE])
+    assert "at a different layout" in out.stdout and "iter_000002" in out.stdout, out.stdout[-2000:]
+    assert [x["iteration"] for x in metrics(run_dir)] == [0, 1, 2]
+
+
 @pytest.mark.parametrize("budget", [0, 64])
 def test_ppo_torchrun_context_parallel(assets, tmp_path, budget):
     """PPO with each sequence split over two context-parallel ranks (parallel.cp=2, dp 1), on

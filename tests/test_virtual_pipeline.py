@@ -3,10 +3,12 @@ two model chunks of interleaved layers, HF weights load into them and stream bac
 forward-only passes through megatron's interleaved schedule (any micro-batch count, ragged and
 packed rows) equal PP=2 without virtual stages bitwise (the same per-layer arithmetic), and so
 does one Adam step through the interleaved 1F1B schedule (a micro-batch count that is not a
-multiple of pp is filled with zero-weight micro-batches).
+multiple of pp is filled with zero-weight micro-batches); a checkpoint saved without virtual
+stages loads into the chunks bitwise.
 
-Not yet: the roles, the config key, checkpoints and weight sync under virtual stages (issue 31,
-item 7)."""
+The config key (``parallel.vpp``) and what it refuses are here; the roles, checkpoints and
+weight sync under virtual stages run end to end in
+tests/test_train_e2e.py::test_ppo_torchrun_virtual_pipeline_then_resumed_without."""
 
 import pytest
 import torch
@@ -20,6 +22,28 @@ from tests._tolerance import adam_weights_tol, formula_tol, within
 FAMS = ("llama", "qwen2")
 
 
+def test_config_key_and_what_it_refuses(four_layer_dirs):
+    from megarl.config import load_config
+    from megarl.config.validation import validate
+    from megarl.errors import ConfigError
+    from megarl.models.fit import validate_model_fit
+    from megarl.models.hf_config import load_spec
+    from tests._dist import ROOT
+
+    recipe = f"{ROOT}/configs/grpo_arith_tiny.yaml"
+    assert load_config(recipe, []).parallel.vpp == 1
+    assert validate(load_config(recipe, ["parallel.pp=2", "parallel.vpp=2"]), 4) == 2
+    for overrides, key in ((["parallel.vpp=2"], "parallel.vpp"),  # pp = 1: nothing to interleave
+                           (["parallel.pp=2", "parallel.vpp=0"], "parallel.vpp"),
+                           (["parallel.pp=2", "parallel.vpp=2", "algo.routing_replay=rollout"], "algo.routing_replay")):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            validate(load_config(recipe, overrides), 4)
+    spec = load_spec(str(four_layer_dirs / "llama"))
+    validate_model_fit(load_config(recipe, ["parallel.pp=2", "parallel.vpp=2"]), spec, where="llama")
+    with pytest.raises(ConfigError, match=r"parallel\.vpp.*num_hidden_layers=4, not divisible by pp x vpp = 2 x 4"):
+        validate_model_fit(load_config(recipe, ["parallel.pp=2", "parallel.vpp=4"]), spec, where="llama")
+
+
 @pytest.fixture(scope="module")
 def four_layer_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("vpp_families")
@@ -31,9 +55,9 @@ def four_layer_dirs(tmp_path_factory):
 
 
 def test_virtual_stages_load_stream_and_forward_like_plain_pipeline_stages(four_layer_dirs, tmp_path):
-    for vpp in (2, 1):
+    for vpp, load in ((1, ()), (2, ("--load", "1"))):
         torchrun("vpp_worker.py", 2, "--vpp", str(vpp), "--data", str(four_layer_dirs), "--out", str(tmp_path),
-                 "--families", *FAMS)
+                 "--families", *FAMS, *load)
     for fam in FAMS:
         v2, v1 = torch.load(tmp_path / f"{fam}_vpp2.pt"), torch.load(tmp_path / f"{fam}_vpp1.pt")
         # megatron's interleaving: rank r's chunk v holds global chunk v * pp + r (1-based layer numbers)
@@ -61,3 +85,7 @@ def test_virtual_stages_load_stream_and_forward_like_plain_pipeline_stages(four_
         # clipping scales every gradient by the norm, so its last bit reaches the weights through Adam
         diff = max((v2["after"][k] - v1["after"][k]).abs().max().item() for k in src)
         assert within(diff, adam_weights_tol(1e-3, 1, v1["grad_norm"]), f"vpp/{fam}/weights"), diff
+        # a checkpoint saved without virtual stages loads into two chunks per rank bitwise (the other
+        # way round: the end-to-end resume in tests/test_train_e2e.py)
+        assert v2["loaded_chunks"] == 2 and v2["loaded"].keys() == src.keys()
+        assert all(torch.equal(v2["loaded"][k], v1["after"][k]) for k in src)

@@ -17,7 +17,10 @@ backward).  Recomputation keeps less: ``full`` only each recomputed chunk's inpu
 under SP) plus one chunk's activations while it is recomputed; ``selective`` drops the named parts
 (``mlp``: its inner ``3f``; ``layernorm``: the norms' outputs; ``moe`` / ``moe_act``: the experts'
 inner tensors; ``core_attn`` nothing more with flash attention, which keeps no scores).  Under
-1F1B the first pipeline stage holds ``min(pp, micro-batches)`` micro-batches in flight.  The last
+1F1B the first pipeline stage holds ``min(pp, micro-batches)`` micro-batches in flight; with
+``parallel.vpp`` virtual stages (interleaved 1F1B, Narayanan et al. 2021, arXiv 2104.04473) it
+holds ``vpp pp + pp - 1`` chunk forwards of ``1/vpp`` of its layers each (megatron's warm-up on
+rank 0 plus one), that is ``pp + (pp - 1) / vpp`` micro-batches' worth.  The last
 stage adds the logits (``2 T V/tp``), their gradient (the same) and, without
 ``algo.log_prob_chunk``, the fp32 softmax megatron's cross-entropy keeps (``4 T V/tp``).  Context
 parallelism (``parallel.cp``) gives each rank ``T / cp`` of a micro-batch's tokens: every term
@@ -88,6 +91,11 @@ def activation_lines(cfg, spec, dp: int) -> List[str]:
     rows_per_rank = cfg.trainer.prompts_per_iteration * cfg.rollout.n // a.num_mini_batches // dp
     micro = max(rows_per_rank // a.micro_batch_size, 1) if (a.micro_batch_size and not a.micro_batch_tokens) else pp
     inflight = min(pp, micro)
+    schedule = f"1F1B at pp {pp}"
+    if p.vpp > 1:  # interleaved: chunk forwards in flight on rank 0, each 1/vpp of its layers
+        filled = -(-micro // pp) * pp  # micro-batch counts are filled to a multiple of pp
+        inflight = min(p.vpp * pp + pp - 1, filled * p.vpp) / p.vpp
+        schedule = f"interleaved 1F1B at pp {pp} x vpp {p.vpp}"
     vocab = spec.padded_vocab_size(cfg.model.vocab_multiple) / tp
     logits = 2 * 2 * T * vocab + (0 if a.log_prob_chunk else 4 * T * vocab)
     fp32_note = (f"chunked: {a.log_prob_chunk} positions at a time" if a.log_prob_chunk
@@ -97,7 +105,7 @@ def activation_lines(cfg, spec, dp: int) -> List[str]:
         f"activations per GPU in the update (bf16, flash attention; arXiv 2205.05198's accounting): a micro-batch "
         f"of {tokens} tokens ({how}){f', {T} on each of cp {p.cp} ranks' if p.cp > 1 else ''}; "
         f"sequence parallelism {'on' if sp else 'off'}; recompute {mode}",
-        f"  layers  {layers} on the first stage x {inflight} micro-batch(es) in flight (1F1B at pp {pp}): "
+        f"  layers  {layers} on the first stage x {inflight:g} micro-batch(es) in flight ({schedule}): "
         f"{inflight * kept / GiB:.1f} GiB ({kept / max(layers, 1) / GiB * 1024:.0f} MiB a layer a micro-batch)",
         f"  logits  {logits / GiB:.1f} GiB on the last stage ({fp32_note})",
         f"  total   ~{total / GiB:.1f} GiB (left out: the sequence gathered under SP while a layer runs, the MoE "

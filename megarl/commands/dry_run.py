@@ -261,7 +261,8 @@ def dry_run(cfg, world_size: Optional[int] = None) -> dict:
     lines.append("")
     split = cfg.placement.mode == "split"
     trainers = world - cfg.placement.rollout_ranks if split else world
-    lines.append(f"plan: {'trainer ranks' if split else 'world'} {trainers} = tp {p.tp} x pp {p.pp} x dp {dp} (actor, "
+    lines.append(f"plan: {'trainer ranks' if split else 'world'} {trainers} = tp {p.tp} x pp {p.pp} x dp {dp}"
+                 f"{f' (pp with {p.vpp} virtual stages each: interleaved 1F1B)' if p.vpp > 1 else ''} (actor, "
                  f"reference{', critic' if cfg.critic is not None else ''}"
                  f"{', reward model' if cfg.reward.model.path else ''})")
     if split:

@@ -87,7 +87,7 @@ RANGES = {
     "model.tiny.tool_only_steps": COUNT0, "model.tiny.tool_mixture_steps": COUNT0,
     "model.tiny.tool_min_digits": COUNT, "model.tiny.tool_max_digits": COUNT,
     "model.vocab_multiple": COUNT,
-    "parallel.tp": COUNT, "parallel.pp": COUNT, "parallel.cp": COUNT, "parallel.ep": COUNT, "parallel.etp": Range(lo=1, null=True),
+    "parallel.tp": COUNT, "parallel.pp": COUNT, "parallel.vpp": COUNT, "parallel.cp": COUNT, "parallel.ep": COUNT, "parallel.etp": Range(lo=1, null=True),
     "parallel.peer_timeout_s": Range(lo=1, null=True),
     "parallel.recompute.num_layers": COUNT,
     "data.max_prompt_tokens": COUNT, "data.arithmetic_train_n": COUNT, "data.arithmetic_heldout_n": COUNT,

@@ -107,6 +107,11 @@ class ParallelConfig:
 
     tp: int = 1  # tensor-parallel size of the actor, reference, critic and reward model
     pp: int = 1  # pipeline-parallel size; tp x pp x cp x dp = the number of processes
+    #: virtual pipeline stages per PP rank (interleaved 1F1B): each rank holds vpp chunks of
+    #: num_layers / (pp x vpp) layers, which shrinks the pipeline bubble by vpp; needs pp > 1.
+    #: Micro-batch counts are filled to a multiple of pp (the filler carries no loss).  Not yet
+    #: with MoE routing replay
+    vpp: int = 1
     #: context-parallel size: each sequence split over cp ranks along its length (zig-zag, 2 x cp
     #: chunks; sequences padded to a multiple of 2 x cp, times tp with sequence parallelism);
     #: attention and activation memory per rank / cp; packed sequences split one by one.  Not yet

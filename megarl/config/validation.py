@@ -369,6 +369,13 @@ def _validate_layout(cfg: TrainConfig, world_size: int) -> int:
             _need(getattr(cfg.actor, key) in (None, 0.0), f"actor.{key}",
                   f"is {getattr(cfg.actor, key)} with parallel.cp={p.cp}: the router's losses are not scaled for "
                   "context-parallel ranks yet; leave them off (or parallel.cp=1)")
+    _need(p.vpp >= 1, "parallel.vpp", f"must be >= 1, got {p.vpp}")
+    if p.vpp > 1:
+        _need(p.pp > 1, "parallel.vpp", f"is {p.vpp} with parallel.pp={p.pp}: virtual pipeline stages interleave "
+              "the chunks of several pipeline ranks; set parallel.pp > 1 (or parallel.vpp=1)")
+        _need(cfg.algo.routing_replay == "none", "algo.routing_replay",
+              f"is {cfg.algo.routing_replay!r} with parallel.vpp={p.vpp}: routing replay is not run over virtual "
+              "pipeline stages yet; set algo.routing_replay=none (or parallel.vpp=1)")
     _need(p.ep >= 1, "parallel.ep", f"must be >= 1, got {p.ep}")
     _need(p.etp is None or p.etp >= 1, "parallel.etp", f"must be >= 1 or null, got {p.etp}")
     etp = p.tp if p.etp is None else p.etp

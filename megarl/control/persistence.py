@@ -150,8 +150,9 @@ class RunPersistence:
                 f"resume from {path}: saved at parallel.ep={saved.get('ep', 1)}, resumed at "
                 f"parallel.ep={self.layout.get('ep', 1)}; the optimizer state is not resharded across expert-parallel "
                 "sizes: resume at the saved parallel.ep (or start a new run from the exported weights)")
-        same = ((saved["tp"], saved["pp"], saved.get("cp", 1), saved["world"])
-                == (self.layout["tp"], self.layout["pp"], self.layout.get("cp", 1), self.layout["world"]))
+        same = ((saved["tp"], saved["pp"], saved.get("cp", 1), saved.get("vpp", 1), saved["world"])
+                == (self.layout["tp"], self.layout["pp"], self.layout.get("cp", 1), self.layout.get("vpp", 1),
+                    self.layout["world"]))
         checkpoint.load_roles(path, self._roles(bool(state["reference"] and state["reference"]["refreshes"])))
         self.actor.scheduler.load_state_dict(state["actor"]["scheduler"])
         self.actor.steps = state["actor"]["steps"]

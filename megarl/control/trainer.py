@@ -85,7 +85,7 @@ class Trainer:
             kl_ctl=parts.kl_ctl, progress=self.progress, tok=parts.tok, train_data=parts.train_data,
             reward_fn=parts.reward_fn, reward_model=parts.reward_model,
             layout={"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": self.dp, "world": self.world,
-                    "ep": cfg.parallel.ep, "cp": cfg.parallel.cp},
+                    "ep": cfg.parallel.ep, "cp": cfg.parallel.cp, "vpp": cfg.parallel.vpp},
             rank0=self.rank0)
         resume = self.persistence.resume() if cfg.trainer.resume == "auto" else None
         self.start_iteration = 0 if resume is None else resume["iteration"]

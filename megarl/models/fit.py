@@ -37,6 +37,9 @@ def validate_model_fit(cfg, spec, where: str) -> None:
         check_parallel_fit(spec, p.tp, p.pp, where=where, experts=False)
     except ModelConfigError as e:
         raise ConfigError(f"parallel.tp/parallel.pp: {e}") from None
+    require(p.vpp == 1 or spec.num_layers % (p.pp * p.vpp) == 0, "parallel.vpp",
+            f"{p.vpp}: {where} has num_hidden_layers={spec.num_layers}, not divisible by pp x vpp = {p.pp} x {p.vpp} "
+            "(every virtual pipeline stage holds as many layers)")
     try:
         check_expert_fit(spec, p.tp, p.ep, p.etp, where=where)
     except ExpertFitError as e:

@@ -20,10 +20,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megarl.models.builder import BuildOptions, build_model, recompute_options
+from megarl.models.builder import BuildOptions, build_model, build_model_chunks, recompute_options, virtual_stages
 from megarl.models.hf_config import ModelConfigError, load_spec
 from megarl.models.safetensors_io import CheckpointError, copy_tokenizer_files, read_format_json
-from megarl.models.weights import load_hf_weights, unwrap
+from megarl.models.weights import chunks_of, load_hf_weights, unwrap
 from megarl.runtime import cpu_compat
 
 FORMAT = "megarl-megatron-v1"
@@ -64,7 +64,7 @@ def save_megatron_checkpoint(model, out_dir: str, tokenizer_dir: Optional[str] =
             copy_tokenizer_files(tokenizer_dir, out_dir)
     if dist.is_initialized():
         dist.barrier()
-    dist_checkpointing.save(inner.sharded_state_dict(), dist_dir)
+    dist_checkpointing.save(chunked_sharded_state_dict(model), dist_dir)
     if rank0:
         meta = {
             "format": FORMAT,
@@ -87,15 +87,26 @@ def load_megatron_checkpoint(model, ckpt_dir: str) -> None:
     from megatron.core import dist_checkpointing
 
     read_meta(ckpt_dir)
-    inner = unwrap(model)
     dist_dir = os.path.join(ckpt_dir, DIST_DIR)
     if not os.path.isdir(dist_dir):
         raise CheckpointError(f"{dist_dir}: missing (megarl checkpoint without its dist/ folder)")
-    state = dist_checkpointing.load(inner.sharded_state_dict(), dist_dir)
-    missing, unexpected = inner.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing:
-        raise CheckpointError(f"{dist_dir}: checkpoint lacks parameters {missing}")
+    state = dist_checkpointing.load(chunked_sharded_state_dict(model), dist_dir)
+    chunks = chunks_of(model)
+    for inner, sd in zip(chunks, [state] if len(chunks) == 1 else [state[f"model{i}"] for i in range(len(chunks))]):
+        missing, unexpected = inner.load_state_dict(sd, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing:
+            raise CheckpointError(f"{dist_dir}: checkpoint lacks parameters {missing}")
+
+
+def chunked_sharded_state_dict(model) -> dict:
+    """megatron's sharded state dict of this rank's model; under virtual pipeline stages one entry
+    per chunk (``model0``, ``model1``, ..., as megatron-LM's own checkpoints).  Every tensor is
+    keyed by its global layer number, so a checkpoint loads at any TP / PP / virtual stages."""
+    chunks = chunks_of(model)
+    if len(chunks) == 1:
+        return chunks[0].sharded_state_dict()
+    return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
 
 
 def load_model(path: str, tp: int = 1, pp: int = 1, dtype: Optional[torch.dtype] = None,
@@ -110,6 +121,8 @@ def load_model(path: str, tp: int = 1, pp: int = 1, dtype: Optional[torch.dtype]
     mixture-of-experts model only; refused on a dense one, megarl/models/moe_losses.py).
     ``sequence_parallel``: megatron's sequence parallelism at tp > 1 (``parallel.sequence_parallel``);
     ``recompute``: a ``parallel.recompute`` section (activation recomputation of a trained model).
+    Under virtual pipeline stages (``rt.initialize(vpp=...)``) the result is this rank's list of
+    model chunks (:func:`megarl.models.builder.build_model_chunks`).
     """
     from megatron.core import parallel_state as ps
 
@@ -133,12 +146,17 @@ def load_model(path: str, tp: int = 1, pp: int = 1, dtype: Optional[torch.dtype]
         opts = BuildOptions(tp=tp, pp=pp, params_dtype=dtype,
                             vocab_multiple=vocab_multiple or meta["vocab_multiple"],
                             init_weights=False, ep=ep, etp=etp, **moe_losses)
-        model = build_model(spec, opts)
+        model = _build(spec, opts)
         load_megatron_checkpoint(model, path)
     else:
         opts = BuildOptions(tp=tp, pp=pp, params_dtype=dtype,
                             vocab_multiple=vocab_multiple or 128, init_weights=False, ep=ep, etp=etp,
                             **moe_losses)
-        model = build_model(spec, opts)
+        model = _build(spec, opts)
         load_hf_weights(model, path, spec, show_progress=show_progress)
     return model
+
+
+def _build(spec, opts):
+    """One model, or under virtual pipeline stages (``parallel.vpp``) this rank's list of chunks."""
+    return build_model_chunks(spec, opts) if virtual_stages() > 1 else build_model(spec, opts)

@@ -23,6 +23,38 @@ def lr_scheduler(optimizer, o, total_steps: int):
     )
 
 
+def freeze(model) -> None:
+    """A frozen role's model (one module, or its list of virtual-pipeline chunks): eval mode,
+    no gradients."""
+    from megarl.models.weights import as_chunks
+
+    for chunk in as_chunks(model):
+        chunk.eval()
+        for p in chunk.parameters():
+            p.requires_grad_(False)
+
+
+@torch.no_grad()
+def copy_weights(src_model, dst_model, skip=()) -> None:
+    """Copy ``src_model``'s parameters into ``dst_model``'s, built at the same layout (chunk by
+    chunk under virtual pipeline stages); names starting with one of ``skip`` are zeroed instead.
+    A parameter with no counterpart of the same shape is an error naming it."""
+    from megarl.models.weights import chunks_of
+
+    src_chunks, dst_chunks = chunks_of(src_model), chunks_of(dst_model)
+    if len(src_chunks) != len(dst_chunks):
+        raise ValueError(f"copy_weights: {len(src_chunks)} model chunk(s) into {len(dst_chunks)}")
+    for src_chunk, dst_chunk in zip(src_chunks, dst_chunks):
+        src = dict(src_chunk.named_parameters())
+        for name, p in dst_chunk.named_parameters():
+            if name.startswith(tuple(skip)):
+                p.zero_()
+            elif name in src and src[name].shape == p.shape:
+                p.copy_(src[name].detach())
+            else:
+                raise ValueError(f"parameter {name} {tuple(p.shape)} has no counterpart in the source model")
+
+
 def step_tensors(prompt_ids: torch.Tensor, response_ids: torch.Tensor, attention_mask: torch.Tensor,
                  length: int | None = None) -> dict[str, torch.Tensor]:
     """Experience layout -> the actor's right-aligned rows, padded to ``length`` columns.

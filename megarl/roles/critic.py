@@ -13,12 +13,12 @@ from typing import Callable, Dict, Sequence
 
 import torch
 
-from megarl.models.builder import build_model
+from megarl.models.builder import build_model, build_model_chunks, virtual_stages
 from megarl.models.forward import gather_response, scalar_values
 from megarl.models.megatron_ckpt import load_model
 from megarl.models.optim import StepResult, train_step, wrap_for_training
 from megarl.models.weights import unwrap
-from megarl.roles.common import HostOffload, lr_scheduler, step_tensors
+from megarl.roles.common import HostOffload, copy_weights, lr_scheduler, step_tensors
 
 
 def value_head_spec(actor_spec):
@@ -43,8 +43,9 @@ class Critic(HostOffload):
         else:
             actor = unwrap(actor_model)
             opts = dataclasses.replace(actor.megarl_opts, init_weights=False)
-            self.model = build_model(value_head_spec(actor.megarl_spec), opts)
-            self._copy_trunk(actor)
+            spec = value_head_spec(actor.megarl_spec)
+            self.model = build_model_chunks(spec, opts) if virtual_stages() > 1 else build_model(spec, opts)
+            copy_weights(actor_model, self.model, skip=("output_layer.",))  # the trunk; V = 0 everywhere at the start
             self.init = "actor"
         self.ddp, self.optimizer = wrap_for_training(self.model, cfg.optim, overlap_grad_reduce=overlap_grad_reduce)
         self.scheduler = lr_scheduler(self.optimizer, cfg.optim, total_steps)
@@ -56,17 +57,6 @@ class Critic(HostOffload):
             from megarl.roles.offload import ActorOffloader
 
             self.offloader = ActorOffloader(self.ddp, self.optimizer, preserve_grads=False)
-
-    @torch.no_grad()
-    def _copy_trunk(self, actor) -> None:
-        src = dict(actor.named_parameters())
-        for name, p in unwrap(self.model).named_parameters():
-            if name.startswith("output_layer."):
-                p.zero_()  # V = 0 everywhere at the start
-            elif name in src and src[name].shape == p.shape:
-                p.copy_(src[name])
-            else:
-                raise ValueError(f"critic parameter {name} {tuple(p.shape)} has no counterpart in the actor")
 
     def values(self, prompt_ids: torch.Tensor, response_ids: torch.Tensor, attention_mask: torch.Tensor,
                micro_batch_size: int, pack: bool = False, micro_batch_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

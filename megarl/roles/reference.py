@@ -14,7 +14,7 @@ import torch
 
 from megarl.models.forward import response_log_probs
 from megarl.models.megatron_ckpt import load_model
-from megarl.models.weights import unwrap
+from megarl.roles.common import copy_weights, freeze
 
 
 class Reference:
@@ -22,9 +22,7 @@ class Reference:
                  offload: bool = False, sequence_parallel: bool = False, log_prob_chunk: int = 0):
         self.log_prob_chunk = log_prob_chunk  # algo.log_prob_chunk
         self.model = load_model(path, tp=tp, pp=pp, vocab_multiple=vocab_multiple, sequence_parallel=sequence_parallel)
-        self.model.eval()
-        for p in self.model.parameters():
-            p.requires_grad_(False)
+        freeze(self.model)
         self.version = version
         self.refreshes = 0
         self.offloader = None
@@ -50,9 +48,7 @@ class Reference:
     @torch.no_grad()
     def refresh_from(self, actor_model, version: str) -> None:
         """Copy the actor's current weights (same layout) into the reference; new ``version``."""
-        src = dict(unwrap(actor_model).named_parameters())
         with self._on_device():
-            for name, p in unwrap(self.model).named_parameters():
-                p.copy_(src[name].detach())
+            copy_weights(actor_model, self.model)
         self.version = version
         self.refreshes += 1

@@ -19,6 +19,7 @@ from megarl.data.tokenizer import TokenizerContract
 from megarl.models.forward import scalar_values
 from megarl.models.megatron_ckpt import load_model
 from megarl.models.weights import unwrap
+from megarl.roles.common import freeze
 from megarl.runtime.data_parallel import map_rows
 
 
@@ -33,9 +34,7 @@ class RewardModel:
         if not unwrap(self.model).megarl_spec.value_head:
             raise ConfigError(f"reward.model.path: {path} is not a value-head checkpoint "
                               "(expected an HF *ForTokenClassification with num_labels=1)")
-        self.model.eval()
-        for p in self.model.parameters():
-            p.requires_grad_(False)
+        freeze(self.model)
         self.contract = TokenizerContract.load(tokenizer or path, chat_template)
         self.version = f"rm-{self.contract.hash[7:15]}-{path}"
         self.micro_batch_size = micro_batch_size

@@ -155,9 +155,9 @@ def _rng_restore(tensors: Dict[str, torch.Tensor], meta: dict) -> None:
 def _save_optimizer(model, optimizer, out_dir: str) -> None:
     from megatron.core import dist_checkpointing
 
-    from megarl.models.weights import unwrap
+    from megarl.models.megatron_ckpt import chunked_sharded_state_dict
 
-    model_sd = unwrap(model).sharded_state_dict()
+    model_sd = chunked_sharded_state_dict(model)
     os.makedirs(out_dir, exist_ok=True) if _rank() == 0 else None
     _barrier()
     dist_checkpointing.save(optimizer.sharded_state_dict(model_sd), out_dir)
@@ -166,9 +166,9 @@ def _save_optimizer(model, optimizer, out_dir: str) -> None:
 def _load_optimizer(model, optimizer, in_dir: str) -> None:
     from megatron.core import dist_checkpointing
 
-    from megarl.models.weights import unwrap
+    from megarl.models.megatron_ckpt import chunked_sharded_state_dict
 
-    model_sd = unwrap(model).sharded_state_dict()
+    model_sd = chunked_sharded_state_dict(model)
     loaded = dist_checkpointing.load(optimizer.sharded_state_dict(model_sd, is_loading=True), in_dir)
     optimizer.load_state_dict(loaded)
 
