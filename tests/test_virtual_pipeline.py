@@ -18,8 +18,10 @@ from megarl.builtin.tiny_checkpoint import make_tiny_hf_checkpoint
 from tests._dist import torchrun
 from tests._tolerance import adam_weights_tol, formula_tol, within
 
-#: llama untied; qwen2 ties the embedding to the output layer (held by the first and the last chunk)
-FAMS = ("llama", "qwen2")
+#: llama untied; qwen2 ties the embedding to the output layer (held by the first and the last chunk);
+#: qwen3_moe: megatron's MoE block spec per chunk, the router's aux and z losses on
+FAMS = ("llama", "qwen2", "qwen3_moe")
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 
 
 def test_config_key_and_what_it_refuses(four_layer_dirs):
@@ -35,7 +37,10 @@ def test_config_key_and_what_it_refuses(four_layer_dirs):
     assert validate(load_config(recipe, ["parallel.pp=2", "parallel.vpp=2"]), 4) == 2
     for overrides, key in ((["parallel.vpp=2"], "parallel.vpp"),  # pp = 1: nothing to interleave
                            (["parallel.pp=2", "parallel.vpp=0"], "parallel.vpp"),
-                           (["parallel.pp=2", "parallel.vpp=2", "algo.routing_replay=rollout"], "algo.routing_replay")):
+                           (["parallel.pp=2", "parallel.vpp=2", "algo.routing_replay=rollout"], "algo.routing_replay"),
+                           # a filler micro-batch's recompute would add its router losses
+                           (["parallel.pp=2", "parallel.vpp=2", "parallel.recompute.granularity=full",
+                             "actor.moe_aux_loss_coeff=0.01"], "actor.moe_aux_loss_coeff")):
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             validate(load_config(recipe, overrides), 4)
     spec = load_spec(str(four_layer_dirs / "llama"))
@@ -48,7 +53,8 @@ def test_config_key_and_what_it_refuses(four_layer_dirs):
 def four_layer_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("vpp_families")
     for i, fam in enumerate(FAMS):
-        make_tiny_hf_checkpoint(str(root / fam), fam, seed=11 + i, num_layers=4, vocab_size=300)
+        make_tiny_hf_checkpoint(str(root / fam), fam, seed=11 + i, num_layers=4, vocab_size=300,
+                                **(MOE if fam == "qwen3_moe" else {}))
     g = torch.Generator().manual_seed(0)
     torch.save(torch.randint(0, 256, (5, 19), generator=g), root / "tokens.pt")
     return root
@@ -74,6 +80,11 @@ def test_virtual_stages_load_stream_and_forward_like_plain_pipeline_stages(four_
             assert torch.equal(v2[key], v1[key]), (fam, key, (v2[key] - v1[key]).abs().max().item())
         # one update: the same loss terms (the filler micro-batch adds nothing), gradient and weights
         assert v2["step_ok"] and v1["step_ok"]
+        # the router's losses: means over the 5 real micro-batches (the filler adds none), 4 layers
+        assert v2["moe_losses"].keys() == ({"moe_aux_loss", "moe_z_loss"} if fam == "qwen3_moe" else set())
+        for k, v in v1["moe_losses"].items():  # a sum over 20 (micro-batch, layer) terms in another order
+            assert within(abs(v2["moe_losses"][k] - v), formula_tol(torch.float32, 20, v), f"vpp/{fam}/{k}"), \
+                (k, v2["moe_losses"][k], v)
         assert v2["step_metrics"] == v1["step_metrics"] and len(v2["step_metrics"]) == 5, v2["step_metrics"]
         # the gradients are the same sums; the norm adds the tensors' squares in another order (the
         # chunks list them otherwise): one fp32 sum of as many terms, rounded twice

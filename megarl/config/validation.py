@@ -376,6 +376,12 @@ def _validate_layout(cfg: TrainConfig, world_size: int) -> int:
         _need(cfg.algo.routing_replay == "none", "algo.routing_replay",
               f"is {cfg.algo.routing_replay!r} with parallel.vpp={p.vpp}: routing replay is not run over virtual "
               "pipeline stages yet; set algo.routing_replay=none (or parallel.vpp=1)")
+        if p.recompute.granularity is not None:  # moe_losses.suspended: a filler's recompute would add its losses
+            for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+                _need(getattr(cfg.actor, key) in (None, 0.0), f"actor.{key}",
+                      f"is {getattr(cfg.actor, key)} with parallel.vpp={p.vpp} and parallel.recompute.granularity="
+                      f"{p.recompute.granularity}: the recompute of a filler micro-batch would add its router losses; "
+                      "leave them off, or turn off recompute or virtual stages")
     _need(p.ep >= 1, "parallel.ep", f"must be >= 1, got {p.ep}")
     _need(p.etp is None or p.etp >= 1, "parallel.etp", f"must be >= 1 or null, got {p.etp}")
     etp = p.tp if p.etp is None else p.etp

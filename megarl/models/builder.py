@@ -207,13 +207,14 @@ def moe_transformer_config(spec: ModelSpec, opts: BuildOptions) -> dict:
     )
 
 
-def layer_spec(spec: ModelSpec, opts: BuildOptions, config=None):
-    """The decoder's layer spec (dense) or block spec (MoE: ``config`` is its TransformerConfig)."""
+def layer_spec(spec: ModelSpec, opts: BuildOptions, config=None, vp_stage: Optional[int] = None):
+    """The decoder's layer spec (dense) or block spec (MoE: ``config`` is its TransformerConfig;
+    the block is this stage's layers, of virtual stage ``vp_stage`` under virtual stages)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if spec.moe is not None:
         return gpt_layer_specs.get_gpt_decoder_block_spec(
-            config, use_transformer_engine=opts.resolved_te(), normalization="RMSNorm")
+            config, use_transformer_engine=opts.resolved_te(), normalization="RMSNorm", vp_stage=vp_stage)
     if opts.resolved_te():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             qk_layernorm=spec.qk_norm
@@ -344,7 +345,7 @@ def build_model(spec: ModelSpec, opts: BuildOptions, seed: int = 1234, vp_stage:
     virtual = {} if vp_stage is None else {"vp_stage": vp_stage}
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(spec, opts, config),
+        transformer_layer_spec=layer_spec(spec, opts, config, vp_stage),
         vocab_size=padded_vocab_size(spec, opts),
         max_sequence_length=opts.seq_length or spec.max_sequence_length,
         pre_process=pre,

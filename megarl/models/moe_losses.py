@@ -87,6 +87,22 @@ def step_scope(ddp_model, num_micro_batches: int) -> Iterator[Dict[str, float]]:
     out.update(_tracked_means(tconf, num_micro_batches, dp))
 
 
+@contextlib.contextmanager
+def suspended(tconf) -> Iterator[None]:
+    """Around the forward of a filler micro-batch (virtual pipeline stages fill the micro-batch
+    count to a multiple of pp with zero-weight copies): the routers attach no aux / z loss and
+    record none, so the fillers add nothing to the objective or the reported means.  The
+    coefficients are read in the forward; a recompute in the backward would read them again,
+    which is why the router's losses with virtual stages and recomputation are refused
+    (megarl/config/validation.py)."""
+    aux, z = tconf.moe_aux_loss_coeff, tconf.moe_z_loss_coeff
+    tconf.moe_aux_loss_coeff, tconf.moe_z_loss_coeff = 0.0, None
+    try:
+        yield
+    finally:
+        tconf.moe_aux_loss_coeff, tconf.moe_z_loss_coeff = aux, z
+
+
 def _tracked_means(tconf, num_micro_batches: int, dp: int) -> Dict[str, float]:
     """The tracker's per-layer sums over this rank's micro-batches -> means over micro-batches,
     MoE layers and DP ranks (collective over the PP and DP groups; gloo has no AVG, so a sum)."""

@@ -12,6 +12,7 @@ does not divide by the micro-batch count) and finalize gradients without megatro
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -245,7 +246,9 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
 
     def step(data_iterator, model):
         mb, run = next(data_iterator)
-        out, own = (packed_forward if "packed" in mb else padded_forward)(model, mb, run)
+        # a filler (virtual stages) carries no router loss either (moe_losses.suspended)
+        with moe_losses.suspended(config) if mb.get("megarl_filler") else contextlib.nullcontext():
+            out, own = (packed_forward if "packed" in mb else padded_forward)(model, mb, run)
 
         def loss_func(output):
             loss, metrics = loss_fn(output[:, :own] if own is not None and output.shape[1] != own else output, mb)

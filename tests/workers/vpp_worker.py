@@ -35,7 +35,9 @@ def main():
     for fam in a.families:
         hf_dir = os.path.join(a.data, fam)
         spec = load_spec(hf_dir)
-        chunks = build_model_chunks(spec, BuildOptions(tp=1, pp=2, init_weights=False))
+        # the MoE family with the router's losses on: a filler micro-batch must not add them
+        moe = dict(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001) if spec.moe is not None else {}
+        chunks = build_model_chunks(spec, BuildOptions(tp=1, pp=2, init_weights=False, **moe))
         load_hf_weights(chunks, hf_dir)
         layers = [[int(layer.layer_number) for layer in c.decoder.layers] for c in chunks]
         every = [None] * dist.get_world_size()
@@ -61,7 +63,7 @@ def main():
         step = train_step(ddp, opt, [{"tokens": tokens[i:i + 1]} for i in range(tokens.shape[0])], loss_fn)
         metrics = [None] * dist.get_world_size()
         dist.all_gather_object(metrics, step.metrics)  # the loss's metrics live on the last stage
-        out.update(step_ok=step.update_successful, grad_norm=step.grad_norm, step_metrics=metrics[-1],
+        out.update(step_ok=step.update_successful, moe_losses=step.moe_losses, grad_norm=step.grad_norm, step_metrics=metrics[-1],
                    after={name: t.clone() for name, t in iter_hf_tensors(ddp)})
         save_megatron_checkpoint(ddp, os.path.join(a.out, f"{fam}_ckpt_vpp{a.vpp}"))
         if a.load is not None:
