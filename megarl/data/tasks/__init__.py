@@ -12,7 +12,7 @@ import importlib
 
 __all__ = ["TASKS", "get_task"]
 
-TASKS = ("arithmetic",)
+TASKS = ("arithmetic", "running_sum")
 
 
 def get_task(name: str):
