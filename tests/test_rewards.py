@@ -176,6 +176,17 @@ def test_arithmetic_delegates_to_the_task_rule():
     assert_failed(ar(sample("357")), RewardStatus.INVALID)
 
 
+def test_running_sum_delegates_to_the_task_rule():
+    rs = build_reward_function("running_sum", {}, [])
+    assert rs.required_fields == ("answer",)
+    assert_ok(rs(sample("a 3 + 0 = 3 , b 5 + 3 = 8 so 8 <eos>", answer="8")), 1.0)
+    assert_ok(rs(sample("a 3 + 0 = 3 , b 5 + 3 = 9 so 9", answer="8")), 0.0)
+    assert_ok(rs(sample("8", answer=8)), 0.0)  # no "so": not an answer
+    assert_failed(rs(sample("so 8", answer="-8")), RewardStatus.INVALID)
+    assert_failed(rs(sample("so 8")), RewardStatus.INVALID)
+    assert rs.extract_answer("a 3 + 0 = 3 so 0 3 <eos>") == "3" and rs.extract_answer("3") is None
+
+
 # --- composite ---------------------------------------------------------------------------------
 
 
@@ -234,7 +245,8 @@ class UserScorer:
 
 
 def test_build_builtins_and_composite_from_config():
-    assert set(BUILTIN_REWARDS) >= {"exact_numeric", "math_verify", "regex", "arithmetic", "http", "code_exec", "composite"}
+    assert set(BUILTIN_REWARDS) >= {"exact_numeric", "math_verify", "regex", "arithmetic", "running_sum", "http",
+                                    "code_exec", "composite"}
     fn = build_reward_function(
         "composite",
         {},

@@ -83,3 +83,32 @@ def test_cli_writes_rows_and_refuses_bad_arguments(tmp_path):
                          env=subprocess_env(), timeout=120)
     assert bad.returncode != 0 and "--max-terms" in bad.stderr and "26" in bad.stderr, bad.stderr
 
+
+
+def test_warm_start_build_trains_through_the_actor_and_exports(tmp_path):
+    """A small build (30 steps, no target; its own process, as a recipe's build runs): the answer
+    NLL falls, the export is a complete HF checkpoint with tiny_model.json, and its greedy answers
+    were scored by the task's rule; a target it cannot reach fails naming the flags, leaving no
+    half-built model."""
+    from megarl.builtin.warmstart import MARKER
+
+    small = ["--hidden-size", "64", "--num-layers", "2", "--intermediate-size", "128", "--batch", "16",
+             "--heldout-n", "8"]
+
+    def build(out, *args):
+        return subprocess.run([sys.executable, "-m", "megarl.builtin.warmstart_running_sum", "--out", str(out),
+                               *small, *args], capture_output=True, text=True, env=subprocess_env(), timeout=600)
+
+    out = tmp_path / "rsum"
+    run = build(out, "--steps", "30", "--target-accuracy", "0")
+    assert run.returncode == 0, run.stderr[-3000:]
+    info = json.loads((out / MARKER).read_text())
+    assert info["task"] == {"name": "running_sum", "terms": [2, 26], "alpha": 1.8}
+    assert info["warmstart"]["steps"] == 30 and info["warmstart"]["final_nll"] < 0.6 * info["warmstart"]["first_nll"]
+    assert (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file()
+    assert sum(v["n"] for v in info["heldout_accuracy_by_terms"].values()) == 8
+    assert 1 <= info["heldout_answer_tokens"]["median"] <= info["heldout_answer_tokens"]["max"] <= 320
+    assert "running-sum tiny model ready" in run.stdout
+    never = build(tmp_path / "never", "--steps", "2", "--target-accuracy", "0.99", "--check-every", "1")
+    assert never.returncode != 0 and "--target-accuracy 0.99 within --steps 2" in never.stderr, never.stderr[-2000:]
+    assert not (tmp_path / "never").exists() and not (tmp_path / "never.build").exists()

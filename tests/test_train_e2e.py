@@ -232,10 +232,13 @@ def test_grpo_torchrun_pp2(assets, tmp_path):
 
 
 def test_grpo_torchrun_dp2(assets, tmp_path):
-    """Also records iteration 1's timeline on both ranks (trainer.profile_iterations)."""
+    """Also records iteration 1's timeline on both ranks (trainer.profile_iterations), and generates
+    with the hf decode that retires finished rows (rollout.retire_finished): the rollout's log-probs
+    still match the actor's (check_structure)."""
     run_dir = str(tmp_path / "grpo_dp2")
     run_train(assets, run_dir, GRPO, nproc=2, extra=["algo.micro_batch_size=2", "trainer.profile_iterations=[1]",
-                                                     *DENSE])
+                                                     "rollout.retire_finished=true", *DENSE])
+    assert "retire_finished: true" in open(os.path.join(run_dir, "config.yaml")).read()
     check_structure(run_dir, "grpo", groups_per_publish=2)
     check_rung3(run_dir, assets)
     check_timeline(run_dir, ranks=2, iteration=1)

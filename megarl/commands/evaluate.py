@@ -94,8 +94,9 @@ def resolve_model(path: str, tokenizer: str | None, workdir: str) -> tuple[str, 
     return out, tok
 
 
-def load_engine(model_dir: str, tok, device: str):
-    """The hf rollout engine on ``model_dir``, serving its weights as one verified version."""
+def load_engine(model_dir: str, tok, device: str, retire_finished: bool = False):
+    """The hf rollout engine on ``model_dir``, serving its weights as one verified version
+    (``retire_finished``: the engine's decode that retires finished rows)."""
     from megarl.control.assembly import eos_and_pad
     from megarl.hashing import file_sha256
     from megarl.models.safetensors_io import CheckpointError, HFCheckpointReader
@@ -104,7 +105,8 @@ def load_engine(model_dir: str, tok, device: str):
     from megarl.versions import PolicyVersion
 
     eos, pad = eos_and_pad(tok, model_dir)
-    engine = create_rollout_engine("hf", model_dir, eos_token_ids=eos, pad_token_id=pad, device=device)
+    engine = create_rollout_engine("hf", model_dir, eos_token_ids=eos, pad_token_id=pad, device=device,
+                                   retire_finished=retire_finished)
     try:
         reader = HFCheckpointReader(model_dir)
     except CheckpointError as e:

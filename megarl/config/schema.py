@@ -200,6 +200,11 @@ class RolloutConfig:
     log_prob_parity_tol: float = 1.0e-3  # largest |rollout - actor| log-prob accepted by the parity check
     log_prob_parity_every: int = 0  # iterations between parity checks (0: the first iteration only)
     bucket_mb: int = 512  # weight-sync bucket size (MiB)
+    #: hf backend: a finished response leaves the decode batch and its KV cache at once, so a
+    #: batch costs what its live rows cost, not its longest response times its size (the same
+    #: candidates; megarl/rollout/hf_retiring.py).  SGLang batches continuously by itself.  Not with
+    #: MoE routing capture (algo.routing_replay)
+    retire_finished: bool = False
     #: regenerations of a lost or aborted candidate (same sample id, seed and policy version)
     #: before its group is handled as incomplete (algo.partial_groups)
     max_retries: int = 2

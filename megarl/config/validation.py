@@ -81,10 +81,17 @@ def _validate_ranges(cfg: TrainConfig) -> None:
 
 
 def _validate_rollout_groups(cfg: TrainConfig, world_size: int) -> None:
-    """SGLang inference groups of rollout.tp consecutive ranks must tile the world."""
+    """SGLang inference groups of rollout.tp consecutive ranks must tile the world; what the hf
+    backend's decode that retires finished rows does not do."""
     r = cfg.rollout
     _need(r.backend != "sglang" or world_size % r.tp == 0, "rollout.tp",
           f"{r.tp} does not divide the world size {world_size} (inference groups of rollout.tp GPUs tile the world)")
+    _need(not r.retire_finished or r.backend == "hf", "rollout.retire_finished",
+          f"is true with rollout.backend={r.backend}: it is the hf backend's decode (SGLang batches continuously "
+          "by itself); set rollout.retire_finished=false")
+    _need(not r.retire_finished or cfg.algo.routing_replay == "none", "rollout.retire_finished",
+          f"is true with algo.routing_replay={cfg.algo.routing_replay!r}: the decode that retires finished rows "
+          "does not record the experts each token was routed to; turn one of them off")
     _need(r.ep == 1 or (r.backend == "sglang" and r.tp % r.ep == 0), "rollout.ep",
           f"{r.ep} needs rollout.backend=sglang with rollout.ep dividing rollout.tp={r.tp} (SGLang splits each "
           "inference group's TP ranks into expert-parallel ones)")

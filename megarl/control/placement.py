@@ -69,7 +69,8 @@ def create_engine(cfg, placement: Placement, config_dir: str, eos_token_ids: Seq
         from megarl.runtime.distributed import device
 
         return create_rollout_engine("hf", config_dir, eos_token_ids=list(eos_token_ids),
-                                     pad_token_id=pad_token_id, device=str(device()))
+                                     pad_token_id=pad_token_id, device=str(device()),
+                                     retire_finished=r.retire_finished)
     from megarl.rollout import sglang_cpu
 
     # no CUDA device: SGLang's CPU engine, through megarl's mends (inert where CUDA exists)

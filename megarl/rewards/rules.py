@@ -278,3 +278,37 @@ class Arithmetic:
         except ValueError as e:  # score() raises ValueError only for a non-integer answer
             return _invalid(self.version, f"ground_truth[{self.answer_key!r}] = {raw!r}: {e}")
         return _ok(self.name, self.version, float(value))
+
+
+class RunningSum:
+    """The running-sum task's rule (:func:`megarl.data.tasks.running_sum.score`): 1.0 iff the
+    response ends with ``so`` and the integer answer; the chain before it is not scored.  A
+    ground truth that is not a non-negative integer is ``invalid``."""
+
+    name = "running_sum"
+
+    def __init__(self, answer_key: str = "answer"):
+        from megarl.data.tasks.running_sum import score  # not at import time (as Arithmetic)
+
+        self._score = score
+        self.answer_key = str(answer_key)
+        self.version = f"running_sum/1(answer_key={self.answer_key!r})"
+        self.required_fields = (self.answer_key,)
+
+    def extract_answer(self, text: str) -> str | None:
+        """The integer after the response's final ``so`` (what :func:`score` compares)."""
+        from megarl.data.tasks.running_sum import final_answer
+
+        return final_answer(text)
+
+    def __call__(self, sample: RewardSample) -> RewardRecord:
+        raw, bad = _answer(sample, self.answer_key, self.version)
+        if bad is not None:
+            return bad
+        if isinstance(raw, bool) or not isinstance(raw, (str, numbers.Integral)):
+            return _invalid(self.version, f"ground_truth[{self.answer_key!r}] = {raw!r} is not an integer")
+        try:
+            value = self._score(sample.response_text, raw)
+        except ValueError as e:  # score() raises ValueError only for an answer that is not a non-negative integer
+            return _invalid(self.version, f"ground_truth[{self.answer_key!r}] = {raw!r}: {e}")
+        return _ok(self.name, self.version, float(value))

@@ -10,7 +10,9 @@ engine stays on v.  The standby's tensors are looked up by their checkpoint name
 transformers 5 holds fused, are per-expert views into the fused tensors, so the megatron stream
 (one tensor per expert, from whichever EP rank holds it) lands in place and is checksummed there.
 
-Generation reuses transformers ``generate`` (KV cache, EOS bookkeeping, padding) and its own
+Generation reuses transformers ``generate`` (KV cache, EOS bookkeeping, padding) -- or, with
+``retire_finished``, megarl/rollout/hf_retiring.py's decode loop, where a finished row leaves the
+batch and its KV cache -- and transformers' own
 logits warpers (Temperature/TopK/TopP); megarl only adds two logits processors around them: one
 records the raw logits' normaliser, the last one draws the token with a per-candidate
 ``torch.Generator`` (inverse-CDF sampling, exact for the processed distribution) and
@@ -119,29 +121,44 @@ class _SeededTokenChooser:
     p = 0 and are never chosen.  Greedy: argmax of the raw logits.
     """
 
-    def __init__(self, recorder: _RawLogProbRecorder, seeds: list[int] | None):
+    def __init__(self, recorder: _RawLogProbRecorder, seeds: list[int] | None, size: int | None = None):
         self.recorder = recorder
         # None = greedy; candidate seeds are 63-bit (``protocol.candidate_seed``)
         self.seeds = None if seeds is None else torch.tensor(seeds, dtype=torch.int64)
         self.raw_steps: list[torch.Tensor] = []
         self.processed_steps: list[torch.Tensor] = []
+        #: the batch's rows scored in this step (None: all): a decode that retires finished rows
+        #: (megarl/rollout/hf_retiring.py) runs the live ones; the steps are recorded over all
+        #: ``size`` rows (0 where a row had retired), and the chosen tokens left in ``last_tokens``
+        self.rows: torch.Tensor | None = None
+        self.size = size
+        self.last_tokens: torch.Tensor | None = None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if self.seeds is None:
+        seeds = self.seeds if self.rows is None or self.seeds is None else self.seeds[self.rows.cpu()]
+        if seeds is None:
             tokens = scores.argmax(dim=-1, keepdim=True)
         else:
             lse = torch.logsumexp(scores, dim=-1, keepdim=True)
             cdf = (scores - lse).exp_().cumsum_(dim=-1)
-            u = counter_uniforms(self.seeds, len(self.raw_steps)).to(scores.device, cdf.dtype)
+            u = counter_uniforms(seeds, len(self.raw_steps)).to(scores.device, cdf.dtype)
             # first index whose cdf exceeds u: never a zero-probability (filtered) entry
             u = (u * cdf[:, -1])[:, None]
             tokens = torch.searchsorted(cdf, u, right=True).clamp_max_(scores.shape[-1] - 1)
-            self.processed_steps.append((scores.gather(1, tokens) - lse).squeeze(1))
+            self.processed_steps.append(self._all_rows((scores.gather(1, tokens) - lse).squeeze(1)))
         raw = self.recorder.raw
-        self.raw_steps.append(raw.gather(1, tokens).squeeze(1) - self.recorder.raw_lse)
+        self.raw_steps.append(self._all_rows(raw.gather(1, tokens).squeeze(1) - self.recorder.raw_lse))
+        self.last_tokens = tokens.squeeze(1)
         out = torch.full_like(scores, float("-inf"))
         out.scatter_(1, tokens, 0.0)
         return out
+
+    def _all_rows(self, values: torch.Tensor) -> torch.Tensor:
+        if self.rows is None:
+            return values
+        full = values.new_zeros(self.size)
+        full[self.rows] = values
+        return full
 
 
 _EXPERTS_MODULE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts$")
@@ -209,6 +226,9 @@ class HFRolloutEngine:
         pad_token_id: left-padding id for batching (any id; attention masks hide it).
         device, dtype: where and in which dtype the engine's models live; incoming tensors must
             already be in ``dtype`` (a dtype change would change the manifest hash).
+        retire_finished: decode with finished rows dropped from the batch and its KV cache
+            (megarl/rollout/hf_retiring.py; ``rollout.retire_finished``) instead of transformers'
+            ``generate``, which computes every row until the last one ends.
     """
 
     log_prob_spaces = frozenset({"raw", "processed"})
@@ -221,6 +241,7 @@ class HFRolloutEngine:
         pad_token_id: int | None = None,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
+        retire_finished: bool = False,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.initialization import no_init_weights
@@ -229,6 +250,9 @@ class HFRolloutEngine:
         if not os.path.isfile(config_path):
             raise FileNotFoundError(f"hf rollout engine: {config_path} not found (need an exported HF config)")
         self.config = AutoConfig.from_pretrained(os.fspath(config_dir))
+        self.retire_finished = bool(retire_finished)
+        #: decode work of the last generate call: steps, and rows computed over them
+        self.last_decode = {"steps": 0, "row_steps": 0, "rows": 0}
         self.device = torch.device(device)
         self.dtype = dtype or getattr(self.config, "dtype", None) or torch.float32
         if isinstance(self.dtype, str):
@@ -460,7 +484,7 @@ class HFRolloutEngine:
                 processors.append(TopKLogitsWarper(top_k=sampling.top_k))
             if sampling.top_p < 1.0:
                 processors.append(TopPLogitsWarper(top_p=sampling.top_p))
-        chooser = _SeededTokenChooser(recorder, None if sampling.greedy else seeds)
+        chooser = _SeededTokenChooser(recorder, None if sampling.greedy else seeds, size=len(rows))
         processors.append(chooser)
 
         terminal = tuple(dict.fromkeys(self.eos_token_ids + sampling.stop_token_ids))
@@ -471,19 +495,31 @@ class HFRolloutEngine:
             eos_token_id=list(terminal) if terminal else None,
             pad_token_id=self.pad_token_id,
         )
+        if sampling.return_routed_experts and self.retire_finished:
+            raise InvalidRequestError("return_routed_experts: not recorded by the decode that retires finished rows "
+                                      "(rollout.retire_finished); turn one of them off")
         moe = moe_experts_modules(slot.model) if sampling.return_routed_experts else []
         if sampling.return_routed_experts and not moe:
             raise InvalidRequestError(
                 f"return_routed_experts: the engine's model ({type(slot.model).__name__}) has no MoE layers")
         recorder = _RoutingRecorder(moe)
-        with torch.no_grad(), recorder:
-            out = slot.model.generate(
-                input_ids=input_ids.to(self.device),
-                attention_mask=attention.to(self.device),
-                generation_config=gen_config,
-                logits_processor=LogitsProcessorList(processors),
-            )
-        generated = out[:, width:].cpu()
+        if self.retire_finished:
+            from megarl.rollout.hf_retiring import decode_retiring
+
+            generated, stats = decode_retiring(slot.model, input_ids.to(self.device), attention.to(self.device),
+                                               LogitsProcessorList(processors), chooser, sampling.max_new_tokens,
+                                               terminal, self.pad_token_id)
+        else:
+            with torch.no_grad(), recorder:
+                out = slot.model.generate(
+                    input_ids=input_ids.to(self.device),
+                    attention_mask=attention.to(self.device),
+                    generation_config=gen_config,
+                    logits_processor=LogitsProcessorList(processors),
+                )
+            generated = out[:, width:].cpu()
+            stats = {"steps": generated.shape[1], "row_steps": generated.shape[1] * len(rows)}
+        self.last_decode = dict(stats, rows=len(rows))
         routing = None
         if moe:
             routing = recorder.per_position(len(rows), width, generated.shape[1])

@@ -41,7 +41,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from megarl.data.tasks.arithmetic import write_jsonl
 from megarl.errors import MegarlError, cli_main
 
-__all__ = ["SPLITS", "TAGS", "make_problems", "problem_split", "prompt", "score", "solution", "length_cdf", "main"]
+__all__ = ["SPLITS", "TAGS", "final_answer", "make_problems", "problem_split", "prompt", "score", "solution", "length_cdf", "main"]
 
 SPLITS = ("train", "heldout")
 HELDOUT_MODULUS = 10
@@ -142,9 +142,18 @@ _SPECIAL = re.compile(r"<\|[^<>|\s]*\|>|<｜[^<>｜\s]*｜>|</?[A-Za-z_][A-Za-z0
 _FINAL = re.compile(r"(?:^|\s)so\s+((?:[0-9]\s*)+)$")
 
 
+def final_answer(response_text) -> str | None:
+    """The integer a response ends with after ``so`` (digits may be spaced, as the tiny tokenizer
+    decodes them), without leading zeros; None when it does not end so."""
+    if not isinstance(response_text, str):
+        return None
+    m = _FINAL.search(_SPECIAL.sub(" ", response_text).strip())
+    return None if m is None else ("".join(m.group(1).split()).lstrip("0") or "0")
+
+
 def score(response_text: str, answer: str | int) -> float:
-    """1.0 iff the response ends with ``so`` and the integer ``answer`` (its digits may be spaced,
-    as the tiny tokenizer decodes them), else 0.0.  Only the final answer counts.
+    """1.0 iff the response ends with ``so`` and the integer ``answer`` (:func:`final_answer`),
+    else 0.0.  Only the final answer counts.
 
     >>> score("a 3 + 0 = 3 , b 5 + 3 = 8 so 8 <eos>", "8"), score("so 1 8", "18"), score("18", "18"), score("so 17", "18")
     (1.0, 1.0, 0.0, 0.0)
@@ -152,13 +161,7 @@ def score(response_text: str, answer: str | int) -> float:
     want = str(answer).strip()
     if not want.isdigit():
         raise ValueError(f"answer must be a non-negative integer, got {answer!r}")
-    if not isinstance(response_text, str):
-        return 0.0
-    m = _FINAL.search(_SPECIAL.sub(" ", response_text).strip())
-    if m is None:
-        return 0.0
-    got = "".join(m.group(1).split()).lstrip("0") or "0"
-    return 1.0 if got == (want.lstrip("0") or "0") else 0.0
+    return 1.0 if final_answer(response_text) == (want.lstrip("0") or "0") else 0.0
 
 
 def _parser() -> argparse.ArgumentParser:
