@@ -509,6 +509,12 @@ def build(out_dir: str, *, hidden_size: int = 128, num_layers: int = 4, num_head
         info["two_turn_demos"] = two_turn_demos
     if moe:
         info["moe"] = {"num_experts": num_experts, "top_k": top_k, "moe_intermediate_size": moe_intermediate_size}
+    return publish_build(info, staged, out_dir, work)
+
+
+def publish_build(info: dict, staged: str, out_dir: str, work: str) -> dict:
+    """Finish a build: ``tiny_model.json`` written last into the staged export, which then replaces
+    ``out_dir``; the work directory is removed.  Returns ``info``."""
     with open(os.path.join(staged, MARKER), "w") as f:
         json.dump(info, f, indent=1)
     if os.path.exists(out_dir):

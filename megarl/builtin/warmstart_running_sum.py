@@ -27,7 +27,7 @@ import os
 import shutil
 import time
 
-from megarl.builtin.warmstart import MARKER, teacher_forced_accuracy, training_tensors
+from megarl.builtin.warmstart import MARKER, publish_build, teacher_forced_accuracy, training_tensors
 from megarl.errors import MegarlError, cli_main
 
 #: the seeds of the held-out draws: the evaluation set (a recipe's held-out file) and the validation set
@@ -175,14 +175,7 @@ def build(out_dir: str, *, hidden_size: int = 128, num_layers: int = 4, num_head
             "heldout_answer_tokens": {"median": srt[len(srt) // 2], "p99": srt[min(len(srt) - 1, int(0.99 * len(srt)))],
                                       "max": srt[-1], "mean": sum(srt) / len(srt)},
             "seconds": time.time() - t_start, "tokenizer_hash": tok.hash}
-    with open(os.path.join(staged, MARKER), "w") as f:
-        json.dump(info, f, indent=1)
-    if os.path.exists(out_dir):
-        shutil.rmtree(out_dir)
-    os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
-    os.replace(staged, out_dir)
-    shutil.rmtree(work, ignore_errors=True)
-    return info
+    return publish_build(info, staged, out_dir, work)
 
 
 @cli_main
