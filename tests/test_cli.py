@@ -283,7 +283,7 @@ def _recipes(tmp_path):
     qwen3_moe = _fake_hf(tmp_path / "qwen3_30b_a3b", QWEN3_30B_A3B)
     out = {"grpo_arith_tiny.yaml": (1, []), "ppo_arith_tiny.yaml": (1, []), "grpo_moe_tiny.yaml": (1, []),
            "grpo_arith_async_tiny.yaml": (2, []),  # 1 trainer rank + 1 rollout rank
-           "grpo_calc_tiny.yaml": (1, []), "grpo_two_turn_tiny.yaml": (1, []),
+           "grpo_calc_tiny.yaml": (1, []), "grpo_two_turn_tiny.yaml": (1, []), "grpo_rsum_tiny.yaml": (1, []),
            "grpo_qwen2_7b.yaml": (8, [f"model.path={qwen}", f"data.train_path={data}"]),
            # the recipe names the Hub id; without network the test points it at config.json only
            "grpo_qwen3_30b_a3b.yaml": (8, [f"model.path={qwen3_moe}", f"data.train_path={data}"]),
@@ -308,7 +308,8 @@ def test_print_config_and_dry_run_on_every_recipe(tmp_path):
         assert printed["trainer"]["iterations"] == 7 and printed["recipe"] == name[:-5]
         if name.endswith("_tiny.yaml"):
             family = "qwen3_moe" if name == "grpo_moe_tiny.yaml" else "llama"
-            built = {"grpo_calc_tiny.yaml": "calc", "grpo_two_turn_tiny.yaml": "two_turn"}.get(name, "arith")
+            built = {"grpo_calc_tiny.yaml": "calc", "grpo_two_turn_tiny.yaml": "two_turn",
+                     "grpo_rsum_tiny.yaml": "rsum"}.get(name, "arith")
             assert printed["model"]["path"] == f"{cache}/tiny_{built}_{family}"  # resolved
             assert printed["model"]["tiny"]["family"] == family
         args = ["--config", path, "--dry-run", *overrides] + (["--world-size", str(world)] if world > 1 else [])

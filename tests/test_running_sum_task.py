@@ -85,30 +85,68 @@ def test_cli_writes_rows_and_refuses_bad_arguments(tmp_path):
 
 
 
-def test_warm_start_build_trains_through_the_actor_and_exports(tmp_path):
-    """A small build (30 steps, no target; its own process, as a recipe's build runs): the answer
-    NLL falls, the export is a complete HF checkpoint with tiny_model.json, and its greedy answers
-    were scored by the task's rule; a target it cannot reach fails naming the flags, leaving no
-    half-built model."""
+def test_recipe_builds_its_task_files_and_model_then_reuses_or_refuses_them(tmp_path, capfd):
+    """The recipe's start-up (megarl/commands/startup.py with running_sum_assets): the task files
+    (the held-out one is the warm start's evaluation set) and a small model build (30 steps, no
+    target; its own process, as a recipe's build runs): the answer NLL falls, the export is a
+    complete HF checkpoint with tiny_model.json, its greedy answers were scored by the task's
+    rule.  The same settings reuse both; other settings are refused naming the key.  A target
+    the build cannot reach fails naming the flags, leaving no half-built model."""
     from megarl.builtin.warmstart import MARKER
-
-    small = ["--hidden-size", "64", "--num-layers", "2", "--intermediate-size", "128", "--batch", "16",
-             "--heldout-n", "8"]
-
-    def build(out, *args):
-        return subprocess.run([sys.executable, "-m", "megarl.builtin.warmstart_running_sum", "--out", str(out),
-                               *small, *args], capture_output=True, text=True, env=subprocess_env(), timeout=600)
+    from megarl.commands import startup
+    from megarl.config import load_config
+    from megarl.errors import MegarlError
 
     out = tmp_path / "rsum"
-    run = build(out, "--steps", "30", "--target-accuracy", "0")
-    assert run.returncode == 0, run.stderr[-3000:]
+    overrides = [f"model.path={out}", f"data.train_path={tmp_path / 'train.jsonl'}",
+                 f"data.heldout_path={tmp_path / 'held.jsonl'}", "data.running_sum_train_n=50",
+                 "data.running_sum_heldout_n=8", "model.tiny.hidden_size=64", "model.tiny.num_layers=2",
+                 "model.tiny.intermediate_size=128", "model.tiny.warmstart_batch=16",
+                 "model.tiny.warmstart_steps=30", "model.tiny.warmstart_target_accuracy=null"]
+    cfg = load_config("configs/grpo_rsum_tiny.yaml", overrides)
+    startup.ensure_builtin_task(cfg)
+    held = [json.loads(line) for line in open(tmp_path / "held.jsonl")]
+    assert held == make_problems("heldout", 1, 8, distinct=True)
+    assert [json.loads(line) for line in open(tmp_path / "train.jsonl")] == make_problems("train", 0, 50)
+    startup.ensure_builtin_model(cfg)
+    assert "running-sum tiny model ready" in capfd.readouterr().out
     info = json.loads((out / MARKER).read_text())
     assert info["task"] == {"name": "running_sum", "terms": [2, 26], "alpha": 1.8}
     assert info["warmstart"]["steps"] == 30 and info["warmstart"]["final_nll"] < 0.6 * info["warmstart"]["first_nll"]
     assert (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file()
     assert sum(v["n"] for v in info["heldout_accuracy_by_terms"].values()) == 8
     assert 1 <= info["heldout_answer_tokens"]["median"] <= info["heldout_answer_tokens"]["max"] <= 320
-    assert "running-sum tiny model ready" in run.stdout
-    never = build(tmp_path / "never", "--steps", "2", "--target-accuracy", "0.99", "--check-every", "1")
+
+    startup.ensure_builtin_task(cfg)  # the same settings: taken as they are
+    startup.ensure_builtin_model(cfg)
+    assert "building" not in capfd.readouterr().out
+    other = load_config("configs/grpo_rsum_tiny.yaml", overrides + ["data.running_sum_alpha=1.5"])
+    with pytest.raises(MegarlError, match=r"data\.running_sum_alpha: the cached build has 1\.8, the config 1\.5"):
+        startup.ensure_builtin_model(other)
+    with pytest.raises(MegarlError, match=r"data\.build_running_sum: .*train\.jsonl holds another train split .*"
+                                          r"data\.running_sum_\*"):
+        startup.ensure_builtin_task(other)
+    arith = load_config("configs/grpo_arith_tiny.yaml", [f"model.path={out}"])
+    with pytest.raises(MegarlError, match=r"model\.build_tiny: .* holds a tiny model built with other settings"):
+        startup.ensure_builtin_model(arith)  # an arithmetic recipe does not train the running-sum model in silence
+
+    small = ["--hidden-size", "64", "--num-layers", "2", "--intermediate-size", "128", "--batch", "16", "--heldout-n", "8"]
+    never = subprocess.run([sys.executable, "-m", "megarl.builtin.warmstart_running_sum", "--out",
+                            str(tmp_path / "never"), *small, "--steps", "2", "--target-accuracy", "0.99",
+                            "--check-every", "1"], capture_output=True, text=True, env=subprocess_env(), timeout=600)
     assert never.returncode != 0 and "--target-accuracy 0.99 within --steps 2" in never.stderr, never.stderr[-2000:]
     assert not (tmp_path / "never").exists() and not (tmp_path / "never.build").exists()
+
+
+def test_recipe_settings_are_checked_by_key():
+    from megarl.config import ConfigError, load_config, validate
+
+    validate(load_config("configs/grpo_rsum_tiny.yaml"), 1)
+
+    for extra, key in ((["data.build_arithmetic=true"], "data.build_running_sum"),
+                       (["data.running_sum_min_terms=9", "data.running_sum_max_terms=4"], "data.running_sum_min_terms"),
+                       (["data.running_sum_max_terms=27"], "data.running_sum_max_terms"),
+                       (["model.tiny.family=qwen3_moe"], "model.tiny.task"),
+                       (["model.tiny.task=sudoku"], "model.tiny.task")):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            validate(load_config("configs/grpo_rsum_tiny.yaml", extra), 1)

@@ -203,6 +203,7 @@ def test_real_model_recipes_validate(name, overrides, worlds):
 
 ASYNC = ["placement.mode=split", "async_rl.max_staleness=2", "async_rl.correction=tis",
          "rollout.reuse_rollout_log_probs=false"]
+PARTIAL = ["async_rl.partial_rollouts=true", "async_rl.segment_tokens=8"]
 
 
 @pytest.mark.parametrize("overrides,world,key", [
@@ -222,6 +223,15 @@ ASYNC = ["placement.mode=split", "async_rl.max_staleness=2", "async_rl.correctio
     (ASYNC + ["algo.rollout_correction.token_is_cap=2.0"], 2, "algo.rollout_correction"),
     (ASYNC + ["trainer.resume_experience=reuse"], 2, "trainer.resume_experience"),
     (ASYNC + ["parallel.tp=2"], 2, "parallel.tp"),                     # 1 trainer rank
+    # partial rollouts (hybrid placement)
+    (PARTIAL + ["placement.mode=split"], 2, "async_rl.partial_rollouts"),
+    (["async_rl.partial_rollouts=true"], 2, "async_rl.segment_tokens"),  # the iteration stops between segments
+    (PARTIAL + ["async_rl.extra_groups=17"], 2, "async_rl.extra_groups"),  # above B = 16
+    (["async_rl.extra_groups=2"], 2, "async_rl.extra_groups"),         # over-sampling without partial rollouts
+    (PARTIAL + ["algo.dynamic_sampling.enabled=true"], 2, "algo.dynamic_sampling.enabled"),
+    (PARTIAL + ["trainer.resume_experience=reuse"], 2, "trainer.resume_experience"),
+    (PARTIAL + ["rollout.agent.env=calculator"], 2, "rollout.agent.env"),
+    (PARTIAL + ["async_rl.max_staleness=1", "rollout.reuse_rollout_log_probs=false"], 2, "async_rl.correction"),
 ])
 def test_bad_placement_and_async_configs_name_the_key(overrides, world, key):
     cfg = load_config(GRPO, overrides)
@@ -234,6 +244,9 @@ def test_split_placement_trains_on_the_ranks_left():
     assert check_run(load_config(GRPO, ["placement.mode=split", "placement.rollout_ranks=2"]), 4) == 2
     cfg = load_config(GRPO, ASYNC + ["async_rl.correction=decoupled", "async_rl.is_cap=null"])
     assert check_run(cfg, 2) == 1
+    # hybrid placement takes a staleness bound with partial rollouts (eta 0: over-sampling only)
+    for extra in ([], ["async_rl.max_staleness=2", "async_rl.correction=tis", "rollout.reuse_rollout_log_probs=false"]):
+        assert check_run(load_config(GRPO, PARTIAL + ["async_rl.extra_groups=16"] + extra), 2) == 2
 
 
 def test_megatron_at_scale_keys_default_off_and_are_checked():

@@ -185,6 +185,8 @@ def main(argv=None) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--num-heads", type=int, default=4)
+    p.add_argument("--num-kv-heads", type=int, default=2)
     p.add_argument("--intermediate-size", type=int, default=256)
     p.add_argument("--steps", type=int, default=3000, help="the most warm-start steps (exactly these with target 0)")
     p.add_argument("--lr", type=float, default=2e-3)
@@ -200,7 +202,8 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     if os.path.exists(os.path.join(a.out, MARKER)) and not a.overwrite:
         raise MegarlError(f"--out {a.out} already holds a built model; pass --overwrite to build it again")
-    info = build(a.out, hidden_size=a.hidden_size, num_layers=a.num_layers, intermediate_size=a.intermediate_size,
+    info = build(a.out, hidden_size=a.hidden_size, num_layers=a.num_layers, num_heads=a.num_heads,
+                 num_kv_heads=a.num_kv_heads, intermediate_size=a.intermediate_size,
                  steps=a.steps, lr=a.lr, batch=a.batch, seed=a.seed, terms=(a.min_terms, a.max_terms), alpha=a.alpha,
                  target_accuracy=a.target_accuracy, check_every=a.check_every, heldout_n=a.heldout_n)
     print(f"running-sum tiny model ready in {a.out}: held-out greedy accuracy {info['heldout_accuracy_greedy']:.3f} "

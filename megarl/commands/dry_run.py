@@ -228,9 +228,10 @@ def dry_run(cfg, world_size: Optional[int] = None) -> dict:
     builds = []
     if cfg.model.build_tiny and not is_built(cfg.model.path):
         builds.append(f"would build the built-in tiny model at model.path={cfg.model.path} (model.tiny.*)")
-    if cfg.data.build_arithmetic:
+    if cfg.data.build_arithmetic or cfg.data.build_running_sum:
+        task = "arithmetic" if cfg.data.build_arithmetic else "running-sum"
         paths = (("data.train_path", cfg.data.train_path), ("data.heldout_path", cfg.data.heldout_path))
-        builds += [f"would build the arithmetic task file {key}={path}" for key, path in paths
+        builds += [f"would build the {task} task file {key}={path}" for key, path in paths
                    if path and not os.path.exists(path)]
     spec = None
     if not builds:
@@ -277,6 +278,14 @@ def dry_run(cfg, world_size: Optional[int] = None) -> dict:
         lines.append(f"rollout: sglang, {world // r.tp} inference group(s) of rollout.tp={r.tp} GPUs")
     else:
         lines.append(f"rollout: hf, {dp} engine(s), one per data-parallel replica")
+    if cfg.async_rl.partial_rollouts:
+        an, B = cfg.async_rl, cfg.trainer.prompts_per_iteration
+        carry = (f"unfinished candidates carry over with their tokens, each group trained within "
+                 f"async_rl.max_staleness={an.max_staleness} step(s) of its admission; correction {an.correction}"
+                 if an.max_staleness else "unfinished groups start again next iteration, where they are due "
+                 "(async_rl.max_staleness=0: every trained token on-policy)")
+        lines.append(f"partial rollouts: {B} + {an.extra_groups} groups open, generated async_rl.segment_tokens="
+                     f"{an.segment_tokens} tokens at a time until {B} are complete; {carry}")
     lines += batch_plan(cfg, dp)
     if spec is not None:
         lines += _memory_lines(cfg, spec, dp)

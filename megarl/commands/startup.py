@@ -28,46 +28,58 @@ def _wait_for(path: str, what: str, timeout_s: float = 3600.0) -> None:
 
 
 def ensure_builtin_task(cfg) -> None:
-    """Write the recipe's built-in arithmetic task files if they are missing (rank 0 writes, the
-    other ranks wait for them).  The held-out file holds distinct problems (an evaluation set:
-    :func:`megarl.data.tasks.arithmetic.make_problems`).  A file already there must hold exactly
-    what these settings write -- a cache made by other ``data.arithmetic_*`` settings or an older
-    megarl is refused, naming the file, never used in silence."""
+    """Write the recipe's built-in task files if they are missing (rank 0 writes, the other ranks
+    wait for them): the arithmetic task (``data.build_arithmetic``) or the running-sum task
+    (``data.build_running_sum``, megarl/commands/running_sum_assets.py).  The held-out file holds
+    distinct problems (an evaluation set).  A file already there must hold exactly what these
+    settings write -- a cache made by other ``data.*`` settings or an older megarl is refused,
+    naming the file, never used in silence."""
     rank = int(os.environ.get("RANK", "0"))
     d = cfg.data
     if d.build_arithmetic:
-        want = [(d.train_path, "train", d.arithmetic_train_n, 0)]
+        from megarl.data.tasks.arithmetic import make_problems
+
+        digits = (d.arithmetic_min_digits, d.arithmetic_max_digits)
+        key, name, want = "data.build_arithmetic", "arithmetic", [(d.train_path, "train", lambda: make_problems(
+            "train", 0, d.arithmetic_train_n, digits=digits))]
         if d.heldout_path:
-            want.append((d.heldout_path, "heldout", d.arithmetic_heldout_n, 1))
-        for path, split, n, seed in want:
-            if rank != 0:
-                if not os.path.exists(path):
-                    _wait_for(path, f"the arithmetic {split} split")
-                continue
-            from megarl.data.tasks.arithmetic import make_problems, write_jsonl
+            want.append((d.heldout_path, "heldout", lambda: make_problems(
+                "heldout", 1, d.arithmetic_heldout_n, digits=digits, distinct=True)))
+    elif d.build_running_sum:
+        from megarl.commands.running_sum_assets import task_splits
 
-            rows = make_problems(split, seed, n, digits=(d.arithmetic_min_digits, d.arithmetic_max_digits),
-                                 distinct=split == "heldout")
-            if os.path.exists(path):
-                _check_cached_task(path, rows, split)
-                continue
-            write_jsonl(path, rows)
-            print(f"wrote the built-in arithmetic {split} split: {path} ({n} problems)", flush=True)
+        key, name, want = "data.build_running_sum", "running-sum", task_splits(d)
+    else:
+        return
+    from megarl.data.tasks.arithmetic import write_jsonl
+
+    for path, split, make_rows in want:
+        if rank != 0:
+            if not os.path.exists(path):
+                _wait_for(path, f"the {name} {split} split")
+            continue
+        rows = make_rows()
+        if os.path.exists(path):
+            _check_cached_task(path, rows, split, key)
+            continue
+        write_jsonl(path, rows)
+        print(f"wrote the built-in {name} {split} split: {path} ({len(rows)} problems)", flush=True)
 
 
-def _check_cached_task(path: str, rows, split: str) -> None:
+def _check_cached_task(path: str, rows, split: str, key: str) -> None:
     import json
 
     try:
         with open(path, encoding="utf-8") as f:
             cached = [json.loads(line) for line in f if line.strip()]
     except (OSError, ValueError) as e:
-        raise MegarlError(f"data.build_arithmetic: {path} exists but cannot be read as the built-in {split} "
+        raise MegarlError(f"{key}: {path} exists but cannot be read as the built-in {split} "
                           f"split ({type(e).__name__}: {e}); delete it to have it written again") from None
     if cached != rows:
-        raise MegarlError(f"data.build_arithmetic: {path} holds another {split} split than these settings write "
-                          "(other data.arithmetic_* values, or a cache from an older megarl); delete it to have it "
-                          "written again, point MEGARL_CACHE elsewhere, or set data.build_arithmetic=false to use "
+        settings = key.replace("data.build_", "data.") + "_*"
+        raise MegarlError(f"{key}: {path} holds another {split} split than these settings write "
+                          f"(other {settings} values, or a cache from an older megarl); delete it to have it "
+                          f"written again, point MEGARL_CACHE elsewhere, or set {key}=false to use "
                           "the file as it is")
 
 
@@ -82,7 +94,11 @@ def ensure_builtin_model(cfg) -> None:
     if m.build_tiny and is_built(m.path):
         _check_cached_model(cfg)
     if m.build_tiny and not is_built(m.path):
-        if rank == 0:
+        if rank == 0 and m.tiny.task == "running_sum":
+            from megarl.commands.running_sum_assets import build_command
+
+            _run_build(build_command(cfg), m.path)
+        elif rank == 0:
             t = m.tiny
             cmd = [sys.executable, "-m", "megarl.tinymodel", "--out", m.path, "--hidden-size", str(t.hidden_size),
                    "--num-layers", str(t.num_layers), "--num-heads", str(t.num_heads),
@@ -105,18 +121,25 @@ def ensure_builtin_model(cfg) -> None:
                     cmd += ["--tool-mixture-steps", str(t.tool_mixture_steps)]
             if t.two_turn_demos > 0:  # the two-turn build
                 cmd += ["--two-turn-demos", str(t.two_turn_demos)]
-            env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
-            print(f"model.path {m.path} is missing: building the built-in tiny model (cached for later runs)",
-                  flush=True)
-            if subprocess.run(cmd, env=env).returncode != 0:
-                raise MegarlError(f"model.build_tiny: building the tiny model into {m.path} failed (see above)")
+            _run_build(cmd, m.path)
         else:
             _wait_for(os.path.join(m.path, MARKER), "the tiny model")
+
+
+def _run_build(cmd: list[str], path: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+    print(f"model.path {path} is missing: building the built-in tiny model (cached for later runs)", flush=True)
+    if subprocess.run(cmd, env=env).returncode != 0:
+        raise MegarlError(f"model.build_tiny: building the tiny model into {path} failed (see above)")
 
 
 def _tiny_settings(cfg) -> dict:
     """What ``tiny_model.json`` records of a build made with these ``model.tiny.*`` settings."""
     t, d = cfg.model.tiny, cfg.data
+    if t.task == "running_sum":
+        from megarl.commands.running_sum_assets import tiny_settings
+
+        return tiny_settings(cfg)
     want = {"family": t.family, "hidden_size": t.hidden_size, "num_layers": t.num_layers,
             "num_heads": t.num_heads, "num_kv_heads": t.num_kv_heads,
             "warmstart.max_steps": t.warmstart_steps, "warmstart.lr": t.warmstart_lr,
@@ -167,7 +190,12 @@ def _check_cached_model(cfg) -> None:
                           "warmstart.heldout_n": "data.arithmetic_heldout_n",
                           "task.digits": "data.arithmetic_min_digits / data.arithmetic_max_digits",
                           "moe": "model.tiny.num_experts / top_k / moe_intermediate_size",
-                          "tool": "model.tiny.tool_*"}.get(key, f"model.tiny.{key}")
+                          "tool": "model.tiny.tool_*"}
+            if cfg.model.tiny.task == "running_sum":
+                from megarl.commands.running_sum_assets import CONFIG_KEYS
+
+                config_key.update(CONFIG_KEYS)
+            config_key = config_key.get(key, f"model.tiny.{key}")
             raise MegarlError(
                 f"model.build_tiny: {cfg.model.path} holds a tiny model built with other settings ({config_key}: "
                 f"the cached build has {node!r}, the config {want!r}; a build by an older megarl records no "
@@ -241,7 +269,7 @@ def check_start_paths(cfg) -> None:
     check_writable("trainer.run_dir", run_dir if run_dir else "runs")
     if cfg.model.build_tiny and not is_built(cfg.model.path):
         check_writable("model.path", cfg.model.path)
-    if cfg.data.build_arithmetic:
+    if cfg.data.build_arithmetic or cfg.data.build_running_sum:
         for key in ("data.train_path", "data.heldout_path"):
             path = getattr(cfg.data, key.split(".")[1])
             if path and not os.path.exists(path):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Mapping, Optional, Sequence
 
-from megarl.config.schema import (ALGORITHMS, RECOMPUTE_MODULES, ROUTING_REPLAY, TINY_FAMILIES, TINY_VALIDATIONS,
+from megarl.config.schema import (ALGORITHMS, RECOMPUTE_MODULES, ROUTING_REPLAY, TINY_FAMILIES, TINY_TASKS, TINY_VALIDATIONS,
                                   TrainConfig)
 from megarl.errors import ConfigError, require as _need, require_choice as _choice
 
@@ -58,8 +58,18 @@ def _validate_ranges(cfg: TrainConfig) -> None:
     d = cfg.data
     _need(d.arithmetic_min_digits <= d.arithmetic_max_digits, "data.arithmetic_min_digits",
           f"{d.arithmetic_min_digits} is above data.arithmetic_max_digits={d.arithmetic_max_digits}")
+    _need(d.running_sum_min_terms <= d.running_sum_max_terms, "data.running_sum_min_terms",
+          f"{d.running_sum_min_terms} is above data.running_sum_max_terms={d.running_sum_max_terms}")
+    _need(not (d.build_arithmetic and d.build_running_sum), "data.build_running_sum",
+          "is true with data.build_arithmetic=true: the built-in task files are one task's (data.train_path / "
+          "data.heldout_path); turn one of them off")
     tiny = cfg.model.tiny
     _choice(tiny.family, "model.tiny.family", TINY_FAMILIES)
+    _choice(tiny.task, "model.tiny.task", TINY_TASKS)
+    _need(tiny.task != "running_sum" or (tiny.family == "llama" and not tiny.tool_demos and not tiny.two_turn_demos),
+          "model.tiny.task",
+          f"is running_sum, whose build is a dense llama without demonstrations; got model.tiny.family={tiny.family}, "
+          f"tool_demos={tiny.tool_demos}, two_turn_demos={tiny.two_turn_demos}")
     _choice(tiny.warmstart_validation, "model.tiny.warmstart_validation", TINY_VALIDATIONS)
     _need(tiny.family == "llama" or tiny.top_k <= tiny.num_experts, "model.tiny.top_k",
           f"{tiny.top_k} is above model.tiny.num_experts={tiny.num_experts}")
@@ -155,10 +165,29 @@ def _validate_placement(cfg: TrainConfig, world_size: int) -> None:
               f"is {r.tp}: in split placement every rollout rank runs its own engine (rollout.tp=1)")
         _need(not r.enable_memory_saver or r.backend == "hf", "rollout.enable_memory_saver",
               "time-slices one GPU pool; split placement gives the engines their own devices (set it to false)")
+    if an.partial_rollouts:
+        _need(pl.mode == "hybrid", "async_rl.partial_rollouts",
+              "is true with placement.mode=split, where generation already runs ahead on the rollout ranks; "
+              "partial rollouts are hybrid placement's (set one of them)")
+        _need(an.segment_tokens > 0, "async_rl.segment_tokens",
+              "must be > 0 with async_rl.partial_rollouts: unfinished candidates are generated this many tokens at "
+              "a time, and the iteration stops between two segments")
+        B = cfg.trainer.prompts_per_iteration
+        _need(an.extra_groups <= B, "async_rl.extra_groups",
+              f"is {an.extra_groups}, above trainer.prompts_per_iteration={B}: the groups due at a step (which must "
+              "complete and be trained then) would outnumber the batch")
+        _need(not cfg.algo.dynamic_sampling.enabled, "algo.dynamic_sampling.enabled",
+              "is true with async_rl.partial_rollouts: its further rounds are the synchronous producer's")
+        _need(cfg.trainer.resume_experience == "rerun", "trainer.resume_experience",
+              "'reuse' replays a sealed batch without producing it; with async_rl.partial_rollouts the open groups "
+              "are the checkpoint's to record (use 'rerun')")
+    else:
+        _need(an.extra_groups == 0, "async_rl.extra_groups",
+              f"is {an.extra_groups}: over-sampling is async_rl.partial_rollouts' (set it to true, or this to 0)")
     if an.max_staleness > 0:
-        _need(pl.mode == "split", "async_rl.max_staleness",
-              f"is {an.max_staleness}, which needs placement.mode=split (generation runs ahead on the rollout "
-              "ranks; partial rollouts in hybrid placement are not built)")
+        _need(pl.mode == "split" or an.partial_rollouts, "async_rl.max_staleness",
+              f"is {an.max_staleness} in hybrid placement, which needs async_rl.partial_rollouts=true (unfinished "
+              "candidates carry over, each token keeping its version), or placement.mode=split")
         _need(an.correction is not None, "async_rl.correction",
               f"must be chosen when async_rl.max_staleness={an.max_staleness} > 0: one of {list(ASYNC_CORRECTIONS)} "
               "(the rollout's log-probs are the behaviour policy, the recomputed old ones the proximal)")
@@ -172,8 +201,9 @@ def _validate_placement(cfg: TrainConfig, world_size: int) -> None:
               f"'reuse' replays one synchronous sealed batch; with async_rl.max_staleness={an.max_staleness} "
               "a checkpoint gives the in-flight prompts back instead (use 'rerun')")
     if an.segment_tokens:
-        _need(pl.mode == "split", "async_rl.segment_tokens",
-              "applies versions published while the rollout ranks generate, which needs placement.mode=split")
+        _need(pl.mode == "split" or an.partial_rollouts, "async_rl.segment_tokens",
+              "applies versions published while the rollout ranks generate, which needs placement.mode=split; "
+              "or splits generation for async_rl.partial_rollouts")
         _need(cfg.algo.routing_replay == "none", "algo.routing_replay",
               "records routing per response; responses generated in segments (async_rl.segment_tokens) have none")
         _need(not r.agent.env, "rollout.agent.env", "agent turns are not generated in segments (async_rl.segment_tokens)")

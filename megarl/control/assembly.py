@@ -262,7 +262,7 @@ def _production_variants(cfg) -> dict:
     """The producer's admission (generation ahead within the staleness bound, asynchronous RL)
     and observers (the agent episodes' metrics), as the config asks."""
     admission = None
-    if cfg.async_rl.max_staleness > 0:  # generation runs ahead on the rollout ranks, within the bound
+    if cfg.async_rl.max_staleness > 0 and not cfg.async_rl.partial_rollouts:  # generation runs ahead, within the bound
         from megarl.control.production_ahead import AheadAdmission
 
         admission = AheadAdmission(cfg)
@@ -305,7 +305,10 @@ def wire_components(cfg, parts: Parts, eng: EngineParts, *, sm, progress, run_di
         time_slice=time_slice, counters=counters, sync_dtype=eng.sync_dtype, bucket_mb=cfg.rollout.bucket_mb,
         max_retries=cfg.rollout.max_retries, corrupt_at=cfg.faults.corrupt_weight_sync_at, injector=parts.injector,
         rank0=rank0)
-    producer = GroupRolloutProducer(
+    producer_class = GroupRolloutProducer
+    if cfg.async_rl.partial_rollouts:  # complete groups train, unfinished ones carry over
+        from megarl.control.production_partial import PartialRolloutProducer as producer_class
+    producer = producer_class(
         cfg, grouped=advantage_needs(cfg.algo.advantage).groups, train_data=parts.train_data, sampler=parts.sampler,
         engine=rollout_engine, placement=eng.placement,
         scorer=episode_scorer(cfg, parts.tok, counters, quarantine, rank0) if agentic else scorer(True), sm=sm,

@@ -72,7 +72,8 @@ class RolloutProducer(Protocol):
 
     The group producer (:class:`megarl.control.production.GroupRolloutProducer`) is the
     implementation; agentic (multi-turn) and asynchronous (bounded-staleness) production are parts
-    composed into it (:mod:`megarl.control.production_agent`, :mod:`megarl.control.production_ahead`).
+    composed into it (:mod:`megarl.control.production_agent`, :mod:`megarl.control.production_ahead`);
+    partial rollouts (:mod:`megarl.control.production_partial`) are a subclass of it.
     A producer must return only complete, scored groups generated on ``version`` (or, for a
     bounded-staleness producer, within its declared bound), and count everything it dropped.
     """
@@ -80,7 +81,13 @@ class RolloutProducer(Protocol):
     def produce(self, k: int, version: PolicyVersion, timer: StageTimer) -> ProducedRollout: ...
 
     def in_flight(self) -> Optional[dict]:
-        """What a checkpoint taken now drops (generation submitted ahead), or None."""
+        """What a checkpoint taken now records (``recorded``: restored by :meth:`restore`) or
+        drops (generation submitted ahead, partial rollouts' tokens), or None."""
+        ...
+
+    def restore(self, recorded: list) -> None:
+        """Take back the work a checkpoint recorded (``in_flight()["recorded"]``) before the first
+        iteration of a resume."""
         ...
 
 

@@ -80,9 +80,10 @@ class RunPersistence:
         The checkpoint counts itself: ``checkpoints`` is cumulative across resumes.
 
         ``in_flight`` (an asynchronous producer's ``in_flight()``): generation submitted ahead
-        for later iterations.  It is deliberately not saved: its prompts go back to the sampler
-        (served first after a resume, so no prompt is skipped) and the checkpoint says how many
-        groups a resume drops."""
+        for later iterations, or partial rollouts carried over.  Either it is recorded
+        (``recorded``: the producer restores it from ``carried_over``), or it is deliberately not
+        saved: its prompts go back to the sampler (served first after a resume, so no prompt is
+        skipped) and the checkpoint says how many groups (and tokens) a resume drops."""
         import contextlib
 
         from megarl.runtime import checkpoint
@@ -112,7 +113,9 @@ class RunPersistence:
             "unconsumed_experience": None,
             "unconsumed_experience_note": "saved at ACTOR_COMMITTED: every sealed batch was consumed by the update",
         }
-        if in_flight:
+        if in_flight and "recorded" in in_flight:  # work carried over the checkpoint, restored by a resume
+            state["carried_over"] = in_flight["recorded"]
+        elif in_flight:
             state["in_flight_dropped"] = {k: v for k, v in in_flight.items() if k != "prompt_indices"}
         with ref_ctx:
             path = checkpoint.save(self.ckpt_root, iteration, state, self._roles(refreshed),

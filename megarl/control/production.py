@@ -119,6 +119,16 @@ class GroupRolloutProducer:
         """What a checkpoint now drops (generation submitted ahead), or None."""
         return self.admission.in_flight()
 
+    def restore(self, recorded: list) -> None:
+        """This producer carries nothing over iterations: a checkpoint that recorded open groups
+        was written by partial rollouts, and resuming it without them would lose them."""
+        if recorded:
+            from megarl.errors import MegarlError
+
+            raise MegarlError(f"resume: the checkpoint recorded {len(recorded)} open partial-rollout group(s) "
+                              "(async_rl.partial_rollouts=true); resume with async_rl.partial_rollouts=true and the "
+                              "same async_rl settings")
+
     def produce(self, k: int, version: PolicyVersion, timer: StageTimer) -> ProducedRollout:
         for o in self.observers:
             o.before(k, version)

@@ -122,6 +122,8 @@ class Trainer:
         c = wire_components(cfg, parts, eng, sm=self.sm, progress=self.progress, run_dir=run_dir,
                             run_id=self.run_id, dp=self.dp, rank0=self.rank0, ckpt_root=self.persistence.ckpt_root)
         self.publisher, self.producer, self.preparer = c.publisher, c.producer, c.preparer
+        if resume is not None and resume.get("carried_over"):  # open partial rollouts the checkpoint recorded
+            self.producer.restore(resume["carried_over"])
         self.learner, self.evaluator = c.learner, c.evaluator
 
     def close(self) -> None:
