@@ -63,7 +63,7 @@ def _rows_log_probs(model, facts):
     for b in range(facts.batch_size):
         am = facts.attention_mask[b]
         prompt = facts.prompt_ids[b][am[:P] != 0]
-        n = int(facts.response_mask[b].sum())
+        n = int(am[P:].sum())  # every real response token (an agent's environment tokens are context)
         resp = facts.response_ids[b][:n]
         tokens = torch.cat([prompt, resp])[None]
         logits = model(tokens).logits[0].float()

@@ -206,7 +206,9 @@ def _validate_placement(cfg: TrainConfig, world_size: int) -> None:
               "or splits generation for async_rl.partial_rollouts")
         _need(cfg.algo.routing_replay == "none", "algo.routing_replay",
               "records routing per response; responses generated in segments (async_rl.segment_tokens) have none")
-        _need(not r.agent.env, "rollout.agent.env", "agent turns are not generated in segments (async_rl.segment_tokens)")
+        _need(not r.agent.env or not an.partial_rollouts, "rollout.agent.env",
+              "agent sessions are not carried over by async_rl.partial_rollouts (in split placement, "
+              "async_rl.segment_tokens > 0 applies versions published mid-session between turns)")
     _need(not cfg.faults.rollout_segment_delay_s or an.segment_tokens, "faults.rollout_segment_delay_s",
           "delays generation segments, which needs async_rl.segment_tokens > 0")
     if an.correction is not None:

@@ -44,6 +44,16 @@ class Sample:
     #: response token's version; ``policy_version`` is then the last's.  None: all one version
     token_versions: Optional[tuple] = None
 
+    @property
+    def spans_versions(self) -> bool:
+        """Whether more than one version sampled its policy tokens (an in-flight weight update
+        mid-response, or an agent session that took a newer version between turns)."""
+        if self.token_versions is not None:
+            return len(set(self.token_versions)) > 1
+        if self.episode is not None:
+            return len({v for v in self.episode.token_versions if v is not None}) > 1
+        return False
+
 
 @dataclass
 class ProducedRollout:

@@ -111,7 +111,7 @@ class AheadAdmission:
         busy = stats.get("generate_s", 0.0) - stats0.get("generate_s", 0.0)
         idle = stats.get("idle_s", 0.0) - stats0.get("idle_s", 0.0)
         # responses that a version published mid-generation finished (async_rl.segment_tokens)
-        m["rollout/mixed_version_share"] = sum(s.token_versions is not None for s in out.samples) / len(out.samples)
+        m["rollout/mixed_version_share"] = sum(s.spans_versions for s in out.samples) / len(out.samples)
         if "inflight_activations" in stats:
             m["async/inflight_activations"] = stats["inflight_activations"] - stats0.get("inflight_activations", 0.0)
         if busy + idle > 0:  # the rollout ranks' own account since the last batch (rank 0 writes metrics)

@@ -272,7 +272,7 @@ class PartialRolloutProducer(GroupRolloutProducer):
         m["rollout/generate_s"] = timing["generate"]
         m["prep/reward_s"] = timing["reward"]
         lens = [len(s.response_ids) for s in accepted]
-        m["rollout/mixed_version_share"] = sum(s.token_versions is not None for s in accepted) / len(accepted)
+        m["rollout/mixed_version_share"] = sum(s.spans_versions for s in accepted) / len(accepted)
         m["rollout/len_mean_over_max"] = sum(lens) / len(lens) / max(lens)
         return ProducedRollout(accepted, real_sizes,
                                sampling=training_sampling(cfg.rollout, cfg.trainer.seed, k, 0).to_config(),

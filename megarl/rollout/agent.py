@@ -151,7 +151,8 @@ def run_agent_rollouts(engine, prompts: Sequence[GenerationRequest | Tuple[str, 
                        sampling: SamplingParams, limits: AgentLimits, *, decode: Callable[[Sequence[int]], str],
                        step_timeout_s: float, max_workers: int,
                        encode_prompt: Optional[Callable[[Sequence], List[int]]] = None,
-                       prompt_messages: Optional[Sequence[Optional[Sequence]]] = None) -> List[Trajectory]:
+                       prompt_messages: Optional[Sequence[Optional[Sequence]]] = None,
+                       between_turns: Optional[Callable[[], None]] = None) -> List[Trajectory]:
     """The trajectories of every candidate of ``prompts``: requests (their ``candidate_indices``
     of ``sampling.n``, their ``attempt``) or ``(request_id, prompt_ids)`` pairs (all ``n``).
     ``rows[i]`` is the environment's row of prompt i (ground truth and task data); None takes
@@ -160,7 +161,13 @@ def run_agent_rollouts(engine, prompts: Sequence[GenerationRequest | Tuple[str, 
     ``decode`` turns a policy turn's ids into the action text the environment reads.  An
     environment whose ``reset`` returns messages has them appended to the prompt's messages
     (``prompt_messages[i]``) and the prompt encoded once with ``encode_prompt``; a text prompt
-    cannot take them.  Returns the trajectories in (prompt, candidate) order."""
+    cannot take them.  Returns the trajectories in (prompt, candidate) order.
+
+    ``between_turns``: called before every turn but the first, while no policy turn is being
+    generated (split placement's in-flight weight update: a version published meanwhile becomes
+    the served one).  A trajectory then spans versions: each policy token keeps the version that
+    sampled it (``Trajectory.token_versions``), and the next turn is a new prefill of the exact
+    token list so far under the new weights -- no KV of an older version is attended to."""
     from megarl.envs.render import EnvRenderError
     from megarl.envs.runner import EnvStatus, EnvironmentPool
 
@@ -196,10 +203,14 @@ def run_agent_rollouts(engine, prompts: Sequence[GenerationRequest | Tuple[str, 
                 t.prompt_ids = tuple(encode_prompt(list(msgs) + [{"role": m.role, "content": m.content}
                                                                  for m in extra]))
         stops = tuple(sorted(set(sampling.stop_token_ids) | set(renderer.assistant_end_ids)))
+        first_turn = True
         while True:
             active = [t for t in trajs if not t.done]
             if not active:
                 break
+            if between_turns is not None and not first_turn:
+                between_turns()
+            first_turn = False
             budget = {id(t): limits.max_total_tokens - len(t.response_ids) for t in active}
             # one engine call per distinct per-turn limit (a trajectory near its budget samples less)
             by_limit: Dict[int, List[Trajectory]] = {}
@@ -338,12 +349,14 @@ class AgentSessionEngine(EngineWrapper):
         self.decode, self.step_timeout_s, self.max_workers = decode, step_timeout_s, max_workers
         self.encode_prompt = encode_prompt
 
-    def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> List[GenerationResult]:
+    def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams,
+                 between_turns: Optional[Callable[[], None]] = None) -> List[GenerationResult]:
+        """``between_turns``: :func:`run_agent_rollouts`' (in-flight weight updates between turns)."""
         messages = [q.task.get("messages") if q.task is not None else None for q in requests]
         trajs = run_agent_rollouts(self.engine, list(requests), None, self.env_factory, self.renderer, sampling,
                                    self.limits, decode=self.decode, step_timeout_s=self.step_timeout_s,
                                    max_workers=self.max_workers, encode_prompt=self.encode_prompt,
-                                   prompt_messages=messages)
+                                   prompt_messages=messages, between_turns=between_turns)
         active = self.engine.active_version
         served = active.short_id if active is not None else ""
         out = []

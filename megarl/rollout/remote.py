@@ -316,10 +316,15 @@ class RolloutService:
                 self._version_command(msg)
             elif kind == "generate":
                 _, job, requests, sampling, segmented = msg
+                inflight = segmented and self.segment_tokens > 0
                 try:
-                    results = generate_in_segments(generator, requests, sampling,
-                                                   self.segment_tokens if segmented else 0,
-                                                   between=self._between_segments)
+                    if self.make_generator is not None:  # agent sessions: versions change between turns
+                        results = generator.generate(requests, sampling,
+                                                     between_turns=self._between_segments if inflight else None)
+                    else:
+                        results = generate_in_segments(generator, requests, sampling,
+                                                       self.segment_tokens if inflight else 0,
+                                                       between=self._between_segments)
                 except RolloutError as e:
                     self.outbox.send(("gen_failed", job, f"{type(e).__name__}: {e}"))
                 else:
@@ -356,11 +361,11 @@ class RolloutService:
         while True:
             if self.inbox.ready():
                 kind = self.inbox.peek()[0]
-            elif loaded and self.engine.active_version is None:
-                # an engine that loads in place (SGLang: the new weights overwrite the served
-                # ones) serves no version between a load and its activation, which the trainer
-                # sends as soon as the load is reported: wait for it rather than fail the next
-                # segment (an engine that stages aside, hf, keeps serving the old version)
+            elif loaded:
+                # the trainer sends the activation as soon as the load is reported: wait for it.
+                # An engine that loads in place (SGLang: the new weights overwrite the served
+                # ones) serves no version in between, and an agent session takes a version only
+                # between turns, so the turn about to start must not run on the old one
                 kind = self.inbox.peek(what="the activation of the version just loaded")[0]
             else:
                 return

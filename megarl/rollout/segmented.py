@@ -31,8 +31,15 @@ __all__ = ["generate_in_segments", "segment_seed", "started_on"]
 
 def started_on(result) -> str:
     """The version a result's generation started on: its first token's (``policy_version`` is
-    its last's)."""
-    return result.token_versions[0] if result.token_versions else result.policy_version
+    its last's); an agent episode's first policy token's (its environment tokens have none)."""
+    if result.token_versions:
+        return result.token_versions[0]
+    episode = result.episode
+    if episode is not None:
+        first = next((v for v in episode.token_versions if v is not None), None)
+        if first is not None:
+            return first
+    return result.policy_version
 
 
 def segment_seed(seed: int, segment: int) -> int:
