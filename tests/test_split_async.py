@@ -197,3 +197,41 @@ def test_async_eta2_bound_and_killed_rollout_rank_resumes(assets, tmp_path):
     hk = _audit(k, eta)
     assert hk[3] == {0: 1.0}  # after the resume: generated on the resumed version
     assert hk[4] == {1: 1.0}
+
+
+def test_async_eta1_proximal_log_probs_teacher_forced_by_the_rollout_engine(assets, tmp_path):
+    """``async_rl.proximal_log_probs=engine`` (1 trainer rank + 1 rollout rank, eta = 1): the old
+    (proximal) log-probs of batch k are the rollout engine's, teacher-forced on v_k, the version
+    trained from -- recorded as role ``engine`` on v_k, equal to v_k's export teacher-forced
+    through transformers, within the parity tolerance of the actor's own forward (checked every
+    iteration here) -- and every policy token is within the bound.  Negative control: a parity
+    tolerance below the gap iteration 0 measured stops that run, naming the key."""
+    from megarl.versions import step_of_short_id
+    from tests._train_runs import hf_response_log_probs
+
+    eta = 1
+    extra = SPLIT + [f"async_rl.max_staleness={eta}", "async_rl.correction=tis", "rollout.reuse_rollout_log_probs=false",
+                     "trainer.save_experience=true", "trainer.export_every=1", "async_rl.proximal_log_probs=engine",
+                     "rollout.log_prob_parity_every=1"]
+    d = str(tmp_path / "engine_proximal")
+    run_to_exit(checkpointed_run_cmd(assets, d, GRPO, 2, extra))
+    hists = _audit(d, eta)
+    assert [hists[k] for k in range(ITERS)] == [{min(k, eta): 1.0} for k in range(ITERS)]
+    for k, b in enumerate(batches(d)):
+        f = b.facts
+        old = f.old_log_probs
+        assert old.producer.role == "engine" and step_of_short_id(old.producer.version) == k
+        _, (tf, _) = hf_response_log_probs(os.path.join(d, "export", f"iter_{k}"), f)
+        # fp32: v_k's export through transformers vs the engine's forward of the same weights
+        err = (tf - old.values).abs()[f.response_mask.bool()]
+        assert within(err.max(), NET_FP32_LOGPROB, "split_async/engine_proximal"), (k, float(err.max()))
+    ms = metrics(d)
+    gaps = [m["prep/proximal_engine_actor_max_abs_err"] for m in ms]
+    assert all(0 < g <= 1e-3 for g in gaps), gaps  # rollout.log_prob_parity_tol's default
+    assert all(m["prep/proximal_engine_s"] > 0 for m in ms)
+
+    bad = str(tmp_path / "parity_fails")
+    done = run_to_exit(checkpointed_run_cmd(assets, bad, GRPO, 2, extra + [f"rollout.log_prob_parity_tol={gaps[0] / 2}"]),
+                       expect=1)
+    assert "async_rl.proximal_log_probs=engine: measured max |engine - actor| log-prob" in done.stdout + done.stderr
+    assert not os.path.exists(os.path.join(bad, "checkpoints", "iter_000001"))

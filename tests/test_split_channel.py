@@ -318,3 +318,52 @@ def _serve(service, failure):
         service.serve()
     except Exception as e:  # noqa: BLE001 -- the test reads it
         failure.append(e)
+
+
+def test_teacher_forcing_overtakes_queued_generation_on_the_served_version(tmp_path):
+    """``async_rl.proximal_log_probs=engine``'s job: sent while the first of two segmented batches
+    generates, it is taken at the next point between segments (no batch finished yet), scores on the version served
+    -- each token's log-prob is the one the engine recorded when it sampled that token (its
+    KV-cached decode vs one forward over the whole sequence, fp32) -- and a job naming a version
+    the engine does not serve is refused, not scored on the wrong weights."""
+    from megarl.rollout.protocol import RolloutError
+
+    actor = HFActorStandIn.create(tiny_llama_config(initializer_range=0.3), seed=0)
+    config_dir = actor.export_config(tmp_path / "cfg")
+    trainer, rollout = _worlds(timeout_s=TIMEOUT_S)
+    service = RolloutService(rollout, lambda d, eos, pad: HFRolloutEngine(d, eos_token_ids=eos, pad_token_id=pad),
+                             device=torch.device("cpu"), segment_tokens=2, segment_delay_s=0.2)
+    failure = []
+    thread = threading.Thread(target=_serve, args=(service, failure), daemon=True)
+    thread.start()
+    try:
+        # the config's eos (3) named: a sampled response ends at it
+        remote = RemoteEngine(trainer, {"config_dir": config_dir, "eos_token_ids": [3], "pad_token_id": 0},
+                              device=torch.device("cpu"))
+        v0 = _publish(remote, actor, 0)
+        sampled = remote.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=8, seed=3))
+        jobs0 = remote.stats["jobs"]
+        taken = service.inbox.received
+        queued = [remote.submit(PROMPTS, GREEDY, segmented=True) for _ in range(2)]
+        deadline = time.monotonic() + TIMEOUT_S
+        while service.inbox.received == taken:  # the first batch is being generated (4 segments)
+            assert time.monotonic() < deadline, "the rollout rank never took the first batch"
+            time.sleep(0.005)
+        ticket = remote.submit_teacher_force([r.prompt_ids for r in sampled], [r.response_ids for r in sampled],
+                                             version=v0.short_id)
+        scored = remote.collect(ticket)
+        assert remote.stats["jobs"] == jobs0 and remote.stats["teacher_force_s"] > 0  # before either batch ended
+        for r, lp in zip(sampled, scored):
+            assert lp.dtype == torch.float32 and lp.shape == r.raw_log_probs.shape
+            assert within(max_abs_diff(lp, r.raw_log_probs), NET_FP32_LOGPROB, "split_channel/teacher_force")
+        for t in queued:
+            assert {r.policy_version for r in remote.collect(t)} == {v0.short_id}
+        wrong = remote.submit_teacher_force([PROMPTS[0].prompt_ids], [(3, 4)], version="v7.0-00000000")
+        with pytest.raises(RolloutError, match=f"asked to teacher-force on v7.0-00000000, but it serves {v0.short_id}"):
+            remote.collect(wrong)
+        remote.close()
+        thread.join(timeout=10)
+        assert not thread.is_alive() and not failure
+    finally:
+        trainer.close()
+        rollout.close()

@@ -232,6 +232,11 @@ PARTIAL = ["async_rl.partial_rollouts=true", "async_rl.segment_tokens=8"]
     (PARTIAL + ["trainer.resume_experience=reuse"], 2, "trainer.resume_experience"),
     (PARTIAL + ["rollout.agent.env=calculator"], 2, "rollout.agent.env"),
     (PARTIAL + ["async_rl.max_staleness=1", "rollout.reuse_rollout_log_probs=false"], 2, "async_rl.correction"),
+    # the proximal log-probs from the rollout engine (split placement, eta > 0, the hf backend)
+    (ASYNC + ["async_rl.proximal_log_probs=engines"], 2, "async_rl.proximal_log_probs"),
+    (["placement.mode=split", "async_rl.proximal_log_probs=engine"], 2, "async_rl.proximal_log_probs"),  # eta 0
+    (PARTIAL + ["async_rl.max_staleness=1", "async_rl.correction=tis", "rollout.reuse_rollout_log_probs=false",
+                "async_rl.proximal_log_probs=engine"], 2, "async_rl.proximal_log_probs"),  # hybrid placement
 ])
 def test_bad_placement_and_async_configs_name_the_key(overrides, world, key):
     cfg = load_config(GRPO, overrides)
@@ -244,6 +249,7 @@ def test_split_placement_trains_on_the_ranks_left():
     assert check_run(load_config(GRPO, ["placement.mode=split", "placement.rollout_ranks=2"]), 4) == 2
     cfg = load_config(GRPO, ASYNC + ["async_rl.correction=decoupled", "async_rl.is_cap=null"])
     assert check_run(cfg, 2) == 1
+    assert check_run(load_config(GRPO, ASYNC + ["async_rl.proximal_log_probs=engine"]), 2) == 1
     # hybrid placement takes a staleness bound with partial rollouts (eta 0: over-sampling only)
     for extra in ([], ["async_rl.max_staleness=2", "async_rl.correction=tis", "rollout.reuse_rollout_log_probs=false"]):
         assert check_run(load_config(GRPO, PARTIAL + ["async_rl.extra_groups=16"] + extra), 2) == 2

@@ -63,9 +63,10 @@ class PolicyLossConfig:
             raise ValueError(f"PolicyLossConfig.entropy_coef must be finite and >= 0, got {self.entropy_coef}")
         roles = tuple(self.old_log_prob_roles)
         object.__setattr__(self, "old_log_prob_roles", roles)
-        if not roles or any(r not in ("actor", "rollout") for r in roles):
+        if not roles or any(r not in ("actor", "rollout", "engine") for r in roles):
             raise ValueError(
-                f"PolicyLossConfig.old_log_prob_roles must be a non-empty subset of ('actor', 'rollout'), got {roles}; "
+                f"PolicyLossConfig.old_log_prob_roles must be a non-empty subset of ('actor', 'rollout', 'engine'), "
+                f"got {roles}; "
                 f"known roles {LOG_PROB_ROLES} ('reference' is never an old policy)"
             )
         if self.log_prob_space not in LOG_PROB_SPACES:

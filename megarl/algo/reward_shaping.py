@@ -119,7 +119,7 @@ def kl_shaped_token_rewards(
     Returns:
         (token_rewards, k1), both ``(bs, response_len)``, zero off the response mask.
     """
-    expect_producer(old_log_probs, field="old_log_probs", roles=("actor", "rollout"))
+    expect_producer(old_log_probs, field="old_log_probs", roles=("actor", "rollout", "engine"))
     expect_producer(ref_log_probs, field="ref_log_probs", roles=("reference",))
     if not (beta >= 0 and math.isfinite(beta)):
         raise ValueError(f"beta must be finite and >= 0, got {beta}")

@@ -137,8 +137,10 @@ def check_behaviour_version(old_log_probs: LogProbs, rollout_log_probs: LogProbs
     ``max_staleness`` 0: they must be the same version (the synchronous record).  eta > 0 (declared
     by the caller: an asynchronous batch within the staleness bound): every version the behaviour
     label names (:func:`megarl.versions.behaviour_ids`) must be within eta steps before the old
-    version (:func:`megarl.versions.outside_bound`); never accepted silently otherwise."""
-    expect_producer(old_log_probs, field="old_log_probs", roles=("actor",))
+    version (:func:`megarl.versions.outside_bound`); never accepted silently otherwise.  The old
+    log-probs are the actor's; an asynchronous batch's may be the rollout engine's, teacher-forced
+    on the proximal version (role ``engine``, ``async_rl.proximal_log_probs=engine``)."""
+    expect_producer(old_log_probs, field="old_log_probs", roles=("actor",) if max_staleness == 0 else ("actor", "engine"))
     if max_staleness == 0:
         expect_producer(rollout_log_probs, field="rollout_log_probs", roles=("rollout",),
                         version=old_log_probs.producer.version)
@@ -162,7 +164,8 @@ def rollout_correction(
     """Importance weights and sequence masks from the actor-vs-rollout log-prob gap.
 
     Args:
-        old_log_probs: actor-recomputed old log-probs (role ``actor``), values ``(bs, R)``.
+        old_log_probs: actor-recomputed old log-probs (role ``actor``; with ``max_staleness`` > 0
+            also the engine's, teacher-forced on the proximal version: role ``engine``), values ``(bs, R)``.
         rollout_log_probs: rollout-time log-probs (role ``rollout``), values ``(bs, R)``, the same
             policy version -- or, with ``max_staleness`` > 0, versions within that many steps
             before it (:func:`check_behaviour_version`).

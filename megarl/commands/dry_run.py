@@ -269,8 +269,9 @@ def dry_run(cfg, world_size: Optional[int] = None) -> dict:
     if split:
         an = cfg.async_rl
         mode = (f"asynchronous: generation runs up to async_rl.max_staleness={an.max_staleness} optimizer step(s) "
-                f"ahead, every trained token at most that old; correction {an.correction}" if an.max_staleness
-                else "synchronous (async_rl.max_staleness=0)")
+                f"ahead, every trained token at most that old; correction {an.correction}; proximal log-probs "
+                f"from the {'rollout engine, teacher-forced' if an.proximal_log_probs == 'engine' else 'actor'}"
+                if an.max_staleness else "synchronous (async_rl.max_staleness=0)")
         lines.append(f"rollout: {r.backend}, placement split: the last {cfg.placement.rollout_ranks} rank(s) of "
                      f"{world} only generate, one engine each; {mode}; a lost side is named within "
                      f"placement.timeout_s={cfg.placement.timeout_s:g}s")

@@ -585,6 +585,12 @@ class AsyncConfig:
     #: generated between two checks of whether the iteration has its B complete groups.
     #: 0: whole responses, one version each
     segment_tokens: int = 0
+    #: who computes the proximal (old) log-probs of an asynchronous batch on v, the version
+    #: trained from:  actor (a forward of the megatron actor, the default) | engine (split
+    #: placement: the rollout engine teacher-forces the batch on v while the trainer computes the
+    #: reference and critic forwards; parity-checked against the actor's on the first iteration
+    #: and every rollout.log_prob_parity_every, within rollout.log_prob_parity_tol)
+    proximal_log_probs: str = "actor"
 
 
 @dataclass

@@ -211,6 +211,15 @@ def _validate_placement(cfg: TrainConfig, world_size: int) -> None:
               "async_rl.segment_tokens > 0 applies versions published mid-session between turns)")
     _need(not cfg.faults.rollout_segment_delay_s or an.segment_tokens, "faults.rollout_segment_delay_s",
           "delays generation segments, which needs async_rl.segment_tokens > 0")
+    _choice(an.proximal_log_probs, "async_rl.proximal_log_probs", ("actor", "engine"))
+    if an.proximal_log_probs == "engine":
+        _need(pl.mode == "split" and an.max_staleness > 0, "async_rl.proximal_log_probs",
+              "is 'engine', which needs placement.mode=split and async_rl.max_staleness > 0 (synchronously the "
+              "rollout's own log-probs are the proximal ones: rollout.reuse_rollout_log_probs=true)")
+        _need(r.backend == "hf", "async_rl.proximal_log_probs",
+              f"is 'engine', which the {r.backend} backend cannot serve yet (teacher forcing is built for rollout.backend=hf)")
+        _need(cfg.algo.routing_replay == "none", "async_rl.proximal_log_probs",
+              "is 'engine', but algo.routing_replay needs the actor's forward with the recorded routing")
     if an.correction is not None:
         _choice(an.correction, "async_rl.correction", ASYNC_CORRECTIONS)
         if an.correction == "tis":

@@ -316,7 +316,8 @@ def wire_components(cfg, parts: Parts, eng: EngineParts, *, sm, progress, run_di
     preparer = ExperiencePreparer(
         cfg, actor=parts.actor, reference=parts.reference, critic=parts.critic, time_slice=time_slice, sm=sm,
         kl_ctl=parts.kl_ctl, progress=progress, pad_id=eng.pad_id, run_id=run_id,
-        save_dir=os.path.join(run_dir, "experience") if cfg.trainer.save_experience and rank0 else None)
+        save_dir=os.path.join(run_dir, "experience") if cfg.trainer.save_experience and rank0 else None,
+        proximal_engine=eng.engine if cfg.async_rl.proximal_log_probs == "engine" else None)
     learning_actor = parts.actor
     if parts.injector is not None:
         from megarl.runtime.faults import FaultyActor

@@ -54,7 +54,8 @@ def policy_loss_config(cfg) -> PolicyLossConfig:
         name=a.policy_loss, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip,
         agg_mode=a.agg_mode, entropy_coef=a.entropy_coef,
         kl=KLConfig(placement=a.kl.placement, estimator=a.kl.estimator, beta=a.kl.beta),
-        old_log_prob_roles=("actor", "rollout") if cfg.rollout.reuse_rollout_log_probs else ("actor",),
+        old_log_prob_roles=(("actor", "rollout") if cfg.rollout.reuse_rollout_log_probs
+                            else ("actor", "engine") if cfg.async_rl.proximal_log_probs == "engine" else ("actor",)),
         log_prob_space="raw")
 
 

@@ -38,7 +38,7 @@ from megarl.experience.staleness import StalenessError, check_staleness, stalene
 from megarl.models.router_replay import RecordRouting, RoutingStats
 from megarl.observability.metrics import StageTimer
 from megarl.runtime import data_parallel
-from megarl.runtime.data_parallel import gather_objects, local_rows, map_rows
+from megarl.runtime.data_parallel import broadcast_object, gather_objects, local_rows, map_rows
 from megarl.versions import PolicyVersion, step_of_short_id
 
 
@@ -80,8 +80,12 @@ class ExperiencePreparer:
     was checked; ``save_dir`` where ``trainer.save_experience`` writes each sealed batch."""
 
     def __init__(self, cfg, *, actor, reference, critic, time_slice, sm: IterationStateMachine, kl_ctl,
-                 progress: RunProgress, pad_id: int, run_id: str, save_dir: Optional[str]):
+                 progress: RunProgress, pad_id: int, run_id: str, save_dir: Optional[str], proximal_engine=None):
         a = cfg.algo
+        #: async_rl.proximal_log_probs=engine: the rollout engine scores the proximal log-probs
+        #: (``proximal_engine``: the remote handle, on the rank that holds it; None on the others)
+        self.proximal_from_engine = cfg.async_rl.proximal_log_probs == "engine"
+        self.proximal_engine = proximal_engine
         self.cfg, self.actor, self.reference, self.critic = cfg, actor, reference, critic
         self.time_slice, self.sm, self.kl_ctl, self.progress = time_slice, sm, kl_ctl, progress
         self.pad_id, self.run_id, self.save_dir = pad_id, run_id, save_dir
@@ -108,10 +112,18 @@ class ExperiencePreparer:
         ntok = float(c.attention_mask.sum())
         # the behaviour policy: v, or every older version that generated a policy token (async)
         rollout_lp = LogProbs(c.rollout_log_probs, LogProbProducer("rollout", c.behaviour_version, "raw"))
-        old = self._old_log_probs(k, v, c, rollout_lp, len(samples), ntok, timer, m)
         keep = c.response_mask != 0
-        ref = self._reference_log_probs(c, old, keep, len(samples), ntok, timer, m)
-        values, bootstrap = self._critic_values(c, keep, len(samples), ntok, timer, m)
+        if self.proximal_from_engine:  # the engine scores while the trainer runs its own forwards
+            t0 = time.perf_counter()
+            job = self._submit_proximal(c, v)
+            ref = self._reference_log_probs(c, keep, len(samples), ntok, timer, m)
+            values, bootstrap = self._critic_values(c, keep, len(samples), ntok, timer, m)
+            old = self._engine_old_log_probs(k, v, c, job, t0, len(samples), ntok, timer, m)
+        else:
+            old = self._old_log_probs(k, v, c, rollout_lp, len(samples), ntok, timer, m)
+            ref = self._reference_log_probs(c, keep, len(samples), ntok, timer, m)
+            values, bootstrap = self._critic_values(c, keep, len(samples), ntok, timer, m)
+        self._reference_metrics(old, ref, keep, m)
         facts = ExperienceFacts(
             run_id=self.run_id, iteration=k,
             prompt_id=tuple(s.prompt_id for s in samples), group_id=tuple(s.group_id for s in samples),
@@ -200,8 +212,55 @@ class ExperiencePreparer:
                 self.progress.parity_checked = True
         return old
 
-    def _reference_log_probs(self, c, old, keep, n: int, ntok: float, timer: StageTimer, m: dict):
-        """The reference model's log-probs (None without one) and the KL to it, in ``m``."""
+    def _rows_tokens(self, c):
+        """Each row's prompt and every real response token (an agent's environment tokens too:
+        context for the turns after them)."""
+        P = c.prompt_ids.shape[1]
+        prompts = [c.prompt_ids[b][c.attention_mask[b, :P] != 0].tolist() for b in range(c.prompt_ids.shape[0])]
+        responses = [c.response_ids[b][:int(c.attention_mask[b, P:].sum())].tolist()
+                     for b in range(c.response_ids.shape[0])]
+        return prompts, responses
+
+    def _submit_proximal(self, c, v: str):
+        """Send the batch to the rollout engine, which serves v (published before production)."""
+        if self.proximal_engine is None:
+            return None
+        return self.proximal_engine.submit_teacher_force(*self._rows_tokens(c), version=v)
+
+    def _engine_old_log_probs(self, k: int, v: str, c, job, t0: float, n: int, ntok: float, timer: StageTimer,
+                              m: dict):
+        """The proximal log-probs the rollout engine teacher-forced on v (every trainer rank gets
+        them from the one holding the engine), checked against the actor's forward on the first
+        iteration and every ``rollout.log_prob_parity_every``; the check failing stops the run."""
+        cfg = self.cfg
+        with timer.stage("old_log_prob", samples=n, tokens=int(ntok)):
+            t1 = time.perf_counter()
+            rows = self.proximal_engine.collect(job) if job is not None else None
+            rows = broadcast_object(rows)
+            m["prep/proximal_engine_wait_s"] = time.perf_counter() - t1  # after the trainer's own forwards
+            vals = torch.zeros(c.response_ids.shape, dtype=torch.float32)
+            for b, row in enumerate(rows):
+                vals[b, :len(row)] = row
+            m["prep/proximal_engine_s"] = time.perf_counter() - t0
+        old = LogProbs(vals, LogProbProducer("engine", v, "raw"))
+        every = cfg.rollout.log_prob_parity_every
+        if not self.progress.parity_checked or (every > 0 and k % every == 0):
+            mbs, pack, budget = cfg.algo.forward_micro_batch_size, cfg.algo.pack_sequences, cfg.algo.micro_batch_tokens
+            with timer.stage("proximal_parity", samples=n, tokens=int(ntok)):
+                actor = map_rows(lambda *t: self.actor.log_probs(*t, mbs, pack=pack, micro_batch_tokens=budget),
+                                 c.prompt_ids, c.response_ids, c.attention_mask).cpu()
+            diff = (actor - vals).abs()[c.response_mask != 0]
+            m["prep/proximal_engine_actor_max_abs_err"] = float(diff.max())
+            if float(diff.max()) > cfg.rollout.log_prob_parity_tol:
+                self.sm.fail("engine/actor proximal log-prob parity check failed")
+                raise RolloutParityError(
+                    f"async_rl.proximal_log_probs=engine: measured max |engine - actor| log-prob on {v} "
+                    f"{float(diff.max()):.3e} > rollout.log_prob_parity_tol={cfg.rollout.log_prob_parity_tol}")
+            self.progress.parity_checked = True
+        return old
+
+    def _reference_log_probs(self, c, keep, n: int, ntok: float, timer: StageTimer, m: dict):
+        """The reference model's log-probs (None without one)."""
         if self.reference is None:
             return None
         a = self.cfg.algo
@@ -213,11 +272,17 @@ class ExperiencePreparer:
             ref = LogProbs(vals, LogProbProducer("reference", self.reference.version, "raw"))
             m["prep/ref_log_prob_s"] = time.perf_counter() - t0
             m["prep/ref_tokens_per_s"] = ntok / max(m["prep/ref_log_prob_s"], 1e-9)
+        return ref
+
+    @staticmethod
+    def _reference_metrics(old, ref, keep, m: dict) -> None:
+        """The KL of the proximal policy to the reference, in ``m`` (nothing without a reference)."""
+        if ref is None:
+            return
         d = (old.values - ref.values)[keep]
         m["prep/old_ref_logprob_max_abs_diff"] = float(d.abs().max())
         m["update/kl_ref"] = float(masked_mean(kl_k3(old.values, ref.values), keep))
         m["update/kl_ref_k1"] = float(masked_mean(kl_k1(old.values, ref.values), keep))
-        return ref
 
     def _critic_values(self, c, keep, n: int, ntok: float, timer: StageTimer, m: dict):
         """The critic's per-token values and bootstrap values ((None, None) without a critic)."""

@@ -115,5 +115,6 @@ class AheadAdmission:
         if "inflight_activations" in stats:
             m["async/inflight_activations"] = stats["inflight_activations"] - stats0.get("inflight_activations", 0.0)
         if busy + idle > 0:  # the rollout ranks' own account since the last batch (rank 0 writes metrics)
-            m["async/idle_share/rollout"] = idle / (busy + idle + stats.get("load_s", 0.0) - stats0.get("load_s", 0.0))
+            other = sum(stats.get(key, 0.0) - stats0.get(key, 0.0) for key in ("load_s", "teacher_force_s"))
+            m["async/idle_share/rollout"] = idle / (busy + idle + other)
         self._last_produce = now

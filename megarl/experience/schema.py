@@ -145,7 +145,7 @@ class RewardRecord:
         )
 
 
-LOG_PROB_ROLES = ("actor", "rollout", "reference")
+LOG_PROB_ROLES = ("actor", "rollout", "engine", "reference")
 LOG_PROB_SPACES = ("raw", "processed")
 
 
@@ -155,6 +155,8 @@ class LogProbProducer:
 
     role: ``actor`` -- the trainable actor, teacher-forced on the frozen experience before any
     update (the old policy); ``rollout`` -- recorded by the rollout engine while sampling;
+    ``engine`` -- teacher-forced by the rollout engine on the trained version, after sampling
+    (the proximal policy of an asynchronous batch, ``async_rl.proximal_log_probs=engine``);
     ``reference`` -- the reference (KL anchor) model.
     version: the producing model's version id (policy version for actor / rollout).
     space: ``raw`` -- log softmax of the unmodified logits; ``processed`` -- after temperature /
@@ -516,7 +518,7 @@ class ExperienceFacts:
                     f"{sorted(versions)} (expected the behaviour label, one of {sorted(behaviour)})"
                 )
         if self.old_log_probs is not None:
-            expect_producer(self.old_log_probs, field="old_log_probs", roles=("actor", "rollout"))
+            expect_producer(self.old_log_probs, field="old_log_probs", roles=("actor", "rollout", "engine"))
             _check_tensor("old_log_probs.values", self.old_log_probs.values, (bs, R), floating=True)
             if versions != {self.old_log_probs.producer.version} and not self._proximal_after_behaviour():
                 raise ValueError(
@@ -569,11 +571,11 @@ class ExperienceFacts:
         return out
 
     def _proximal_after_behaviour(self) -> bool:
-        """Decoupled PPO (asynchronous batches): the old log-probs are the actor's on the trained
-        version, the proximal policy, which no sample may postdate.  The bound itself (at most
+        """Decoupled PPO (asynchronous batches): the old log-probs are the actor's (or the engine's,
+        teacher-forced) on the trained version, the proximal policy, which no sample may postdate.  The bound itself (at most
         eta steps older) is checked per token before sealing (``megarl.experience.staleness``)."""
         old = self.old_log_probs.producer
-        if old.role != "actor":
+        if old.role not in ("actor", "engine"):
             return False
         try:
             s = step_of_short_id(old.version)

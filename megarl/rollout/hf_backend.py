@@ -449,6 +449,60 @@ class HFRolloutEngine:
             with self._lock:
                 self._generating -= 1
 
+    def teacher_force(
+        self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], max_batch_tokens: int = 16384
+    ) -> tuple[PolicyVersion, list[torch.Tensor]]:
+        """Raw log-probs of ``responses`` after ``prompts`` under the active version
+        (:class:`~megarl.rollout.protocol.TeacherForcingEngine`).  One forward per chunk of rows
+        (at most ``max_batch_tokens`` padded tokens, right-padded: every row's positions start at
+        0, as in its own forward), log softmax in float32 on each row's response positions only."""
+        if len(prompts) != len(responses):
+            raise InvalidRequestError(f"teacher_force: {len(prompts)} prompts for {len(responses)} responses")
+        vocab = self.config.vocab_size
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            if not p:
+                raise InvalidRequestError(f"teacher_force: row {i} has an empty prompt")
+            bad = [t for t in (*p, *r) if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"teacher_force: row {i}: token ids {bad[:5]} outside [0, {vocab})")
+        with self._lock:
+            self._versions.refuse_while_loading("teacher_force")
+            if self._asleep:
+                raise EngineAsleepError("teacher_force refused: engine is asleep; wake() first")
+            self._versions.require_active("teacher_force", " (none has been activated)")
+            slot, version = self._active, self._versions.active
+            self._generating += 1
+        try:
+            out: list[torch.Tensor] = [torch.zeros(0)] * len(prompts)
+            order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(responses[i]))
+            start = 0
+            while start < len(order):
+                end = start + 1
+                while end < len(order) and (end + 1 - start) * (len(prompts[order[end]]) + len(responses[order[end]])) \
+                        <= max_batch_tokens:
+                    end += 1
+                rows = order[start:end]
+                width = max(len(prompts[i]) + len(responses[i]) for i in rows)
+                ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+                mask = torch.zeros((len(rows), width), dtype=torch.long)
+                for j, i in enumerate(rows):
+                    seq = list(prompts[i]) + list(responses[i])
+                    ids[j, :len(seq)] = torch.tensor(seq, dtype=torch.long)
+                    mask[j, :len(seq)] = 1
+                with torch.inference_mode():
+                    logits = slot.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
+                    for j, i in enumerate(rows):
+                        P, R = len(prompts[i]), len(responses[i])
+                        rows_logits = logits[j, P - 1:P + R - 1].float()
+                        target = torch.tensor(list(responses[i]), dtype=torch.long, device=rows_logits.device)
+                        out[i] = (rows_logits.gather(-1, target[:, None])[:, 0]
+                                  - torch.logsumexp(rows_logits, dim=-1)).cpu()
+                start = end
+            return version, out
+        finally:
+            with self._lock:
+                self._generating -= 1
+
     def _generate(
         self, slot: _Slot, requests: Sequence[GenerationRequest], sampling: SamplingParams
     ) -> list[GenerationResult]:

@@ -323,6 +323,20 @@ class RolloutEngine(Protocol):
 
 
 @runtime_checkable
+class TeacherForcingEngine(Protocol):
+    """A rollout engine that also scores given tokens under the version it serves
+    (``async_rl.proximal_log_probs=engine``: the proximal policy's log-probs from the rollout
+    engine instead of an actor forward)."""
+
+    def teacher_force(self, prompts: Sequence[Sequence[int]],
+                      responses: Sequence[Sequence[int]]) -> tuple[PolicyVersion, list[torch.Tensor]]:
+        """``(v, lps)``: ``lps[i][t] = log softmax(logits_v(prompt_i + response_i[:t]))[response_i[t]]``,
+        raw (temperature 1, no processing), float32, for every token of ``responses[i]``, under
+        the active version ``v`` (returned, so the caller can check which version scored)."""
+        ...
+
+
+@runtime_checkable
 class SubmittingEngine(RolloutEngine, Protocol):
     """A rollout engine that also generates while its caller does other work (split placement's
     :class:`~megarl.rollout.remote.RemoteEngine`): the asynchronous producer submits a batch ahead

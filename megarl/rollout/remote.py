@@ -6,7 +6,11 @@ handle on them behind the one engine protocol.
 ``load`` (weight buckets over the bridge group, staged and checked against the manifest by the
 engine itself), ``activate``, ``generate``, ``stop``.  Because the order is kept, a request sent
 after version v was activated is generated on v (or on a version activated after it), never on
-an older one; that is what lets the trainer bound the staleness of what it submits ahead.
+an older one; that is what lets the trainer bound the staleness of what it submits ahead.  One
+command may overtake them, on a channel of its own: ``teacher_force`` (the proximal policy's
+log-probs of a batch, ``async_rl.proximal_log_probs=engine``), taken before the next ordered
+command and between generation segments, and run on the version it names, which must be the
+one served.
 
 :class:`RemoteEngine` (trainer rank 0) meets :class:`~megarl.rollout.protocol.RolloutEngine`, so
 publication, production and evaluation drive the rollout ranks exactly as they drive a local
@@ -43,10 +47,13 @@ from megarl.rollout.protocol import (
 )
 from megarl.rollout.segmented import generate_in_segments
 from megarl.rollout.weight_stream import ManifestMismatchError, TensorManifest
-from megarl.runtime.split import PeerLostError, SplitWorld
+from megarl.runtime.split import PeerLostError, SplitWorld, wait_either
 from megarl.versions import PolicyVersion
 
 __all__ = ["RemoteEngine", "RolloutService", "Ticket"]
+
+#: the replies that answer a job (kept by job number until :meth:`RemoteEngine.collect` takes them)
+_JOB_REPLIES = ("results", "gen_failed", "teacher_forced", "teacher_force_failed")
 
 Bucket = Sequence[Tuple[str, torch.Tensor]]
 
@@ -91,6 +98,7 @@ class RemoteEngine:
         self.world = world
         self.n = world.rollout_ranks
         self.to = [world.to_rollout(i) for i in range(self.n)]
+        self.urgent = [world.to_rollout(i, "urgent") for i in range(self.n)]
         self.back = [world.from_rollout(i) for i in range(self.n)]
         self.device = device
         self._active: Optional[PolicyVersion] = None
@@ -119,7 +127,7 @@ class RemoteEngine:
         kinds = (kind,) if isinstance(kind, str) else tuple(kind)
         while True:
             msg = self._recv(i, f"{what} from rollout rank {i}")
-            if msg[0] in ("results", "gen_failed"):
+            if msg[0] in _JOB_REPLIES:
                 self._done[msg[1]][i] = msg
                 continue
             if msg[0] in kinds:
@@ -209,12 +217,30 @@ class RemoteEngine:
             start += k
         return Ticket(self._job, tuple(ranks))
 
+    def submit_teacher_force(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                             version: str) -> Ticket:
+        """Send a teacher-forcing job (rows split over the rollout ranks like :meth:`submit`) on the
+        channel that overtakes queued generation; :meth:`collect` returns one float32 tensor of
+        raw log-probs per row.  ``version``: the one that must score (the rank refuses the job
+        when it serves another)."""
+        self._job += 1
+        ranks, start = [], 0
+        base, extra = divmod(len(prompts), self.n)
+        for i in range(self.n):
+            k = base + (1 if i < extra else 0)
+            if k:
+                self.urgent[i].send(("teacher_force", self._job, [list(p) for p in prompts[start:start + k]],
+                                     [list(r) for r in responses[start:start + k]], version))
+                ranks.append(i)
+            start += k
+        return Ticket(self._job, tuple(ranks))
+
     def ready(self, ticket: Ticket) -> bool:
         """Whether every share of ``ticket`` has answered (reads what has arrived, waits for nothing)."""
         for i in ticket.ranks:
             while i not in self._done.get(ticket.job, {}) and self.back[i].ready():
                 msg = self.back[i].recv()
-                if msg[0] not in ("results", "gen_failed"):
+                if msg[0] not in _JOB_REPLIES:
                     raise RolloutError(f"rollout rank {i} answered {msg[0]!r} with no command waiting for it")
                 self._done[msg[1]][i] = msg
         return all(i in self._done.get(ticket.job, {}) for i in ticket.ranks)
@@ -225,14 +251,14 @@ class RemoteEngine:
         for i in ticket.ranks:
             while i not in self._done.get(ticket.job, {}):
                 msg = self._recv(i, f"the results of job {ticket.job} from rollout rank {i}")
-                if msg[0] not in ("results", "gen_failed"):
+                if msg[0] not in _JOB_REPLIES:
                     raise RolloutError(f"rollout rank {i} answered {msg[0]!r} with no command waiting for it")
                 self._done[msg[1]][i] = msg
         replies = self._done.pop(ticket.job, {})
         out, failed = [], []
         for i in ticket.ranks:
             msg = replies[i]
-            if msg[0] == "gen_failed":
+            if msg[0] in ("gen_failed", "teacher_force_failed"):
                 failed.append(f"rollout rank {i}: {msg[2]}")
                 continue
             out.extend(msg[2])
@@ -293,8 +319,10 @@ class RolloutService:
         self.make_generator = make_generator  # the engine -> what answers generate commands (agent sessions)
         self.segment_tokens, self.segment_delay_s = segment_tokens, segment_delay_s
         self.inbox, self.outbox = world.from_trainer(), world.to_trainer()
+        self.urgent = world.from_trainer("urgent")
         self.engine = None
-        self.totals = {"generate_s": 0.0, "idle_s": 0.0, "load_s": 0.0, "jobs": 0.0, "inflight_activations": 0.0}
+        self.totals = {"generate_s": 0.0, "idle_s": 0.0, "load_s": 0.0, "jobs": 0.0, "inflight_activations": 0.0,
+                       "teacher_force_s": 0.0}
 
     def serve(self) -> Dict[str, float]:
         hello = self.inbox.recv(what="the trainer's hello")[1]
@@ -305,10 +333,14 @@ class RolloutService:
         totals = self.totals
         idle_from = time.perf_counter()
         while True:
-            msg = self.inbox.recv(what="the trainer's next command")
+            msg = wait_either(self.urgent, self.inbox, "the trainer's next command").recv()
             now = time.perf_counter()
             totals["idle_s"] += now - idle_from
             kind = msg[0]
+            if kind == "teacher_force":
+                self._teacher_force(msg)
+                idle_from = time.perf_counter()
+                continue
             if kind == "stop":
                 self.outbox.send(("stopped", totals))
                 return totals
@@ -357,6 +389,8 @@ class RolloutService:
         engine is idle between segments, so its flush at activation always succeeds."""
         if self.segment_delay_s:
             time.sleep(self.segment_delay_s)  # faults.rollout_segment_delay_s: a straggler
+        while self.urgent.ready():  # a teacher-forcing job overtakes the rest of this batch
+            self._teacher_force(self.urgent.recv())
         loaded = False
         while True:
             if self.inbox.ready():
@@ -376,6 +410,29 @@ class RolloutService:
             loaded = msg[0] == "load" and ok
             if msg[0] == "activate":
                 self.totals["inflight_activations"] += 1
+
+    def _teacher_force(self, msg: tuple) -> None:
+        """Score a batch's tokens under the version the trainer names, which must be the one
+        served: the trainer sends the job only after that version's activation was reported."""
+        _, job, prompts, responses, version = msg
+        t0 = time.perf_counter()
+        try:
+            active = self.engine.active_version
+            if active is None or active.short_id != version:
+                raise RolloutError(f"rollout rank {self.world.rollout_index}: asked to teacher-force on {version}, but "
+                                   f"it serves {active.short_id if active is not None else 'no version'}")
+            if not hasattr(self.engine, "teacher_force"):
+                raise RolloutError(f"rollout rank {self.world.rollout_index}: the {type(self.engine).__name__} engine "
+                                   "cannot teacher-force (async_rl.proximal_log_probs=engine needs rollout.backend=hf)")
+            scored, values = self.engine.teacher_force(prompts, responses)
+            if scored.short_id != version:  # activations happen on this thread: a changed version is a bug
+                raise RolloutError(f"rollout rank {self.world.rollout_index}: teacher-forced on {scored.short_id}, "
+                                   f"not {version}")
+        except RolloutError as e:
+            self.outbox.send(("teacher_force_failed", job, f"{type(e).__name__}: {e}"))
+        else:
+            self.totals["teacher_force_s"] += time.perf_counter() - t0
+            self.outbox.send(("teacher_forced", job, values, dict(self.totals)))
 
     def _buckets(self, version: PolicyVersion):
         """The buckets the trainer streams, as they arrive (every one is received, even after the

@@ -147,6 +147,26 @@ class Mailbox:
             pause = min(pause * 2, 0.005)  # a reply is waited on several times an iteration: keep latency low
 
 
+def wait_either(first: Mailbox, second: Mailbox, what: str) -> Mailbox:
+    """The first of two mailboxes from the same peer that has a message (``first`` when both
+    do); fails as :meth:`Mailbox.recv` does once the peer is gone."""
+    pause, looked = 0.0005, None
+    while True:
+        if first.ready():
+            return first
+        if second.ready():
+            return second
+        now = time.monotonic()
+        if looked is None or now - looked >= 0.25:
+            looked = now
+            for box in (first, second):
+                lost = box.alive() if box.alive is not None else None
+                if lost:
+                    raise PeerLostError(f"waiting for {what} on {first.name} / {second.name}: {lost}")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.005)
+
+
 @dataclass
 class SplitWorld:
     """This process's place in a split placement (see the module docstring)."""
@@ -202,14 +222,16 @@ class SplitWorld:
                 return None
             time.sleep(0.2)
 
-    def to_rollout(self, i: int) -> Mailbox:
-        return Mailbox(self.store, f"cmd/{i}", alive=lambda: self.peer_lost(f"rollout{i}"))
+    # ``channel``: "cmd", the ordered commands, or "urgent", the ones that may overtake them
+    # (teacher-forcing jobs, taken between generation segments and before the next command)
+    def to_rollout(self, i: int, channel: str = "cmd") -> Mailbox:
+        return Mailbox(self.store, f"{channel}/{i}", alive=lambda: self.peer_lost(f"rollout{i}"))
 
     def from_rollout(self, i: int) -> Mailbox:
         return Mailbox(self.store, f"reply/{i}", alive=lambda: self.peer_lost(f"rollout{i}"))
 
-    def from_trainer(self) -> Mailbox:
-        return Mailbox(self.store, f"cmd/{self.rollout_index}", alive=lambda: self.peer_lost("trainer"))
+    def from_trainer(self, channel: str = "cmd") -> Mailbox:
+        return Mailbox(self.store, f"{channel}/{self.rollout_index}", alive=lambda: self.peer_lost("trainer"))
 
     def to_trainer(self) -> Mailbox:
         return Mailbox(self.store, f"reply/{self.rollout_index}", alive=lambda: self.peer_lost("trainer"))
