@@ -225,15 +225,19 @@ def run_megarl(out: str, name: str, overrides: List[str], iterations: int, eval_
 # ---- TRL -------------------------------------------------------------------------------------
 
 
-def trl_worker(out: str, iterations: int, eval_every: int) -> None:
+def trl_worker(out: str, iterations: int, eval_every: int, task: Optional[dict] = None) -> None:
     """One of the 2 torchrun processes of the TRL run: trains, saves the weights at every
-    ``eval_every`` steps and at the end (rank 0; the save time is kept apart), writes the clock."""
+    ``eval_every`` steps and at the end (rank 0; the save time is kept apart), writes the clock.
+    ``task``: another recipe's ``paths`` (model, train, held-out) and ``trainer`` (keyword
+    arguments of ``vs_trl.trl_trainer``: scorer, lengths, lr, beta, seed); default the arithmetic
+    recipe's (bench/long_tail.py passes the running-sum recipe's)."""
     import torch
     from transformers import TrainerCallback
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    model_dir, train_path, _ = vs_trl.recipe_paths()
+    task = task or {}
+    model_dir, train_path, _ = task.get("paths") or vs_trl.recipe_paths()
 
     class Clock(TrainerCallback):
         """Charged clock: from the first step's begin, less the checkpoint saves."""
@@ -261,7 +265,7 @@ def trl_worker(out: str, iterations: int, eval_every: int) -> None:
     clock = Clock()
     trainer, tok = vs_trl.trl_trainer(os.path.join(out, "trl_out"), iterations, model_dir, train_path,
                                       callbacks=[clock], per_device_train_batch_size=vs_trl.B * vs_trl.G // world,
-                                      ddp_backend="gloo")
+                                      ddp_backend="gloo", **task.get("trainer", {}))
     first = time.time()
     trainer.train()
     if trainer.state.is_world_process_zero:
@@ -273,13 +277,16 @@ def trl_worker(out: str, iterations: int, eval_every: int) -> None:
                        "world": trainer.accelerator.num_processes}, f)
 
 
-def run_trl(out: str, iterations: int, eval_every: int) -> dict:
-    trl_dir = os.path.join(out, "runs", "trl")
+def run_trl(out: str, iterations: int, eval_every: int, script: Optional[str] = None, extra: List[str] = (),
+            name: str = "trl") -> dict:
+    """TRL under torchrun: ``script --trl-worker ...`` (default this file) with ``extra`` arguments,
+    in ``out/runs/<name>``."""
+    trl_dir = os.path.join(out, "runs", name)
     if os.path.exists(trl_dir):
         shutil.rmtree(trl_dir)
     os.makedirs(trl_dir)
-    cmd = _torchrun(os.path.abspath(__file__), "--trl-worker", "--out", trl_dir, "--iterations", str(iterations),
-                    "--eval-every", str(eval_every))
+    cmd = _torchrun(os.path.abspath(script or __file__), "--trl-worker", "--out", trl_dir, "--iterations",
+                    str(iterations), "--eval-every", str(eval_every), *extra)
     launch = time.time()
     with open(trl_dir + ".log", "w") as log:
         proc = subprocess.run(cmd, env=vs_trl._env(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)

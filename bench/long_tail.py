@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """Wall-clock to target on the long-tail reasoning recipe (``configs/grpo_rsum_tiny.yaml``):
 synchronous, partial-rollout and asynchronous megarl, on the same 2 processes of this CPU,
-several seeds per configuration (issue 32, item 6; TRL on this task is not wired yet).
+several seeds per configuration (issue 32, item 6), and TRL's GRPOTrainer on the same task.
 
-    python bench/long_tail.py [--iterations 120] [--seeds 1 2 3] [--only NAME ...] [--out DIR]
+    pip install -e ".[bench]"          # TRL is a bench extra, never a runtime dependency
+    python bench/long_tail.py [--iterations 120] [--seeds 1 2 3] [--only NAME ...] [--skip-trl] [--out DIR]
 
 The runs, one after the other, each a fresh ``torchrun --nproc-per-node 2`` (one torch thread per
 process), every one the recipe with the same start model (its own warm-started build), task,
@@ -17,8 +18,16 @@ batch (B=16 prompts x G=8), lengths, lr and iterations; a seed sets ``trainer.se
    due next iteration);
 3. ``async split eta=k``: ``placement.mode=split`` (1 trainer + 1 rollout rank), generation k
    steps ahead, ``async_rl.correction=tis``;
-4. ``partial eta=k``: hybrid partial rollouts whose unfinished candidates carry over, each token
-   keeping its version, within k steps.
+4. ``async split eta=k engine``: the same, with the proximal policy's log-probs teacher-forced
+   by the rollout engine while the trainer trains (``async_rl.proximal_log_probs=engine``);
+5. ``partial eta=k``: hybrid partial rollouts whose unfinished candidates carry over, each token
+   keeping its version, within k steps;
+6. ``TRL``: TRL's ``GRPOTrainer`` under the same torchrun, set up as ``bench/async.py`` sets it up
+   (``vs_trl.trl_trainer``) with this recipe's start model, train split, scorer, B x G, new
+   tokens, lr and KL coefficient, ``seed`` as its seed.  Its weights are saved every
+   ``--eval-every`` steps (the saves are not charged) and scored afterwards, outside every clock,
+   by the warm start's greedy evaluation (``warmstart_running_sum.greedy_answers``: the same
+   held-out rows, chat template, scorer and new-token limit as megarl's in-run evaluation).
 
 The clock, the target rule and the curves are ``bench/async.py``'s (evaluation and start-up are
 not charged; an accuracy is placed at the commit of its weights).  The target is the mean over
@@ -26,8 +35,8 @@ the sync hybrid seeds of the accuracy each holds from ``--hold-from`` of its ite
 Reported per configuration (mean over seeds, and each seed): wall-clock to target, final
 accuracy (the mean of the last 3 evaluations), seconds per iteration, generation share
 (``rollout/generate_s`` over the charged iteration), the idle shares split placement reports, the
-mean / max response-length ratio per batch, and the staleness histogram (share of trained samples
-by age, in steps).  Written to ``--out``: ``long_tail.json``, ``long_tail.png`` and ``runs/``.
+mean / max response-length ratio per batch, the staleness histogram (share of trained samples
+by age, in steps) and, with TRL, each configuration's wall-clock to TRL's final accuracy.  Written to ``--out``: ``long_tail.json``, ``long_tail.png`` and ``runs/``.
 """
 
 from __future__ import annotations
@@ -39,6 +48,8 @@ import os
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 from typing import Dict, List
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
@@ -56,6 +67,8 @@ def configurations(etas: List[int], segment_tokens: int, extra_groups: int) -> L
                f"async_rl.extra_groups={extra_groups}"]
     runs = [("sync hybrid", []), ("sync partial", partial)]
     runs += [(f"async split eta={e}", ["placement.mode=split", f"async_rl.max_staleness={e}", *ASYNC]) for e in etas]
+    runs += [(f"async split eta={e} engine", ["placement.mode=split", f"async_rl.max_staleness={e}", *ASYNC,
+                                              "async_rl.proximal_log_probs=engine"]) for e in etas]
     runs += [(f"partial eta={e}", [*partial, f"async_rl.max_staleness={e}", *ASYNC]) for e in etas]
     return runs
 
@@ -97,16 +110,73 @@ def run_one(out: str, name: str, overrides: List[str], seed: int, iterations: in
     return r
 
 
+# ---- TRL -------------------------------------------------------------------------------------
+
+
+def trl_task(seed: int) -> dict:
+    """What TRL is given of the recipe: its files, scorer, lengths, lr, KL coefficient; the bench's
+    B x G (``vs_trl.B``, ``vs_trl.G``) must be the recipe's."""
+    from megarl.config import load_config
+    from megarl.data.tasks.running_sum import score
+
+    cfg = load_config(RECIPE, [])
+    if (cfg.trainer.prompts_per_iteration, cfg.rollout.n) != (clock.vs_trl.B, clock.vs_trl.G):
+        raise SystemExit(f"{RECIPE}: B x G is {cfg.trainer.prompts_per_iteration} x {cfg.rollout.n}, TRL's setup "
+                         f"(bench/vs_trl.py) is {clock.vs_trl.B} x {clock.vs_trl.G}")
+    return {"paths": (cfg.model.path, cfg.data.train_path, cfg.data.heldout_path),
+            "trainer": {"score": score, "max_new": cfg.rollout.max_new_tokens, "lr": cfg.actor.optim.lr,
+                        "beta": cfg.algo.kl.beta, "seed": seed},
+            "eval_n": cfg.eval.n, "eval_max_new": cfg.eval.max_new_tokens}
+
+
+def greedy_accuracy(model_dir: str) -> float:
+    """The held-out accuracy of an HF checkpoint as megarl's in-run evaluation takes it (greedy, the
+    first ``eval.n`` held-out rows, the recipe's new-token limit), with transformers."""
+    import torch
+
+    from megarl.builtin.warmstart_running_sum import greedy_answers
+
+    torch.set_num_threads(1)
+    task = trl_task(0)
+    rows = [json.loads(line) for line in open(task["paths"][2])][:task["eval_n"]]
+    right, _ = greedy_answers(model_dir, rows, max_new_tokens=task["eval_max_new"])
+    return sum(right) / len(right)
+
+
+def run_trl_seed(out: str, seed: int, iterations: int, eval_every: int, start_accuracy: float) -> dict:
+    with clock.CpuWatch() as watch:
+        t = clock.run_trl(out, iterations, eval_every, script=__file__, extra=["--seed", str(seed)],
+                          name=f"trl_s{seed}")
+    t["machine"] = watch.report()
+    with ProcessPoolExecutor(max_workers=clock.NPROC, mp_context=get_context("spawn")) as pool:
+        scores = list(pool.map(greedy_accuracy, [p["checkpoint"] for p in t["checkpoints"]]))
+    t["curve"] = [{"iteration": 0, "clock_s": 0.0, "accuracy": start_accuracy}] + [
+        {"iteration": p["iteration"], "clock_s": p["clock_s"], "accuracy": a} for p, a in zip(t["checkpoints"], scores)]
+    t.update(config="TRL", seed=seed, final_accuracy=statistics.mean(scores[-3:]), staleness_histogram={})
+    print(f"TRL s{seed}: {t['s_per_iter']:.2f} s/iter, final {t['final_accuracy']:.3f}", flush=True)
+    return t
+
+
+# ---- results ---------------------------------------------------------------------------------
+
+
 def summarize(runs: List[dict], target: float) -> List[dict]:
     table = []
+    trl = [r for r in runs if r["config"] == "TRL"]
+    trl_level = statistics.mean(r["final_accuracy"] for r in trl) if trl else None
     for name in dict.fromkeys(r["config"] for r in runs):
         mine = [r for r in runs if r["config"] == name]
         for r in mine:
             r["to_target_s"] = clock.time_to(r["curve"], target)
+            if trl_level is not None:
+                r["to_trl_accuracy_s"] = clock.time_to(r["curve"], trl_level)
         reached = [r["to_target_s"] for r in mine if r["to_target_s"] is not None]
         row = {"config": name, "seeds": [r["seed"] for r in mine], "reached": len(reached),
                "to_target_s": statistics.mean(reached) if len(reached) == len(mine) else None,
                "to_target_s_each": [r["to_target_s"] for r in mine]}
+        if trl_level is not None:
+            each = [r["to_trl_accuracy_s"] for r in mine]
+            row["to_trl_accuracy_s"] = statistics.mean(each) if None not in each else None
         for key in ("final_accuracy", "s_per_iter", "generation_share", "len_mean_over_max", "idle_share_rollout",
                     "idle_share_trainer"):
             vals = [r[key] for r in mine if key in r]
@@ -119,20 +189,24 @@ def summarize(runs: List[dict], target: float) -> List[dict]:
         row["staleness_histogram"] = hist
         table.append(row)
     base = next((t for t in table if t["config"] == "sync hybrid"), None)
+    trl_row = next((t for t in table if t["config"] == "TRL"), None)
     for t in table:
         t["speedup_vs_sync_hybrid"] = clock.ratio(base and base["to_target_s"], t["to_target_s"])
+        if trl_row is not None:
+            t["speedup_vs_trl_to_trl_accuracy"] = clock.ratio(trl_row["to_trl_accuracy_s"], t["to_trl_accuracy_s"])
     return table
 
 
 def print_table(res: dict) -> None:
     print(f"\ntarget {res['target']:.3f} ({res['target_rule']}); {res['iterations']} iterations, seeds {res['seeds']}")
-    print(f"{'config':<20}{'to target s':>12}{'x hybrid':>9}{'final':>7}{'s/iter':>8}{'gen share':>10}"
+    print(f"{'config':<27}{'to target s':>12}{'x hybrid':>9}{'x TRL':>7}{'final':>7}{'s/iter':>8}{'gen share':>10}"
           f"{'mean/max len':>13}{'idle roll':>10}{'idle train':>11}  staleness")
     for t in res["table"]:
         f = clock._f
-        print(f"{t['config']:<20}{f(t['to_target_s']):>12}{f(t['speedup_vs_sync_hybrid'], '{:.2f}x', '-'):>9}"
-              f"{t['final_accuracy']:>7.3f}{t['s_per_iter']:>8.2f}{t['generation_share']:>10.2f}"
-              f"{t['len_mean_over_max']:>13.2f}{f(t.get('idle_share_rollout'), '{:.2f}', '-'):>10}"
+        print(f"{t['config']:<27}{f(t['to_target_s']):>12}{f(t['speedup_vs_sync_hybrid'], '{:.2f}x', '-'):>9}"
+              f"{f(t.get('speedup_vs_trl_to_trl_accuracy'), '{:.2f}x', '-'):>7}"
+              f"{t['final_accuracy']:>7.3f}{t['s_per_iter']:>8.2f}{f(t.get('generation_share'), '{:.2f}', '-'):>10}"
+              f"{f(t.get('len_mean_over_max'), '{:.2f}', '-'):>13}{f(t.get('idle_share_rollout'), '{:.2f}', '-'):>10}"
               f"{f(t.get('idle_share_trainer'), '{:.2f}', '-'):>11}  "
               + " ".join(f"{a}:{v:.2f}" for a, v in t["staleness_histogram"].items()))
 
@@ -170,9 +244,14 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--hold-from", type=float, default=0.6)
     ap.add_argument("--target", type=float, default=None)
+    ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_long_tail"))
+    ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
     out = os.path.abspath(args.out)
+    if args.trl_worker:
+        return clock.trl_worker(out, args.iterations, args.eval_every, task=trl_task(args.seed))
     os.makedirs(out, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     t0 = time.time()
@@ -182,6 +261,9 @@ def main() -> None:
             continue
         for seed in args.seeds:
             runs.append(run_one(out, name, overrides, seed, args.iterations, args.eval_every))
+    if not args.skip_trl and (not args.only or "TRL" in args.only):
+        start = greedy_accuracy(trl_task(0)["paths"][0])
+        runs += [run_trl_seed(out, seed, args.iterations, args.eval_every, start) for seed in args.seeds]
     hybrid = [r for r in runs if r["config"] == "sync hybrid"]
     if args.target is not None or not hybrid:
         target, rule = args.target or 0.0, "fixed by --target"

@@ -65,17 +65,21 @@ def run_megarl(work: str, iterations: int) -> dict:
             "final_weights": os.path.join(run_dir, "export", f"iter_{iterations}")}
 
 
-def trl_trainer(out: str, iterations: int, model_dir: str, train_path: str, callbacks=(), **overrides):
+def trl_trainer(out: str, iterations: int, model_dir: str, train_path: str, callbacks=(), *, score=None,
+                max_new: int = NEW, lr: float = LR, beta: float = BETA, **overrides):
     """TRL's GRPOTrainer set up like megarl's recipe (the module docstring lists what matches):
-    the arithmetic train split in the chat format, the exact-integer reward, B=16 prompts x G=8
-    samples per optimizer step.  ``overrides`` replace GRPOConfig fields (bench/async.py: the
-    per-process batch and saving under torchrun).  Returns ``(trainer, tokenizer)``."""
+    the train split in the chat format, the task's scorer as the reward (``score(text, answer)``;
+    default the arithmetic task's exact integer), B=16 prompts x G=8 samples per optimizer step,
+    ``max_new`` new tokens, learning rate ``lr``, KL coefficient ``beta``.  ``overrides`` replace
+    GRPOConfig fields (bench/async.py: the per-process batch and saving under torchrun).
+    Returns ``(trainer, tokenizer)``."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from megarl.data.tasks.arithmetic import score
+    if score is None:
+        from megarl.data.tasks.arithmetic import score
 
     rows = [json.loads(line) for line in open(train_path)]
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
@@ -84,10 +88,10 @@ def trl_trainer(out: str, iterations: int, model_dir: str, train_path: str, call
     def reward(completions, answer, **_):
         return [score(c[0]["content"] if isinstance(c, list) else c, a) for c, a in zip(completions, answer)]
 
-    reward.__name__ = "arithmetic"
+    reward.__name__ = getattr(score, "__module__", "task").rsplit(".", 1)[-1]
     settings = dict(
-        output_dir=out, per_device_train_batch_size=B * G, num_generations=G, max_completion_length=NEW,
-        learning_rate=LR, lr_scheduler_type="constant", beta=BETA, epsilon=0.2, epsilon_high=0.28,
+        output_dir=out, per_device_train_batch_size=B * G, num_generations=G, max_completion_length=max_new,
+        learning_rate=lr, lr_scheduler_type="constant", beta=beta, epsilon=0.2, epsilon_high=0.28,
         loss_type="dapo", temperature=1.0, max_steps=iterations, num_iterations=1, max_grad_norm=1.0,
         use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1, seed=SEED,
         disable_dropout=True, dataloader_num_workers=0)
