@@ -228,9 +228,10 @@ def run_megarl(out: str, name: str, overrides: List[str], iterations: int, eval_
 def trl_worker(out: str, iterations: int, eval_every: int, task: Optional[dict] = None) -> None:
     """One of the 2 torchrun processes of the TRL run: trains, saves the weights at every
     ``eval_every`` steps and at the end (rank 0; the save time is kept apart), writes the clock.
-    ``task``: another recipe's ``paths`` (model, train, held-out) and ``trainer`` (keyword
-    arguments of ``vs_trl.trl_trainer``: scorer, lengths, lr, beta, seed); default the arithmetic
-    recipe's (bench/long_tail.py passes the running-sum recipe's)."""
+    ``task``: another recipe's ``paths`` (model, train, held-out), ``batch`` (prompts, samples per
+    prompt per optimizer step) and ``trainer`` (keyword arguments of ``vs_trl.trl_trainer``:
+    scorer, lengths, lr, beta, seed); default the arithmetic recipe's (bench/long_tail.py passes
+    the running-sum recipe's)."""
     import torch
     from transformers import TrainerCallback
 
@@ -263,9 +264,10 @@ def trl_worker(out: str, iterations: int, eval_every: int, task: Optional[dict] 
                 self.save_s += time.time() - now  # rank 1 waits for it at the next collective
 
     clock = Clock()
+    prompts, G = task.get("batch", (vs_trl.B, vs_trl.G))
     trainer, tok = vs_trl.trl_trainer(os.path.join(out, "trl_out"), iterations, model_dir, train_path,
-                                      callbacks=[clock], per_device_train_batch_size=vs_trl.B * vs_trl.G // world,
-                                      ddp_backend="gloo", **task.get("trainer", {}))
+                                      callbacks=[clock], per_device_train_batch_size=prompts * G // world,
+                                      num_generations=G, ddp_backend="gloo", **task.get("trainer", {}))
     first = time.time()
     trainer.train()
     if trainer.state.is_world_process_zero:

@@ -8,7 +8,7 @@ several seeds per configuration (issue 32, item 6), and TRL's GRPOTrainer on the
 
 The runs, one after the other, each a fresh ``torchrun --nproc-per-node 2`` (one torch thread per
 process), every one the recipe with the same start model (its own warm-started build), task,
-batch (B=16 prompts x G=8), lengths, lr and iterations; a seed sets ``trainer.seed`` and the run id
+batch (the recipe's B prompts x G samples), lengths, lr and iterations; a seed sets ``trainer.seed`` and the run id
 (the sampling seeds derive from both):
 
 1. ``sync hybrid``: the recipe, DP=2 (both processes generate -- the decode that retires finished
@@ -114,16 +114,14 @@ def run_one(out: str, name: str, overrides: List[str], seed: int, iterations: in
 
 
 def trl_task(seed: int) -> dict:
-    """What TRL is given of the recipe: its files, scorer, lengths, lr, KL coefficient; the bench's
-    B x G (``vs_trl.B``, ``vs_trl.G``) must be the recipe's."""
+    """What TRL is given of the recipe: its files, B x G per optimizer step, scorer, lengths, lr,
+    KL coefficient."""
     from megarl.config import load_config
     from megarl.data.tasks.running_sum import score
 
     cfg = load_config(RECIPE, [])
-    if (cfg.trainer.prompts_per_iteration, cfg.rollout.n) != (clock.vs_trl.B, clock.vs_trl.G):
-        raise SystemExit(f"{RECIPE}: B x G is {cfg.trainer.prompts_per_iteration} x {cfg.rollout.n}, TRL's setup "
-                         f"(bench/vs_trl.py) is {clock.vs_trl.B} x {clock.vs_trl.G}")
     return {"paths": (cfg.model.path, cfg.data.train_path, cfg.data.heldout_path),
+            "batch": (cfg.trainer.prompts_per_iteration, cfg.rollout.n),
             "trainer": {"score": score, "max_new": cfg.rollout.max_new_tokens, "lr": cfg.actor.optim.lr,
                         "beta": cfg.algo.kl.beta, "seed": seed},
             "eval_n": cfg.eval.n, "eval_max_new": cfg.eval.max_new_tokens}
