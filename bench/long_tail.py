@@ -35,8 +35,9 @@ the sync hybrid seeds of the accuracy each holds from ``--hold-from`` of its ite
 Reported per configuration (mean over seeds, and each seed): wall-clock to target, final
 accuracy (the mean of the last 3 evaluations), seconds per iteration, generation share
 (``rollout/generate_s`` over the charged iteration), the idle shares split placement reports, the
-mean / max response-length ratio per batch, the staleness histogram (share of trained samples
-by age, in steps) and, with TRL, each configuration's wall-clock to TRL's final accuracy.  Written to ``--out``: ``long_tail.json``, ``long_tail.png`` and ``runs/``.
+mean / max response-length ratio per batch, the seconds per iteration of each stage, the staleness
+histogram (share of trained samples by age, in steps), the bound generation puts on any gain (sync
+hybrid's iteration over its iteration without generation: Amdahl) and, with TRL, each configuration's wall-clock to TRL's final accuracy.  Written to ``--out``: ``long_tail.json``, ``long_tail.png`` and ``runs/``.
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ def run_stats(rows: List[dict]) -> dict:
         vals = [r[key] for r in work if key in r]
         if vals:
             out["idle_share_" + key.rsplit("/", 1)[1]] = statistics.mean(vals)
+    stages = sorted({k for r in work for k in r if k.startswith("e2e/stage_s/") and k != "e2e/stage_s/eval"})
+    out["stage_s"] = {k.rsplit("/", 1)[1]: statistics.mean(r.get(k, 0.0) for r in work) for k in stages}
     ages: Dict[str, float] = {}
     for r in rows:
         for k, v in r.items():
@@ -180,6 +183,8 @@ def summarize(runs: List[dict], target: float) -> List[dict]:
             vals = [r[key] for r in mine if key in r]
             if vals:
                 row[key] = statistics.mean(vals)
+        stages = dict.fromkeys(st for r in mine for st in r.get("stage_s", {}))
+        row["stage_s"] = {st: statistics.mean(r["stage_s"].get(st, 0.0) for r in mine if "stage_s" in r) for st in stages}
         hist: Dict[str, float] = {}
         for r in mine:
             for a, v in r["staleness_histogram"].items():
@@ -187,6 +192,11 @@ def summarize(runs: List[dict], target: float) -> List[dict]:
         row["staleness_histogram"] = hist
         table.append(row)
     base = next((t for t in table if t["config"] == "sync hybrid"), None)
+    if base is not None and base.get("stage_s", {}).get("generate") is not None:
+        # Amdahl: with generation free and everything else as it is, an iteration of the same batch
+        # still costs the rest; no configuration that trains the same batches, as many times, beats that
+        rest = base["s_per_iter"] - base["stage_s"]["generate"]
+        base["generation_free_speedup_bound"] = base["s_per_iter"] / rest if rest > 0 else None
     trl_row = next((t for t in table if t["config"] == "TRL"), None)
     for t in table:
         t["speedup_vs_sync_hybrid"] = clock.ratio(base and base["to_target_s"], t["to_target_s"])
@@ -207,6 +217,13 @@ def print_table(res: dict) -> None:
               f"{f(t.get('len_mean_over_max'), '{:.2f}', '-'):>13}{f(t.get('idle_share_rollout'), '{:.2f}', '-'):>10}"
               f"{f(t.get('idle_share_trainer'), '{:.2f}', '-'):>11}  "
               + " ".join(f"{a}:{v:.2f}" for a, v in t["staleness_histogram"].items()))
+    print("\nseconds per iteration by stage (mean over seeds; split placement: the trainer's)")
+    for t in res["table"]:
+        print(f"{t['config']:<27}" + ", ".join(f"{st} {v:.2f}" for st, v in t.get("stage_s", {}).items() if v >= 0.005))
+    bound = next((t.get("generation_free_speedup_bound") for t in res["table"] if t["config"] == "sync hybrid"), None)
+    if bound:
+        print(f"with generation free, sync hybrid would be {bound:.2f}x faster per iteration: the most any configuration "
+              "that trains the same batches as often can gain")
 
 
 def plot(res: dict, path: str) -> None:
