@@ -128,6 +128,7 @@ def ensure_builtin_model(cfg) -> None:
 
 def _run_build(cmd: list[str], path: str) -> None:
     env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+    env["PYTHONUNBUFFERED"] = "1"  # the build's progress reaches a redirected log as it happens, not at its exit
     print(f"model.path {path} is missing: building the built-in tiny model (cached for later runs)", flush=True)
     if subprocess.run(cmd, env=env).returncode != 0:
         raise MegarlError(f"model.build_tiny: building the tiny model into {path} failed (see above)")
