@@ -21,6 +21,9 @@ ENV PIP_NO_CACHE_DIR=1 \
     NVTE_FRAMEWORK=pytorch \
     CUDA_DEVICE_MAX_CONNECTIONS=1
 
+# bubblewrap: the private root reward.fn=code_exec runs candidate programs in (docs/rewards.md)
+RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap && rm -rf /var/lib/apt/lists/*
+
 WORKDIR /opt/megarl
 COPY docker/requirements-gpu.txt docker/check_pins.py docker/
 COPY setup.py README.md ./

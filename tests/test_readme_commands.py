@@ -84,10 +84,12 @@ def test_readme_test_command_is_what_ci_runs():
         ci = [line.strip() for line in f if line.strip() and not line.startswith(("#", "set ", "cd "))]
     for line in ci:
         assert line in commands, line
-    assert len(ci) == 2, ci
-    assert "python -m pytest -q -p no:cacheprovider tests" in ci[0]
+    assert len(ci) == 3, ci
+    assert ci[0].startswith("command -v bwrap") and "apt-get install" in ci[0] and "bubblewrap" in ci[0]
+    # the suites say what they skip and why
+    assert "python -m pytest -q -rs -p no:cacheprovider tests" in ci[1]
     # the real SGLang engine's tests, in the environment tools/sglang_env.sh builds
-    assert "tools/sglang_env.sh" in ci[1] and ci[1].endswith("tests/sglang_real")
+    assert "tools/sglang_env.sh" in ci[2] and "-rs" in ci[2] and ci[2].endswith("tests/sglang_real")
 
 
 def _schema_has(path):

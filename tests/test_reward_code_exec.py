@@ -53,10 +53,12 @@ def no_leftovers():
     assert not left, f"sandbox processes left behind: {left}"
 
 
-@pytest.fixture
-def fn(monkeypatch, no_leftovers):
+@pytest.fixture(params=["auto", "unshare"])
+def fn(request, monkeypatch, no_leftovers):
+    """The default sandbox (bubblewrap where it runs: CI installs it) and the unshare fallback."""
     monkeypatch.setenv("MEGARL_TEST_TRAINER_SECRET", SECRET)
-    return build_reward_function("code_exec", {"timeout_s": 2.0, "memory_mb": 256, "max_procs": 16})
+    return build_reward_function("code_exec", {"timeout_s": 2.0, "memory_mb": 256, "max_procs": 16,
+                                                "sandbox": request.param})
 
 
 def require(f: CodeExec, step: str, what: str) -> None:
@@ -224,7 +226,10 @@ def test_sandbox_failure_is_a_status_and_bad_rows_invalid():
     assert f.metrics()["sandbox_errors"] == 1
     f.python = "/bin/false"  # an interpreter that never comes up: none of the candidate's code ran
     rec = f(sample("print(3)", tests=ADD))
-    assert rec.status is RewardStatus.ERROR and "ended before the program started (exit code 1)" in rec.error, rec
+    # with bubblewrap the launcher runs on the program's interpreter too (the only one in the root)
+    said = ("exited with 1 before starting the program" if f.sandbox == "bwrap"
+            else "ended before the program started (exit code 1)")
+    assert rec.status is RewardStatus.ERROR and said in rec.error, rec
     rec = f(sample("print(3)"))
     assert rec.status is RewardStatus.INVALID and rec.total is None
     rec = f(sample("print(3)", tests=[{"input": 1}]))
@@ -249,12 +254,18 @@ def test_degraded_platform_still_limits_and_says_so():
     assert rec.total == 1.0
     m = f.metrics()
     assert m["isolation/netns"] == 0.0 and m["isolation/pidns"] == 0.0 and m["isolation/user"] == 0.0
-    assert m["isolation/rlimits"] == 1.0
+    assert m["isolation/rlimits"] == 1.0 and m["isolation/rootfs"] == 0.0 and f.visible_paths() is None
     rec = f(sample("x = bytearray(1 << 34)", tests=ADD[:1]))
     assert rec.components["fail/memory"] == 1.0
-    strict = CodeExec(timeout_s=2.0, namespaces=False, strict=True)
-    rec = strict(sample("print(3)", tests=ADD[:1]))
-    assert rec.status is RewardStatus.ERROR and "isolation incomplete" in rec.error, rec
+    # strict refuses to run at all, naming what is missing
+    with pytest.raises(RewardConfigError, match="strict: true needs namespaces"):
+        CodeExec(timeout_s=2.0, namespaces=False, strict=True)
+    with pytest.raises(RewardConfigError, match="strict: true needs sandbox: bwrap or auto"):
+        CodeExec(timeout_s=2.0, sandbox="unshare", strict=True)
+    with pytest.raises(RewardConfigError, match="uid/gid"):
+        CodeExec(timeout_s=2.0, uid=None, gid=None, strict=True)
+    with pytest.raises(RewardConfigError, match="sandbox must be one of"):
+        CodeExec(sandbox="docker")
 
 
 def test_trainer_death_takes_the_sandbox_along(shared_dir):
@@ -286,9 +297,17 @@ def test_trainer_death_takes_the_sandbox_along(shared_dir):
 
 
 # --- the program's clock and start-up's bound ----------------------------------------------------
-# Start-up is made slow by wrapping an interpreter in `sleep; exec`: the launcher's (sys.executable
-# while the run is made: the sandbox's whole start-up, namespaces and user drop included, comes
-# after it) or the program's (`python=`: between the launcher's exec and the prelude's report).
+# Start-up is made slow by wrapping an executable in `sleep; exec`: the one that spawns the sandbox
+# (bubblewrap, or the unshare launcher's interpreter, sys.executable: the sandbox's whole start-up,
+# namespaces and user drop included, comes after it) or the program's (`python=`: between the
+# launcher's exec and the prelude's report).
+
+def slow_spawn(f: CodeExec, monkeypatch, directory: str, delay_s: float) -> None:
+    """Make the executable that spawns ``f``'s sandbox take ``delay_s`` to start."""
+    if f.sandbox == "bwrap":
+        monkeypatch.setattr(f, "bwrap", slow_interpreter(directory, delay_s, f.bwrap))
+    else:
+        monkeypatch.setattr(sys, "executable", slow_interpreter(directory, delay_s, sys.executable))
 
 def test_slow_startup_is_not_charged_to_the_program(monkeypatch, tmp_path, no_leftovers):
     """3 s of start-up before a 0.1 s program under timeout_s=2: it passes, and a program that
@@ -300,7 +319,7 @@ def test_slow_startup_is_not_charged_to_the_program(monkeypatch, tmp_path, no_le
     which a wall clock cannot tell from the program being slow.)"""
     f = CodeExec(timeout_s=2.0)
     delay_s = 3.0
-    monkeypatch.setattr(sys, "executable", slow_interpreter(str(tmp_path), delay_s, sys.executable))
+    slow_spawn(f, monkeypatch, str(tmp_path), delay_s)
     t = time.monotonic()
     rec = f(sample("import time\ntime.sleep(0.1)\na, b = map(int, input().split())\nprint(a + b)", tests=ADD[:1]))
     assert rec.status is RewardStatus.OK and rec.total == 1.0, rec
@@ -335,8 +354,8 @@ def test_startup_past_its_bound_is_a_sandbox_status(monkeypatch, tmp_path, share
     fail/timeout, and it is cut at the bound.  Negative control: code_exec/1 scored a slow
     interpreter start-up (after the launcher's "child" report) as fail/timeout."""
     f = CodeExec(timeout_s=5.0, startup_timeout_s=0.5)
-    with monkeypatch.context() as m:  # a slow launcher
-        m.setattr(sys, "executable", slow_interpreter(str(tmp_path), 6, sys.executable))
+    with monkeypatch.context() as m:  # a slow spawn
+        slow_spawn(f, m, str(tmp_path), 6)
         t = time.monotonic()
         rec = f(sample("print(3)", tests=ADD[:1]))
         took = time.monotonic() - t
@@ -360,8 +379,10 @@ def test_cpu_limit_is_the_programs():
     f = CodeExec(timeout_s=30.0, cpu_s=1)
     run = f._run("import time\nprint(time.process_time(), flush=True)\nwhile True:\n    pass\n", "")
     # the kernel does not deliver SIGXCPU (soft limit) to a pid namespace's init, only the hard
-    # limit's SIGKILL; either way RLIMIT_CPU ended it, not the 30 s wall clock
-    cpu_kill = signal.SIGKILL if f.metrics()["isolation/pidns"] == 1.0 else signal.SIGXCPU
+    # limit's SIGKILL; either way RLIMIT_CPU ended it, not the 30 s wall clock.  The unshare
+    # launcher's program is its namespace's init; under bubblewrap it is not (bwrap's reaper is)
+    init = f.sandbox == "unshare" and f.metrics()["isolation/pidns"] == 1.0
+    cpu_kill = signal.SIGKILL if init else signal.SIGXCPU
     assert run["signal"] == cpu_kill and not run["timed_out"] and run["wall_s"] < f.timeout_s, run
     assert float(run["stdout"].split()[0]) < 0.2, run["stdout"]
     assert f._verdict(run, "", None) == "timeout"
@@ -415,7 +436,164 @@ def test_launcher_hard_limit_counts_from_the_program_start(shared_dir):
 def test_startup_timeout_s_is_a_kwarg_outside_the_version():
     f = build_reward_function("code_exec", {"timeout_s": 3, "startup_timeout_s": 7})
     assert f.startup_timeout_s == 7.0 and f.timeout_s == 3.0
-    assert f.version == CodeExec(timeout_s=3).version and f.version.startswith("code_exec/2(")
+    assert f.version == CodeExec(timeout_s=3).version and f.version.startswith("code_exec/3(")
     for bad in (0, -1, float("inf"), "10", True):
         with pytest.raises(RewardConfigError, match="startup_timeout_s"):
             build_reward_function("code_exec", {"startup_timeout_s": bad})
+
+
+# --- the private root: the program sees its box and an interpreter, nothing of the task ----------
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MARKER = "answer-key-5f0e7d"
+
+
+@pytest.fixture
+def task_files():
+    """A task's data and another run's checkpoint where a real run keeps them: world-readable
+    files in a directory outside /tmp (beside the project) and one in the host's /tmp."""
+    outside = tempfile.mkdtemp(prefix=".sandbox-probe-", dir=REPO)
+    inside_tmp = tempfile.mkdtemp(prefix="megarl-probe-")
+    paths = {"data": os.path.join(outside, "data", "train.jsonl"),
+             "run": os.path.join(outside, "runs", "other", "checkpoints", "latest", "state.json"),
+             "tmp": os.path.join(inside_tmp, "heldout.jsonl")}
+    for d in (outside, inside_tmp):
+        os.chmod(d, 0o755)
+    for p in paths.values():
+        os.makedirs(os.path.dirname(p), mode=0o755, exist_ok=True)
+        with open(p, "w") as f:
+            f.write(json.dumps({"prompt": "1 2", "answer": MARKER}) + "\n")
+        os.chmod(p, 0o644)
+        d = os.path.dirname(p)
+        while d not in (outside, inside_tmp):
+            os.chmod(d, 0o755)
+            d = os.path.dirname(d)
+    yield paths
+    shutil.rmtree(outside, ignore_errors=True)
+    shutil.rmtree(inside_tmp, ignore_errors=True)
+
+
+# reads each path, then walks the whole disk for *.jsonl and state.json files and greps them
+PROBE = """import os, sys
+for p in sys.stdin.read().split():
+    try:
+        print("READ", p, open(p).read().strip())
+    except OSError as e:
+        print("DENIED", p, type(e).__name__)
+for d, dirs, files in os.walk("/"):
+    if d == "/proc":
+        dirs[:] = []
+        continue
+    for name in files:
+        if name.endswith(".jsonl") or name == "state.json":
+            try:
+                text = open(os.path.join(d, name), errors="replace").read(4096)
+            except OSError:
+                continue
+            print("FOUND", os.path.join(d, name), "%s" in text)
+""" % MARKER
+
+
+def probe(f: CodeExec, paths) -> dict:
+    run = f._run(PROBE, " ".join(paths.values()))
+    assert run["rc"] == 0 and not run["timed_out"], run
+    return run
+
+
+def test_private_root_hides_the_task(task_files, no_leftovers):
+    """Three probes a reward hacker would write -- open the task's data by its path, walk the disk
+    for *.jsonl, read another run's checkpoint -- each finds nothing under bubblewrap.  Negative
+    control: the same probe under the unshare launcher reads the data file and the other run's
+    state by path and finds them on the walk (and the /tmp one only by path is hidden there too)."""
+    f = CodeExec(timeout_s=60.0, memory_mb=256)
+    if f.sandbox != "bwrap":
+        pytest.skip("bubblewrap is not available here: the private root is not tested (.ci/run installs it)")
+    run = probe(f, task_files)
+    print(run["stdout"])  # the program's own report, for the record
+    assert MARKER not in run["stdout"], run["stdout"]
+    assert "READ" not in run["stdout"]
+    for p in task_files.values():
+        assert f"DENIED {p} FileNotFoundError" in run["stdout"], run["stdout"]
+    assert f.metrics()["isolation/rootfs"] == 1.0
+    found = [ln for ln in run["stdout"].splitlines() if ln.startswith("FOUND")]
+    assert not any(ln.endswith("True") for ln in found), found
+    # what it sees is what visible_paths() declares: the project and the run's files are not in it
+    assert not any(REPO.startswith(r.rstrip("/") + "/") or REPO == r for r in f.visible_paths())
+
+    ctl = CodeExec(timeout_s=60.0, memory_mb=256, sandbox="unshare")
+    out = probe(ctl, task_files)["stdout"]
+    assert f"READ {task_files['data']}" in out and f"READ {task_files['run']}" in out, out
+    assert f"FOUND {task_files['data']} True" in out, out
+
+
+def test_private_root_keeps_an_interpreter_and_contains_the_rest(no_leftovers):
+    """What the program still has: the standard library, its box (writable), a private /tmp bounded
+    by tmpfs_size, its own /proc; what it cannot: write the root, /usr or /dev/shm past its size,
+    see host processes, reach the network."""
+    f = CodeExec(timeout_s=20.0, memory_mb=256, tmpfs_size=1 << 20)
+    if f.sandbox != "bwrap":
+        pytest.skip("bubblewrap is not available here: the private root is not tested (.ci/run installs it)")
+    prog = """import json, os, socket
+out = {"cwd": os.getcwd(), "pids": sorted(int(p) for p in os.listdir("/proc") if p.isdigit())}
+open("box.txt", "w").write("ok")
+out["box"] = open("box.txt").read()
+for path in ("/root_file", "/usr/x", "/etc/x"):
+    try:
+        open(path, "w")
+        out[path] = "written"
+    except OSError as e:
+        out[path] = type(e).__name__
+try:
+    with open("/tmp/big", "wb") as fh:
+        for _ in range(4):
+            fh.write(b"x" * (1 << 19))
+    out["tmp"] = "written"
+except OSError as e:
+    out["tmp"] = e.errno
+try:
+    socket.create_connection(("1.1.1.1", 53), timeout=1)
+    out["net"] = "connected"
+except OSError as e:
+    out["net"] = type(e).__name__
+import decimal, fractions, json as j2  # the standard library is there
+print(json.dumps(out))
+"""
+    run = f._run(prog, "")
+    assert run["rc"] == 0, run
+    out = json.loads(run["stdout"])
+    assert out["cwd"] == "/box" and out["box"] == "ok", out
+    assert all(out[p] in ("PermissionError", "OSError") for p in ("/root_file", "/usr/x", "/etc/x")), out
+    assert out["tmp"] == 28, out  # ENOSPC: the private /tmp holds tmpfs_size bytes
+    assert out["net"] != "connected", out
+    assert max(out["pids"]) <= 8, out  # bwrap's reaper, the launcher, the program: no host process
+
+
+def test_data_paths_a_program_can_see_are_refused_at_start_up(tmp_path):
+    """A data file inside what the sandbox shows (an interpreter's prefix, /usr) is refused at
+    start-up naming the key; one outside passes."""
+    from omegaconf import OmegaConf
+
+    from megarl.errors import ConfigError
+    from megarl.rewards.config_checks import check_sandbox_hides_data
+
+    class Shows:
+        def visible_paths(self):
+            return ["/usr", str(tmp_path / "prefix")]
+
+    inside = tmp_path / "prefix" / "data" / "train.jsonl"
+    cfg = OmegaConf.create({"data": {"train_path": str(inside), "heldout_path": str(tmp_path / "heldout.jsonl")},
+                            "trainer": {"run_dir": str(tmp_path / "run")}})
+    with pytest.raises(ConfigError, match=r"data.train_path: .*visible to the sandboxed program"):
+        check_sandbox_hides_data(cfg, Shows())
+    cfg.data.train_path = str(tmp_path / "train.jsonl")
+    check_sandbox_hides_data(cfg, Shows())
+    cfg.trainer.run_dir = "/usr/share/megarl-run"
+    with pytest.raises(ConfigError, match="trainer.run_dir"):
+        check_sandbox_hides_data(cfg, Shows())
+    check_sandbox_hides_data(cfg, object())  # a reward that runs no program: nothing to check
+
+    class Composite:  # a composite's parts are checked too
+        parts = [("style", 1.0, object()), ("tests", 1.0, Shows())]
+
+    with pytest.raises(ConfigError, match="trainer.run_dir"):
+        check_sandbox_hides_data(cfg, Composite())

@@ -243,7 +243,10 @@ def check_reward(cfg) -> None:
     if cfg.reward.fn:
         from megarl.rewards.dataset_fields import configured_reward
 
-        configured_reward(cfg)  # the start-up data check reads its field declaration from this object
+        from megarl.rewards.config_checks import check_sandbox_hides_data
+
+        # the start-up data check reads its field declaration from this object
+        check_sandbox_hides_data(cfg, configured_reward(cfg))
 
 
 def write_run_files(cfg, run_dir: str, cfg_hash: str, world: int, dp: int, sources: dict | None = None) -> None:

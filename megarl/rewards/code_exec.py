@@ -1,68 +1,18 @@
 """Sandboxed code execution (``reward.fn: code_exec``): run the response's program against tests.
 
-The program is the last fenced ```python (``py``, ``python3``) block of the response, or the
-whole response with ``source: whole``.  Tests come from the row's ground truth:
+The program is the last fenced ```python block of the response (or the whole response with
+``source: whole``); the tests come from the row's ground truth (``tests``: stdin / stdout pairs;
+``asserts``: code appended to the program).  Reward: the fraction of tests passed (``mode:
+fraction``) or 1.0 iff all pass (``all``), with ``tests_passed``, ``tests_total`` and
+``fail/<reason>`` components.  The program failing is a score; the sandbox failing (start-up
+past ``startup_timeout_s`` included) is status ``error``; a row without tests is ``invalid``.
 
-* ``ground_truth["tests"] = [{"input": "...", "output": "..."}, ...]``: one run per test, the
-  input on stdin, stdout compared with ``output`` (trailing whitespace of each line and trailing
-  blank lines ignored);
-* ``ground_truth["asserts"]``: Python code appended to the program; a string is one test, a list
-  one run per item.  A run passes when it exits 0 and the line the harness prints after the
-  asserts is the last stdout line (so ``sys.exit(0)`` before the asserts does not pass).
-
-Reward: ``mode: fraction`` (tests passed / tests run) or ``all`` (1.0 iff all pass; stops at the
-first failure).  Components: ``tests_passed``, ``tests_total`` and ``fail/<reason>`` counts with
-reason in ``wrong_answer``, ``timeout`` (wall or CPU limit), ``memory`` (MemoryError under the
-address-space limit), ``runtime_error`` (non-zero exit, a signal), ``syntax_error``,
-``output_limit`` (a file or stdout past ``max_file_bytes``), ``no_code`` (no fenced block).
-
-The program failing is a SCORE; the sandbox failing (no work dir, cannot spawn, the launcher's
-namespace / rlimit / user setup failed, the program's interpreter did not come up, start-up past
-``startup_timeout_s``, a disk error) is a STATUS ``error``; a row without tests is ``invalid``.
-
-What each run gets (``_LAUNCHER`` below is run as ``python -I -S -c``; it sets up, then execs
-the candidate's interpreter as ``python -I -B -c _PRELUDE``, which runs ``main.py`` as
-``python -I -B main.py`` would: same ``__main__``, ``sys.argv``, tracebacks, exit status):
-
-1. a fresh ``tempfile.mkdtemp`` directory (mode 0700, root's) holding the stdio files and a
-   ``box/`` subdirectory that is the cwd, owned by the sandbox user;
-2. an empty environment (only ``PATH=/usr/bin:/bin``, ``LANG=C.UTF-8``; ``-I`` makes Python
-   ignore ``PYTHON*`` variables and the user site);
-3. ``unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID)``: no network (only a down loopback),
-   private tmpfs mounts over ``/tmp``, ``/var/tmp``, ``/dev/shm`` (``tmpfs_size``), a fresh
-   ``/proc`` that shows only the sandbox's processes; the program is pid 1 of its pid namespace,
-   so when it exits or is killed every process it forked dies with it (needs root or
-   CAP_SYS_ADMIN);
-4. rlimits: ``RLIMIT_CPU`` (``cpu_s``), ``RLIMIT_AS`` (``memory_mb``), ``RLIMIT_FSIZE``
-   (``max_file_bytes``, also bounds stdout / stderr, which are files), ``RLIMIT_NPROC``
-   (``max_procs``), ``RLIMIT_NOFILE`` (``max_open_files``), ``RLIMIT_CORE`` 0;
-5. when running as root: ``setgroups([])``, ``setgid``/``setuid`` to ``uid`` / ``gid`` (default
-   65534, nobody), after which ``RLIMIT_NPROC`` applies (root ignores it), then
-   ``PR_SET_PDEATHSIG=SIGKILL`` so killing the launcher kills the pid namespace;
-6. a new session; two clocks.  Start-up -- spawning the launcher, the namespaces and mounts,
-   the rlimits and uid drop, the exec and the start-up of the program's interpreter -- is bounded
-   by ``startup_timeout_s`` from the spawn; past it the run is a sandbox error (the machine or
-   the sandbox is at fault, not the candidate), never ``fail/timeout``.  The program's clock,
-   ``timeout_s`` wall seconds, starts when its interpreter is up: the prelude writes its
-   ``CLOCK_MONOTONIC`` time to the launcher just before it compiles ``main.py``, so compiling
-   and running the program is charged to it and nothing before.  At ``timeout_s`` the program
-   (pid 1 of its namespace) and then the launcher's process group are SIGKILLed; stdout and
-   stderr are read back capped at ``max_output_bytes``.  Should the trainer (or its reward
-   worker process) die mid-run, the launcher dies with it (``PR_SET_PDEATHSIG``) and takes the
-   program along; should the trainer hang, the launcher kills the program by itself
-   ``timeout_s + 2`` seconds after the program's start (``startup_timeout_s + 2`` after its own
-   fork when the program has not started by then).  ``RLIMIT_CPU`` counts the program's process
-   from the launcher's fork: its share of start-up (the ``/proc`` mount, rlimits, uid drop, exec,
-   the interpreter's start-up and the prelude) is some 10-20 ms of CPU, far below ``cpu_s``'s
-   one-second granularity.
-
-Where a step is unavailable (not root, no CAP_SYS_ADMIN, not Linux) the run continues without it
-unless ``strict: true`` (then it is status error); :meth:`CodeExec.metrics` says what took
-effect on the last run (``isolation/netns`` ...).  Without the pid namespace a program that calls
-``setsid()`` escapes the process-group kill; without the mount namespace it can write the host's
-``/tmp``; without the user drop it runs as the trainer's user (rlimits still apply, except
-``RLIMIT_NPROC`` for root).  ``RLIMIT_NPROC`` counts all processes of the sandbox uid on the
-machine, so concurrent sandboxes share it.
+Each run is one sandbox (:mod:`megarl.rewards.sandbox`): with bubblewrap (``sandbox: auto`` where
+it runs, or ``bwrap``) a private root that holds an interpreter and the program's box and
+nothing else; without it the hand-written ``unshare`` launcher, whose program can read the
+host's files.  Both: no network, private ``/tmp``, own pid namespace, rlimits, an unprivileged
+user, an empty environment, two clocks (start-up bounded by ``startup_timeout_s``, the program's
+``timeout_s`` from its own start).  ``docs/rewards.md`` has the whole contract.
 """
 
 from __future__ import annotations
@@ -85,6 +35,7 @@ import time
 from typing import Any
 
 from megarl.experience.schema import RewardRecord, RewardStatus
+from megarl.rewards import sandbox as sb
 from megarl.rewards.base import RewardConfigError, RewardSample
 
 __all__ = ["CodeExec", "extract_program"]
@@ -92,155 +43,9 @@ __all__ = ["CodeExec", "extract_program"]
 log = logging.getLogger(__name__)
 
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\r?\n(.*?)```", re.DOTALL | re.IGNORECASE)
-_SETUP_FAILED = 121
 _MIN_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
 _FAIL_REASONS = ("wrong_answer", "timeout", "memory", "runtime_error", "syntax_error", "output_limit", "no_code")
-
-# Runs as the trainer's user (root in CI) with -I -S; argv[1] is a JSON config.  Reports on the
-# inherited pipe fd: {"pid": n} after the fork, {"child": {...what took effect}} just before the
-# exec, {"started": t} when the program's interpreter says it is about to compile main.py (t on
-# CLOCK_MONOTONIC, the trainer's clock too: no time namespace), then {"wait": status} when the
-# program ended; or {"setup_error": "..."}.
-_LAUNCHER = r"""
-import ctypes, json, math, os, resource, signal, sys, time
-cfg = json.loads(sys.argv[1]); fd = cfg["report_fd"]
-def report(obj):
-    os.write(fd, (json.dumps(obj) + "\n").encode())
-def fail(msg):
-    report({"setup_error": msg}); os._exit(%(setup_failed)d)
-rep = {"netns": False, "mountns": False, "pidns": False, "tmpfs": False, "proc": False, "user": False, "rlimits": False}
-try:
-    libc = ctypes.CDLL(None, use_errno=True)
-except OSError as e:
-    libc = None
-    if cfg["strict"]: fail("no libc for unshare: %%s" %% e)
-if libc is not None:
-    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: the launcher dies with the trainer
-def errno_msg(what):
-    e = ctypes.get_errno(); return "%%s: %%s" %% (what, os.strerror(e))
-if libc is not None and cfg["namespaces"]:
-    for name, flag in (("netns", 0x40000000), ("mountns", 0x00020000), ("pidns", 0x20000000)):
-        if libc.unshare(flag) == 0:
-            rep[name] = True
-        elif cfg["strict"]:
-            fail(errno_msg("unshare " + name))
-    if rep["mountns"]:
-        MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 16384, 1 << 18
-        if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
-            fail(errno_msg("make mounts private"))
-        ok = True
-        cwd = os.getcwd(); box_fd = os.open(".", os.O_RDONLY)
-        for d in ("/tmp", "/var/tmp", "/dev/shm"):
-            if os.path.isdir(d) and not os.path.islink(d):
-                opts = ("size=%%d,mode=1777" %% cfg["tmpfs_size"]).encode()
-                if libc.mount(b"tmpfs", d.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts) != 0:
-                    ok = False
-                    if cfg["strict"]: fail(errno_msg("mount tmpfs on " + d))
-                elif cwd.startswith(d + "/"):
-                    # the work dir was under d: bind it back at the same path inside the new tmpfs
-                    os.makedirs(cwd, 0o711)
-                    if libc.mount(("/proc/self/fd/%%d" %% box_fd).encode(), cwd.encode(), None, 4096, None) != 0:
-                        fail(errno_msg("bind the work dir into the private " + d))
-        os.chdir(cwd); os.close(box_fd)
-        rep["tmpfs"] = ok
-# the start pipe: the program's interpreter writes its start time on it (the prelude) and closes
-# it before the program runs; EOF without a time means it died first
-start_r, start_w = os.pipe()
-pid = os.fork()
-if pid:
-    os.close(start_w)
-    report({"pid": pid})
-    def expire(*_):  # the launcher's own limits, should the trainer be gone
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, cfg["startup_limit_s"])
-    line = b""
-    while not line.endswith(b"\n"):
-        chunk = os.read(start_r, 64)
-        if not chunk:
-            break
-        line += chunk
-    os.close(start_r)
-    try:
-        t = float(line.decode())
-    except ValueError:
-        t = None
-    if t is not None and math.isfinite(t):
-        report({"started": t})
-        # the hard limit counts from the program's start, as the trainer's timeout_s does
-        signal.setitimer(signal.ITIMER_REAL, max(cfg["hard_limit_s"] - (time.monotonic() - t), 1e-3))
-    while True:
-        try:
-            _, status = os.waitpid(pid, 0); break
-        except InterruptedError:
-            continue
-    report({"wait": status}); os._exit(0)
-try:
-    os.close(start_r)
-    if rep["pidns"] and rep["mountns"] and libc is not None:
-        rep["proc"] = libc.mount(b"proc", b"/proc", b"proc", 2 | 4 | 8, None) == 0
-    R = resource
-    for lim, val in ((R.RLIMIT_CPU, (cfg["cpu_s"], cfg["cpu_s"] + 1)), (R.RLIMIT_AS, (cfg["as"], cfg["as"])),
-                     (R.RLIMIT_FSIZE, (cfg["fsize"], cfg["fsize"])), (R.RLIMIT_NPROC, (cfg["nproc"], cfg["nproc"])),
-                     (R.RLIMIT_NOFILE, (cfg["nofile"], cfg["nofile"])), (R.RLIMIT_CORE, (0, 0))):
-        R.setrlimit(lim, val)
-    rep["rlimits"] = True
-    if os.getuid() == 0 and cfg["uid"] is not None:
-        os.setgroups([]); os.setgid(cfg["gid"]); os.setuid(cfg["uid"])
-        rep["user"] = os.getuid() == cfg["uid"] and os.geteuid() == cfg["uid"]
-    elif cfg["strict"]:
-        fail("not root: cannot drop to an unprivileged user")
-    if libc is not None:
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG (after the uid change, which clears it)
-    if cfg["strict"] and not all(rep.values()):
-        fail("isolation incomplete: %%s" %% rep)
-    os.set_inheritable(fd, False)  # FD_CLOEXEC: the program never holds the report pipe
-    os.set_inheritable(start_w, True)  # the prelude's, closed by it before the program runs
-    report({"child": rep})
-    os.execve(cfg["argv"][0], cfg["argv"] + [str(start_w)], cfg["env"])
-except BaseException as e:
-    fail("%%s: %%s" %% (type(e).__name__, e))
-""" % {"setup_failed": _SETUP_FAILED}
-
-# The program's interpreter runs this as ``python -I -B -c _PRELUDE <start fd>``, as the sandbox
-# user under the rlimits: it makes ``__main__`` what ``python -I -B main.py`` would have made it
-# (``__file__``, ``__loader__``, ``sys.argv``, ``sys.path[0]``, tracebacks without this frame),
-# writes the monotonic time on the start fd and closes it, and only then compiles and runs main.py
-# in ``__main__``.  The program's wall clock (timeout_s) starts at that time, so the interpreter's
-# own start-up is the sandbox's, and compiling the program is the program's.  What is left of it:
-# the program runs two frames deeper (a RecursionError comes two calls sooner), and an excepthook
-# the program installs itself sees this frame.
-_PRELUDE = r"""
-def _megarl_prelude():
-    import os, sys, time
-    from importlib.machinery import SourceFileLoader
-    fd = int(sys.argv[1])
-    main = sys.modules["__main__"].__dict__
-    del main["_megarl_prelude"]
-    path = os.path.join(os.getcwd(), "main.py")
-    with open(path, "rb") as f:
-        src = f.read()
-    main.update(__file__=path, __cached__=None, __loader__=SourceFileLoader("__main__", path))
-    sys.argv[:] = ["main.py"]
-    if sys.path[:1] == [""]:  # Python < 3.11 (no safe_path): a script's directory comes first, not ""
-        sys.path[0] = os.getcwd()
-    top = sys._getframe(1).f_code
-    def excepthook(t, v, tb, hook=sys.excepthook):
-        if tb is not None and tb.tb_frame.f_code is top:
-            tb = tb.tb_next
-            if v is not None:
-                v.__traceback__ = tb  # the printer reads the exception's traceback, not the argument
-        hook(t, v, tb)
-    sys.excepthook = excepthook
-    os.write(fd, b"%r\n" % time.monotonic())
-    os.close(fd)
-    return src, path, "exec"
-exec(compile(*_megarl_prelude()), globals())
-"""
-
+_SANDBOXES = ("auto", "bwrap", "unshare")
 
 class _SandboxError(Exception):
     """The sandbox itself failed (not the program): becomes status error."""
@@ -308,6 +113,8 @@ class CodeExec:
         gid: int | None = 65534,
         python: str | None = None,
         namespaces: bool = True,
+        sandbox: str = "auto",
+        bwrap: str | None = None,
         strict: bool = False,
         tests_key: str = "tests",
         asserts_key: str = "asserts",
@@ -350,17 +157,50 @@ class CodeExec:
         elif not (os.path.isabs(python) and os.path.exists(python)):
             raise RewardConfigError(f"code_exec python must be an absolute path to an interpreter, got {python!r}")
         self.python = python
+        self.sandbox, self.bwrap = self._resolve_sandbox(sandbox, bwrap)
         self._mlock = threading.Lock()
         self._m: dict[str, float] = {"runs": 0, "sandbox_errors": 0, "startup_timeouts": 0, "timeouts": 0, "samples": 0}
         self._isolation: dict[str, bool] = {}
         self._warned = False
         # /2: timeout_s counts from the program's start (/1 counted the sandbox's start-up too).
-        # startup_timeout_s is not in it: it decides whether a run is scored at all (a status),
-        # never the score of one that is.
+        # /3: the sandbox is named: a program that can read the host's files (the task's answers
+        # among them) is scored under other rules than one that cannot.  startup_timeout_s is not
+        # in it: it decides whether a run is scored at all (a status), never the score of one that is.
         self.version = (
-            f"code_exec/2(mode={mode},source={source},timeout_s={self.timeout_s},cpu_s={self.cpu_s},"
-            f"memory_mb={self.memory_mb},python={self.python})"
+            f"code_exec/3(mode={mode},source={source},timeout_s={self.timeout_s},cpu_s={self.cpu_s},"
+            f"memory_mb={self.memory_mb},python={self.python},sandbox={self.sandbox})"
         )
+
+    def _resolve_sandbox(self, sandbox: str, bwrap: str | None) -> tuple[str, str | None]:
+        """``("bwrap", path)``, ``("unshare", None)`` or ``("none", None)`` (no namespaces).
+        ``auto`` takes bubblewrap where it runs and says loudly what is lost where it does not;
+        ``strict`` refuses to run without the private root and the user drop."""
+        if sandbox not in _SANDBOXES:
+            raise RewardConfigError(f"code_exec sandbox must be one of {list(_SANDBOXES)}, got {sandbox!r}")
+        if self.strict:
+            missing = [what for what, ok in (("namespaces", self.namespaces), ("sandbox: bwrap or auto", sandbox != "unshare"),
+                                             ("root (for the drop to uid/gid)", os.geteuid() == 0),
+                                             ("uid/gid", self.uid is not None)) if not ok]
+            if missing:
+                raise RewardConfigError(f"code_exec strict: true needs {', '.join(missing)}; "
+                                        "or set strict: false to run with less isolation")
+        if not self.namespaces:
+            return "none", None
+        if sandbox == "unshare":
+            return "unshare", None
+        try:
+            return "bwrap", sb.find_bwrap(bwrap)
+        except sb.BwrapUnavailable as e:
+            if sandbox == "bwrap" or self.strict:
+                raise RewardConfigError(f"code_exec sandbox: {sandbox}{' (strict)' if self.strict else ''}: {e}") from None
+            log.warning("code_exec: %s; falling back to the unshare launcher: THE PROGRAM CAN READ THE HOST'S FILES, "
+                        "the task's data and answers included (install bubblewrap, or set reward.kwargs.strict=true "
+                        "to refuse to run without it)", e)
+            return "unshare", None
+
+    def visible_paths(self) -> list[str] | None:
+        """Host paths a program can read (None: the whole filesystem, short of permissions)."""
+        return sb.visible_roots(self.python) if self.sandbox == "bwrap" else None
 
     def metrics(self) -> dict[str, float]:
         """Runs, sandbox errors (of which ``startup_timeouts``: start-up past ``startup_timeout_s``),
@@ -403,21 +243,25 @@ class CodeExec:
                 raise _SandboxError(f"cannot prepare the work directory: {e}") from None
             rfd, wfd = os.pipe()
             cfg = {
-                "report_fd": wfd, "strict": self.strict, "namespaces": self.namespaces, "tmpfs_size": self.tmpfs_size,
+                "report_fd": wfd, "strict": self.strict, "unshare": self.sandbox == "unshare", "tmpfs_size": self.tmpfs_size,
                 "cpu_s": self.cpu_s, "as": self.memory_mb << 20, "fsize": self.max_file_bytes,
                 "nproc": self.max_procs, "nofile": self.max_open_files,
                 "uid": self.uid, "gid": self.gid, "env": _MIN_ENV,
                 "startup_limit_s": self.startup_timeout_s + 2.0, "hard_limit_s": self.timeout_s + 2.0,
-                "argv": [self.python, "-I", "-B", "-c", _PRELUDE],
+                "argv": [self.python, "-I", "-B", "-c", sb.PRELUDE],
             }
+            if self.sandbox == "bwrap":  # the namespaces and the root are bubblewrap's; the launcher runs inside
+                cfg["provided"] = dict.fromkeys(("netns", "mountns", "pidns", "tmpfs", "proc", "rootfs"), True)
+                cfg["chdir"] = sb.BOX
+                argv = sb.bwrap_argv(self.bwrap, self.python, box, tmpfs_size=self.tmpfs_size, drop_user=drop) + [
+                    "--", self.python, "-I", "-S", "-c", sb.LAUNCHER, json.dumps(cfg)]
+            else:
+                argv = [sys.executable, "-I", "-S", "-c", sb.LAUNCHER, json.dumps(cfg)]
             t0 = time.monotonic()
             try:
                 with fin, fout, ferr:
-                    proc = subprocess.Popen(
-                        [sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(cfg)],
-                        stdin=fin, stdout=fout, stderr=ferr, cwd=box, env=dict(_MIN_ENV),
-                        start_new_session=True, pass_fds=(wfd,), close_fds=True,
-                    )
+                    proc = subprocess.Popen(argv, stdin=fin, stdout=fout, stderr=ferr, cwd=box, env=dict(_MIN_ENV),
+                                            start_new_session=True, pass_fds=(wfd,), close_fds=True)
             except OSError as e:
                 raise _SandboxError(f"cannot spawn the sandbox: {e}") from None
             finally:
@@ -433,10 +277,11 @@ class CodeExec:
                     proc.wait(timeout=max(0.0, t_start + self.timeout_s - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     timed_out = True
-                    # kill the program first (pid 1 of its namespace: all it forked dies with it) so the
-                    # launcher reaps it and reports; then the launcher's whole process group
+                    # unshare / none: kill the program first (pid 1 of its namespace: all it forked dies
+                    # with it) so the launcher reaps it and reports; then the launcher's process group.
+                    # bwrap: the reported pid is the sandbox's own; killing bubblewrap ends the sandbox
                     pid = next((r["pid"] for r in self._parse(buf) if "pid" in r), None)
-                    if pid is not None and proc.poll() is None:
+                    if pid is not None and self.sandbox != "bwrap" and proc.poll() is None:
                         try:
                             os.kill(pid, signal.SIGKILL)
                             proc.wait(timeout=2.0)
@@ -462,7 +307,9 @@ class CodeExec:
                     "(spawning the launcher, namespaces, user drop, the interpreter's start-up)")
             child = next((r["child"] for r in reports if "child" in r), None)
             if child is None:
-                raise _SandboxError(f"sandbox launcher exited with {proc.returncode} before starting the program")
+                err, _ = _read_capped(os.path.join(root, "stderr"), self.max_output_bytes)
+                raise _SandboxError(f"sandbox launcher exited with {proc.returncode} before starting the program: "
+                                    f"{err.strip()[-300:]!r}")
             with self._mlock:
                 self._isolation = dict(child)
             if not self._warned and not all(child.values()):

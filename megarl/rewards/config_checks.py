@@ -7,12 +7,14 @@ config's own checks; each failure a :class:`~megarl.errors.ConfigError` naming t
 
 from __future__ import annotations
 
+import os
+
 from megarl.errors import ConfigError, require, require_choice
 from megarl.rewards.base import RewardConfigError
 from megarl.rewards.declarations import normalise_requirements
 from megarl.rewards.isolation import ISOLATION_MODES, resolve_isolation
 
-__all__ = ["check_reward_isolation", "check_required_fields"]
+__all__ = ["check_reward_isolation", "check_required_fields", "check_sandbox_hides_data"]
 
 
 def check_reward_isolation(cfg) -> None:
@@ -42,3 +44,28 @@ def check_required_fields(cfg) -> None:
         normalise_requirements(list(cfg.reward.required_fields), "reward.required_fields")
     except RewardConfigError as err:
         raise ConfigError(str(err)) from None
+
+
+def check_sandbox_hides_data(cfg, reward) -> None:
+    """A reward that runs the candidate's program in a sandbox (``visible_paths()``: the host
+    paths the program can read) must not show it the task: the data sources and the run
+    directory lie outside every visible path, or the start-up is refused naming the key."""
+    for _, _, part in getattr(reward, "parts", ()):  # a composite's parts
+        check_sandbox_hides_data(cfg, part)
+    show = getattr(reward, "visible_paths", None)
+    roots = show() if callable(show) else None
+    if not roots:
+        return
+    d = cfg.data
+    keys = [("data.train_path", d.train_path), ("data.heldout_path", d.get("heldout_path")),
+            ("trainer.run_dir", cfg.trainer.get("run_dir"))]
+    for key, path in keys:
+        if not path or not isinstance(path, str):
+            continue
+        real = os.path.realpath(path)
+        for r in roots:
+            rr = os.path.realpath(r)
+            if real == rr or real.startswith(rr.rstrip("/") + "/"):
+                raise ConfigError(f"{key}: {path} is inside {r}, which is visible to the sandboxed program "
+                                  "(its interpreter's files): move it elsewhere, or point reward.kwargs.python at "
+                                  "an interpreter installed outside it")
