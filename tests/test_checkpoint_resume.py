@@ -70,9 +70,13 @@ PPO_EXTRA = ["critic.micro_batch_size=2", "critic.warmup_iters=1"]
     (GRPO, 1, []),
     (PPO, 1, PPO_EXTRA),
     (GRPO, 2, []),  # DP=2
-    (PPO, 2, PPO_EXTRA),  # DP=2
-], ids=["grpo-1proc", "ppo-1proc", "grpo-dp2", "ppo-dp2"])
+    (PPO, 2, PPO_EXTRA + ["reference.refresh_every=2"]),  # DP=2; the checkpoint holds a refreshed reference
+], ids=["grpo-1proc", "ppo-1proc", "grpo-dp2", "ppo-dp2-refreshed-ref"])
 def test_exact_resume_after_kill(assets, tmp_path, tmp_path_factory, recipe, nproc, extra):
+    """Killed while holding after iteration 2, resumed from checkpoint 2: the rest of the run is
+    bitwise the uninterrupted one's.  With reference.refresh_every=2 the checkpoint holds a
+    reference refreshed after iteration 1: it is restored bitwise (hashed against what was saved
+    at load, and the reference KL of every later iteration is the uninterrupted run's)."""
     a_dir, b_dir = uninterrupted(assets, tmp_path_factory, recipe, nproc, extra), str(tmp_path / "b")
     _kill_while_holding(checkpointed_run_cmd(assets, b_dir, recipe, nproc, extra), str(tmp_path / "killed.log"), 2)
     killed_at = _latest(b_dir)
@@ -80,6 +84,10 @@ def test_exact_resume_after_kill(assets, tmp_path, tmp_path_factory, recipe, npr
     out = run_to_exit(checkpointed_run_cmd(assets, b_dir, recipe, nproc, extra))
     assert f"resumed from {os.path.join(b_dir, 'checkpoints', f'iter_{killed_at:06d}')}" in out.stdout
     check_same_run(a_dir, b_dir, killed_at)
+    if "reference.refresh_every=2" in extra:  # refreshed after iterations 1 and 3, the same both ways
+        ref_a, ref_b = (json.load(open(os.path.join(d, "checkpoints", f"iter_{ITERS:06d}", "state.json")))["reference"]
+                        for d in (a_dir, b_dir))
+        assert ref_a["refreshes"] == 2 and ref_a == ref_b and ref_a["weights"].startswith("sha256:"), (ref_a, ref_b)
 
 
 def _changed_tokenizer(model_dir, out_dir):
@@ -104,7 +112,8 @@ def test_crash_mid_checkpoint_keeps_previous_and_a_changed_contract_is_refused(a
     selected, with the half-written one left aside.  That run, as the crash left it, is the base
     of every refusal: a changed reward, chat template or tokenizer is refused naming the field
     (exit 2, nothing trained); the unchanged command resumes it from checkpoint 2, cleans the
-    leftover and finishes; a forced resume continues under a new run id; one flipped byte in a
+    leftover and finishes; another reference.path or model.path (its own final export) is refused
+    naming the key; a forced resume continues under a new run id; one flipped byte in a
     checkpoint file is refused naming the file."""
     d = str(tmp_path / "crash")
     base = checkpointed_run_cmd(assets, d, GRPO, 1, ["trainer.save_experience=true"])
@@ -132,6 +141,19 @@ def test_crash_mid_checkpoint_keeps_previous_and_a_changed_contract_is_refused(a
     assert "resumed from" in out.stdout and "iter_000002" in out.stdout
     assert not [x for x in os.listdir(os.path.join(d, "checkpoints")) if x.startswith(".tmp-")]
     assert _latest(d) == ITERS
+    # the trained export as the KL anchor, or as the model (the same architecture, other weights):
+    # each refused on one error line naming the key and both weight identities (was: resumed
+    # without a word, and the reference KL read 0.0000)
+    other_export = os.path.join(d, "export", f"iter_{ITERS}")
+    for key in ("reference.path", "model.path"):
+        bad = run_to_exit(base + [f"{key}={other_export}", f"trainer.iterations={ITERS + 1}"], expect=2)
+        line = [x for x in bad.stderr.splitlines() if x.startswith("error:")]
+        assert len(line) == 1 and f": {key}: the checkpoint's" in line[0], bad.stderr[-2000:]
+        # model.path is where both the model and (reference.path null) the reference come from
+        roles = ["reference"] if key == "reference.path" else ["model", "reference"]
+        assert [r for r in ("model", "reference") if f"the checkpoint's {r} is" in line[0]] == roles, line
+        assert line[0].count("sha256:") == 2 * len(roles), line
+        assert other_export in line[0] and "new trainer.run_dir" in line[0], line
     # forced: continues as a new run id
     ok = run_to_exit(base + ["reward.fn=tests.plugins.faulty_rewards:flat_even_prompts",
                              f"trainer.iterations={ITERS + 1}", "trainer.resume_force=true"])

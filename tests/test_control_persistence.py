@@ -6,6 +6,7 @@ RNG, verification on read); only the megatron dist-checkpoint of the roles
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -91,13 +92,36 @@ def fake_role_checkpoints(monkeypatch):
     random.setstate(rng[2])
 
 
-def make(run_dir, *overrides, cfg=None):
+class FakeReference:
+    def __init__(self, w=0.0):
+        self.model, self.version, self.refreshes = FakeDDP(), "ref-0", 0
+        self.model.w += w
+
+    def _on_device(self):
+        return contextlib.nullcontext()
+
+
+class FakeRewardModel:
+    def __init__(self, w=0.0, tok="rm-tok", template="{{ rm }}"):
+        self.model, self.contract = FakeDDP(), types.SimpleNamespace(hash=H(tok), chat_template=template)
+        self.model.w += w
+        self.version = "rm-fake"
+
+
+def weights_of(model) -> str:
+    """The fake roles' weight identity: a hash of their weight vector."""
+    return H(model.w.tolist())
+
+
+def make(run_dir, *overrides, cfg=None, reference=None, reward_model=None, reward_fn=None, actor_w=0.0):
     cfg = copy.deepcopy(cfg) if cfg is not None else load_cfg(*overrides)
-    return RunPersistence(cfg, str(run_dir), actor=FakeActor(), critic=None, reference=None,
+    actor = FakeActor()
+    actor.ddp.w += actor_w
+    return RunPersistence(cfg, str(run_dir), actor=actor, critic=None, reference=reference,
                           sampler=PromptSampler(10, seed=3), kl_ctl=FixedKLController(0.001), progress=RunProgress(),
                           tok=FakeTok(), train_data=Dataset(prompt_records(2), stats={"sha256": "data-sha"}),
-                          reward_fn=RewardFn(), reward_model=None, layout={"tp": 1, "pp": 1, "dp": 1, "world": 1},
-                          rank0=True)
+                          reward_fn=reward_fn or RewardFn(), reward_model=reward_model,
+                          layout={"tp": 1, "pp": 1, "dp": 1, "world": 1}, rank0=True, identify=weights_of)
 
 
 # ---- contract hashes ----------------------------------------------------------------------------
@@ -174,6 +198,97 @@ def test_resume_refuses_a_changed_contract_naming_the_field_unless_forced(tmp_pa
     state = forced.resume()
     assert state["run_id"] == "run-forced2"
     assert forced.progress.counters["forced_resumes"] == 1 and forced.progress.counters["resumes"] == 1
+
+
+# ---- identities: what a start rebuilds from a path must be the checkpoint's ----------------------
+
+
+def saved_run(tmp_path, *overrides, **roles):
+    """A checkpoint of a run whose roles were built with ``roles`` (reference, reward model...)."""
+    v = version(6)
+    p = make(tmp_path, *overrides, **roles)
+    p.record_origins()
+    p.save(2, "run", v, v.weight_manifest_hash)
+    return p
+
+
+def refused(q) -> str:
+    q.record_origins()
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        q.resume()
+    return str(e.value)
+
+
+def test_the_unrefreshed_reference_is_named_by_its_weights(tmp_path):
+    p = make(tmp_path, reference=FakeReference(1.0))
+    o = p.record_origins()
+    assert o["reference"] == {"key": "model.path", "path": p.cfg.model.path, "id": weights_of(p.reference.model)}
+    assert p.reference.version == "ref-0-" + weights_of(p.reference.model).split(":")[1][:8]
+    assert o["model"]["id"] == weights_of(p.actor.ddp) and o["scorer"]["id"] == "arith/1"
+
+
+def test_a_resume_refuses_another_reference_naming_the_key_and_both_identities(tmp_path, fake_role_checkpoints):
+    """The measured hole: the same run directory resumed with reference.path at another export of
+    the same architecture went on without a word, and the KL anchor was another model."""
+    p = saved_run(tmp_path, reference=FakeReference(1.0))
+    saved = p.origins["reference"]["id"]
+    q = make(tmp_path, "reference.path=/exports/other", reference=FakeReference(2.0))
+    msg = refused(q)
+    assert msg.startswith("resume from ") and "reference.path:" in msg, msg
+    assert saved in msg and q.origins["reference"]["id"] in msg and "/exports/other" in msg
+    assert "new trainer.run_dir" in msg and "resume_force" in msg and "\n" not in msg
+    # the same reference: resumes (negative control of the refusal)
+    assert make(tmp_path, reference=FakeReference(1.0)).resume() is not None
+    # forced: continues under a new run id, counted
+    forced = make(tmp_path, "reference.path=/exports/other", "trainer.resume_force=true", reference=FakeReference(2.0))
+    forced.record_origins()
+    assert forced.resume()["run_id"] == "run-forced2" and forced.progress.counters["forced_resumes"] == 1
+
+
+def test_a_resume_refuses_another_model_path_reward_model_or_scorer(tmp_path, fake_role_checkpoints):
+    saved_run(tmp_path, reward_model=FakeRewardModel())
+    assert "model.path:" in refused(make(tmp_path, actor_w=3.0, reward_model=FakeRewardModel()))
+    for rm, what in ((FakeRewardModel(w=1.0), "weights="), (FakeRewardModel(tok="other"), "tokenizer="),
+                     (FakeRewardModel(template="{{ other }}"), "template=")):
+        msg = refused(make(tmp_path, reward_model=rm))
+        assert "reward.model.path:" in msg and what in msg and msg.count("model.path:") == 1, msg
+
+    class Upgraded:
+        version = "arith/2"
+
+    msg = refused(make(tmp_path, reward_model=FakeRewardModel(), reward_fn=Upgraded()))
+    assert "reward.fn:" in msg and "(arith/1)" in msg and "(arith/2)" in msg, msg
+    q = make(tmp_path, reward_model=FakeRewardModel())  # the same roles resume
+    q.record_origins()
+    assert q.resume()["iteration"] == 2
+
+
+def test_a_refreshed_reference_survives_a_checkpoint_bitwise(tmp_path, fake_role_checkpoints, monkeypatch):
+    """A refreshed reference is restored from the checkpoint (its path no longer matters) and must
+    hash to what was saved.  Negative control: a load that changes one weight is refused."""
+    ref = FakeReference(1.0)
+    p = make(tmp_path, reference=ref)
+    p.record_origins()
+    ref.model.w += 4.0  # refresh_from copies the actor's weights in
+    ref.refreshes, ref.version = 1, "ref-v6.0-0000abcd"
+    v = version(6)
+    p.save(2, "run", v, v.weight_manifest_hash)
+    assert checkpoint.read_state(checkpoint.find_latest(p.ckpt_root))["reference"]["weights"] == weights_of(ref.model)
+    q = make(tmp_path, "reference.path=/anything", reference=FakeReference(9.0))  # rebuilt, then loaded over
+    q.record_origins()
+    q.resume()
+    assert torch.equal(q.reference.model.w, ref.model.w) and q.reference.version == "ref-v6.0-0000abcd"
+    mod = sys.modules["megarl.models.megatron_ckpt"]
+    load = mod.load_megatron_checkpoint
+
+    def corrupting(model, path):
+        load(model, path)
+        if os.path.basename(path) == "reference":
+            model.w[0] = torch.nextafter(model.w[0], torch.tensor(float("inf")))  # one ulp
+
+    monkeypatch.setattr(mod, "load_megatron_checkpoint", corrupting)
+    msg = refused(make(tmp_path, reference=FakeReference(9.0)))
+    assert "the refreshed reference loaded from the checkpoint hashes to" in msg, msg
 
 
 def test_resume_without_a_checkpoint_starts_fresh(tmp_path):

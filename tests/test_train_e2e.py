@@ -27,7 +27,7 @@ LR = 0.1
 B, G = 4, 4
 
 
-def run_train(assets, run_dir, recipe, nproc=1, extra=()):
+def run_train(assets, run_dir, recipe, nproc=1, extra=(), expect=0):
     overrides = [f"model.path={assets['model']}", "model.build_tiny=false", f"data.train_path={assets['train']}",
                  f"data.heldout_path={assets['heldout']}", "data.build_arithmetic=false",
                  f"trainer.run_dir={run_dir}", "trainer.iterations=2", f"trainer.prompts_per_iteration={B}",
@@ -41,7 +41,7 @@ def run_train(assets, run_dir, recipe, nproc=1, extra=()):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
                "127.0.0.1", "--master-port", str(free_port()), "-m", "megarl.train", "--config", recipe, *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), timeout=900)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n--- stdout ---\n{proc.stdout[-5000:]}\n--- stderr ---\n{proc.stderr[-8000:]}"
+    assert proc.returncode == expect, f"{' '.join(cmd)}\n--- stdout ---\n{proc.stdout[-5000:]}\n--- stderr ---\n{proc.stderr[-8000:]}"
     return proc
 
 
@@ -429,7 +429,9 @@ RM_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|
 def test_neural_reward_model_uses_its_own_template(assets, tmp_path):
     """reward.fn=null + a value-head reward model with a chat template of its own: every
     sample's reward is the RM head at the last token of *its* rendering of (prompt, response),
-    as transformers computes it."""
+    as transformers computes it.  Then the reward model at the same path is replaced by other
+    weights: the resume is refused naming reward.model.path (its identity is its weights,
+    tokenizer and template, not its path)."""
     import transformers
 
     from megarl.builtin.tiny_checkpoint import make_tiny_hf_checkpoint
@@ -441,9 +443,9 @@ def test_neural_reward_model_uses_its_own_template(assets, tmp_path):
     tpl = tmp_path / "rm_template.jinja"
     tpl.write_text(RM_TEMPLATE)
     run_dir = str(tmp_path / "rm_run")
-    run_train(assets, run_dir, GRPO, extra=["reward.fn=null", f"reward.model.path={rm_dir}",
-                                             f"reward.model.chat_template={tpl}", "trainer.iterations=1",
-                                             "eval.every=0", "eval.success_threshold=1.0e9"])
+    rm_run = ["reward.fn=null", f"reward.model.path={rm_dir}", f"reward.model.chat_template={tpl}",
+              "eval.every=0", "eval.success_threshold=1.0e9", "trainer.checkpoint_every=1"]
+    run_train(assets, run_dir, GRPO, extra=[*rm_run, "trainer.iterations=1"])
     (b,) = batches(run_dir)
     tok = transformers.AutoTokenizer.from_pretrained(rm_dir)
     rm = transformers.AutoModelForTokenClassification.from_pretrained(rm_dir).eval()
@@ -465,6 +467,14 @@ def test_neural_reward_model_uses_its_own_template(assets, tmp_path):
         worst = max(worst, abs(r.total - want))
     assert within(worst, 1e-4, "train_e2e/reward_model_vs_transformers"), worst
     assert len({r.total for r in f.rewards}) > 1
+    # the same path, other weights: refused before anything trains, naming the key
+    make_tiny_hf_checkpoint(rm_dir, "llama", seed=4, value_head=True, vocab_size=112, hidden_size=32,
+                            num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
+                            tokenizer_dir=assets["model"])
+    bad = run_train(assets, run_dir, GRPO, extra=[*rm_run, "trainer.iterations=2"], expect=2)
+    line = [x for x in bad.stderr.splitlines() if x.startswith("error:")]
+    assert len(line) == 1 and "reward.model.path:" in line[0] and "weights=sha256:" in line[0], bad.stderr[-3000:]
+    assert len(batches(run_dir)) == 1  # nothing trained
 
 
 def test_dapo_dynamic_sampling_and_reference_refresh(assets, tmp_path):
@@ -507,7 +517,8 @@ def test_dapo_dynamic_sampling_and_reference_refresh(assets, tmp_path):
     # the same weights, megatron's layers both times, perhaps in other micro-batch shapes
     err = max_abs_diff(b1.ref_log_probs.values, b1.old_log_probs.values, keep)
     assert within(err, LAYOUT_FP32_LOGPROB, "train_e2e/dapo/refreshed_ref_vs_old"), err
-    assert batches(run_dir)[0].facts.ref_log_probs.producer.version == "ref-0"
+    # the unrefreshed reference is named by its weights (ref-0-<8 hex of its manifest hash>)
+    assert re.fullmatch(r"ref-0-[0-9a-f]{8}", batches(run_dir)[0].facts.ref_log_probs.producer.version)
 
 
 def test_reuse_rollout_log_probs_after_parity_check(assets, tmp_path):

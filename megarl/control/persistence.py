@@ -2,9 +2,12 @@
 
 A checkpoint is the training position after an iteration, taken at ACTOR_COMMITTED: actor,
 critic and refreshed-reference weights with their optimizer state, schedules, the sampler
-cursor, the KL controller, per-rank RNG, the run's cumulative counters and the contract hashes
-(tokenizer, chat template, sampling, reward, model config, training data).  Resuming refuses a
-changed contract, naming the field, unless ``trainer.resume_force`` (then the run id changes).
+cursor, the KL controller, per-rank RNG, the run's cumulative counters, the contract hashes
+(tokenizer, chat template, sampling, reward, model config, training data) and the identity of
+every role a start rebuilds from a path (``origins``: the model and reference weights, each
+reward model's weights, tokenizer and template, the scorer's version).  Resuming refuses a
+changed contract or identity, naming the key and both values, unless ``trainer.resume_force``
+(then the run id changes); a restored (refreshed) reference must hash to what was saved.
 
 With ``trainer.resume_experience=reuse`` rank 0 also keeps the last sealed batch and what its
 rollout changed; a restart that resumes the iteration it belongs to trains on it instead of
@@ -13,12 +16,13 @@ generating again, after checking its version and every config hash.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
 import time
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch.distributed as dist
 
@@ -28,14 +32,30 @@ from megarl.experience.schema import ExperienceBatch
 from megarl.versions import PolicyVersion
 
 
+def weights_identity(model) -> str:
+    """Collective: the hash of a megatron model's weight manifest (layout-independent)."""
+    from megarl.rollout.weight_sync import actor_manifest
+
+    return actor_manifest(model).global_hash
+
+
+def _on_device(role):
+    offloader = getattr(role, "offloader", None)
+    return offloader.on_device() if offloader is not None else contextlib.nullcontext()
+
+
 class RunPersistence:
     """Args: ``cfg`` the run config; ``actor`` / ``critic`` / ``reference`` the roles;
     ``sampler`` the prompt cursor; ``kl_ctl`` the KL controller; ``progress`` the run's
     counters and flags; ``tok`` / ``train_data`` for the contract hashes; ``reward_fn`` /
-    ``reward_model`` for the scorer versions recorded; ``layout`` tp/pp/dp/world."""
+    ``reward_model`` for the scorer versions recorded; ``layout`` tp/pp/dp/world;
+    ``identify`` a model's weight identity (collective; :func:`weights_identity`)."""
 
     def __init__(self, cfg, run_dir: str, *, actor, critic, reference, sampler, kl_ctl, progress: RunProgress,
-                 tok, train_data, reward_fn, reward_model, layout: Dict[str, int], rank0: bool):
+                 tok, train_data, reward_fn, reward_model, layout: Dict[str, int], rank0: bool,
+                 identify: Optional[Callable[[object], str]] = None):
+        self.identify = identify or weights_identity
+        self.origins: Dict[str, dict] = {}
         self.cfg, self.run_dir = cfg, run_dir
         self.actor, self.critic, self.reference = actor, critic, reference
         self.sampler, self.kl_ctl, self.progress = sampler, kl_ctl, progress
@@ -58,6 +78,49 @@ class RunPersistence:
                 "chat_template": section_hash({"template": self.tok.chat_template}),
                 "sampling": section_hash(sampling), "reward": section_hash(self.cfg.reward),
                 "model_config": model_config_hash(self.actor.ddp), "train_data": self.train_data.stats["sha256"]}
+
+    def record_origins(self) -> Dict[str, dict]:
+        """Collective, before a resume overwrites anything: what this start built each role from
+        (``{role: {"key", "path", "id"}}``).  The unrefreshed reference is labelled by its
+        weights (``ref-0-<8 hex>``), not by the label alone."""
+        cfg, o = self.cfg, {}
+        self.actor.onload()
+        o["model"] = {"key": "model.path", "path": cfg.model.path, "id": self.identify(self.actor.ddp)}
+        if self.reference is not None:
+            key = "reference.path" if cfg.reference.path else "model.path"
+            with _on_device(self.reference):
+                rid = self.identify(self.reference.model)
+            o["reference"] = {"key": key, "path": cfg.reference.path or cfg.model.path, "id": rid}
+            if not self.reference.refreshes:
+                self.reference.version = f"ref-0-{rid.split(':')[-1][:8]}"
+        if self.reward_model is not None:
+            with _on_device(self.reward_model):
+                weights = self.identify(self.reward_model.model)
+            contract = self.reward_model.contract
+            from megarl.config import section_hash
+
+            o["reward_model"] = {"key": "reward.model.path", "path": cfg.reward.model.path,
+                                 "id": f"weights={weights} tokenizer={contract.hash} "
+                                       f"template={section_hash({'template': contract.chat_template})}"}
+        if self.reward_fn is not None:
+            o["scorer"] = {"key": "reward.fn", "path": cfg.reward.fn, "id": self.reward_fn.version}
+        self.origins = o
+        return o
+
+    def _changed_origins(self, state: dict) -> list:
+        """``(role, saved, now)`` for every role this start rebuilds whose identity is not the
+        checkpoint's.  A refreshed reference is restored from the checkpoint, not rebuilt."""
+        saved_all = state.get("origins") or {}
+        changed = []
+        for role, now in self.origins.items():
+            saved = saved_all.get(role)
+            if saved is None:
+                continue  # a checkpoint of an older megarl, or a role the run did not have
+            if role == "reference" and (state.get("reference") or {}).get("refreshes"):
+                continue
+            if saved["id"] != now["id"]:
+                changed.append((role, saved, now))
+        return changed
 
     def _pending_hashes(self) -> Dict[str, str]:
         from megarl.config import section_hash
@@ -104,7 +167,9 @@ class RunPersistence:
             "critic": None if self.critic is None else {"scheduler": self.critic.scheduler.state_dict(),
                                                         "steps": self.critic.steps, "version": self.critic.version},
             "reference": None if self.reference is None else {"version": self.reference.version,
-                                                              "refreshes": self.reference.refreshes},
+                                                              "refreshes": self.reference.refreshes,
+                                                              "weights": self._reference_weights(refreshed)},
+            "origins": self.origins,
             "scorer_version": None if self.reward_fn is None else self.reward_fn.version,
             "reward_model_version": None if self.reward_model is None else self.reward_model.version,
             "counters": dict(counters), "parity_checked": self.progress.parity_checked,
@@ -124,6 +189,13 @@ class RunPersistence:
         self.last_checkpoint_s = time.perf_counter() - t0
         return path
 
+    def _reference_weights(self, refreshed: bool) -> Optional[str]:
+        """The identity of the reference as it stands (collective when it was refreshed)."""
+        if not refreshed:
+            return (self.origins.get("reference") or {}).get("id")
+        with self.reference._on_device():
+            return self.identify(self.reference.model)
+
     def resume(self) -> Optional[dict]:
         """Continue from ``<run_dir>/checkpoints/latest`` (verified) if there is one: roles,
         schedules, sampler, KL controller, progress and RNG restored; the checkpoint's state is
@@ -141,7 +213,16 @@ class RunPersistence:
                 f"resume from {path}: {', '.join(changed)} changed since the checkpoint was written "
                 f"(e.g. {changed[0]}: {state['hashes'].get(changed[0])} -> {now[changed[0]]}); "
                 "start a new run_dir, or set trainer.resume_force=true to continue as a new run id")
+        roles = self._changed_origins(state)
+        if roles and not self.cfg.trainer.resume_force:
+            what = "; ".join(f"{now['key']}: the checkpoint's {role} is {saved['path']} ({saved['id']}), this start "
+                             f"builds it from {now['path']} ({now['id']})" for role, saved, now in roles)
+            raise checkpoint.CheckpointError(
+                f"resume from {path}: {what}; the run would go on against another {roles[0][0]} than it trained "
+                "with.  Resume with the checkpoint's paths; to start a new run on purpose, use a new trainer.run_dir "
+                "(or trainer.resume_force=true to continue these weights under a new run id)")
         counters = self.progress.counters
+        changed = changed + [f"origin of {role}" for role, _, _ in roles]
         if changed:
             state["run_id"] = f"{state['run_id']}-forced{state['iteration']}"
             counters["forced_resumes"] += 1
@@ -163,8 +244,15 @@ class RunPersistence:
             self.critic.scheduler.load_state_dict(state["critic"]["scheduler"])
             self.critic.steps, self.critic.version = state["critic"]["steps"], state["critic"]["version"]
         if self.reference is not None and state["reference"]:
-            self.reference.version = state["reference"]["version"]
+            # an unrefreshed reference keeps the label of the weights this start built (record_origins)
             self.reference.refreshes = state["reference"]["refreshes"]
+            if self.reference.refreshes:  # restored from the checkpoint: it must be what was saved
+                self.reference.version = state["reference"]["version"]
+                saved_ref, loaded = state["reference"].get("weights"), self._reference_weights(True)
+                if saved_ref is not None and loaded != saved_ref:
+                    raise checkpoint.CheckpointError(
+                        f"resume from {path}: the refreshed reference loaded from the checkpoint hashes to {loaded}, "
+                        f"it was saved as {saved_ref}")
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctl.load_state_dict(state["kl_controller"])
         counters.update(state["counters"])

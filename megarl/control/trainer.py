@@ -87,6 +87,7 @@ class Trainer:
             layout={"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": self.dp, "world": self.world,
                     "ep": cfg.parallel.ep, "cp": cfg.parallel.cp, "vpp": cfg.parallel.vpp},
             rank0=self.rank0)
+        self.persistence.record_origins()  # what this start built each role from, before a resume loads over it
         resume = self.persistence.resume() if cfg.trainer.resume == "auto" else None
         self.start_iteration = 0 if resume is None else resume["iteration"]
         self.run_id = run_id if resume is None else resume["run_id"]
