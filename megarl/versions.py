@@ -135,12 +135,13 @@ class PolicyVersion:
             )
         return cls(**{k: data[k] for k in expected})
 
-    def successor(self, weight_manifest_hash: str) -> "PolicyVersion":
-        """The version after one successful optimizer step (attempt counter restarts at 0)."""
+    def successor(self, weight_manifest_hash: str, update_attempt: int = 0) -> "PolicyVersion":
+        """The version after one successful update; ``update_attempt`` counts the failed attempts
+        of that update that were rolled back and retried before it (0: the first succeeded)."""
         return replace(
             self,
             optimizer_step=self.optimizer_step + 1,
-            update_attempt=0,
+            update_attempt=update_attempt,
             weight_manifest_hash=weight_manifest_hash,
         )
 

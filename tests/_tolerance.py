@@ -89,6 +89,25 @@ def adam_weights_tol(lr: float, steps: int, grad_scale: float, eps: float = 1e-8
     return 2.0 * steps * lr * U[torch.float32] * grad_scale / eps
 
 
+def bf16_logprob_tol(layers: int, logit_scale: float, sides: int = 2) -> float:
+    """Log-probs of one network where ``sides`` of the two passes compared round in bf16 (2: two
+    bf16 implementations or layouts, e.g. TE against SGLang's kernels, CP=2 against CP=1; 1: bf16
+    against an fp32 reference, tests/sglang_real/test_engine_bf16.py).  First order: a bf16 pass
+    rounds every layer's output once and the weights once, so its logits carry at most
+    ``(layers + 1) * u * logit_scale`` (u = 2^-8), and a log-prob twice that (the logit and the
+    log-sum-exp, a convex combination of the logits' errors); twice the sum over the sides.
+    ``logit_scale`` is the largest |logit| of the sequences compared, measured by the check (a
+    random checkpoint's logits scale with its init std: std 0.2 at hidden 256 gives ~10)."""
+    return 2.0 * 2.0 * sides * (layers + 1) * U[torch.bfloat16] * logit_scale
+
+
+def bf16_near_tie(layers: int, logit_scale: float) -> float:
+    """The logit gap under which two bf16 passes of one network may pick different greedy tokens:
+    each moves a logit by at most ``(layers + 1) * u * logit_scale`` (:func:`bf16_logprob_tol`),
+    so two candidates' order can flip only when their gap is under twice that; twice again."""
+    return 2.0 * 2.0 * (layers + 1) * U[torch.bfloat16] * logit_scale
+
+
 def within(err: float, tol: float, what: str) -> bool:
     """``err <= tol``; with ``MEGARL_TOLERANCE_LOG`` set, the comparison is also logged there."""
     err, tol = float(err), float(tol)

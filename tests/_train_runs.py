@@ -177,3 +177,46 @@ def uninterrupted(assets, tmp_path_factory, recipe, nproc, extra):
         run_to_exit(checkpointed_run_cmd(assets, d, recipe, nproc, list(extra)))
         _UNINTERRUPTED[key] = d
     return _UNINTERRUPTED[key]
+
+
+# ---- re-derivation from the record ------------------------------------------------------------------
+
+
+def check_rederivation(run_dir):
+    """Every saved PPO batch derives again from its sealed facts alone: at the recorded settings
+    the advantages, returns and loss mask are the trainer's, bitwise (through the tool's CLI too);
+    at another gamma, lambda or beta they move.  The sealed V(s_T) is what a truncated response
+    bootstraps from: zeroed (the negative control), its returns change."""
+    import dataclasses
+    from collections import Counter
+
+    from tools.inspect_experience import rederive
+
+    truncated, moved, bootstrapped = 0, Counter(), 0
+    for b in batches(run_dir):
+        f = b.facts
+        assert f.bootstrap_values is not None and f.bootstrap_values.shape == (f.batch_size,)
+        assert b.derived.hyperparameters["kl_placement"] == "reward"
+        _, again, _ = rederive(b)
+        for name in ("advantages", "returns", "loss_mask", "shaped_rewards"):
+            assert torch.equal(getattr(again, name), getattr(b.derived, name)), name
+        for change in ("gamma", "lam", "kl_beta"):
+            _, other, _ = rederive(b, **{change: 0.5})
+            moved[change] += not torch.equal(other.returns, b.derived.returns)
+        cut = ~f.terminated()
+        truncated += int(cut.sum())
+        if cut.any():
+            zeroed = dataclasses.replace(b, facts=dataclasses.replace(f, bootstrap_values=torch.zeros_like(
+                f.bootstrap_values)))
+            _, wrong, _ = rederive(zeroed)
+            bootstrapped += not torch.equal(wrong.returns[cut], b.derived.returns[cut])
+    assert set(moved) == {"gamma", "lam", "kl_beta"} and all(moved.values()), moved
+    assert truncated > 0 and bootstrapped > 0, ("no truncated response bootstrapped", truncated, bootstrapped)
+    d = os.path.join(run_dir, "experience", sorted(os.listdir(os.path.join(run_dir, "experience")))[-1])
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "inspect_experience.py"), d, "--rederive"],
+                         capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert out.returncode == 0 and "advantages     bitwise equal" in out.stdout, out.stdout + out.stderr
+    assert "returns        bitwise equal" in out.stdout
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "inspect_experience.py"), d, "--rederive",
+                          "gamma=0.5"], capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert out.returncode == 0 and "max |sealed - re-derived|" in out.stdout, out.stdout + out.stderr

@@ -138,7 +138,8 @@ def test_calculator_agent_split_async(calc_assets, tmp_path):
 def test_calculator_agent_split_inflight_updates_between_turns(calc_assets, tmp_path):
     """Split placement, eta = 2, in-flight weight updates inside sessions (async_rl.segment_tokens
     > 0: a version published while the rollout rank runs sessions is applied between turns; a
-    straggling rollout rank makes that certain): every policy token of every trained trajectory is
+    rollout rank that waits for the trainer's next command at each job's first boundary makes that
+    certain): every policy token of every trained trajectory is
     audited against the version that trained it (none older than 2 steps, none from the future;
     a trajectory is as old as its oldest policy token), and every policy token of a trajectory
     that spans versions was sampled by the version it is labelled with (its rollout log-prob is
@@ -150,7 +151,7 @@ def test_calculator_agent_split_inflight_updates_between_turns(calc_assets, tmp_
     run_dir = str(tmp_path / "calc_inflight")
     run_agent_train(calc_assets, run_dir, 2, ["placement.mode=split", f"async_rl.max_staleness={eta}",
                                              "async_rl.correction=tis", "async_rl.segment_tokens=1",
-                                             "faults.rollout_segment_delay_s=2.5", "trainer.export_every=1",
+                                             "faults.rollout_segment_await_s=60", "trainer.export_every=1",
                                              f"trainer.iterations={iterations}"])
     env_tokens, rate = check_agent_run(run_dir, eta=eta, inflight=True, iterations=iterations)
     assert env_tokens > 0 and rate > 0, (env_tokens, rate)

@@ -18,6 +18,7 @@ from tests._train_runs import (
     ITERS,
     PPO,
     batches,
+    check_rederivation,
     check_same_run,
     checkpointed_run_cmd,
     kill_tree,
@@ -63,7 +64,7 @@ def _kill_while_holding(cmd, log, k):
     proc.wait()
 
 
-PPO_EXTRA = ["critic.micro_batch_size=2", "critic.warmup_iters=1"]
+PPO_EXTRA = ["critic.micro_batch_size=2", "critic.warmup_iters=1", "trainer.save_experience=true"]
 
 
 @pytest.mark.parametrize("recipe,nproc,extra", [
@@ -84,6 +85,8 @@ def test_exact_resume_after_kill(assets, tmp_path, tmp_path_factory, recipe, npr
     out = run_to_exit(checkpointed_run_cmd(assets, b_dir, recipe, nproc, extra))
     assert f"resumed from {os.path.join(b_dir, 'checkpoints', f'iter_{killed_at:06d}')}" in out.stdout
     check_same_run(a_dir, b_dir, killed_at)
+    if recipe == PPO and nproc == 1:  # the record re-derives its advantages and returns alone
+        check_rederivation(a_dir)
     if "reference.refresh_every=2" in extra:  # refreshed after iterations 1 and 3, the same both ways
         ref_a, ref_b = (json.load(open(os.path.join(d, "checkpoints", f"iter_{ITERS:06d}", "state.json")))["reference"]
                         for d in (a_dir, b_dir))

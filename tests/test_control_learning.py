@@ -195,6 +195,9 @@ def test_a_non_finite_grad_norm_rolls_back_to_v_and_retries_the_same_update(worl
     assert actor.step_rows[2:] == clean_actor.step_rows
     assert m["update/grad_norm_max"] == 6.0 and m["update/optimizer_steps"] == want["update/optimizer_steps"]
     assert learner.completed
+    # the version it commits records the retry: v<step>.1 (the clean one: .0)
+    assert (learner.update_attempt, clean.update_attempt) == (1, 0)
+    assert v.successor(H("w"), update_attempt=learner.update_attempt).short_id.startswith(f"v{v.optimizer_step + 1}.1-")
 
 
 def test_an_exception_with_skip_rolls_back_and_keeps_v(world):

@@ -117,7 +117,8 @@ def test_sealed_batch_records_v_and_grpo_advantages_equal_the_hand_computation(t
     assert torch.equal(batch.derived.loss_mask, c.response_mask)
     assert batch.derived.estimator == "grpo" and batch.derived.returns is None
     assert dict(batch.derived.hyperparameters) == {"gamma": 1.0, "lam": 1.0, "zero_std_rule": "epsilon",
-                                                   "std_eps": 1e-6, "kl_beta": 0.001, "whiten": False}
+                                                   "std_eps": 1e-6, "kl_beta": 0.001, "whiten": False,
+                                                   "kl_placement": "loss"}
     assert m["prep/zero_variance_group_share"] == pytest.approx(1 / 3) and m["prep/adv/zero_std_groups"] == 1
     # measured errors and KL: golden from the fakes' shifts
     assert m["prep/rollout_actor_logprob_max_abs_err"] == pytest.approx(2e-4, rel=1e-3)

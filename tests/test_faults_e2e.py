@@ -18,6 +18,7 @@ from collections import defaultdict
 from tests._tolerance import NET_FP32_LOGPROB, max_abs_diff, within
 from tests._train_runs import (
     GRPO,
+    ITERS,
     batches,
     check_same_run,
     checkpointed_run_cmd,
@@ -85,12 +86,17 @@ def test_optimizer_step_exception_on_one_rank_rolls_back_everywhere(assets, tmp_
     ref = uninterrupted(assets, tmp_path_factory, GRPO, 2, [])
     d = str(tmp_path / "fail")
     out = run_to_exit(checkpointed_run_cmd(assets, d, GRPO, 2, ["faults.fail_optimizer_step_at=[1]",
-                                                                "faults.fail_optimizer_step_rank=1"]))
+                                                                "faults.fail_optimizer_step_rank=1",
+                                                                "trainer.save_experience=true"]))
     assert "rank 1: InjectedFault" in out.stderr, out.stderr[-2000:]
     m = metrics(d)[-1]
     assert m["faults/injected/optimizer_step_failures"] == 1
     assert m["e2e/count/update_failures"] == m["e2e/count/update_rollbacks"] == m["e2e/count/update_retries"] == 1
     check_same_run(ref, d, killed_at=0, ignore=FAULT_COUNTERS, resumes=0)
+    # the version iteration 1's retried update committed says so (v2.1), the next one starts again at .0
+    versions = [set(b.facts.policy_version) for b in batches(d)]
+    assert [len(v) for v in versions] == [1] * ITERS, versions
+    assert [next(iter(v)).split("-")[0] for v in versions] == ["v0.0", "v1.0", "v2.1", "v3.0", "v4.0"], versions
 
 
 def test_non_finite_loss_rolls_back_everywhere(assets, tmp_path, tmp_path_factory):

@@ -45,8 +45,10 @@ from tests._train_runs import (
 SPLIT = ["placement.mode=split"]
 ASYNC2 = SPLIT + ["async_rl.max_staleness=2", "async_rl.correction=tis", "rollout.reuse_rollout_log_probs=false",
                   "trainer.save_experience=true", "trainer.export_every=1",
-                  # in-flight weight updates, made certain by a straggling rollout rank
-                  "async_rl.segment_tokens=1", "faults.rollout_segment_delay_s=0.3"]
+                  # in-flight weight updates, made certain: each job's first segment boundary waits
+                  # for the trainer's next command (a publication, when the trainer is not waiting
+                  # for this job's results)
+                  "async_rl.segment_tokens=1", "faults.rollout_segment_await_s=60"]
 
 
 def test_split_eta0_is_the_synchronous_loop(assets, tmp_path_factory, tmp_path):

@@ -19,6 +19,7 @@ from collections import Counter, defaultdict
 import pytest
 import torch
 
+from megarl.versions import PolicyVersion
 from tests._dist import ROOT, free_port, subprocess_env
 from tests._tolerance import LAYOUT_FP32_LOGPROB, NET_FP32_LOGPROB, formula_tol, max_abs_diff, within
 from tests._train_runs import GRPO, PPO, batches, hf_response_log_probs, metrics
@@ -57,6 +58,11 @@ def check_structure(run_dir, algo, groups_per_publish):
     run_id = os.path.basename(run_dir)
     sealed = batches(run_dir)
     assert len(sealed) == 2, "every iteration's sealed batch is saved (trainer.save_experience): none to check"
+    # the run's version registry: every short id a sample carries, with the whole tuple it stands for
+    with open(os.path.join(run_dir, "versions.jsonl")) as fh:
+        registry = {row.pop("short_id"): PolicyVersion.from_dict(row) for row in map(json.loads, fh)}
+    assert all(v.short_id == sid for sid, v in registry.items()) and len(registry) == 3, registry  # v0, v1, v2
+    assert {sid for b in sealed for sid in b.facts.policy_version} <= set(registry)
     for k, b in enumerate(sealed):
         f, d = b.facts, b.derived
         assert b.sealed and f.iteration == k and f.run_id == run_id
@@ -388,11 +394,11 @@ def test_a_hostile_scorer_is_statuses_never_zero_and_never_stalls_the_trainer(as
     m = metrics(run_dir)
     assert all(x["rollout/groups_dropped"] == 2 and x["prep/reward_error"] == G and x["prep/reward_timeout"] == G
                for x in m)
-    # iteration 0 also waits for the pool's first start (the forkserver imports torch once: 8.7 s
-    # measured on 2 busy CPUs); a call's timeout starts when it reaches a ready worker.  Later:
-    # two attempts of 2 s + 0.5 s kill grace, and 5 s for forking replacements on a loaded machine
+    # every attempt ran to its 2 s timeout (two attempts), and no iteration waited for the hogs
+    # (minutes unkilled); iteration 0 also waits for the pool's first start.  How close to 2 x 2 s
+    # a stage ends is bench/timeouts.py's measurement
     stage = [x["e2e/stage_s/reward"] for x in m]
-    assert stage[0] < 60.0 and all(2 * 2.0 <= s < 2 * (2.0 + 0.5) + 5.0 for s in stage[1:]), stage
+    assert stage[0] < 60.0 and all(2 * 2.0 <= s < 60.0 for s in stage[1:]), stage
 
 
 def test_reward_penalty_only_when_configured(assets, tmp_path):

@@ -17,6 +17,13 @@ content hash.  For a multi-turn trajectory (a record with ``token_origins``) a t
 turns comes before the per-token table: one row per run of policy or environment tokens, with
 the turn, the source, the response positions, the response / loss mask counts, the policy
 version(s) and the tokens.  ``--list`` prints one line per sample instead.
+
+``--rederive [KEY=VALUE ...]`` derives the batch's advantages, returns, loss mask and weights
+again from its sealed facts (:func:`megarl.algo.derivation.derive`) at the settings its
+derived tensors record, with each KEY=VALUE changed (``kl_beta``, ``gamma``, ``lam``,
+``whiten``, ``zero_std_rule``, ``std_eps``, ``kl_placement``, ``estimator``), and prints how
+far each tensor is from the one the trainer sealed: with no change, 0 (bitwise) is the proof
+that the record re-derives what it claims.
 """
 
 from __future__ import annotations
@@ -222,8 +229,11 @@ def describe(batch, i: int, directory: str, tok=None) -> list[str]:
             out.append(f"  {label:<8}(not recorded)")
         else:
             p = lp.producer
-            out.append(f"  {label:<8}role={p.role} version={p.version} space={p.space}  -> column {col}")
+            prec = f" precision={p.precision}" if p.precision else ""
+            out.append(f"  {label:<8}role={p.role} version={p.version} space={p.space}{prec}  -> column {col}")
     out.append(f"  {'value':<8}" + (f"critic_version={f.critic_version}" if f.values is not None else "(not recorded)"))
+    if f.bootstrap_values is not None:
+        out.append(f"  {'V(s_T)':<8}{_num(float(f.bootstrap_values[i]))}  (the bootstrap of a truncated response)")
 
     header = ["pos", "token"] + (["text"] if tok is not None else []) + ["response_mask"]
     numeric: list[tuple[str, object, bool]] = []  # (header, tensor, is_mask)
@@ -288,6 +298,63 @@ def listing(batch, directory: str) -> list[str]:
     ] + [fmt(r) for r in rows]
 
 
+_SETTING_TYPES = {"kl_beta": float, "gamma": float, "lam": float, "std_eps": float, "whiten": None,
+                  "zero_std_rule": str, "kl_placement": str, "estimator": str}
+
+
+def parse_overrides(pairs) -> dict:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or key not in _SETTING_TYPES:
+            raise InspectError(f"--rederive {pair!r}: expected KEY=VALUE with KEY one of {sorted(_SETTING_TYPES)}")
+        cast = _SETTING_TYPES[key]
+        if cast is None:
+            if value.lower() not in ("true", "false"):
+                raise InspectError(f"--rederive {key}={value}: expected true or false")
+            out[key] = value.lower() == "true"
+        else:
+            try:
+                out[key] = cast(value)
+            except ValueError:
+                raise InspectError(f"--rederive {key}={value}: expected a {cast.__name__}") from None
+    return out
+
+
+def rederive(batch, **overrides):
+    """``(settings, derived, metrics)``: the batch's derived tensors computed again from its
+    sealed facts at the settings they record, ``overrides`` applied."""
+    from megarl.algo.derivation import DerivationSettings, derive
+
+    if batch.derived is None:
+        raise InspectError("this batch holds no derived tensors: nothing records the settings to derive under")
+    settings = DerivationSettings.from_record(batch.derived, **overrides)
+    derived, metrics = derive(batch.facts, settings)
+    return settings, derived, metrics
+
+
+def rederive_report(batch, overrides: dict) -> list[str]:
+    import torch
+
+    settings, new, metrics = rederive(batch, **overrides)
+    old = batch.derived
+    out = [f"re-derived from the sealed facts: estimator={settings.estimator} "
+           f"settings={json.dumps(settings.hyperparameters(), sort_keys=True)}",
+           f"changed: {json.dumps(overrides, sort_keys=True) if overrides else 'nothing (the recorded settings)'}"]
+    for name in ("advantages", "returns", "loss_mask", "is_weights", "shaped_rewards"):
+        a, b = getattr(old, name), getattr(new, name)
+        if a is None and b is None:
+            continue
+        if a is None or b is None:
+            out.append(f"  {name:<15}{'only re-derived' if a is None else 'only sealed'}")
+            continue
+        same = torch.equal(a, b)
+        diff = float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+        out.append(f"  {name:<15}{'bitwise equal' if same else f'max |sealed - re-derived| {diff:.6g}'}")
+    out.append(f"  advantage mean {metrics['prep/advantage_mean']:.6g}, std {metrics['prep/advantage_std']:.6g}")
+    return out
+
+
 @cli_main
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -297,12 +364,16 @@ def main(argv=None) -> None:
     which.add_argument("--index", type=int, help="index of the sample to show (default 0)")
     which.add_argument("--list", action="store_true", help="one line per sample")
     p.add_argument("--tokenizer", help="tokenizer directory: decode prompt, response and tokens")
+    p.add_argument("--rederive", nargs="*", metavar="KEY=VALUE", default=None,
+                   help="derive the advantages again at the recorded settings, these changed")
     args = p.parse_args(argv)
 
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="backslashreplace")
     batch = load_batch(args.dir)
-    if args.list:
+    if args.rederive is not None:
+        lines = rederive_report(batch, parse_overrides(args.rederive))
+    elif args.list:
         lines = listing(batch, args.dir)
     else:
         i = select(batch, args.sample, args.index)

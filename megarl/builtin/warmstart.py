@@ -174,11 +174,11 @@ def training_tensors(pad_id: int, prompts, responses, masks=None):
     padding."""
     import torch
 
-    rows = [p + r for p, r in zip(prompts, responses)]
+    rows = [p + r for p, r in zip(prompts, responses, strict=True)]
     L = max(len(r) for r in rows)
     tokens = torch.full((len(rows), L), pad_id, dtype=torch.long)
     mask = torch.zeros(len(rows), L - 1)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         tokens[i, :len(p) + len(r)] = torch.tensor(p + r)
         if masks is None:
             mask[i, len(p) - 1:len(p) + len(r) - 1] = 1  # positions that predict the answer

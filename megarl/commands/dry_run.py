@@ -59,7 +59,7 @@ def count_params(spec, vocab_multiple: int, tp: int, pp: int, value_head: bool =
     head = h + (1 if spec.value_head_bias else 0) if value_head else (0 if spec.tie_word_embeddings else vocab * h)
     total = sum(a + b for a, b in per_layer) + emb + head + h
     per_stage = spec.num_layers // pp
-    stages = [tuple(map(sum, zip(*per_layer[k * per_stage:(k + 1) * per_stage]))) for k in range(pp)]
+    stages = [tuple(map(sum, zip(*per_layer[k * per_stage:(k + 1) * per_stage], strict=True))) for k in range(pp)]
     a, b = max(stages, key=lambda ab: ab[0] / tp + ab[1] / (ep * etp))
     # pp > 1: the first stage holds the embedding, the last the output layer (a copy of the
     # embedding when tied)

@@ -110,7 +110,7 @@ def main(argv=None) -> None:
     worst = 0.0
     with open(scored) as f:
         got = [json.loads(line)["token_logprobs"] for line in f]
-    for s, g in zip(seqs, got):
+    for s, g in zip(seqs, got, strict=True):
         t = torch.tensor([s])
         with torch.no_grad():
             lp = torch.log_softmax(ref(t).logits.float(), -1)[0, :-1].gather(-1, t[0, 1:, None])[:, 0]

@@ -96,6 +96,7 @@ RANGES = {
     "data.running_sum_min_terms": Range(lo=1, hi=26), "data.running_sum_max_terms": Range(lo=1, hi=26),
     "data.running_sum_alpha": Range(lo=0),
     "faults.kill_rollout_at_load": Range(lo=0, null=True), "faults.rollout_segment_delay_s": Range(lo=0),
+    "faults.rollout_segment_await_s": Range(lo=0),
     "async_rl.segment_tokens": COUNT0, "async_rl.extra_groups": COUNT0,
     "placement.rollout_ranks": COUNT, "placement.timeout_s": POS,
     "async_rl.max_staleness": COUNT0, "async_rl.is_cap": Range(lo=1, null=True), "async_rl.mask_threshold": POS,

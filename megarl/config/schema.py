@@ -531,6 +531,10 @@ class FaultsConfig:
     #: split placement drill: a straggling rollout rank, sleeping this long after every
     #: generation segment (async_rl.segment_tokens), so versions change mid-response
     rollout_segment_delay_s: float = 0.0
+    #: split placement drill: at the first segment boundary of each generation job the rollout
+    #: rank waits, at most this long, for the trainer's next command, so a version the trainer
+    #: publishes meanwhile is taken mid-response for certain, however fast the machine (0: off)
+    rollout_segment_await_s: float = 0.0
     #: stop drill: after iteration k's metrics row is written (before its stop check and its
     #: checkpoint) the run holds -- rank 0 prints "faults: holding after iteration k" -- until a
     #: stop is asked for (SIGTERM, SIGUSR1, <run_dir>/STOP) or it is killed, so a test's stop or

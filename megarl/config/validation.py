@@ -211,6 +211,9 @@ def _validate_placement(cfg: TrainConfig, world_size: int) -> None:
               "async_rl.segment_tokens > 0 applies versions published mid-session between turns)")
     _need(not cfg.faults.rollout_segment_delay_s or an.segment_tokens, "faults.rollout_segment_delay_s",
           "delays generation segments, which needs async_rl.segment_tokens > 0")
+    _need(not cfg.faults.rollout_segment_await_s or (an.segment_tokens and pl.mode == "split"),
+          "faults.rollout_segment_await_s", "holds a rollout rank between generation segments, which needs "
+          "placement.mode=split and async_rl.segment_tokens > 0")
     _choice(an.proximal_log_probs, "async_rl.proximal_log_probs", ("actor", "engine"))
     if an.proximal_log_probs == "engine":
         _need(pl.mode == "split" and an.max_staleness > 0, "async_rl.proximal_log_probs",

@@ -56,6 +56,7 @@ class EngineParts:
     engine: Any  # None on ranks that hold no engine
     pad_id: int
     sync_dtype: Optional[torch.dtype]
+    stop_token_ids: tuple = ()  # what every engine ends a response on (eos_and_pad), for the record
 
 
 def assemble(cfg, model_path: str, tokenizer_dir: str) -> Parts:
@@ -218,7 +219,8 @@ def assemble_engine(cfg, tok, config_dir: str, injector) -> EngineParts:
     sync_dtype = broadcast_object(engine.dtype if engine is not None and dist.get_rank() == 0 else None)
     if isinstance(sync_dtype, str):
         sync_dtype = getattr(torch, sync_dtype)
-    return EngineParts(placement=placement, engine=engine, pad_id=pad, sync_dtype=sync_dtype)
+    return EngineParts(placement=placement, engine=engine, pad_id=pad, sync_dtype=sync_dtype,
+                       stop_token_ids=tuple(eos))
 
 
 def serve_rollout_rank(cfg, world) -> dict:
@@ -243,6 +245,7 @@ def serve_rollout_rank(cfg, world) -> dict:
 
     return RolloutService(world, make_engine, device=device(), kill_at_load=cfg.faults.kill_rollout_at_load,
                           segment_tokens=cfg.async_rl.segment_tokens, segment_delay_s=cfg.faults.rollout_segment_delay_s,
+                          segment_await_s=cfg.faults.rollout_segment_await_s,
                           make_generator=make_generator).serve()
 
 
@@ -308,16 +311,23 @@ def wire_components(cfg, parts: Parts, eng: EngineParts, *, sm, progress, run_di
     producer_class = GroupRolloutProducer
     if cfg.async_rl.partial_rollouts:  # complete groups train, unfinished ones carry over
         from megarl.control.production_partial import PartialRolloutProducer as producer_class
+    stops = eng.stop_token_ids
+    if agentic:  # a session's turn also ends on the template's end of an assistant turn
+        from megarl.envs.render import EnvTurnRenderer
+
+        stops = tuple(dict.fromkeys([*stops, *EnvTurnRenderer(parts.tok).assistant_end_ids]))
     producer = producer_class(
         cfg, grouped=advantage_needs(cfg.algo.advantage).groups, train_data=parts.train_data, sampler=parts.sampler,
         engine=rollout_engine, placement=eng.placement,
         scorer=episode_scorer(cfg, parts.tok, counters, quarantine, rank0) if agentic else scorer(True), sm=sm,
-        counters=counters, run_id=run_id, quarantine_path=quarantine, **_production_variants(cfg))
+        counters=counters, run_id=run_id, quarantine_path=quarantine, stop_token_ids=stops,
+        **_production_variants(cfg))
     preparer = ExperiencePreparer(
         cfg, actor=parts.actor, reference=parts.reference, critic=parts.critic, time_slice=time_slice, sm=sm,
         kl_ctl=parts.kl_ctl, progress=progress, pad_id=eng.pad_id, run_id=run_id,
         save_dir=os.path.join(run_dir, "experience") if cfg.trainer.save_experience and rank0 else None,
-        proximal_engine=eng.engine if cfg.async_rl.proximal_log_probs == "engine" else None)
+        proximal_engine=eng.engine if cfg.async_rl.proximal_log_probs == "engine" else None,
+        rollout_precision="" if eng.sync_dtype is None else str(eng.sync_dtype).removeprefix("torch."))
     learning_actor = parts.actor
     if parts.injector is not None:
         from megarl.runtime.faults import FaultyActor

@@ -50,7 +50,7 @@ def collate(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]
     its behaviour policy: ``behaviour_version`` is their :func:`megarl.versions.behaviour_label`
     (``version`` itself when all are ``version``), and it labels the routing record too."""
     B = len(prompts)
-    bad = [b for b, (r, l) in enumerate(zip(responses, raw_log_probs)) if l.numel() != len(r)]
+    bad = [b for b, (r, l) in enumerate(zip(responses, raw_log_probs, strict=True)) if l.numel() != len(r)]
     if bad:
         raise ValueError(f"collate: row {bad[0]} has {len(responses[bad[0]])} response tokens but "
                          f"{raw_log_probs[bad[0]].numel()} rollout log-probs")
@@ -110,7 +110,7 @@ def collate_trajectories(prompts: Sequence[Sequence[int]], responses: Sequence[S
         sample_versions = list(sample_versions) + [t for row in token_versions for t in row if t is not None]
     base = collate(prompts, responses, raw_log_probs, pad_id, routing, version,
                    sample_versions)  # checks the log-prob counts
-    for b, (l, s) in enumerate(zip(raw_log_probs, sources)):
+    for b, (l, s) in enumerate(zip(raw_log_probs, sources, strict=True)):
         flat = l.reshape(-1).tolist()
         bad = [t for t, x in enumerate(s) if x == TokenSource.ENVIRONMENT and flat[t] != 0.0]
         if bad:

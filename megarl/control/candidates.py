@@ -103,10 +103,11 @@ def evaluate_prompts(records: Sequence, request_ids: Sequence[str], *, engine, p
     :class:`PromptOutcome` per record (in order).  ``decode`` (the tokenizer contract's decode,
     special tokens skipped) fills the response texts of the outcomes; ``source_field`` names the
     ground-truth field that gives a prompt's source."""
-    requests = [GenerationRequest(rid, tuple(r.prompt_ids), task=r.task()) for r, rid in zip(records, request_ids)]
+    requests = [GenerationRequest(rid, tuple(r.prompt_ids), task=r.task())
+                for r, rid in zip(records, request_ids, strict=True)]
     got = generate_candidates(engine, placement, requests, sampling, max_retries, counters)
     samples: List[Sample] = []
-    for rec, req in zip(records, requests):
+    for rec, req in zip(records, requests, strict=True):
         for c in range(sampling.n):
             r = got.get((req.request_id, c))
             if r is None:
@@ -120,7 +121,7 @@ def evaluate_prompts(records: Sequence, request_ids: Sequence[str], *, engine, p
     scorer.score(samples)
     scored = {(s.request_id, s.sample_id): s for s in samples}
     outcomes = []
-    for i, (rec, req) in enumerate(zip(records, requests)):
+    for i, (rec, req) in enumerate(zip(records, requests, strict=True)):
         cands = []
         for c in range(sampling.n):
             sid = req.request_id if sampling.n == 1 else candidate_sample_id(req.request_id, c)

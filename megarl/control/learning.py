@@ -87,6 +87,7 @@ class Learner:
         self.policy_cfg = policy_loss_config(cfg)
         self.norm_constant = float(cfg.rollout.max_new_tokens) if a.agg_mode == "seq-mean-token-sum-norm" else None
         self.snapshots = {"actor": UpdateSnapshot(), "critic": UpdateSnapshot()}
+        self.update_attempt = 0  # failed attempts rolled back before the last update succeeded
         self.snapshot_s = self.snapshot_bytes = 0
         self.critic_version_at_snapshot = None
         #: the last update ran every planned step to the end on this rank (the commit's evidence)
@@ -104,7 +105,9 @@ class Learner:
             try:
                 with timer.stage("update", samples=batch.facts.batch_size,
                                  groups=len(set(batch.facts.group_id)), attempt=failures):
-                    return self.update(k, batch, version)
+                    out = self.update(k, batch, version)
+                self.update_attempt = failures  # the committed version records it (v<step>.<attempt>)
+                return out
             except UpdateFailure as e:
                 failures += 1
                 self.counters["update_failures"] += 1
@@ -364,7 +367,7 @@ def token_micro_batches(columns: Dict[str, torch.Tensor], rows: torch.Tensor, bu
     lengths = (columns["prompt_lens"] + columns["response_lens"])[rows]
     plan = plan_token_micro_batches(lengths.tolist(), budget, dp)[rank]
     out = []
-    for bin_rows, pad in zip(plan.bins, plan.pad):
+    for bin_rows, pad in zip(plan.bins, plan.pad, strict=True):
         idx = rows[torch.tensor(bin_rows, dtype=torch.long)]
         mb = {name: t[idx].clone() for name, t in columns.items()}
         own = mb["prompt_lens"] + mb["response_lens"]

@@ -56,6 +56,7 @@ class RunPersistence:
                  identify: Optional[Callable[[object], str]] = None):
         self.identify = identify or weights_identity
         self.origins: Dict[str, dict] = {}
+        self._registered: Optional[set] = None  # short ids in <run_dir>/versions.jsonl
         self.cfg, self.run_dir = cfg, run_dir
         self.actor, self.critic, self.reference = actor, critic, reference
         self.sampler, self.kl_ctl, self.progress = sampler, kl_ctl, progress
@@ -265,6 +266,25 @@ class RunPersistence:
                   f"{state['policy_version']['optimizer_step']}"
                   f"{'' if same else ' (at a different layout: saved ' + str(saved) + ')'}", flush=True)
         return state
+
+    def register_version(self, version: PolicyVersion) -> None:
+        """Rank 0 appends ``version``'s whole tuple to ``<run_dir>/versions.jsonl`` (once per
+        short id): what every sealed sample's short id stands for, for the run's whole life."""
+        if not self.rank0:
+            return
+        path = os.path.join(self.run_dir, "versions.jsonl")
+        if self._registered is None:
+            self._registered = set()
+            if os.path.isfile(path):
+                with open(path) as f:
+                    self._registered = {json.loads(line)["short_id"] for line in f if line.strip()}
+        if version.short_id in self._registered:
+            return
+        with open(path, "a") as f:
+            f.write(json.dumps({"short_id": version.short_id, **version.to_dict()}, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self._registered.add(version.short_id)
 
     def truncate_metrics(self, start: int) -> None:
         """Rows of iterations that will run again (written after the checkpoint) are dropped."""

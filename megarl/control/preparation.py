@@ -6,7 +6,7 @@ raw-space log-probs after a measured token-by-token parity check), reference log
 values.  The state machine reaches EXPERIENCE_SEALED(v) only when every sample was written,
 every group is complete and every sample records v (or, from an asynchronous producer, a
 version at most ``ProducedRollout.max_staleness`` steps older: then ``async_rl.correction``
-corrects the behaviour-vs-proximal gap, :meth:`ExperiencePreparer._offpolicy_correction`).
+corrects the behaviour-vs-proximal gap, :mod:`megarl.algo.derivation`).
 Advantages and returns are derived tensors attached to the sealed facts, computed by the
 estimator the registry names, fed what its entry declares it needs.
 """
@@ -19,27 +19,24 @@ from typing import Dict, Optional
 
 import torch
 
-from megarl.algo.advantages import AdvantageConfig, AdvantageInputs, check_finite, masked_whiten
 from megarl.algo.aggregation import masked_mean
+from megarl.algo.derivation import DerivationSettings, derive
 from megarl.algo.kl import kl_k1, kl_k3
-from megarl.algo.registry import advantage_needs, get_advantage
-from megarl.algo.reward_shaping import kl_shaped_token_rewards, place_outcome_rewards
-from megarl.algo.rollout_correction import (RolloutCorrectionConfig, async_correction_config, offpolicy_metrics,
-                                            rollout_correction)
+from megarl.algo.registry import advantage_needs
+from megarl.algo.rollout_correction import RolloutCorrectionConfig, async_correction_config
 from megarl.algo.routing import routing_load_metrics
 from megarl.control.batch import collate, collate_trajectories
 from megarl.control.interfaces import ProducedRollout, RunProgress
 from megarl.control.state_machine import IterationStateMachine, SealEvidence
 from megarl.errors import MegarlError
-from megarl.experience.groups import group_index
-from megarl.experience.schema import DerivedTensors, ExperienceBatch, ExperienceFacts, LogProbProducer, LogProbs
+from megarl.experience.schema import ExperienceBatch, ExperienceFacts, LogProbProducer, LogProbs
 from megarl.experience.seal import save_sealed, seal, with_derived
-from megarl.experience.staleness import StalenessError, check_staleness, staleness_metrics, token_ages
+from megarl.experience.staleness import StalenessError, check_staleness, staleness_metrics
 from megarl.models.router_replay import RecordRouting, RoutingStats
 from megarl.observability.metrics import StageTimer
 from megarl.runtime import data_parallel
 from megarl.runtime.data_parallel import broadcast_object, gather_objects, local_rows, map_rows
-from megarl.versions import PolicyVersion, step_of_short_id
+from megarl.versions import PolicyVersion
 
 
 class RolloutParityError(MegarlError, RuntimeError):
@@ -80,8 +77,13 @@ class ExperiencePreparer:
     was checked; ``save_dir`` where ``trainer.save_experience`` writes each sealed batch."""
 
     def __init__(self, cfg, *, actor, reference, critic, time_slice, sm: IterationStateMachine, kl_ctl,
-                 progress: RunProgress, pad_id: int, run_id: str, save_dir: Optional[str], proximal_engine=None):
+                 progress: RunProgress, pad_id: int, run_id: str, save_dir: Optional[str], proximal_engine=None,
+                 rollout_precision: str = ""):
         a = cfg.algo
+        #: the dtype each log-prob producer computed in, for the record (the engine's: its sync dtype)
+        self.precision = {"rollout": rollout_precision, "engine": rollout_precision,
+                          "actor": getattr(actor, "precision", ""),
+                          "reference": getattr(reference, "precision", "") if reference is not None else ""}
         #: async_rl.proximal_log_probs=engine: the rollout engine scores the proximal log-probs
         #: (``proximal_engine``: the remote handle, on the rank that holds it; None on the others)
         self.proximal_from_engine = cfg.async_rl.proximal_log_probs == "engine"
@@ -90,8 +92,6 @@ class ExperiencePreparer:
         self.time_slice, self.sm, self.kl_ctl, self.progress = time_slice, sm, kl_ctl, progress
         self.pad_id, self.run_id, self.save_dir = pad_id, run_id, save_dir
         self.needs = advantage_needs(a.advantage)
-        self.estimator = get_advantage(a.advantage)
-        self.adv_cfg = AdvantageConfig(gamma=a.gamma, lam=a.lam, zero_std_rule=a.zero_std_rule, std_eps=a.std_eps)
         self.whiten = bool(self.needs.critic and a.whiten_advantages)
         rc = a.rollout_correction
         self.correction = (RolloutCorrectionConfig(token_is_cap=rc.token_is_cap, seq_mask_threshold=rc.seq_mask_threshold,
@@ -111,7 +111,7 @@ class ExperiencePreparer:
         self.actor.onload()
         ntok = float(c.attention_mask.sum())
         # the behaviour policy: v, or every older version that generated a policy token (async)
-        rollout_lp = LogProbs(c.rollout_log_probs, LogProbProducer("rollout", c.behaviour_version, "raw"))
+        rollout_lp = LogProbs(c.rollout_log_probs, LogProbProducer("rollout", c.behaviour_version, "raw", self.precision["rollout"]))
         keep = c.response_mask != 0
         if self.proximal_from_engine:  # the engine scores while the trainer runs its own forwards
             t0 = time.perf_counter()
@@ -135,10 +135,10 @@ class ExperiencePreparer:
             seed=tuple(s.seed for s in samples), rewards=tuple(s.record for s in samples),
             rollout_log_probs=rollout_lp, old_log_probs=old, ref_log_probs=ref, values=values,
             critic_version=self.critic.version if self.critic is not None else None,
-            routed_experts=c.routed_experts, token_origins=c.token_origins)
+            routed_experts=c.routed_experts, token_origins=c.token_origins, bootstrap_values=bootstrap)
         sealed = self._seal(facts, version, produced, c, m)
         with timer.stage("advantages"):
-            derived, adv_m = self.advantages(facts, produced.real_sizes, bootstrap)
+            derived, adv_m = self.advantages(facts, produced.real_sizes)
         m.update(adv_m)
         batch = with_derived(sealed, derived)
         if self.save_dir is not None:
@@ -190,12 +190,12 @@ class ExperiencePreparer:
                 old = rollout_lp
             elif c.routed_experts is not None:
                 vals, routing_m = self._old_log_probs_routed(c, mbs, pack, budget)
-                old = LogProbs(vals, LogProbProducer("actor", v, "raw"))
+                old = LogProbs(vals, LogProbProducer("actor", v, "raw", self.precision["actor"]))
                 m.update(routing_m)
             else:
                 vals = map_rows(lambda *t: self.actor.log_probs(*t, mbs, pack=pack, micro_batch_tokens=budget),
                                 c.prompt_ids, c.response_ids, c.attention_mask).cpu()
-                old = LogProbs(vals, LogProbProducer("actor", v, "raw"))
+                old = LogProbs(vals, LogProbProducer("actor", v, "raw", self.precision["actor"]))
             m["prep/old_log_prob_s"] = time.perf_counter() - t0
             m["prep/actor_tokens_per_s"] = ntok / max(m["prep/old_log_prob_s"], 1e-9)
         keep = c.response_mask != 0
@@ -242,7 +242,7 @@ class ExperiencePreparer:
             for b, row in enumerate(rows):
                 vals[b, :len(row)] = row
             m["prep/proximal_engine_s"] = time.perf_counter() - t0
-        old = LogProbs(vals, LogProbProducer("engine", v, "raw"))
+        old = LogProbs(vals, LogProbProducer("engine", v, "raw", self.precision["engine"]))
         every = cfg.rollout.log_prob_parity_every
         if not self.progress.parity_checked or (every > 0 and k % every == 0):
             mbs, pack, budget = cfg.algo.forward_micro_batch_size, cfg.algo.pack_sequences, cfg.algo.micro_batch_tokens
@@ -269,7 +269,7 @@ class ExperiencePreparer:
             t0 = time.perf_counter()
             vals = map_rows(lambda *t: self.reference.log_probs(*t, mbs, pack=pack, micro_batch_tokens=budget),
                             c.prompt_ids, c.response_ids, c.attention_mask).cpu()
-            ref = LogProbs(vals, LogProbProducer("reference", self.reference.version, "raw"))
+            ref = LogProbs(vals, LogProbProducer("reference", self.reference.version, "raw", self.precision["reference"]))
             m["prep/ref_log_prob_s"] = time.perf_counter() - t0
             m["prep/ref_tokens_per_s"] = ntok / max(m["prep/ref_log_prob_s"], 1e-9)
         return ref
@@ -351,74 +351,18 @@ class ExperiencePreparer:
         group = data_parallel.dp_group() if data_parallel.dp_size() > 1 else None
         return vals, {f"prep/routing/{k}": v for k, v in stats.reduce(group).items()}
 
-    def advantages(self, facts: ExperienceFacts, real_sizes: Dict[str, int], bootstrap):
-        """The estimator's derived tensors over the sealed facts, and the ``prep/adv*`` metrics."""
+    def derivation_settings(self) -> DerivationSettings:
+        """The settings the derived tensors are computed under now (the KL coefficient moves)."""
         a = self.cfg.algo
-        scores = facts.scores()
-        mask = facts.response_mask
-        token_rewards = None
-        if self.needs.groups:
-            gidx, _ = group_index(facts.group_id, real_sizes)
-            inputs = AdvantageInputs(response_mask=mask, scores=scores, group_index=gidx)
-        else:
-            if a.kl.placement == "reward":
-                token_rewards, _ = kl_shaped_token_rewards(scores, mask, facts.old_log_probs, facts.ref_log_probs,
-                                                           self.kl_ctl.value)
-            else:
-                token_rewards = place_outcome_rewards(scores, mask)
-            inputs = AdvantageInputs(response_mask=mask, token_rewards=token_rewards.float(),
-                                     values=facts.values, terminated=facts.terminated(),
-                                     bootstrap_values=bootstrap)
-        res = self.estimator(inputs, self.adv_cfg)
-        check_finite(res)
-        adv = res.advantages
-        if self.whiten:
-            adv = masked_whiten(adv, res.loss_mask, self.adv_cfg.whiten_eps)
-        loss_mask, is_weights, m = res.loss_mask, None, {}
-        if self.correction is not None:  # the rollout/trainer mismatch, from the sealed log-probs
-            corr = rollout_correction(facts.old_log_probs, facts.rollout_log_probs, loss_mask, self.correction)
-            loss_mask, is_weights = corr.loss_mask, corr.is_weights
-            m.update({f"prep/rollout_correction/{k}": v for k, v in corr.metrics.items()})
-        if self.offpolicy is not None:  # async_rl.correction: behaviour (rollout) vs proximal (old) policy
-            loss_mask, is_weights, off_m = self._offpolicy_correction(facts, loss_mask)
-            m.update(off_m)
-        keep = loss_mask != 0
-        m.update({f"prep/adv/{k}": v for k, v in res.metrics.items()})
-        m["prep/advantage_mean"] = float(masked_mean(adv, keep)) if keep.any() else 0.0
-        m["prep/advantage_std"] = float(adv[keep].std()) if int(keep.sum()) > 1 else 0.0
-        if self.needs.groups:
-            spreads = {}
-            for g, t in zip(facts.group_id, scores.tolist()):
-                spreads.setdefault(g, set()).add(t)
-            m["prep/zero_variance_group_share"] = sum(len(s) == 1 for s in spreads.values()) / len(spreads)
-        derived = DerivedTensors(
-            advantages=adv.float(), loss_mask=loss_mask, is_weights=is_weights,
-            returns=None if res.returns is None else res.returns.float(),
-            shaped_rewards=None if token_rewards is None else token_rewards.float(), estimator=a.advantage,
-            hyperparameters={"gamma": a.gamma, "lam": a.lam, "zero_std_rule": a.zero_std_rule,
-                             "std_eps": a.std_eps, "kl_beta": self.kl_ctl.value, "whiten": self.whiten,
-                             **({} if self.correction is None else {"rollout_correction": {
-                                 "token_is_cap": self.correction.token_is_cap,
-                                 "seq_mask_threshold": self.correction.seq_mask_threshold,
-                                 "seq_mask_stat": self.correction.seq_mask_stat}}),
-                             **({} if self.offpolicy is None else {"offpolicy_correction": {
-                                 "max_staleness": self.async_eta, **self.offpolicy.as_dict()}})})
-        return derived, m
+        return DerivationSettings(estimator=a.advantage, gamma=a.gamma, lam=a.lam, zero_std_rule=a.zero_std_rule,
+                                  std_eps=a.std_eps, kl_placement=a.kl.placement, kl_beta=self.kl_ctl.value,
+                                  whiten=self.whiten, correction=self.correction, offpolicy=self.offpolicy,
+                                  max_staleness=self.async_eta if self.offpolicy is not None else 0)
 
-    def _offpolicy_correction(self, facts: ExperienceFacts, loss_mask: torch.Tensor):
-        """``async_rl.correction`` (:func:`megarl.algo.rollout_correction.async_correction_config`):
-        decoupled PPO (Fu et al. 2025, AReaL) with the old log-probs recomputed by the actor on v as
-        the proximal policy (Hilton et al. 2022) and the rollout's as the behaviour policy; weights
-        (decoupled: filtered above ``is_cap``, tis: truncated at it, Yao et al. 2025) or a sequence
-        mask (mask).  The normaliser is counted before masking: ``loss_mask`` comes back unchanged and
-        a rejected token carries weight 0 (the learner counts N from ``loss_mask``).  Returns the loss
-        mask, the weights and the ``prep/offpolicy/*`` metrics (per-age KL by token age)."""
-        corr = rollout_correction(facts.old_log_probs, facts.rollout_log_probs, loss_mask, self.offpolicy,
-                                  max_staleness=self.async_eta)
-        ages = token_ages(facts, step_of_short_id(facts.old_log_probs.producer.version))
-        m = offpolicy_metrics(facts.old_log_probs, facts.rollout_log_probs, facts.response_mask, self.offpolicy,
-                              corr, ages)
-        return corr.loss_mask, corr.is_weights, {f"prep/offpolicy/{k}": x for k, x in m.items()}
+    def advantages(self, facts: ExperienceFacts, real_sizes: Dict[str, int]):
+        """The estimator's derived tensors over the sealed facts, and the ``prep/adv*`` metrics
+        (:func:`megarl.algo.derivation.derive`, which the recorded settings reproduce offline)."""
+        return derive(facts, self.derivation_settings(), real_sizes)
 
 
 def _offpolicy_settings(an):

@@ -12,6 +12,8 @@ spread are filtered and more prompts are drawn on the same v, at most ``max_roun
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from collections import Counter
 from typing import Dict, List, Optional, Protocol, Sequence, runtime_checkable
@@ -99,8 +101,9 @@ class GroupRolloutProducer:
     def __init__(self, cfg, *, grouped: bool, train_data, sampler, engine, placement: Placement,
                  scorer: SampleScorer, sm: IterationStateMachine, counters: Counter, run_id: str,
                  quarantine_path: str, admission: Optional["PromptAdmission"] = None,
-                 observers: Sequence["RolloutObserver"] = ()):
+                 observers: Sequence["RolloutObserver"] = (), stop_token_ids: Sequence[int] = ()):
         self.cfg, self.grouped, self.train_data, self.sampler = cfg, grouped, train_data, sampler
+        self.stop_token_ids = tuple(stop_token_ids)  # what the engine ends responses on: the record says so
         self.engine, self.placement, self.scorer, self.sm = engine, placement, scorer, sm
         self.counters, self.run_id, self.quarantine_path = counters, run_id, quarantine_path
         self.last_engine_error: str | None = None  # "group g: <error>", for the message of a failed iteration
@@ -156,7 +159,7 @@ class GroupRolloutProducer:
                 break
             round_v, records, ahead = self._draw_round(k, rnd, v)
             requests = self._requests(k, rnd, records)
-            for q, rec in zip(requests, records):
+            for q, rec in zip(requests, records, strict=True):
                 by_group[q.request_id] = rec
                 buffer.open_group(q.request_id, rec.prompt_id, round_v, [candidate_sample_id(q.request_id, c) for c in range(G)])
             m["rollout/prompts"] += len(records)
@@ -176,10 +179,16 @@ class GroupRolloutProducer:
         m["rollout/group_size_mean"] = sum(real_sizes.values()) / len(real_sizes)
         m["rollout/generate_s"] = timing["generate"]
         m["prep/reward_s"] = timing["reward"]
-        return ProducedRollout(accepted, real_sizes,
-                               sampling=training_sampling(cfg.rollout, cfg.trainer.seed, k, 0).to_config(),
+        return ProducedRollout(accepted, real_sizes, sampling=self.sampling_record(k),
                                metrics=rollout_metrics(accepted, dict(m), timing["generate"]),
                                max_staleness=self.max_staleness)
+
+    def sampling_record(self, k: int):
+        """Iteration ``k``'s sampling contract as the record states it: with the stop set the
+        engine really used (its eos ids, and the contract's own stop ids)."""
+        config = training_sampling(self.cfg.rollout, self.cfg.trainer.seed, k, 0).to_config()
+        stops = tuple(dict.fromkeys([*self.stop_token_ids, *config.stop_token_ids]))
+        return dataclasses.replace(config, stop_token_ids=stops)
 
     def _group_policy(self) -> GroupPolicy:
         """Whole groups for a group estimator (``algo.partial_groups`` decides an incomplete
@@ -301,7 +310,7 @@ class GroupRolloutProducer:
     def _report(self, samples: List[Sample], join, by_group: dict, buffer: GroupBuffer, v: str, m: Counter) -> list:
         """Every candidate's outcome into the buffer; returns its regeneration requests."""
         retry_reqs = []
-        for s, r in zip(samples, join.fresh):
+        for s, r in zip(samples, join.fresh, strict=True):
             if s.finish_reason is FinishReason.ABORT:
                 m["rollout/aborted"] += 1
                 status, reason = CandidateStatus.RETRYABLE, "aborted by the engine"

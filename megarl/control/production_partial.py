@@ -275,7 +275,7 @@ class PartialRolloutProducer(GroupRolloutProducer):
         m["rollout/mixed_version_share"] = sum(s.spans_versions for s in accepted) / len(accepted)
         m["rollout/len_mean_over_max"] = sum(lens) / len(lens) / max(lens)
         return ProducedRollout(accepted, real_sizes,
-                               sampling=training_sampling(cfg.rollout, cfg.trainer.seed, k, 0).to_config(),
+                               sampling=self.sampling_record(k),
                                metrics=rollout_metrics(accepted, dict(m), timing["generate"]),
                                max_staleness=self._max_staleness)
 

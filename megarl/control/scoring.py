@@ -49,7 +49,8 @@ class Scorer:
             rc = self.runner.counters
             before = (rc["timeout"], rc["error"], rc["retries"])
             records = [r.to_json() for r in self.runner.score(rs)]  # JSON travels, mappingproxy does not
-            records = (records, [n - b for n, b in zip((rc["timeout"], rc["error"], rc["retries"]), before)])
+            after = (rc["timeout"], rc["error"], rc["retries"])
+            records = (records, [n - b for n, b in zip(after, before, strict=True)])
         records = broadcast_object(records)
         if records is not None:
             records, (timeouts, errors, retries) = records
@@ -61,7 +62,7 @@ class Scorer:
             records = self._add_reward_model(rs, records)
         if self.overlong_buffer is not None:  # DAPO soft overlong punishment, on ok scores only
             records = [with_overlong_component(rec, len(s.response_ids), self.max_new_tokens, self.overlong_buffer)
-                       for rec, s in zip(records, samples)]
+                       for rec, s in zip(records, samples, strict=True)]
         record_scores(samples, records, self.cfg, self.tok, self.counters, self.quarantine_path, self.rank0)
 
     def _add_reward_model(self, rs, records):
@@ -93,7 +94,7 @@ def record_scores(samples: List[Sample], records, reward_cfg, tok, counters: Cou
     from megarl.rewards.runner import apply_penalties
 
     records = apply_penalties(records, reward_cfg.penalty)
-    for s, r in zip(samples, records):
+    for s, r in zip(samples, records, strict=True):
         s.record = r
     failed = [s for s in samples if s.record.status is not RewardStatus.OK]
     if failed and rank0 and reward_cfg.on_failure == "quarantine":

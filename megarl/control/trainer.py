@@ -112,6 +112,7 @@ class Trainer:
             done_marker = os.path.join(run_dir, "DONE")
             if self.rank0 and os.path.exists(done_marker):  # a finished run continued (trainer.iterations raised)
                 os.remove(done_marker)
+        self.persistence.register_version(self.version)
         self.sm = IterationStateMachine(committed=self.version,
                                        deadlines=PhaseDeadlines.from_config(cfg.trainer.phase_timeout_s))
         self.pending = (self.persistence.load_pending(resume, self.version)
@@ -307,6 +308,7 @@ class Trainer:
         rank completed and every rank's manifest is the same."""
         manifest = actor_manifest(self.actor.ddp, dtype=self.sync_dtype)
         reports = gather_objects((self.learner.completed, manifest.global_hash))
-        new = self.version.successor(manifest.global_hash)
+        new = self.version.successor(manifest.global_hash, update_attempt=self.learner.update_attempt)
         self.sm.commit(new, UpdateEvidence.from_rank_reports(reports, manifest.global_hash))
         self.version, self.manifest = new, manifest
+        self.persistence.register_version(new)

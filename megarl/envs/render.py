@@ -233,7 +233,7 @@ def render_conversation(renderer: EnvTurnRenderer, messages: Sequence[Message]) 
 
 def _difference(renderer: EnvTurnRenderer, session: RenderedConversation, ref: list[int]) -> str:
     ids = session.ids
-    i = next((k for k, (a, b) in enumerate(zip(ids, ref)) if a != b), min(len(ids), len(ref)))
+    i = next((k for k, (a, b) in enumerate(zip(ids, ref, strict=False)) if a != b), min(len(ids), len(ref)))
     where = "the prompt" if i < len(session.prompt_ids) else "the template's tokens after the session's last"
     for kind, turn, start, end in session.spans:
         if start <= i < end:

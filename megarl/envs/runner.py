@@ -130,16 +130,17 @@ class EnvironmentPool:
                 raise EnvPoolError(f"step got {len(indices)} indices and {len(actions)} actions")
             if len(set(indices)) != len(indices):
                 raise EnvPoolError(f"step got an index twice: {indices} (one step at a time per environment)")
-            for i, a in zip(indices, actions):
+            for i, a in zip(indices, actions, strict=True):
                 if not 0 <= i < len(self._envs):
                     raise EnvPoolError(f"environment index {i} out of range: the pool holds {len(self._envs)}")
                 if self._states[i] is not _State.READY:
                     raise EnvPoolError(f"environment {i} refuses further steps: {self._why[i]}")
                 if not isinstance(a, str):
                     raise EnvPoolError(f"the action for environment {i} must be str (decoded text), got {type(a).__name__}")
-            results = self._run(indices, [(self._envs[i], a) for i, a in zip(indices, actions)], _step_call,
+            calls = [(self._envs[i], a) for i, a in zip(indices, actions, strict=True)]
+            results = self._run(indices, calls, _step_call,
                                 lambda i, value: check_outcome(value))
-            for i, r in zip(indices, results):
+            for i, r in zip(indices, results, strict=True):
                 if r.status is not EnvStatus.OK:
                     self._fail(i, r)
                 else:
@@ -213,7 +214,8 @@ class EnvironmentPool:
     def _drop_all(self) -> None:
         """Forget the instances; their ``close()`` runs on one extra daemon thread, not awaited and
         not on the workers, so a close() that hangs costs that thread only, never a worker."""
-        live = [env for env, state in zip(self._envs, self._states) if env is not None and state is not _State.ABANDONED]
+        live = [env for env, state in zip(self._envs, self._states, strict=True)
+                if env is not None and state is not _State.ABANDONED]
         self._envs, self._states, self._why = [], [], []
         if any(callable(getattr(env, "close", None)) for env in live):
             threading.Thread(target=_close_all, args=(live,), name=f"env-{self.name}-close", daemon=True).start()

@@ -33,9 +33,9 @@ def _digits(text: str) -> str | None:
 def digit_feedback(guess: str | None, answer: str) -> tuple[str, float]:
     """``("3 5 _", 2/3)``: the answer's digits the guess has in the same place, ``_`` elsewhere,
     and the fraction right.  A guess that is no integer, or of another length, gets all ``_``."""
-    ok = [guess is not None and len(guess) == len(answer) and g == a for g, a in zip(guess or "", answer)]
+    ok = [guess is not None and len(guess) == len(answer) and g == a for g, a in zip(guess or "", answer, strict=False)]
     ok += [False] * (len(answer) - len(ok))
-    return " ".join(a if hit else "_" for a, hit in zip(answer, ok)), sum(ok) / len(answer)
+    return " ".join(a if hit else "_" for a, hit in zip(answer, ok, strict=False)), sum(ok) / len(answer)
 
 
 class TwoTurnEnv:

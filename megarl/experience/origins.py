@@ -176,7 +176,7 @@ def collate_origins(sources: Sequence[Sequence[int]], turns: Sequence[Sequence[i
         if len(turns[b]) != n or len(token_versions[b]) != n:
             raise ValueError(f"collate_origins: row {b} has {n} sources, {len(turns[b])} turns and "
                              f"{len(token_versions[b])} token versions (one of each per response token)")
-        for t, (s, v) in enumerate(zip(sources[b], token_versions[b])):
+        for t, (s, v) in enumerate(zip(sources[b], token_versions[b], strict=True)):
             if s not in (TokenSource.POLICY, TokenSource.ENVIRONMENT):
                 raise ValueError(f"collate_origins: row {b}, response position {t}: source {s!r} is not "
                                  f"1 (policy) or 2 (environment)")

@@ -118,7 +118,7 @@ class RewardRecord:
                     f"step_token_ends {len(self.step_token_ends)}"
                 )
             ends = list(self.step_token_ends)
-            if any(b <= a for a, b in zip(ends, ends[1:])) or (ends and ends[0] < 0):
+            if any(b <= a for a, b in zip(ends, ends[1:], strict=False)) or (ends and ends[0] < 0):
                 raise ValueError(f"RewardRecord.step_token_ends must be non-negative and strictly increasing, got {ends}")
 
     def to_json(self) -> dict:
@@ -161,11 +161,14 @@ class LogProbProducer:
     version: the producing model's version id (policy version for actor / rollout).
     space: ``raw`` -- log softmax of the unmodified logits; ``processed`` -- after temperature /
     top-k / top-p / logits processors (the sampling distribution).
+    precision: the dtype the producing model computed in (``bfloat16`` engine, ``float32``
+    actor: the values are float32 either way); empty in records sealed before it was recorded.
     """
 
     role: str
     version: str
     space: str = "raw"
+    precision: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in LOG_PROB_ROLES:
@@ -174,6 +177,8 @@ class LogProbProducer:
             raise ValueError("LogProbProducer.version must be a non-empty version id")
         if self.space not in LOG_PROB_SPACES:
             raise ValueError(f"LogProbProducer.space {self.space!r} is not one of {LOG_PROB_SPACES}")
+        if self.precision and not isinstance(getattr(torch, self.precision, None), torch.dtype):
+            raise ValueError(f"LogProbProducer.precision {self.precision!r} is not a torch dtype name")
 
 
 @dataclass(frozen=True)
@@ -481,6 +486,9 @@ class ExperienceFacts:
     critic_version: str | None = None
     routed_experts: RoutedExperts | None = None  # MoE only: the rollout's routing (algo.routing_replay)
     token_origins: TokenOrigins | None = None  # multi-turn only: source / turn / version per response token
+    #: ``(bs,)`` the critic's V(s_T), the state after each response's last token: what GAE
+    #: bootstraps a truncated sample from (sealed with ``values``, so the batch re-derives alone)
+    bootstrap_values: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         bs = len(self.sample_id)
@@ -533,6 +541,10 @@ class ExperienceFacts:
             _check_tensor("values", self.values, (bs, R), floating=True)
             if not self.critic_version:
                 raise ValueError("ExperienceFacts.critic_version must name the critic that produced values")
+        if self.bootstrap_values is not None:
+            _check_tensor("bootstrap_values", self.bootstrap_values, (bs,), floating=True)
+            if self.values is None:
+                raise ValueError("ExperienceFacts.bootstrap_values come with the critic's values (none given)")
         if self.routed_experts is not None:
             re_ = self.routed_experts
             if not isinstance(re_, RoutedExperts):
@@ -647,7 +659,7 @@ class ExperienceFacts:
     def scores(self) -> torch.Tensor:
         """``(bs,)`` float64 reward totals; raises naming the sample if any reward is not ok."""
         out = []
-        for sid, r in zip(self.sample_id, self.rewards):
+        for sid, r in zip(self.sample_id, self.rewards, strict=True):
             if r.status is not RewardStatus.OK:
                 raise ValueError(f"sample {sid!r} has reward status {r.status.value!r} ({r.error}); it cannot be trained on")
             out.append(r.total)
@@ -707,7 +719,7 @@ def batch_tensors(batch: ExperienceBatch) -> dict[str, torch.Tensor]:
     """Every tensor of the batch under a stable dotted name (``facts.old_log_probs``, ...)."""
     out: dict[str, torch.Tensor] = {}
     f = batch.facts
-    for name in ("prompt_ids", "response_ids", "attention_mask", "response_mask", "values"):
+    for name in ("prompt_ids", "response_ids", "attention_mask", "response_mask", "values", "bootstrap_values"):
         t = getattr(f, name)
         if t is not None:
             out[f"facts.{name}"] = t

@@ -133,6 +133,7 @@ def _map_tensors(batch: ExperienceBatch, fn, content_hash: str | None) -> Experi
         attention_mask=fn(f.attention_mask),
         response_mask=fn(f.response_mask),
         values=fn(f.values),
+        bootstrap_values=fn(f.bootstrap_values),
         rollout_log_probs=None if f.rollout_log_probs is None else LogProbs(fn(f.rollout_log_probs.values), f.rollout_log_probs.producer),
         old_log_probs=None if f.old_log_probs is None else LogProbs(fn(f.old_log_probs.values), f.old_log_probs.producer),
         ref_log_probs=None if f.ref_log_probs is None else LogProbs(fn(f.ref_log_probs.values), f.ref_log_probs.producer),
@@ -160,7 +161,12 @@ def _metadata(batch: ExperienceBatch) -> dict:
     f = batch.facts
 
     def prod(lp: LogProbs | None):
-        return None if lp is None else dataclasses.asdict(lp.producer)
+        if lp is None:
+            return None
+        out = dataclasses.asdict(lp.producer)
+        if not out["precision"]:  # absent when unrecorded: earlier records keep their hashes
+            del out["precision"]
+        return out
 
     meta: dict[str, Any] = {
         "run_id": f.run_id,
@@ -300,7 +306,7 @@ def _token_origins(meta: dict | None, tensors: dict, where) -> TokenOrigins | No
     if (meta is None and any(present)) or (meta is not None and not all(present)):
         raise CorruptExperienceError(f"{where}: token_origins metadata and its three tensors must be saved together "
                                      f"(metadata {'present' if meta is not None else 'absent'}, tensors "
-                                     f"{[n for n, p in zip(names, present) if p]})")
+                                     f"{[n for n, p in zip(names, present, strict=True) if p]})")
     if meta is None:
         return None
     return TokenOrigins(*(tensors[n] for n in names), versions=tuple(meta["versions"]))
@@ -348,6 +354,7 @@ def load_sealed(directory: str | os.PathLike) -> ExperienceBatch:
         old_log_probs=lp("old_log_probs"),
         ref_log_probs=lp("ref_log_probs"),
         values=tensors.get("facts.values"),
+        bootstrap_values=tensors.get("facts.bootstrap_values"),
         critic_version=m["critic_version"],
         routed_experts=_routed_experts(m.get("routed_experts"), tensors.get("facts.routed_experts"), tf),
         token_origins=_token_origins(m.get("token_origins"), tensors, tf),

@@ -78,7 +78,8 @@ def sequence_positions(cu_seqlens: torch.Tensor, cp: int, cp_rank: int, device=N
     ``cu_seqlens`` (each a multiple of ``2 * cp`` long) split on its own, its two chunks in
     sequence order (transformer-engine's THD layout, and megatron's per-sequence RoPE rows)."""
     cu = [int(c) for c in cu_seqlens]
-    return torch.cat([start + positions(end - start, cp, cp_rank, device) for start, end in zip(cu[:-1], cu[1:])])
+    return torch.cat([start + positions(end - start, cp, cp_rank, device)
+                      for start, end in zip(cu[:-1], cu[1:], strict=True)])
 
 
 def _held(length: int, cp: int, cp_rank: int, cu_seqlens, device) -> torch.Tensor:

@@ -312,7 +312,7 @@ def forward_only(model, micro_batches: List[MicroBatch],
     targets = targets if targets is not None else [None] * len(micro_batches)
     # sequence parallelism: each micro-batch runs on whole tp-sized chunks of its rows (right
     # padding, never attended to by a causal model); on_output sees the micro-batch's own width
-    aligned = [_aligned(mb, tg, sequence_multiple(model)) for mb, tg in zip(micro_batches, targets)]
+    aligned = [_aligned(mb, tg, sequence_multiple(model)) for mb, tg in zip(micro_batches, targets, strict=True)]
     was_training = model.training
     for c in chunks:
         c.eval()
@@ -422,13 +422,13 @@ def _by_length(model, tokens: torch.Tensor, lengths: Optional[torch.Tensor], mic
     groups = list(order.split(micro_batch_size or tokens.shape[0]))
     widths = [max(int(lengths[g].max()), trim + 1) for g in groups]
     run = _ep_common_widths(model, groups, widths)
-    mbs = [pad_columns(tokens[g, :w], r) for g, w, r in zip(groups, widths, run)]
+    mbs = [pad_columns(tokens[g, :w], r) for g, w, r in zip(groups, widths, run, strict=True)]
     # a widened micro-batch replays the filler routing (0 .. k-1) on its extra columns
-    tg = None if routing is None else [routing.targets(mb, g, mb.shape[1]) for mb, g in zip(mbs, groups)]
+    tg = None if routing is None else [routing.targets(mb, g, mb.shape[1]) for mb, g in zip(mbs, groups, strict=True)]
     results = forward_only(model, mbs, on_output, tg, routing)
     first = results[0]
     out = first.new_zeros((tokens.shape[0], tokens.shape[1] - trim) + tuple(first.shape[2:]))
-    for g, w, res in zip(groups, widths, results):
+    for g, w, res in zip(groups, widths, results, strict=True):
         out[g.to(out.device), : w - trim] = res[:, : w - trim]
     past = torch.arange(out.shape[1], device=out.device)[None, :] >= (lengths.to(out.device) - trim)[:, None]
     return out.masked_fill_(past.reshape(past.shape + (1,) * (out.dim() - 2)), 0)
@@ -465,7 +465,7 @@ def _ep_common_widths(model, groups: List[torch.Tensor], widths: List[int]) -> L
         raise ValueError("MoE at expert parallel size > 1: the ranks of an expert-parallel group must run the same "
                          f"number of micro-batches with the same rows each (the token dispatcher gathers them); got "
                          f"{[rows for rows, _ in every]}")
-    return [max(ws) for ws in zip(*(w for _, w in every))]
+    return [max(ws) for ws in zip(*(w for _, w in every), strict=True)]
 
 
 def _aligned(mb: MicroBatch, tg: Optional[RouterTargets], m: int):
@@ -532,13 +532,14 @@ def _packed(model, tokens: torch.Tensor, lengths: Optional[torch.Tensor], micro_
     widths = [int(real[g].max()) for g in groups]
     cp = context_parallel.size()  # each sequence split into 2 x cp chunks: rows padded at their ends
     items = [PackedMicroBatch.from_rows(tokens[g, :w], real[g]).rows_padded_to(2 * cp if cp > 1 else 1)
-             for g, w in zip(groups, widths)]
-    tg = None if routing is None else [routing.targets(it, g, w) for it, g, w in zip(items, groups, widths)]
+             for g, w in zip(groups, widths, strict=True)]
+    tg = None if routing is None else [routing.targets(it, g, w)
+                                       for it, g, w in zip(items, groups, widths, strict=True)]
     n_own = len(items)
     items, tg = _ep_common_packs(model, items, tg, routing)
     results = forward_only(model, items, on_output, tg, routing)[:n_own]
     out = None
-    for g, w, item, res in zip(groups, widths, items, results):
+    for g, w, item, res in zip(groups, widths, items, results, strict=True):
         per_token = res[0]  # (total - trim, ...): entry k belongs to packed token k
         if trim:
             per_token = torch.cat([per_token, per_token.new_zeros((trim,) + tuple(per_token.shape[1:]))])
@@ -567,7 +568,7 @@ def common_pack_lengths(model, lengths: List[int]) -> List[int]:
     if len(set(counts)) != 1:
         raise ValueError("MoE at expert parallel size > 1: the ranks of an expert-parallel group must run as many "
                          f"packed micro-batches (the token dispatcher gathers each); got {counts}")
-    return [max(column) for column in zip(*every)]
+    return [max(column) for column in zip(*every, strict=True)]
 
 
 def _ep_common_packs(model, items: List[PackedMicroBatch], tg: Optional[List[RouterTargets]],
@@ -588,8 +589,8 @@ def _ep_common_packs(model, items: List[PackedMicroBatch], tg: Optional[List[Rou
     longest = common_pack_lengths(model, [int(it.tokens.shape[1]) for it in items])
     if tg is not None:
         tg = [t.widened(1, n - it.tokens.shape[1]) if n > it.tokens.shape[1] else t
-              for t, it, n in zip(tg, items, longest)]
-    return [it.padded_to(n) for it, n in zip(items, longest)], tg
+              for t, it, n in zip(tg, items, longest, strict=True)]
+    return [it.padded_to(n) for it, n in zip(items, longest, strict=True)], tg
 
 
 def next_token_terms(output: torch.Tensor, mb, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:

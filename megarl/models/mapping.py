@@ -364,7 +364,7 @@ def hf_views_from_shards(rule: ParamRule, shards: Sequence[torch.Tensor], spec: 
         tail = tuple(full.shape[1:])
         grouped = full.reshape((ng, (hpg + 2) * hd) + tail)
         parts = grouped.split([hpg * hd, hd, hd], 1)
-        return {name: ((ng * part.shape[1],) + tail, part) for name, part in zip(rule.hf_names, parts)}
+        return {name: ((ng * part.shape[1],) + tail, part) for name, part in zip(rule.hf_names, parts, strict=True)}
     raise MappingError(f"{rule.megatron_name}: unknown layout kind {rule.kind!r}")
 
 

@@ -92,7 +92,8 @@ def load_megatron_checkpoint(model, ckpt_dir: str) -> None:
         raise CheckpointError(f"{dist_dir}: missing (megarl checkpoint without its dist/ folder)")
     state = dist_checkpointing.load(chunked_sharded_state_dict(model), dist_dir)
     chunks = chunks_of(model)
-    for inner, sd in zip(chunks, [state] if len(chunks) == 1 else [state[f"model{i}"] for i in range(len(chunks))]):
+    states = [state] if len(chunks) == 1 else [state[f"model{i}"] for i in range(len(chunks))]
+    for inner, sd in zip(chunks, states, strict=True):
         missing, unexpected = inner.load_state_dict(sd, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing:

@@ -124,4 +124,4 @@ def _tracked_means(tconf, num_micro_batches: int, dp: int) -> Dict[str, float]:
     if dp > 1:
         dist.all_reduce(vals, group=ps.get_data_parallel_group())
     vals /= num_micro_batches * dp * moe_layers
-    return {TRACKED[n]: float(v) for n, v in zip(names, vals)}
+    return {TRACKED[n]: float(v) for n, v in zip(names, vals, strict=True)}

@@ -206,7 +206,7 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
         runs = [round_up(seq, multiple)] * len(micro_batches)
     dev = next(chunks[0].parameters()).device
     items = [({k: (v.to(dev) if torch.is_tensor(v) or k == "packed" else v) for k, v in mb.items()}, run)
-             for mb, run in zip(micro_batches, runs)]
+             for mb, run in zip(micro_batches, runs, strict=True)]
     pp = unwrap(chunks[0]).config.pipeline_model_parallel_size
     if len(chunks) > 1 and len(items) % pp:
         # megatron's interleaved schedule runs micro-batches in groups of pp: the last one again,

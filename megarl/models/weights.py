@@ -30,6 +30,11 @@ from megarl.models.hf_config import ModelSpec
 from megarl.models.safetensors_io import CheckpointError, HFCheckpointReader, write_hf_checkpoint
 
 
+def precision(model) -> str:
+    """The dtype a model's forward computes in, by name (its parameters': ``float32``, ``bfloat16``)."""
+    return str(next(unwrap(model).parameters()).dtype).removeprefix("torch.")
+
+
 def unwrap(model):
     """The bare megatron module under DDP / Float16Module wrappers (of a list of model chunks: the
     first chunk's)."""

@@ -70,7 +70,7 @@ def _trajectory_text(tok, response_ids, source) -> str:
     """A multi-turn trajectory as text: the policy's turns as decoded, each stretch of
     environment output between them in ``<< >>`` (``[ 1 2 + 3 4 ] << 4 6 >> 4 6``)."""
     parts, run, kind = [], [], None
-    for t, s in zip(response_ids.tolist(), source.tolist()):
+    for t, s in zip(response_ids.tolist(), source.tolist(), strict=True):
         if s == 0:
             break
         if s != kind and run:

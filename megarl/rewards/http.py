@@ -401,7 +401,7 @@ class HttpReward:
                     self._count("inflight", -1)
             self._count("request_ok")
             self._breaker.record(True, probe)
-            return [self._result(item, s) for item, s in zip(scores, samples)]
+            return [self._result(item, s) for item, s in zip(scores, samples, strict=True)]
         assert last is not None
         return [self._failure(last.status, f"{last} (attempt {k} of {attempts}, giving up)")] * len(samples)
 

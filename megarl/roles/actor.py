@@ -17,7 +17,7 @@ from megarl.models.forward import response_log_probs
 from megarl.models.megatron_ckpt import load_model
 from megarl.models.optim import StepResult, train_step, wrap_for_training
 from megarl.models.router_replay import RecordRouting
-from megarl.models.weights import export_hf, unwrap
+from megarl.models.weights import export_hf, precision, unwrap
 from megarl.roles.common import HostOffload, lr_scheduler
 
 
@@ -49,6 +49,11 @@ class Actor(HostOffload):
     @property
     def vocab_size(self) -> int:
         return self.spec.vocab_size
+
+    @property
+    def precision(self) -> str:
+        """The dtype its forward computes in (the record's ``LogProbProducer.precision``)."""
+        return precision(self.ddp)
 
     def log_probs(self, prompt_ids: torch.Tensor, response_ids: torch.Tensor, attention_mask: torch.Tensor,
                   micro_batch_size: int, pack: bool = False, routing: Optional[RecordRouting] = None,

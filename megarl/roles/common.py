@@ -44,7 +44,7 @@ def copy_weights(src_model, dst_model, skip=()) -> None:
     src_chunks, dst_chunks = chunks_of(src_model), chunks_of(dst_model)
     if len(src_chunks) != len(dst_chunks):
         raise ValueError(f"copy_weights: {len(src_chunks)} model chunk(s) into {len(dst_chunks)}")
-    for src_chunk, dst_chunk in zip(src_chunks, dst_chunks):
+    for src_chunk, dst_chunk in zip(src_chunks, dst_chunks, strict=True):
         src = dict(src_chunk.named_parameters())
         for name, p in dst_chunk.named_parameters():
             if name.startswith(tuple(skip)):

@@ -14,6 +14,7 @@ import torch
 
 from megarl.models.forward import response_log_probs
 from megarl.models.megatron_ckpt import load_model
+from megarl.models.weights import precision
 from megarl.roles.common import copy_weights, freeze
 
 
@@ -31,6 +32,11 @@ class Reference:
 
             self.offloader = ReferenceOffloader(self.model)
             self.offloader.offload()
+
+    @property
+    def precision(self) -> str:
+        """The dtype its forward computes in (the record's ``LogProbProducer.precision``)."""
+        return precision(self.model)
 
     def _on_device(self):
         return self.offloader.on_device() if self.offloader is not None else contextlib.nullcontext()

@@ -86,7 +86,7 @@ class UpdateSnapshot:
         if not self.taken:
             raise RollbackError("restore() without a snapshot: take() it at the start of the update")
         opts = _torch_optimizers(optimizer)
-        for o, keys in zip(opts, self._state_keys):
+        for o, keys in zip(opts, self._state_keys, strict=True):
             for p in [p for p in o.state if p not in keys]:
                 del o.state[p]
         device = torch.device("cpu")
@@ -99,8 +99,8 @@ class UpdateSnapshot:
         _sync(device)
         for live, saved in self._off_device:
             live.copy_(saved)
-        for o, groups in zip(opts, self._groups):
-            for g, saved in zip(o.param_groups, groups):
+        for o, groups in zip(opts, self._groups, strict=True):
+            for g, saved in zip(o.param_groups, groups, strict=True):
                 g.update(copy.deepcopy(saved))
         scaler = getattr(optimizer, "grad_scaler", None)
         if scaler is not None and self._scaler is not None:

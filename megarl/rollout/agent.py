@@ -224,7 +224,7 @@ def run_agent_rollouts(engine, prompts: Sequence[GenerationRequest | Tuple[str, 
                                                t.prompt_ids + tuple(t.response_ids)) for t in group]
                 # keyed by id: an engine may answer out of order, twice, or not at all
                 got = {r.request_id: r for r in engine.generate(turn_reqs, sp) if r.candidate_index == 0}
-                for t, q in zip(group, turn_reqs):
+                for t, q in zip(group, turn_reqs, strict=True):
                     if q.request_id in got:
                         results[id(t)] = got[q.request_id]
             stepping: List[Trajectory] = []
@@ -245,7 +245,7 @@ def run_agent_rollouts(engine, prompts: Sequence[GenerationRequest | Tuple[str, 
                 continue
             outs = pool.step([position[id(t)] for t in stepping],
                              [decode(t.generated[-1].response_ids) for t in stepping])
-            for t, res in zip(stepping, outs):
+            for t, res in zip(stepping, outs, strict=True):
                 t.step_latency_s.append(float(res.latency_s))
                 if res.status is not EnvStatus.OK:
                     _fail(t, res.status.value, res.error)

@@ -459,7 +459,7 @@ class HFRolloutEngine:
         if len(prompts) != len(responses):
             raise InvalidRequestError(f"teacher_force: {len(prompts)} prompts for {len(responses)} responses")
         vocab = self.config.vocab_size
-        for i, (p, r) in enumerate(zip(prompts, responses)):
+        for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
             if not p:
                 raise InvalidRequestError(f"teacher_force: row {i} has an empty prompt")
             bad = [t for t in (*p, *r) if not 0 <= t < vocab]

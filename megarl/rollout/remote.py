@@ -314,10 +314,12 @@ class RolloutService:
 
     def __init__(self, world: SplitWorld, make_engine: Callable, device: torch.device,
                  kill_at_load: Optional[int] = None, segment_tokens: int = 0, segment_delay_s: float = 0.0,
+                 segment_await_s: float = 0.0,
                  make_generator: Optional[Callable] = None):
         self.world, self.make_engine, self.device, self.kill_at_load = world, make_engine, device, kill_at_load
         self.make_generator = make_generator  # the engine -> what answers generate commands (agent sessions)
         self.segment_tokens, self.segment_delay_s = segment_tokens, segment_delay_s
+        self.segment_await_s, self._await_next = segment_await_s, False
         self.inbox, self.outbox = world.from_trainer(), world.to_trainer()
         self.urgent = world.from_trainer("urgent")
         self.engine = None
@@ -349,6 +351,7 @@ class RolloutService:
             elif kind == "generate":
                 _, job, requests, sampling, segmented = msg
                 inflight = segmented and self.segment_tokens > 0
+                self._await_next = inflight and self.segment_await_s > 0
                 try:
                     if self.make_generator is not None:  # agent sessions: versions change between turns
                         results = generator.generate(requests, sampling,
@@ -389,6 +392,9 @@ class RolloutService:
         engine is idle between segments, so its flush at activation always succeeds."""
         if self.segment_delay_s:
             time.sleep(self.segment_delay_s)  # faults.rollout_segment_delay_s: a straggler
+        if self._await_next:  # faults.rollout_segment_await_s: once per job
+            self._await_next = False
+            self._await_trainer()
         while self.urgent.ready():  # a teacher-forcing job overtakes the rest of this batch
             self._teacher_force(self.urgent.recv())
         loaded = False
@@ -410,6 +416,16 @@ class RolloutService:
             loaded = msg[0] == "load" and ok
             if msg[0] == "activate":
                 self.totals["inflight_activations"] += 1
+
+    def _await_trainer(self) -> None:
+        """Wait, at most ``segment_await_s``, for the trainer's next command (taken by the
+        caller); teacher-forcing jobs that arrive meanwhile are served."""
+        deadline = time.monotonic() + self.segment_await_s
+        while not self.inbox.ready() and time.monotonic() < deadline:
+            if self.urgent.ready():
+                self._teacher_force(self.urgent.recv())
+            else:
+                time.sleep(0.005)
 
     def _teacher_force(self, msg: tuple) -> None:
         """Score a batch's tokens under the version the trainer names, which must be the one
@@ -448,7 +464,7 @@ class RolloutService:
                 sizes = [int(torch.Size(meta[j][1]).numel()) for j in idx]
                 flat = torch.empty(sum(sizes), dtype=_dtype(dt), device=self.device)
                 _broadcast(self.world, flat, f"receiving {version.short_id}")
-                for j, part in zip(idx, torch.split(flat, sizes)):
+                for j, part in zip(idx, torch.split(flat, sizes), strict=True):
                     tensors[j] = part.view(meta[j][1])
             n += 1
             if self.kill_at_load is not None and version.optimizer_step == self.kill_at_load:

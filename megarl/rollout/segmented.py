@@ -109,7 +109,7 @@ def generate_in_segments(engine, requests: Sequence[GenerationRequest], sampling
                                   tuple(o.first.prompt_ids) + tuple(o.ids),
                                   candidate_indices=(o.first.candidate_index,), attempt=o.first.attempt,
                                   task=o.request.task) for o in todo]
-        owner = {q.request_id: o for q, o in zip(cont, todo)}
+        owner = {q.request_id: o for q, o in zip(cont, todo, strict=True)}
         # one call per remaining budget (most candidates share one; an engine call has one max_new_tokens)
         by_left: Dict[int, List[int]] = {}
         for i, o in enumerate(todo):

@@ -899,7 +899,8 @@ class SGLangRolloutEngine:
                     results = [dataclasses.replace(res, routed_experts=routed_experts_from_sglang_output(
                         o["meta_info"], len(res.prompt_ids) + len(res.response_ids) - 1, self.moe_layout,
                         f"{res.request_id}/{res.candidate_index}"))
-                        if res.finish_reason is not FinishReason.ABORT else res for o, res in zip(outs, results)]
+                        if res.finish_reason is not FinishReason.ABORT else res
+                        for o, res in zip(outs, results, strict=True)]
             except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks know
                 error, failure = e, f"{type(e).__name__}: {e}"
         results, failure = self._broadcast((results, failure))

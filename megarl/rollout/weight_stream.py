@@ -111,7 +111,7 @@ def _block_row_sums(t: torch.Tensor, on_host: "bool | None" = None) -> "tuple[in
         return None
     elt = t.element_size()
     inner = 1
-    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:]), strict=True):
         if size != 1 and stride != inner:
             return None
         inner *= size

@@ -62,7 +62,7 @@ def solution(terms: Sequence[int]) -> str:
     after it, then ``so`` and the total (``[3, 5, 2]`` -> ``"a 3 + 0 = 3 , b 5 + 3 = 8 , c 2 + 8
     = 10 so 10"``)."""
     steps, s = [], 0
-    for tag, t in zip(TAGS, terms):
+    for tag, t in zip(TAGS, terms, strict=False):
         steps.append(f"{tag} {t} + {s} = {s + t}")
         s += t
     return " , ".join(steps) + f" so {s}"
@@ -70,7 +70,7 @@ def solution(terms: Sequence[int]) -> str:
 
 def prompt(terms: Sequence[int]) -> str:
     """``[3, 5, 2]`` -> ``"sum a 3 b 5 c 2 ?"``: each term after its tag."""
-    return "sum " + " ".join(f"{tag} {t}" for tag, t in zip(TAGS, terms)) + " ?"
+    return "sum " + " ".join(f"{tag} {t}" for tag, t in zip(TAGS, terms, strict=False)) + " ?"
 
 
 def length_cdf(terms: tuple[int, int] = DEFAULT_TERMS, alpha: float = DEFAULT_ALPHA) -> list[float]:

@@ -21,7 +21,7 @@ def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, e
     del pool_len  # the row length; torch indexes rows directly
     lengths = (end_offset - start_offset).tolist()
     at = 0
-    for row, start, n in zip(req_pool_indices.tolist(), start_offset.tolist(), lengths):
+    for row, start, n in zip(req_pool_indices.tolist(), start_offset.tolist(), lengths, strict=True):
         req_to_token[row, start:start + n] = out_cache_loc[at:at + n].to(req_to_token.dtype)
         at += n
 
