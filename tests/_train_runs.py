@@ -29,7 +29,10 @@ ITERS = 5
 #: metric keys that differ between two runs of the same training (wall times, resume counters)
 #: keys that differ between an uninterrupted run and a resumed one by nature: wall times, and
 #: how often the run was resumed (every other counter, checkpoints included, is cumulative)
-TIMING = ("time", "_s", "stage_s", "stage_share", "per_s", "seconds", "e2e/count/resumes")
+#: (device-hours, MFU and a checkpoint's bytes follow the wall clock: its state holds the
+#: cumulative device-hours, and a resumed process reports the checkpoints it wrote itself)
+TIMING = ("time", "_s", "stage_s", "stage_share", "per_s", "seconds", "e2e/count/resumes", "hours", "mfu",
+          "checkpoint_bytes")
 
 
 # ---- what a run leaves behind ---------------------------------------------------------------------

@@ -65,6 +65,7 @@ def _kill_while_holding(cmd, log, k):
 
 
 PPO_EXTRA = ["critic.micro_batch_size=2", "critic.warmup_iters=1", "trainer.save_experience=true"]
+DISTOPT = ["parallel.distributed_optimizer=true"]
 
 
 @pytest.mark.parametrize("recipe,nproc,extra", [
@@ -72,7 +73,8 @@ PPO_EXTRA = ["critic.micro_batch_size=2", "critic.warmup_iters=1", "trainer.save
     (PPO, 1, PPO_EXTRA),
     (GRPO, 2, []),  # DP=2
     (PPO, 2, PPO_EXTRA + ["reference.refresh_every=2"]),  # DP=2; the checkpoint holds a refreshed reference
-], ids=["grpo-1proc", "ppo-1proc", "grpo-dp2", "ppo-dp2-refreshed-ref"])
+    (GRPO, 2, DISTOPT),  # DP=2, megatron's distributed optimizer (ZeRO-1): its checkpoint format too
+], ids=["grpo-1proc", "ppo-1proc", "grpo-dp2", "ppo-dp2-refreshed-ref", "grpo-dp2-distopt"])
 def test_exact_resume_after_kill(assets, tmp_path, tmp_path_factory, recipe, nproc, extra):
     """Killed while holding after iteration 2, resumed from checkpoint 2: the rest of the run is
     bitwise the uninterrupted one's.  With reference.refresh_every=2 the checkpoint holds a
@@ -85,6 +87,9 @@ def test_exact_resume_after_kill(assets, tmp_path, tmp_path_factory, recipe, npr
     out = run_to_exit(checkpointed_run_cmd(assets, b_dir, recipe, nproc, extra))
     assert f"resumed from {os.path.join(b_dir, 'checkpoints', f'iter_{killed_at:06d}')}" in out.stdout
     check_same_run(a_dir, b_dir, killed_at)
+    # the recovery a resume took is measured once, on the first row it wrote
+    assert [k for k, m in enumerate(metrics(b_dir)) if "e2e/resume_s" in m] == [killed_at], killed_at
+    assert not any("e2e/resume_s" in m for m in metrics(a_dir))
     if recipe == PPO and nproc == 1:  # the record re-derives its advantages and returns alone
         check_rederivation(a_dir)
     if "reference.refresh_every=2" in extra:  # refreshed after iterations 1 and 3, the same both ways
@@ -176,18 +181,24 @@ def test_crash_mid_checkpoint_keeps_previous_and_a_changed_contract_is_refused(a
 def test_resume_at_another_layout(assets, tmp_path, tmp_path_factory):
     """Saved by 2 processes at DP=2, resumed by one: the loaded actor's logical weights hash to
     the checkpointed version's manifest (a bitwise check the trainer makes before it continues),
-    the optimizer state reshards, and the run goes on.  (TP=2 -> TP=1: the TP=2 end-to-end run of
+    the optimizer state reshards (the distributed optimizer's too; resuming it with the plain one
+    is refused), and the run goes on.  (TP=2 -> TP=1: the TP=2 end-to-end run of
     tests/test_train_e2e.py, resumed.)"""
     import shutil
 
-    d = str(tmp_path / "run")
-    shutil.copytree(uninterrupted(assets, tmp_path_factory, GRPO, 2, []), d)  # the exact-resume test's run
-    k = _latest(d)
-    out = run_to_exit(checkpointed_run_cmd(assets, d, GRPO, 1, [f"trainer.iterations={k + 1}"]))
-    assert "at a different layout" in out.stdout and f"iter_{k:06d}" in out.stdout, out.stdout[-2000:]
-    assert _latest(d) == k + 1
-    state = json.load(open(os.path.join(d, "checkpoints", f"iter_{k + 1:06d}", "state.json")))
-    assert state["layout"]["world"] == 1 and state["policy_version"]["optimizer_step"] == k + 1
+    for extra in ([], DISTOPT):  # the plain optimizer, and the distributed one's state resliced
+        d = str(tmp_path / f"run{len(extra)}")
+        shutil.copytree(uninterrupted(assets, tmp_path_factory, GRPO, 2, extra), d)  # the exact-resume test's run
+        k = _latest(d)
+        if extra:  # the other optimizer's state does not load: refused, naming the key
+            bad = run_to_exit(checkpointed_run_cmd(assets, d, GRPO, 1, [f"trainer.iterations={k + 1}"]), expect=2)
+            assert "parallel.distributed_optimizer=True" in bad.stderr, bad.stderr[-2000:]
+        out = run_to_exit(checkpointed_run_cmd(assets, d, GRPO, 1, [*extra, f"trainer.iterations={k + 1}"]))
+        assert "at a different layout" in out.stdout and f"iter_{k:06d}" in out.stdout, out.stdout[-2000:]
+        assert _latest(d) == k + 1
+        state = json.load(open(os.path.join(d, "checkpoints", f"iter_{k + 1:06d}", "state.json")))
+        assert state["layout"]["world"] == 1 and state["policy_version"]["optimizer_step"] == k + 1
+        assert state["layout"]["distributed_optimizer"] is bool(extra)
 
 
 def test_every_way_a_run_is_stopped_checkpoints_and_resumes_the_same_run(assets, tmp_path, tmp_path_factory,

@@ -303,6 +303,7 @@ _NOT_ENTRY_POINTS = {
     "megatron.core.transformer.moe.router_replay.RouterReplayAction": "an enum (the replay runs inside the forward)",
     "megatron.core.transformer.transformer_config.TransformerConfig": "configuration",
     "megatron.core.transformer.torch_norm.WrappedTorchNorm": "patched by cpu_compat (sequence parallelism)",
+    "megatron.core.optimizer.distrib_optimizer": "read (HAVE_APEX_OR_TE) and patched by cpu_compat (its step state)",
 }
 
 

@@ -448,11 +448,22 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARKER = "answer-key-5f0e7d"
 
 
+def _outside_tmp() -> str:
+    """A world-traversable directory outside every tmpfs the unshare launcher makes private (/tmp,
+    /var/tmp, /dev/shm), where a real run keeps its data: the project's directory when it is not
+    under one of them (a clone in /tmp is), else the first of /var/lib, /srv, /opt."""
+    for d in (REPO, "/var/lib", "/srv", "/opt"):
+        if not d.startswith(("/tmp/", "/var/tmp/", "/dev/shm/")) and os.path.isdir(d) and os.access(d, os.W_OK) \
+                and os.stat(d).st_mode & 0o001:
+            return d
+    pytest.skip("no world-traversable writable directory outside /tmp for the probe's files")
+
+
 @pytest.fixture
 def task_files():
     """A task's data and another run's checkpoint where a real run keeps them: world-readable
     files in a directory outside /tmp (beside the project) and one in the host's /tmp."""
-    outside = tempfile.mkdtemp(prefix=".sandbox-probe-", dir=REPO)
+    outside = tempfile.mkdtemp(prefix=".sandbox-probe-", dir=_outside_tmp())
     inside_tmp = tempfile.mkdtemp(prefix="megarl-probe-")
     paths = {"data": os.path.join(outside, "data", "train.jsonl"),
              "run": os.path.join(outside, "runs", "other", "checkpoints", "latest", "state.json"),

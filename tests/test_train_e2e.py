@@ -189,12 +189,15 @@ DENSE = ["reward.fn=tests.plugins.faulty_rewards:digit_count"]
 
 def test_grpo_single_process(assets, tmp_path):
     """Also: ``python -m megarl.eval`` on export/iter_0 and the final export reproduces the run's
-    own held-out evaluations of those versions exactly (tests/test_eval.py)."""
+    own held-out evaluations of those versions exactly (tests/test_eval.py); the run's metrics
+    (check_run_metrics) and its drift plot."""
     from tests.test_eval import check_eval_reproduces_training
 
     run_dir = str(tmp_path / "grpo1")
-    run_train(assets, run_dir, GRPO, extra=[*DENSE, "eval.save_results=true"])
+    run_train(assets, run_dir, GRPO, extra=[*DENSE, "eval.save_results=true", "trainer.checkpoint_every=1",
+                                             f"trainer.peak_flops={PEAK}"])
     check_structure(run_dir, "grpo", groups_per_publish=1)
+    check_run_metrics(run_dir)
     check_rung3(run_dir, assets)
     check_eval_reproduces_training(run_dir, assets["heldout"], DENSE[0].split("=", 1)[1], tmp_path)
     # the audit trail and the curves, from the real run
@@ -208,8 +211,43 @@ def test_grpo_single_process(assets, tmp_path):
     out = subprocess.run([sys.executable, os.path.join(tools, "plot_metrics.py"), run_dir],
                          capture_output=True, text=True, env=subprocess_env(), timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    for stage in ("rollout", "prep", "update", "e2e", "eval", "summary"):
+    for stage in ("rollout", "prep", "update", "e2e", "eval", "summary", "drift"):
         assert os.path.getsize(os.path.join(run_dir, "plots", f"{stage}.png")) > 5000
+
+
+PEAK = 1.0e12  # a declared peak FLOP/s per device, for update/mfu
+
+
+def check_run_metrics(run_dir):
+    """The seed's run metrics against what the run left behind: drift (repeated 4-grams and the
+    reward-length correlation recomputed from the sealed batch), every reward component's
+    distribution, the update's model FLOPs (the PaLM count over the batch's real tokens) and MFU
+    against trainer.peak_flops, device-hours, and the checkpoint's seconds and bytes."""
+    from megarl.models.flops import train_flops
+    from megarl.models.hf_config import load_spec
+    from megarl.observability import drift
+
+    ms = metrics(run_dir)
+    spec = load_spec(os.path.join(run_dir, "export", "iter_0"))
+    for m, b in zip(ms, batches(run_dir), strict=True):
+        f = b.facts
+        lens = f.response_mask.sum(dim=1)
+        resp = [f.response_ids[i][:int(lens[i])].tolist() for i in range(f.batch_size)]
+        assert m["rollout/repetition_4gram"] == drift.repetition_rate(resp, 4)
+        r = drift.pearson([float(x) for x in lens], [x.total for x in f.rewards])
+        assert (r is None and "rollout/reward_length_corr" not in m) or math.isclose(m["rollout/reward_length_corr"], r)
+        for name in f.rewards[0].components:
+            d = drift.distribution([x.components[name] for x in f.rewards])
+            assert all(math.isclose(m[f"prep/reward_component/{name}/{k}"], d[k]) for k in ("std", "p50", "max"))
+        want = train_flops(spec, spec.padded_vocab_size(16), f.attention_mask.sum(dim=1).tolist())  # model.vocab_multiple
+        assert m["update/model_flops"] == want, (m["update/model_flops"], want)
+        assert math.isclose(m["update/mfu"], want / (m["e2e/stage_s/update"] * 1 * PEAK))
+        assert m["e2e/device_hours_per_update"] > 0
+    assert "e2e/checkpoint_bytes" not in ms[0]  # no checkpoint before iteration 0's row
+    ckpt = os.path.join(run_dir, "checkpoints", "iter_000001")
+    size = sum(os.path.getsize(os.path.join(d, x)) for d, _, fs in os.walk(ckpt) for x in fs)
+    assert ms[1]["e2e/checkpoint_bytes"] == size and ms[1]["e2e/checkpoint_s"] > 0
+    assert ms[-1]["e2e/count/device_hours"] == pytest.approx(sum(m["e2e/iteration_s"] for m in ms) / 3600)
 
 
 def test_grpo_torchrun_tp2_then_resumed_at_tp1(assets, tmp_path):

@@ -18,7 +18,9 @@ Writes into ``--out`` (default ``RUN_DIR/plots/`` for one run, ``./plots/`` for 
 * ``<stage>.png``: a grid of small line plots, one per metric of that stage, x = iteration
   (with markers where a metric has few points);
 * ``summary.png``: ``rollout/reward_mean``, ``eval/accuracy``, ``update/kl_ref`` (else
-  ``update/approx_kl``) and ``e2e/iteration_s``, those that are present.
+  ``update/approx_kl``) and ``e2e/iteration_s``, those that are present;
+* ``drift.png`` (when the run measured it): repeated 4-grams, the correlation of reward with
+  length, reward earned by the format without the answer, beside length, reward and KL.
 
 Prints the paths written.  A last line without its newline that does not parse (the run is
 still writing it) is skipped with a note; any other bad line is an error naming ``path:line``.
@@ -44,6 +46,15 @@ HEADLINE = (
     ("accuracy (eval)", ("eval/accuracy",)),
     ("KL to reference", ("update/kl_ref", "update/approx_kl")),
     ("iteration seconds", ("e2e/iteration_s",)),
+)
+#: (title, candidates) for drift.png: what reward hacking and degenerate outputs look like
+DRIFT = (
+    ("repeated 4-grams", ("rollout/repetition_4gram",)),
+    ("corr(reward, length)", ("rollout/reward_length_corr",)),
+    ("format without answer", ("rollout/format_without_answer_share",)),
+    ("response length", ("rollout/response_len_mean",)),
+    ("reward (rollout)", ("rollout/reward_mean",)),
+    ("KL to reference", ("update/kl_ref", "update/approx_kl")),
 )
 #: Up to this many points a curve is drawn with markers (sparse metrics such as eval/*).
 MARKER_MAX_POINTS = 40
@@ -140,8 +151,8 @@ def _figure(n: int, cols: int):
 
 def _file_stem(stage: str, taken: set) -> str:
     stem = re.sub(r"[^A-Za-z0-9_.-]", "_", stage).strip(".") or "stage"
-    if stem == "summary":
-        stem = "summary-stage"
+    if stem in ("summary", "drift"):
+        stem = f"{stem}-stage"
     base, k = stem, 2
     while stem in taken:
         stem, k = f"{base}-{k}", k + 1
@@ -182,6 +193,17 @@ def _panel_figure(panels: list, runs: list, colours: list, cols: int, title: str
     return fig
 
 
+def _chosen(table, runs: list) -> list:
+    """The panels of ``table`` some run has a metric for, titled by the key the first run that
+    has one uses (kl_ref before approx_kl)."""
+    out = []
+    for label, candidates in table:
+        present = [k for k in candidates if any(k in series for _, series in runs)]
+        if present:
+            out.append((f"{label}\n{present[0]}", list(candidates)))
+    return out
+
+
 def build_figures(runs: list, title: str) -> dict:
     """``{file stem: matplotlib Figure}`` for ``runs`` = ``[(label, series), ...]`` (series as
     :func:`read_metrics` returns them): one figure per stage present in any run, plus
@@ -193,17 +215,15 @@ def build_figures(runs: list, title: str) -> dict:
         stage, name = key.split("/", 1)
         by_stage[stage].append((name, [key]))
 
-    figures, taken = {}, {"summary"}
+    figures, taken = {}, {"summary", "drift"}
     for stage in sorted(by_stage):
         figures[_file_stem(stage, taken)] = _panel_figure(by_stage[stage], runs, colours, GRID_COLS,
                                                           f"{title}: {stage}")
 
-    headline = []
-    for label, candidates in HEADLINE:
-        # the panel is titled by the key the first run that has one uses (kl_ref before approx_kl)
-        present = [k for k in candidates if any(k in series for _, series in runs)]
-        if present:
-            headline.append((f"{label}\n{present[0]}", list(candidates)))
+    headline = _chosen(HEADLINE, runs)
+    drift = _chosen(DRIFT, runs)
+    if any(k.startswith("rollout/repetition") for _, cands in drift for k in cands):
+        figures["drift"] = _panel_figure(drift, runs, colours, 3, f"{title}: drift and reward hacking")
     if headline:
         figures["summary"] = _panel_figure(headline, runs, colours, 2, f"{title}: summary")
     else:

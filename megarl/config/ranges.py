@@ -156,6 +156,7 @@ RANGES = {
     "trainer.seed": SEED,
     "trainer.export_every": COUNT0,
     "trainer.max_wall_minutes": Range(lo=0, lo_open=True, null=True),
+    "trainer.peak_flops": Range(lo=0, lo_open=True, null=True),
     "trainer.checkpoint_every": COUNT0,
     "trainer.checkpoint_keep": COUNT,
     "trainer.max_update_retries": COUNT0,

@@ -135,6 +135,9 @@ class ParallelConfig:
     #: optimizer) during the last micro-batch's backward, overlapping it (megatron DDP); the
     #: gradients are the same sums either way
     overlap_grad_reduce: bool = False
+    #: megatron's distributed optimizer (ZeRO-1): each DP rank holds 1/dp of the optimizer state
+    #: (and of the fp32 main weights of a 16-bit model); null: on CUDA yes, on CPU no
+    distributed_optimizer: Optional[bool] = None
     #: seconds a rank's heartbeat (in the job's store) may stand still before the others declare it
     #: lost, say which rank on which host, and exit (status 75) for the job to restart from its last
     #: checkpoint, rather than wait out the process group's 30 minutes (megarl/runtime/liveness.py);
@@ -485,6 +488,9 @@ class TrainerConfig:
     log_samples_console: int = 2  # of those rows, how many are printed (one short line each)
     deterministic: bool = True  # torch deterministic algorithms
     max_wall_minutes: Optional[float] = None  # stop (with an export) after this much wall time
+    #: one device's peak FLOP/s in the training dtype (e.g. 989e12: an H100's dense bf16): the
+    #: update's model FLOPs over this times its seconds and devices is update/mfu (null: not reported)
+    peak_flops: Optional[float] = None
     checkpoint_every: int = 0  # iterations between training-position checkpoints (0: only on SIGTERM/SIGUSR1)
     checkpoint_keep: int = 3  # how many published checkpoints to keep
     #: auto: continue from <run_dir>/checkpoints/latest if there is one (a finished run: nothing to do;

@@ -81,7 +81,8 @@ def assemble(cfg, model_path: str, tokenizer_dir: str) -> Parts:
     actor = Actor(model_path, p.tp, p.pp, cfg.actor.optim, total_steps, vocab_multiple=cfg.model.vocab_multiple,
                   offload=cfg.actor.offload, moe_aux_loss_coeff=cfg.actor.moe_aux_loss_coeff,
                   moe_z_loss_coeff=cfg.actor.moe_z_loss_coeff, sequence_parallel=p.sequence_parallel,
-                  overlap_grad_reduce=p.overlap_grad_reduce, recompute=p.recompute, log_prob_chunk=a.log_prob_chunk)
+                  overlap_grad_reduce=p.overlap_grad_reduce, recompute=p.recompute, log_prob_chunk=a.log_prob_chunk,
+                  distributed_optimizer=p.distributed_optimizer)
     reference = None
     if cfg.reference.enabled:
         from megarl.roles.reference import Reference
@@ -95,7 +96,7 @@ def assemble(cfg, model_path: str, tokenizer_dir: str) -> Parts:
 
         critic = Critic(cfg.critic, actor.model, p.tp, p.pp, total_steps, vocab_multiple=cfg.model.vocab_multiple,
                         sequence_parallel=p.sequence_parallel, overlap_grad_reduce=p.overlap_grad_reduce,
-                        recompute=p.recompute)
+                        recompute=p.recompute, distributed_optimizer=p.distributed_optimizer)
     injector = FaultInjector(cfg.faults, seed=cfg.faults.seed, rank=dist.get_rank(), world=dist.get_world_size())
     injector = injector if injector.active else None
     reward_fn, runner, reward_model = _rewards(cfg, injector, rank0=dist.get_rank() == 0)
@@ -291,6 +292,7 @@ def wire_components(cfg, parts: Parts, eng: EngineParts, *, sm, progress, run_di
     from megarl.control.production import GroupRolloutProducer
     from megarl.control.publication import EngineTimeSlice, WeightPublisher
     from megarl.control.scoring import Scorer
+    from megarl.rewards.declarations import component_checks
 
     counters = progress.counters
     quarantine = os.path.join(run_dir, "quarantine.jsonl")
@@ -321,6 +323,7 @@ def wire_components(cfg, parts: Parts, eng: EngineParts, *, sm, progress, run_di
         engine=rollout_engine, placement=eng.placement,
         scorer=episode_scorer(cfg, parts.tok, counters, quarantine, rank0) if agentic else scorer(True), sm=sm,
         counters=counters, run_id=run_id, quarantine_path=quarantine, stop_token_ids=stops,
+        checks=component_checks(parts.reward_fn) if parts.reward_fn is not None else ((), ()),
         **_production_variants(cfg))
     preparer = ExperiencePreparer(
         cfg, actor=parts.actor, reference=parts.reference, critic=parts.critic, time_slice=time_slice, sm=sm,

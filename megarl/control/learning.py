@@ -34,7 +34,9 @@ from megarl.errors import MegarlError
 from megarl.experience.schema import ExperienceBatch, LogProbs
 from megarl.models.forward import (PackedMicroBatch, gather_response, next_token_terms, token_log_probs_from_logits,
                                    token_terms, vocab_parallel_entropy)
+from megarl.models.flops import train_flops
 from megarl.models.router_replay import record_to_rows
+from megarl.models.weights import unwrap
 from megarl.observability.metrics import StageTimer
 from megarl.roles.common import sequence_length, step_tensors
 from megarl.rollout.weight_stream import TensorManifest
@@ -184,9 +186,22 @@ class Learner:
                 if self.critic is not None:
                     self._critic_step(batch, critic_mbs, norm, log)
         m = self._update_metrics(log, kl_beta)
+        m.update(self._model_flops(batch, train_actor))
         self._adapt_kl(batch)
         self.completed = True
         return m
+
+    def _model_flops(self, batch: ExperienceBatch, train_actor: bool) -> Dict[str, float]:
+        """``update/model_flops``: the update's forward and backward passes over every real token,
+        ``algo.ppo_epochs`` times, by the PaLM count (:mod:`megarl.models.flops`)."""
+        spec = getattr(self.actor, "spec", None)
+        if spec is None:
+            return {}
+        lengths = batch.facts.attention_mask.sum(dim=1).tolist()
+        flops = train_flops(spec, spec.padded_vocab_size(self.cfg.model.vocab_multiple), lengths) if train_actor else 0.0
+        if self.critic is not None:
+            flops += train_flops(unwrap(self.critic.ddp).megarl_spec, 0, lengths)
+        return {"update/model_flops": flops * self.cfg.algo.ppo_epochs}
 
     def _begin_update(self) -> None:
         self.sm.begin_update()

@@ -65,6 +65,7 @@ class RunPersistence:
         self.ckpt_root = os.path.join(run_dir, "checkpoints")
         self.pending_dir = os.path.join(run_dir, "experience", "pending")
         self.last_checkpoint_s = 0.0
+        self.last_checkpoint_bytes = 0
 
     # ---- contracts ------------------------------------------------------------------------------
 
@@ -188,6 +189,7 @@ class RunPersistence:
                                    keep=self.cfg.trainer.checkpoint_keep,
                                    crash_before_publish=self.cfg.faults.crash_during_checkpoint_at)
         self.last_checkpoint_s = time.perf_counter() - t0
+        self.last_checkpoint_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
         return path
 
     def _reference_weights(self, refreshed: bool) -> Optional[str]:
@@ -228,6 +230,12 @@ class RunPersistence:
             state["run_id"] = f"{state['run_id']}-forced{state['iteration']}"
             counters["forced_resumes"] += 1
         saved = state["layout"]
+        if "distributed_optimizer" in saved and saved["distributed_optimizer"] != self.layout.get("distributed_optimizer"):
+            # the two optimizers' checkpoints are not each other's (their param-group records differ)
+            raise checkpoint.CheckpointError(
+                f"resume from {path}: saved with parallel.distributed_optimizer={saved['distributed_optimizer']}, "
+                f"resumed with {self.layout.get('distributed_optimizer')}; the optimizer state does not load across "
+                "the two: resume with the saved setting (or start a new run from the exported weights)")
         if saved.get("ep", 1) != self.layout.get("ep", 1):
             # megatron keeps an MoE model's optimizer state in two optimizers at EP > 1 (dense and
             # expert parameters), in one at EP = 1: the sharded state does not map across

@@ -26,6 +26,7 @@ from megarl.control.placement import Placement, collect_everywhere, generate_eve
 from megarl.control.state_machine import IterationStateMachine
 from megarl.experience.groups import CandidateStatus, GroupBuffer, GroupPolicy, candidate_of, candidate_sample_id
 from megarl.experience.schema import FinishReason, RewardStatus
+from megarl.observability import drift
 from megarl.observability.metrics import StageTimer
 from megarl.rollout.protocol import GenerationRequest, SamplingParams
 from megarl.rollout.segmented import started_on
@@ -101,9 +102,11 @@ class GroupRolloutProducer:
     def __init__(self, cfg, *, grouped: bool, train_data, sampler, engine, placement: Placement,
                  scorer: SampleScorer, sm: IterationStateMachine, counters: Counter, run_id: str,
                  quarantine_path: str, admission: Optional["PromptAdmission"] = None,
-                 observers: Sequence["RolloutObserver"] = (), stop_token_ids: Sequence[int] = ()):
+                 observers: Sequence["RolloutObserver"] = (), stop_token_ids: Sequence[int] = (),
+                 checks: tuple = ((), ())):
         self.cfg, self.grouped, self.train_data, self.sampler = cfg, grouped, train_data, sampler
         self.stop_token_ids = tuple(stop_token_ids)  # what the engine ends responses on: the record says so
+        self.checks = checks  # the reward's (format, answer) components, for rollout/format_without_answer_share
         self.engine, self.placement, self.scorer, self.sm = engine, placement, scorer, sm
         self.counters, self.run_id, self.quarantine_path = counters, run_id, quarantine_path
         self.last_engine_error: str | None = None  # "group g: <error>", for the message of a failed iteration
@@ -180,7 +183,7 @@ class GroupRolloutProducer:
         m["rollout/generate_s"] = timing["generate"]
         m["prep/reward_s"] = timing["reward"]
         return ProducedRollout(accepted, real_sizes, sampling=self.sampling_record(k),
-                               metrics=rollout_metrics(accepted, dict(m), timing["generate"]),
+                               metrics=rollout_metrics(accepted, dict(m), timing["generate"], self.checks),
                                max_staleness=self.max_staleness)
 
     def sampling_record(self, k: int):
@@ -359,8 +362,11 @@ class GroupRolloutProducer:
 _CUT = (FinishReason.LENGTH, FinishReason.MAX_TURNS, FinishReason.ENV_TRUNCATED)
 
 
-def rollout_metrics(samples: List[Sample], m: Dict[str, float], gen_s: float) -> Dict[str, float]:
-    """Length, finish-reason and reward statistics of the accepted samples, added to ``m``."""
+def rollout_metrics(samples: List[Sample], m: Dict[str, float], gen_s: float,
+                    checks: tuple = ((), ())) -> Dict[str, float]:
+    """Length, finish-reason and reward statistics of the accepted samples, added to ``m``, and
+    what they say about drift and reward hacking (:mod:`megarl.observability.drift`; ``checks``:
+    the reward's format and answer components)."""
     lens = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
     plens = torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.float32)
     totals = torch.tensor([s.record.total for s in samples], dtype=torch.float64)
@@ -386,4 +392,13 @@ def rollout_metrics(samples: List[Sample], m: Dict[str, float], gen_s: float) ->
             comps.setdefault(name, []).append(val)
     for name, val in comps.items():
         m[f"prep/reward_component/{name}"] = sum(val) / len(val)
+        dist = drift.distribution(val)
+        m.update({f"prep/reward_component/{name}/{k}": dist[k] for k in ("std", "min", "p10", "p50", "p90", "max")})
+    m["rollout/repetition_4gram"] = drift.repetition_rate([s.response_ids for s in samples], 4)
+    r = drift.pearson(lens.tolist(), totals.tolist())
+    if r is not None:
+        m["rollout/reward_length_corr"] = r
+    share = drift.format_without_answer_share(totals.tolist(), [s.record.components for s in samples], *checks)
+    if share is not None:
+        m["rollout/format_without_answer_share"] = share
     return m

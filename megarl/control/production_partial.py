@@ -276,7 +276,7 @@ class PartialRolloutProducer(GroupRolloutProducer):
         m["rollout/len_mean_over_max"] = sum(lens) / len(lens) / max(lens)
         return ProducedRollout(accepted, real_sizes,
                                sampling=self.sampling_record(k),
-                               metrics=rollout_metrics(accepted, dict(m), timing["generate"]),
+                               metrics=rollout_metrics(accepted, dict(m), timing["generate"], self.checks),
                                max_staleness=self._max_staleness)
 
     def _release(self, chosen: List[_Group], timer: StageTimer, timing: dict, m: Counter):

@@ -41,6 +41,7 @@ from megarl.observability.profiling import IterationProfiler, span
 from megarl.observability.sample_log import SampleLogger
 from megarl.rollout.weight_sync import actor_manifest, make_version
 from megarl.runtime.data_parallel import broadcast_object, dp_size, gather_objects
+from megarl.runtime import cpu_compat
 from megarl.runtime.run_dir import resume_command
 
 
@@ -65,6 +66,7 @@ class Trainer:
     """Wires the components for one run and runs its iterations."""
 
     def __init__(self, cfg: TrainConfig, run_dir: str, model_path: str, tokenizer_dir: str, run_id: str):
+        t_init = time.perf_counter()
         self.cfg, self.run_dir = cfg, run_dir
         self.rank0 = dist.get_rank() == 0
         self.world, self.dp = dist.get_world_size(), dp_size()
@@ -85,10 +87,14 @@ class Trainer:
             kl_ctl=parts.kl_ctl, progress=self.progress, tok=parts.tok, train_data=parts.train_data,
             reward_fn=parts.reward_fn, reward_model=parts.reward_model,
             layout={"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": self.dp, "world": self.world,
-                    "ep": cfg.parallel.ep, "cp": cfg.parallel.cp, "vpp": cfg.parallel.vpp},
+                    "ep": cfg.parallel.ep, "cp": cfg.parallel.cp, "vpp": cfg.parallel.vpp,
+                    "distributed_optimizer": cpu_compat.use_distributed_optimizer(cfg.parallel.distributed_optimizer)},
             rank0=self.rank0)
         self.persistence.record_origins()  # what this start built each role from, before a resume loads over it
         resume = self.persistence.resume() if cfg.trainer.resume == "auto" else None
+        # e2e/resume_s: from the start of this process's trainer to its first iteration, after a resume
+        self._resumed_at = t_init if resume is not None else None
+        self._last_checkpoint: Optional[tuple] = None  # (seconds, bytes) of the checkpoint since the last row
         self.start_iteration = 0 if resume is None else resume["iteration"]
         self.run_id = run_id if resume is None else resume["run_id"]
 
@@ -233,6 +239,7 @@ class Trainer:
                 in_flight = self.producer.in_flight()
                 path = self.persistence.save(done, self.run_id, self.version, self.manifest.global_hash,
                                              in_flight=in_flight)
+            self._last_checkpoint = (self.persistence.last_checkpoint_s, float(self.persistence.last_checkpoint_bytes))
             if self.rank0:
                 print(f"checkpoint {path} ({self.persistence.last_checkpoint_s:.2f}s)", flush=True)
         if signalled:
@@ -257,6 +264,13 @@ class Trainer:
         """publish -> produce -> prepare -> update -> commit, on committed version v."""
         timer = StageTimer(k, self.version.short_id)
         injector = self.parts.injector
+        recovered = {}
+        if self._resumed_at is not None:  # the recovery a resume took: load, verify, rebuild, up to here
+            recovered["e2e/resume_s"] = time.perf_counter() - self._resumed_at
+            self._resumed_at = None
+        if self._last_checkpoint is not None:
+            recovered["e2e/checkpoint_s"], recovered["e2e/checkpoint_bytes"] = self._last_checkpoint
+            self._last_checkpoint = None
         if injector is not None:
             injector.iteration = k
         m: Dict[str, float] = {"e2e/policy_version_step": self.version.optimizer_step}
@@ -294,6 +308,13 @@ class Trainer:
         tokens = float(batch.facts.response_mask.sum())
         m["e2e/updated_tokens"] = tokens * self.cfg.algo.ppo_epochs
         m["e2e/tokens_per_s"] = tokens / m["e2e/iteration_s"]
+        m.update(recovered)
+        # device-hours: every rank of this world holds one device for the whole iteration
+        self.counters["device_hours"] += self.world * m["e2e/iteration_s"] / 3600.0
+        m["e2e/device_hours_per_update"] = self.counters["device_hours"] / max(self.version.optimizer_step, 1)
+        peak = self.cfg.trainer.peak_flops
+        if peak and m.get("update/model_flops") and m.get("e2e/stage_s/update"):
+            m["update/mfu"] = m["update/model_flops"] / (m["e2e/stage_s/update"] * self.world * peak)
         if injector is not None:
             injected = Counter()
             for c in gather_objects(dict(injector.counts)):

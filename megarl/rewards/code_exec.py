@@ -95,6 +95,7 @@ class CodeExec:
     sandbox; see the module docstring for the limits and what each failure becomes."""
 
     name = "code_exec"
+    checks = "answer"  # what its score says about a response (declarations.component_checks)
 
     def __init__(
         self,

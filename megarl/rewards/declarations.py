@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence, Tuple, Union
 from megarl.rewards.base import AnswerExtracting, FieldDeclaring, reward_identity
 
 __all__ = ["Requirement", "required_fields", "normalise_requirements", "describe_requirement", "extract_answer",
-           "extractor", "normalised_text", "union_of"]
+           "extractor", "normalised_text", "union_of", "component_checks"]
 
 #: one requirement: a field name, or a tuple of names of which at least one must be present
 Requirement = Union[str, Tuple[str, ...]]
@@ -91,3 +91,23 @@ def extract_answer(fn: Any, text: str) -> Optional[str]:
 def extractor(fn: Any):
     """``fn``'s own ``extract_answer`` (or its wrapped callable's), else None."""
     return fn.extract_answer if isinstance(fn, AnswerExtracting) else None
+
+
+def component_checks(fn) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+    """``(format components, answer components)``: the record components of ``fn`` whose score
+    says a response has the right form (``checks = "format"``: ``regex``) or the right answer
+    (``checks = "answer"``: the verifiers, ``code_exec``), by component name.  A composite's
+    parts name its components; a plug-in declares by a ``checks`` attribute."""
+    parts = getattr(fn, "parts", None)
+    if parts is None:
+        kind, name = getattr(fn, "checks", None), getattr(fn, "name", "")
+        return ((name,) if kind == "format" else (), (name,) if kind == "answer" else ())
+    fmt, ans = [], []
+    for pname, _, part in parts:
+        kind = getattr(part, "checks", None)
+        if kind == "format":
+            fmt.append(pname)
+        elif kind == "answer":
+            ans.append(pname)
+    return tuple(fmt), tuple(ans)
+

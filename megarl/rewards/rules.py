@@ -108,6 +108,7 @@ class ExactNumericMatch:
     """
 
     name = "exact_numeric"
+    checks = "answer"  # what its score says about a response (declarations.component_checks)
 
     def __init__(self, answer_key: str = "answer", tolerance: float = 0.0):
         if not isinstance(tolerance, numbers.Real) or isinstance(tolerance, bool) or not (
@@ -149,6 +150,7 @@ class MathVerify:
     """
 
     name = "math_verify"
+    checks = "answer"  # what its score says about a response (declarations.component_checks)
 
     def __init__(self, answer_key: str = "answer"):
         try:
@@ -217,6 +219,7 @@ class RegexFormat:
     """
 
     name = "regex"
+    checks = "format"  # what its score says about a response (declarations.component_checks)
 
     def __init__(self, pattern: str, full_match: bool = False, flags: str = ""):
         if not isinstance(pattern, str):
@@ -247,6 +250,7 @@ class Arithmetic:
     the response is exactly the integer answer.  A non-integer ground truth is ``invalid``."""
 
     name = "arithmetic"
+    checks = "answer"  # what its score says about a response (declarations.component_checks)
 
     def __init__(self, answer_key: str = "answer"):
         # Imported here, not at module level, so the rewards package does not depend on the data
@@ -286,6 +290,7 @@ class RunningSum:
     ground truth that is not a non-negative integer is ``invalid``."""
 
     name = "running_sum"
+    checks = "answer"  # what its score says about a response (declarations.component_checks)
 
     def __init__(self, answer_key: str = "answer"):
         from megarl.data.tasks.running_sum import score  # not at import time (as Arithmetic)

@@ -9,7 +9,7 @@ role even when it initialises the critic (InstructGPT): the critic trains, the R
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 
@@ -30,7 +30,8 @@ def value_head_spec(actor_spec):
 
 class Critic(HostOffload):
     def __init__(self, cfg, actor_model, tp: int, pp: int, total_steps: int, vocab_multiple: int = 128,
-                 sequence_parallel: bool = False, overlap_grad_reduce: bool = False, recompute=None):
+                 sequence_parallel: bool = False, overlap_grad_reduce: bool = False, recompute=None,
+                 distributed_optimizer: Optional[bool] = None):
         if cfg.path is not None:
             self.model = load_model(cfg.path, tp=tp, pp=pp, vocab_multiple=vocab_multiple,
                                     sequence_parallel=sequence_parallel, recompute=recompute)
@@ -47,7 +48,8 @@ class Critic(HostOffload):
             self.model = build_model_chunks(spec, opts) if virtual_stages() > 1 else build_model(spec, opts)
             copy_weights(actor_model, self.model, skip=("output_layer.",))  # the trunk; V = 0 everywhere at the start
             self.init = "actor"
-        self.ddp, self.optimizer = wrap_for_training(self.model, cfg.optim, overlap_grad_reduce=overlap_grad_reduce)
+        self.ddp, self.optimizer = wrap_for_training(self.model, cfg.optim, overlap_grad_reduce=overlap_grad_reduce,
+                                                     use_distributed_optimizer=distributed_optimizer)
         self.scheduler = lr_scheduler(self.optimizer, cfg.optim, total_steps)
         self.value_clip = cfg.value_clip
         self.steps = 0

@@ -152,6 +152,13 @@ def _rng_restore(tensors: Dict[str, torch.Tensor], meta: dict) -> None:
 # ---- save --------------------------------------------------------------------------------------
 
 
+#: the distributed optimizer's state in the canonical per-parameter layout (gathered on DP rank 0
+#: at save, sliced per rank at load), so a checkpoint resumes at any TP / PP / DP; megatron-core
+#: 0.16's default ('fully_sharded_model_space') is a flattened format its own dist_checkpointing
+#: refuses ("ShardedTensor.flattened_range is not supported").  The plain optimizer ignores it.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
 def _save_optimizer(model, optimizer, out_dir: str) -> None:
     from megatron.core import dist_checkpointing
 
@@ -160,7 +167,7 @@ def _save_optimizer(model, optimizer, out_dir: str) -> None:
     model_sd = chunked_sharded_state_dict(model)
     os.makedirs(out_dir, exist_ok=True) if _rank() == 0 else None
     _barrier()
-    dist_checkpointing.save(optimizer.sharded_state_dict(model_sd), out_dir)
+    dist_checkpointing.save(optimizer.sharded_state_dict(model_sd, metadata=dict(OPTIMIZER_METADATA)), out_dir)
 
 
 def _load_optimizer(model, optimizer, in_dir: str) -> None:
@@ -168,8 +175,12 @@ def _load_optimizer(model, optimizer, in_dir: str) -> None:
 
     from megarl.models.megatron_ckpt import chunked_sharded_state_dict
 
+    from megarl.runtime.cpu_compat import prepare_optimizer_for_load
+
     model_sd = chunked_sharded_state_dict(model)
-    loaded = dist_checkpointing.load(optimizer.sharded_state_dict(model_sd, is_loading=True), in_dir)
+    prepare_optimizer_for_load(optimizer)
+    loaded = dist_checkpointing.load(optimizer.sharded_state_dict(model_sd, is_loading=True,
+                                                                  metadata=dict(OPTIMIZER_METADATA)), in_dir)
     optimizer.load_state_dict(loaded)
 
 

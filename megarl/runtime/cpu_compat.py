@@ -13,7 +13,9 @@ What is patched, and why (observed on megatron-core 0.16.1):
   allocations land on the CPU.
 * A :class:`torch.overrides.TorchFunctionMode` rewrites a ``device`` argument of type cuda to
   cpu (``torch.zeros(..., device="cuda")`` in the schedules), makes ``Tensor.cuda()`` return the
-  tensor itself and ``Tensor.to("cuda")`` a CPU no-op.  It is active *only while megatron code
+  tensor itself and ``Tensor.to("cuda")`` a CPU no-op, and names a CPU tensor's type as its CUDA
+  twin (``Tensor.type()``: the distributed optimizer sorts parameters by
+  ``"torch.cuda.FloatTensor"``).  It is active *only while megatron code
   runs*: :func:`install` wraps megatron's entry points (:data:`ENTRY_POINTS`: parallel-state
   set-up, model construction and forward, DDP construction and grad sync, optimizer
   construction and steps, the pipeline schedules, vocab-parallel cross entropy, RoPE scaling,
@@ -73,8 +75,8 @@ unconditionally (on CUDA it returns the CUDA behaviour):
   mixture-of-experts model the allgather token dispatcher (the alltoall one creates a
   ``torch.cuda.Stream`` in its constructor).
 * :func:`model_to_device`: the model stays where megatron built it (``.cuda()`` on CUDA).
-* :func:`use_distributed_optimizer`: megatron's distributed optimizer type-checks CUDA tensors;
-  off on CPU, and an explicit request for it is an error.
+* :func:`use_distributed_optimizer`: on by default on CUDA, off by default on CPU (where it
+  runs in float32 through the ``Tensor.type()`` rewrite: tests/test_distributed_optimizer.py).
 
 The runtime's choice of process-group backend and compute device (gloo and the CPU without
 CUDA) is :mod:`megarl.runtime.distributed`'s, by :func:`on_cpu`.  ``tests/test_cpu_compat.py``
@@ -115,13 +117,18 @@ def _is_cuda_device(dev) -> bool:
 
 
 class _CudaToCpuMode(TorchFunctionMode):
-    """Rewrites ``device=cuda`` to ``cpu``, drops ``pin_memory=True`` and turns ``Tensor.cuda()``
-    into identity."""
+    """Rewrites ``device=cuda`` to ``cpu``, drops ``pin_memory=True``, turns ``Tensor.cuda()``
+    into identity and names a CPU tensor's type as its CUDA twin (``Tensor.type()`` with no
+    argument: megatron's distributed optimizer sorts parameters by ``torch.cuda.FloatTensor``)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if name.startswith("torch.") and ".cuda." not in name \
+                else name
         dev = kwargs.get("device")
         if dev is not None and _is_cuda_device(dev):
             kwargs = dict(kwargs, device="cpu")
@@ -317,8 +324,38 @@ def install() -> bool:
     _patch_router_gemm()
     _patch_norm_for_sequence_parallel()
     _patch_checkpoint_rng()
+    _patch_distributed_optimizer_step_state()
     _INSTALLED = True
     return True
+
+
+def _patch_distributed_optimizer_step_state() -> None:
+    """The distributed optimizer over a torch optimizer (no TE / apex) keeps Adam's ``step`` in
+    every parameter's state, but a checkpoint's parameter state (``fully_reshardable``) holds the
+    moments and the main weights only: ``_set_main_param_and_optimizer_states`` copies every key
+    of the state from the loaded tensors and fails on ``step`` (``KeyError``), which
+    ``load_state_dict`` has already set from the checkpoint's param groups -- as one tensor shared
+    by every parameter, which torch's Adam then increments once per parameter per step (the bias
+    correction of the next step goes wrong).  Each parameter gets its own copy of that step, and a
+    missing ``step`` is copied onto itself.  Inert where megatron steps with TE's or apex's optimizer."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    cls = distrib_optimizer.DistributedOptimizer
+    original = cls._set_main_param_and_optimizer_states
+    if getattr(original, "_megarl_cpu", False) or distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+
+    def set_states(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+            if "step" in state:
+                state["step"] = state["step"].clone()  # unshared: torch's Adam increments it in place
+                tensors = dict(tensors, step=state["step"])
+        return original(self, model_param, tensors)
+
+    set_states._megarl_cpu = True
+    cls._set_main_param_and_optimizer_states = set_states
 
 
 def _clip_grad_by_total_norm_fp32_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
@@ -668,16 +705,37 @@ def model_to_device(model):
 
 
 def use_distributed_optimizer(requested: Optional[bool]) -> bool:
-    """Whether to wrap megatron's distributed optimizer; ``requested`` None means the default.
+    """Whether to wrap megatron's distributed optimizer; ``requested`` None means the default:
+    yes on CUDA, no on CPU (a float32 CPU run can have it, sharding nothing worth the trouble
+    on one machine; the tests prove it there)."""
+    if requested is not None:
+        return bool(requested)
+    return not on_cpu()
 
-    CUDA: ``requested``, by default yes.  CPU: no (megatron type-checks ``torch.cuda`` tensors
-    there); an explicit request raises ``ValueError``."""
-    if not on_cpu():
-        return True if requested is None else requested
-    if requested:
-        raise ValueError("optim.use_distributed_optimizer=true needs CUDA (megatron type-checks "
-                         "torch.cuda tensors); set it to false on CPU")
-    return False
+
+def prepare_optimizer_for_load(optimizer) -> None:
+    """Before a checkpoint loads into megatron's distributed optimizer over a torch optimizer (no
+    transformer-engine or apex: the CPU), give the torch optimizer the state a step leaves: its
+    ``state_dict()`` reads each parameter's ``step`` and asserts they agree, and a fresh torch
+    AdamW has none (``assert len(steps) == 1`` fails).  Zero moments and step 0, which the load
+    overwrites; the parameters are not touched (a dummy step would move them).  Inert where
+    megatron steps with TE's or apex's optimizer (it keeps the step in the param groups)."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(opt, distrib_optimizer.DistributedOptimizer) or inner is None:
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                state = inner.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+                        state["exp_avg"] = torch.zeros_like(p.data)
+                        state["exp_avg_sq"] = torch.zeros_like(p.data)
 
 
 def local_attention_takes_thd() -> bool:
