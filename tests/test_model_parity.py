@@ -70,6 +70,9 @@ def test_logits_match_transformers(family_dirs, tmp_path, tp, pp):
         ref_logits, ref_lp = _reference(str(family_dirs / fam), tokens)
         got = torch.load(tmp_path / f"{fam}_tp{tp}_pp{pp}.pt")
         _check_transformers_parity(got, ref_logits, ref_lp, fam, f"tp{tp}pp{pp}")
+        # without sequence parallelism every layer hands the next the whole sequence, [s, b, h]
+        # (the negative control of the sequence-parallel test's [s/tp, b, h])
+        assert {s[0] for s in got["layer_output_shapes"]} == {tokens.shape[1]}, got["layer_output_shapes"]
         if pp > 1:  # one pipelined schedule call over micro-batches of differing shapes, padded and packed
             assert got["pipelined_equals_alone"] == [True] * 6, got["pipelined_equals_alone"]
         # packed forward-only passes (algo.pack_sequences) equal the padded ones at every layout:
@@ -93,6 +96,9 @@ def test_sequence_parallel_logits_and_values(family_dirs, tmp_path, tp, pp):
         ref_logits, ref_lp = _reference(str(family_dirs / fam), tokens)
         got = torch.load(tmp_path / f"{fam}_tp{tp}_pp{pp}_sp.pt")
         _check_transformers_parity(got, ref_logits, ref_lp, fam, f"tp{tp}pp{pp}sp")
+        # the feature ran: between layers each TP rank held its 1/tp of the (padded) sequence
+        shapes = got["layer_output_shapes"]
+        assert shapes and {s[0] for s in shapes} == {-(-tokens.shape[1] // tp)}, shapes
         lengths = torch.tensor([19, 4, 11, 1, 16])
         keep = torch.arange(18)[None, :] < (lengths - 1)[:, None]
         pad_err = (got["padded_log_probs"] - ref_lp).abs()[keep].max().item()
@@ -103,3 +109,26 @@ def test_sequence_parallel_logits_and_values(family_dirs, tmp_path, tp, pp):
         v_err = (got["values_sp"] - got["values"]).abs().max().item()
         assert got["values"].ne(0).any() and within(v_err, LAYOUT_FP32_LOGPROB,
                                                       f"model_parity/{fam}/tp{tp}pp{pp}sp/values"), v_err
+
+
+def test_parity_catches_a_mapping_mistake(family_dirs, megatron_world):
+    """The negative control of the parity tests: the same checkpoint loaded by the same code, then
+    one query group's K and V blocks of layer 0 exchanged in megatron's fused QKV (what a wrong
+    de-interleave would do): the logits leave transformers' by far more than the tolerance."""
+    from megarl.models.megatron_ckpt import load_model
+    from megarl.models.weights import unwrap
+    from tests._logits import full_logits
+
+    tokens = torch.load(family_dirs / "tokens.pt")
+    ref_logits, _ = _reference(str(family_dirs / "llama"), tokens)
+    model = load_model(str(family_dirs / "llama"))
+    with torch.no_grad():
+        ok = (full_logits(model, tokens) - ref_logits).abs().max().item()
+        spec = unwrap(model).megarl_spec
+        hpg, hd = spec.num_attention_heads // spec.num_query_groups, spec.head_dim
+        w = unwrap(model).decoder.layers[0].self_attention.linear_qkv.weight
+        k, v = slice(hpg * hd, (hpg + 1) * hd), slice((hpg + 1) * hd, (hpg + 2) * hd)  # group 0: [q..; k; v]
+        w[k], w[v] = w[v].clone(), w[k].clone()
+        wrong = (full_logits(model, tokens) - ref_logits).abs().max().item()
+    assert within(ok, NET_FP32_LOGPROB, "model_parity/negative_control/as_loaded"), ok
+    assert wrong > 100 * NET_FP32_LOGPROB, wrong

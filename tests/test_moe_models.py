@@ -6,7 +6,7 @@ on every token and layer, the log-probs those of one process replaying it).
 
 One torchrun launch per layout proves all three families at once (tests/workers/moe_worker.py).
 TP=2, EP=2, TP=2 x EP=2 (4 processes) and TP=2 x EP=2 with expert TP 1 run in CI; PP=2 and
-PP=2 x EP=2 are opt-in (``MEGARL_SLOW_LAYOUTS=1``).
+PP=2 x EP=2 run in CI too.
 """
 
 import json
@@ -166,18 +166,15 @@ def test_moe_single_process_parity_and_roundtrip(moe_dirs, tmp_path, megatron_wo
 # --------------------------------------------------------------------------------------------
 
 #: Layouts proven in CI, one launch each (~12 s for 2 processes, ~21 s for 4 on the 2-core CI
-#: machine); the pipeline-parallel ones are opt-in (MEGARL_SLOW_LAYOUTS=1).
-SLOW = pytest.mark.skipif(os.environ.get("MEGARL_SLOW_LAYOUTS") != "1",
-                          reason="opt-in (MEGARL_SLOW_LAYOUTS=1): the PP=2 and PP=2 x EP=2 MoE layouts "
-                                 "(~35 s more on 2 cores) repeat what the dense TP2xPP2 round trip and "
-                                 "the EP layouts here already prove; run them on demand")
+#: machine), the pipeline-parallel MoE ones included: a stage holds its layers' experts and the
+#: manifest unions them over EP, then PP.
 LAYOUTS = [  # (tp, pp, ep, etp, processes)
     pytest.param(2, 1, 1, None, 2, id="tp2"),
     pytest.param(1, 1, 2, None, 2, id="ep2"),
     pytest.param(2, 1, 2, None, 4, id="tp2_ep2"),  # expert TP = TP = 2, EP = 2: 4 processes
     pytest.param(2, 1, 2, 1, 2, id="tp2_ep2_etp1"),  # expert TP 1 under attention TP 2: EP spans the TP ranks
-    pytest.param(1, 2, 1, None, 2, id="pp2", marks=SLOW),
-    pytest.param(1, 2, 2, None, 4, id="pp2_ep2", marks=SLOW),
+    pytest.param(1, 2, 1, None, 2, id="pp2"),
+    pytest.param(1, 2, 2, None, 4, id="pp2_ep2"),
 ]
 
 

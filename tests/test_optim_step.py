@@ -90,9 +90,23 @@ def test_recompute_changes_nothing(runs, optimizer, tp, pp):
     layers in the backward): full (uniform and block) and selective recompute of the core
     attention and the MLP give bitwise the step without recompute at the same layout.  Selective
     recompute of the norms (CheckpointWithoutOutput, which drops the norm's output and rebuilds
-    it in the backward) sums the layer input's gradient in another order: fp32 noise."""
+    it in the backward) sums the layer input's gradient in another order: fp32 noise.  That the
+    recomputation ran is counted: forward hooks see each recomputed module twice."""
     root, initial = runs
     plain = torch.load(root / f"{optimizer}_tp{tp}_pp{pp}_dp1.pt")
+    base = plain["calls"]  # forward calls of rank 0's modules in the step: each module once per micro-batch
+    assert len(set(base.values())) == 1 and base["layer"] > 0, base
+    local_layers = 2 // pp  # the tiny model's 2 layers over the pipeline stages
+    # the recomputation ran (the negative control of the equality below): what it recomputes runs
+    # twice, once in the forward and once in the backward
+    twice = {"full-uniform": {"layer", "input_layernorm", "core_attention", "mlp"},
+             "selective": {"core_attention", "mlp"}, "selective-layernorm": {"input_layernorm"}}
+    for mode in RECOMPUTE:
+        calls = torch.load(root / f"{optimizer}_tp{tp}_pp{pp}_dp1_{mode}.pt")["calls"]
+        if mode == "full-block":  # the first recompute.num_layers=1 layer of each stage
+            assert all(calls[k] == base[k] + base[k] // local_layers for k in base), (mode, calls, base)
+        else:
+            assert calls == {k: base[k] * (2 if k in twice[mode] else 1) for k in base}, (mode, calls, base)
     for mode in RECOMPUTE:
         got = torch.load(root / f"{optimizer}_tp{tp}_pp{pp}_dp1_{mode}.pt")
         assert set(got["weights"]) == set(initial), mode

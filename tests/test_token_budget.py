@@ -111,6 +111,12 @@ def test_chunked_log_probs_change_no_number_of_the_update(runs, layout):
     and gradients bitwise), the entropy bonus's gradient only its rounding -- fp32 noise."""
     results, _ = runs
     tokens, chunked = results[layout]["tokens"], results[layout]["chunked"]
+    # the feature ran: turning the logits into log-probs and entropy created no fp32 tensor of more
+    # than CHUNK positions of the vocabulary; the whole-tensor path (the negative control) copies
+    # all of them to fp32
+    seen, whole, chunk = chunked["logit_probe"], tokens["logit_probe"], results["chunk"]
+    assert 0 < seen["max_positions"] <= chunk < seen["positions"], seen
+    assert whole["max_positions"] == whole["positions"] > chunk, whole
     # the first step's loss is computed before any gradient: bitwise; after it, the entropy bonus's
     # gradient (fp32 rounding) has moved the weights by ~1e-9
     assert chunked["metrics"]["update/first_step_pg_loss"] == tokens["metrics"]["update/first_step_pg_loss"]

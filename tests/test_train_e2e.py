@@ -182,6 +182,11 @@ def check_rung3(run_dir, assets):
     assert moved > 1e-4, "the step did not change the weights: the comparison would be vacuous"
     # SGD at lr 0.1: the weights differ by lr x the gradients' difference (measured 1.2e-7)
     assert within(worst, 1e-5, "train_e2e/rung3/weights"), worst
+    # negative control: the recomputed step with the advantages' sign flipped (the gradient negated)
+    # lands far outside the tolerance from the trained weights
+    with torch.no_grad():
+        flipped = max(float((w1[n] - (p.detach() + LR * grads[n])).abs().max()) for n, p in model.named_parameters())
+    assert flipped > 100 * 1e-5, flipped
 
 
 DENSE = ["reward.fn=tests.plugins.faulty_rewards:digit_count"]
@@ -473,9 +478,11 @@ RM_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|
 def test_neural_reward_model_uses_its_own_template(assets, tmp_path):
     """reward.fn=null + a value-head reward model with a chat template of its own: every
     sample's reward is the RM head at the last token of *its* rendering of (prompt, response),
-    as transformers computes it.  Then the reward model at the same path is replaced by other
-    weights: the resume is refused naming reward.model.path (its identity is its weights,
-    tokenizer and template, not its path)."""
+    as transformers computes it.  Its forward's failures are statuses, never scores: injected to
+    raise at iteration 1 and to run past reward.model.timeout_s at iteration 2, every sample of
+    those batches is error / timeout (here trained with the configured penalties).  Then the reward
+    model at the same path is replaced by other weights: the resume is refused naming
+    reward.model.path (its identity is its weights, tokenizer and template, not its path)."""
     import transformers
 
     from megarl.builtin.tiny_checkpoint import make_tiny_hf_checkpoint
@@ -488,9 +495,17 @@ def test_neural_reward_model_uses_its_own_template(assets, tmp_path):
     tpl.write_text(RM_TEMPLATE)
     run_dir = str(tmp_path / "rm_run")
     rm_run = ["reward.fn=null", f"reward.model.path={rm_dir}", f"reward.model.chat_template={tpl}",
-              "eval.every=0", "eval.success_threshold=1.0e9", "trainer.checkpoint_every=1"]
-    run_train(assets, run_dir, GRPO, extra=[*rm_run, "trainer.iterations=1"])
-    (b,) = batches(run_dir)
+              "eval.every=0", "eval.success_threshold=1.0e9", "trainer.checkpoint_every=1",
+              "reward.model.timeout_s=3", "reward.penalty.error=-1", "reward.penalty.timeout=-2",
+              "faults.reward_model_error_at=[1]", "faults.reward_model_timeout_at=[2]"]
+    run_train(assets, run_dir, GRPO, extra=[*rm_run, "trainer.iterations=3"])
+    b, failed, late = batches(run_dir)
+    for batch, status, penalty in ((failed, "error", -1.0), (late, "timeout", -2.0)):
+        assert all(r.total == penalty and dict(r.components) == {f"penalty/{status}": penalty}
+                   for r in batch.facts.rewards), [r.to_json() for r in batch.facts.rewards][:2]
+    m = metrics(run_dir)[-1]
+    assert m["e2e/count/reward_model_errors"] == 1 and m["e2e/count/reward_model_timeouts"] == 1, m
+    assert m["faults/injected/reward_model_errors"] == 1 and m["faults/injected/reward_model_timeouts"] == 1
     tok = transformers.AutoTokenizer.from_pretrained(rm_dir)
     rm = transformers.AutoModelForTokenClassification.from_pretrained(rm_dir).eval()
     with open(assets["train"]) as fh:
@@ -515,10 +530,10 @@ def test_neural_reward_model_uses_its_own_template(assets, tmp_path):
     make_tiny_hf_checkpoint(rm_dir, "llama", seed=4, value_head=True, vocab_size=112, hidden_size=32,
                             num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
                             tokenizer_dir=assets["model"])
-    bad = run_train(assets, run_dir, GRPO, extra=[*rm_run, "trainer.iterations=2"], expect=2)
+    bad = run_train(assets, run_dir, GRPO, extra=[*rm_run, "trainer.iterations=4"], expect=2)
     line = [x for x in bad.stderr.splitlines() if x.startswith("error:")]
     assert len(line) == 1 and "reward.model.path:" in line[0] and "weights=sha256:" in line[0], bad.stderr[-3000:]
-    assert len(batches(run_dir)) == 1  # nothing trained
+    assert len(batches(run_dir)) == 3  # nothing trained
 
 
 def test_dapo_dynamic_sampling_and_reference_refresh(assets, tmp_path):

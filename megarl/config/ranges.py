@@ -156,6 +156,7 @@ RANGES = {
     "trainer.seed": SEED,
     "trainer.export_every": COUNT0,
     "trainer.max_wall_minutes": Range(lo=0, lo_open=True, null=True),
+    "reward.model.timeout_s": Range(lo=0, lo_open=True, null=True),
     "trainer.peak_flops": Range(lo=0, lo_open=True, null=True),
     "trainer.checkpoint_every": COUNT0,
     "trainer.checkpoint_keep": COUNT,
@@ -172,6 +173,8 @@ RANGES = {
     "faults.reward_timeout_rate": RATE,
     "faults.fail_optimizer_step_at": ITERATIONS,
     "faults.hold_after_iteration": ITERATIONS,
+    "faults.reward_model_error_at": ITERATIONS,
+    "faults.reward_model_timeout_at": ITERATIONS,
     "faults.fail_optimizer_step_rank": Range(lo=-1),  # -1: the last rank; < world size (checked with it)
     "faults.seed": SEED,
 }

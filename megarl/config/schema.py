@@ -377,6 +377,9 @@ class RewardModelConfig:
     chat_template: Optional[str] = None  # a Jinja file for the RM's prompts (default: its tokenizer's)
     weight: float = 1.0  # weight of the RM score in a composite with reward.fn
     offload: bool = False  # on the host between its forwards (GPU time-slicing)
+    #: seconds the forward over one batch may take (the slowest rank's); past it every sample of
+    #: the batch is status timeout, its late scores discarded (null: no limit)
+    timeout_s: Optional[float] = None
 
 
 @dataclass
@@ -527,6 +530,9 @@ class FaultsConfig:
     rollout_error_rate: float = 0.0  # a candidate's result is lost (and delivered late, in the next call)
     duplicate_result_rate: float = 0.0  # a candidate's result is delivered twice
     reward_timeout_rate: float = 0.0  # a reward call hangs past reward.timeout_s
+    reward_model_error_at: List[int] = field(default_factory=list)  # iterations whose RM forward raises
+    #: iterations whose RM forward is held past reward.model.timeout_s (which must be set)
+    reward_model_timeout_at: List[int] = field(default_factory=list)
     fail_optimizer_step_at: List[int] = field(default_factory=list)  # iterations whose update fails once
     fail_optimizer_step_rank: int = -1  # the rank that fails (-1: the last)
     fail_optimizer_step_kind: str = "exception"  # exception | nan (a non-finite loss on that rank)

@@ -313,6 +313,11 @@ def _validate_faults(cfg: TrainConfig, world_size: int) -> None:
           f"must be -1 (the last rank) or a rank in [0, {world_size}), got {f.fail_optimizer_step_rank}")
     _need(not f.reward_timeout_rate or cfg.reward.timeout_s is not None, "faults.reward_timeout_rate",
           "injects calls that hang past reward.timeout_s, which is null (no timeout)")
+    for key in ("reward_model_error_at", "reward_model_timeout_at"):
+        _need(not getattr(f, key) or cfg.reward.model.path, f"faults.{key}",
+              "injects into the reward model's forward, and reward.model.path is not set")
+    _need(not f.reward_model_timeout_at or cfg.reward.model.timeout_s is not None, "faults.reward_model_timeout_at",
+          "holds the reward model's forward past reward.model.timeout_s, which is null (no timeout)")
 
 
 def _validate_reward_penalty(cfg: TrainConfig) -> None:

@@ -139,6 +139,10 @@ def _rewards(cfg, injector, rank0: bool):
                                    offload=r.model.offload, micro_batch_size=cfg.algo.forward_micro_batch_size,
                                    pack=cfg.algo.pack_sequences, micro_batch_tokens=cfg.algo.micro_batch_tokens,
                                    sequence_parallel=p.sequence_parallel)
+        if injector is not None and (cfg.faults.reward_model_error_at or cfg.faults.reward_model_timeout_at):
+            from megarl.roles.faulty_reward_model import FaultyRewardModel
+
+            reward_model = FaultyRewardModel(reward_model, injector, r.model.timeout_s)
     return fn, runner, reward_model
 
 

@@ -10,12 +10,13 @@ unless ``reward.penalty.<status>`` names a number for it.
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from typing import List
 
 from megarl.control.interfaces import Sample
 from megarl.experience.schema import RewardRecord, RewardStatus
-from megarl.runtime.data_parallel import broadcast_object
+from megarl.runtime.data_parallel import broadcast_object, gather_objects
 
 
 class Scorer:
@@ -66,18 +67,40 @@ class Scorer:
         record_scores(samples, records, self.cfg, self.tok, self.counters, self.quarantine_path, self.rank0)
 
     def _add_reward_model(self, rs, records):
-        """The reward model's score (collective) added to each ok rule record, or alone."""
+        """The reward model's score (collective) added to each ok rule record, or alone.  A forward
+        that raised (on any rank) or took longer than ``reward.model.timeout_s`` (on the slowest
+        rank) makes every sample of the batch status error / timeout, naming why: a failed scorer
+        is never a score.  (A rank that fails inside a collective leaves its peers blocked there:
+        that is the lost-rank path, megarl/runtime/liveness.py.)"""
         rm = self.reward_model
         texts = [rm.encode(x.messages, x.prompt_text, x.response_text) for x in rs]
-        scores = rm.score(texts)
+        t0 = time.monotonic()
+        try:
+            scores, error = rm.score(texts), None
+        except Exception as e:  # noqa: BLE001 -- a status for every sample, below
+            scores, error = None, f"{type(e).__name__}: {e}"
+        outcomes = gather_objects((error, time.monotonic() - t0))
+        failed = [(rank, err) for rank, (err, _) in enumerate(outcomes) if err is not None]
+        took, limit = max(s for _, s in outcomes), self.cfg.model.timeout_s
+        status = None
+        if failed:
+            status, why = RewardStatus.ERROR, f"the reward model's forward failed on rank {failed[0][0]}: {failed[0][1]}"
+            self.counters["reward_model_errors"] += 1
+        elif limit is not None and took > limit:
+            status, why = RewardStatus.TIMEOUT, (f"the reward model's forward took {took:.1f}s, past "
+                                                 f"reward.model.timeout_s={limit:g}")
+            self.counters["reward_model_timeouts"] += 1
         w = self.cfg.model.weight
         merged = []
         for i, _ in enumerate(rs):
-            sc = float(scores[i])
             base = records[i] if records is not None else None
             if base is not None and base.status is not RewardStatus.OK:
                 merged.append(base)
                 continue
+            if status is not None:
+                merged.append(RewardRecord(total=None, scorer_version=rm.version, status=status, error=why))
+                continue
+            sc = float(scores[i])
             comps = dict(base.components) if base is not None else {}
             comps["reward_model"] = sc
             total = (base.total if base is not None else 0.0) + w * sc

@@ -43,6 +43,7 @@ class FaultInjector:
     def active(self) -> bool:
         c = self.cfg
         return bool(c.rollout_error_rate or c.duplicate_result_rate or c.reward_timeout_rate
+                    or c.reward_model_error_at or c.reward_model_timeout_at
                     or c.fail_optimizer_step_at or c.crash_during_checkpoint_at is not None
                     or c.crash_during_update_at is not None or c.corrupt_weight_sync_at)
 

@@ -67,6 +67,26 @@ def loss_fn(output, mb):
     return loss, {"loss": loss.detach()}
 
 
+def count_forward_calls(model):
+    """Forward hooks on this rank's decoder layers and their norms, core attention and MLPs;
+    returns a function that removes them and gives ``{module kind: calls}``."""
+    from megarl.models.weights import unwrap
+
+    counts, hooks = {}, []
+    for layer in unwrap(model).decoder.layers:
+        for kind, mod in (("layer", layer), ("input_layernorm", layer.input_layernorm),
+                          ("core_attention", layer.self_attention.core_attention), ("mlp", layer.mlp)):
+            counts[kind] = 0
+            hooks.append(mod.register_forward_hook(lambda *_, _k=kind: counts.__setitem__(_k, counts[_k] + 1)))
+
+    def done():
+        for h in hooks:
+            h.remove()
+        return dict(counts)
+
+    return done
+
+
 OPTIMIZERS = [("sgd", OptimSettings(optimizer="sgd", lr=0.5, clip_grad=1e9)),
               ("adam", OptimSettings(optimizer="adam", lr=1e-3, weight_decay=0.1, clip_grad=0.05))]
 for mode, (name, cfg) in [(m, o) for m in (a.recompute.split(",") if a.recompute else [None]) for o in OPTIMIZERS]:
@@ -77,8 +97,10 @@ for mode, (name, cfg) in [(m, o) for m in (a.recompute.split(",") if a.recompute
         for what in ("start_grad_sync", "finish_grad_sync"):
             original = getattr(bg, what)
             setattr(bg, what, lambda *x, _o=original, _w=what, **k: (events.append(_w), _o(*x, **k))[1])
+    calls = count_forward_calls(model)  # what ran in the step: a recomputed module runs twice
     res = train_step(ddp, opt, micro, loss_fn)
     assert res.update_successful
+    calls = calls()
     if a.tp > 1:
         # replicated over TP (norms; under sequence parallelism each rank's norm saw its part of
         # the sequence and finalize_model_grads summed them): every TP rank holds the same values
@@ -89,7 +111,7 @@ for mode, (name, cfg) in [(m, o) for m in (a.recompute.split(",") if a.recompute
                 torch.distributed.all_gather(got, p_.data.contiguous(), group=ps.get_tensor_model_parallel_group())
                 assert all(torch.equal(got[0], g_) for g_ in got[1:]), f"{name}: {n} differs across TP ranks"
     weights = {k: v.clone() for k, v in iter_hf_tensors(ddp)}
-    saved = {"weights": weights, "grad_norm": res.grad_norm}
+    saved = {"weights": weights, "grad_norm": res.grad_norm, "calls": calls}
     if dp > 1:
         # a second step: megatron DDP learns each bucket's gradients in the first, so only from the
         # second on does an overlapped reduction start inside the backward, before finalize waits

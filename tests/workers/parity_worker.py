@@ -11,7 +11,7 @@ from megarl.models.forward import (PackedMicroBatch, forward_only, scalar_values
 from megarl.roles.critic import value_head_spec
 from tests._logits import full_logits
 from megarl.models.hf_config import load_spec
-from megarl.models.weights import load_hf_weights
+from megarl.models.weights import load_hf_weights, unwrap
 from megarl.runtime import distributed as rt
 
 p = argparse.ArgumentParser()
@@ -30,12 +30,17 @@ for fam in a.families:
     spec = load_spec(hf_dir)
     model = build_model(spec, BuildOptions(tp=a.tp, pp=a.pp, sequence_parallel=a.sp))
     load_hf_weights(model, hf_dir)
+    # what a decoder layer hands the next: [s/tp, b, h] under sequence parallelism, [s, b, h] without
+    shapes, hooks = [], [layer.register_forward_hook(lambda mod, args, output: shapes.append(tuple(
+        (output[0] if isinstance(output, tuple) else output).shape))) for layer in unwrap(model).decoder.layers]
     logits = full_logits(model, tokens, micro_batch_size=2)
+    for h in hooks:
+        h.remove()
     lp = teacher_forced_log_probs(model, tokens, micro_batch_size=3)
     # ragged rows padded (sorted by length) and packed (algo.pack_sequences): same log-probs
     lengths = torch.tensor([19, 4, 11, 1, 16])[: tokens.shape[0]].clamp(max=tokens.shape[1])
     padded = teacher_forced_log_probs(model, tokens, micro_batch_size=2, lengths=lengths)
-    out = {"logits": logits, "log_probs": lp, "padded_log_probs": padded}
+    out = {"logits": logits, "log_probs": lp, "padded_log_probs": padded, "layer_output_shapes": shapes}
     if a.sp:
         # the value head (critic, reward model) sees [s/tp, b, h] under sequence parallelism: the
         # same randomly initialised value-head model (build_model seeds every build alike) with

@@ -14,6 +14,7 @@ rows, splits, and at DP=2 filler micro-batches.
 """
 
 import argparse
+import contextlib
 import os
 from collections import Counter
 
@@ -123,9 +124,55 @@ def update(a, tp, pp, sp, budget, chunk=0):
 
     recording(actor)
     recording(critic)
-    metrics = learner.update(0, batch, v)
+    with logit_probe() as probe:
+        metrics = learner.update(0, batch, v)
+    both = torch.tensor([probe["max_positions"], probe["positions"]])
+    torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX)  # the last stage computes the loss
+    probe = {"max_positions": int(both[0]), "positions": int(both[1])}
     return {"metrics": metrics, "micro_batches": seen, "actor": {k: t.clone() for k, t in iter_hf_tensors(actor.ddp)},
-            "critic": {k: t.clone() for k, t in iter_hf_tensors(critic.ddp)}}
+            "critic": {k: t.clone() for k, t in iter_hf_tensors(critic.ddp)}, "logit_probe": probe}
+
+
+@contextlib.contextmanager
+def logit_probe():
+    """While the update's loss turns logits into log-probs and entropy (the forward of those two
+    functions): the most positions of the vocabulary shard any fp32 tensor they create holds,
+    against the positions of the logits they were given (``{"max_positions", "positions"}``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megarl.control import learning
+
+    probe = {"max_positions": 0, "positions": 0}
+
+    class Record(TorchDispatchMode):
+        def __init__(self, vocab_shard):
+            super().__init__()
+            self.vocab_shard = vocab_shard
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            given = {x.untyped_storage().data_ptr() for x in (*args, *(kwargs or {}).values())
+                     if isinstance(x, torch.Tensor)}
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                # a view (or an in-place op) of what it was given is no new tensor
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() and \
+                        t.shape[-1] == self.vocab_shard and t.untyped_storage().data_ptr() not in given:
+                    probe["max_positions"] = max(probe["max_positions"], t.numel() // self.vocab_shard)
+            return out
+
+    def watched(fn):
+        def call(logits, *args, **kw):
+            probe["positions"] = max(probe["positions"], logits.numel() // logits.shape[-1])
+            with Record(logits.shape[-1]):
+                return fn(logits, *args, **kw)
+        return call
+
+    saved = learning.token_log_probs_from_logits, learning.vocab_parallel_entropy
+    learning.token_log_probs_from_logits, learning.vocab_parallel_entropy = (watched(f) for f in saved)
+    try:
+        yield probe
+    finally:
+        learning.token_log_probs_from_logits, learning.vocab_parallel_entropy = saved
 
 
 def main():
@@ -133,7 +180,7 @@ def main():
     p.add_argument("--hf", required=True)
     p.add_argument("--out", required=True)
     a = p.parse_args()
-    results = {}
+    results = {"chunk": CHUNK}
     for tag, tp, pp, sp in (("tp2", 2, 1, False), ("pp2", 1, 2, False), ("dp2", 1, 1, False), ("tp2sp", 2, 1, True)):
         rt.initialize(tp=tp, pp=pp)
         results[tag] = {"padded": update(a, tp, pp, sp, 0), "tokens": update(a, tp, pp, sp, BUDGET),
