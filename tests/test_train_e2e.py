@@ -310,9 +310,26 @@ def check_timeline(run_dir, ranks, iteration):
         assert {"iteration", "weight_sync", "generate", "reward", "old_log_prob", "ref_log_prob", "advantages",
                 "update", "commit"} <= set(phases), sorted(phases)
         assert all(lab["it"] == str(iteration) for lab in labels)
-        # the iteration's phases are about v; export / final eval / checkpoint after it about v+1
-        assert all(lab["v"] == v for lab in labels if lab["phase"] not in ("eval", "export", "checkpoint"))
+        # the iteration's phases are about v; export / final eval (and what runs inside it) /
+        # checkpoint after it about v+1
+        evals = [(e["ts"], e["ts"] + e["dur"]) for e, lab in zip(spans, labels) if lab["phase"] == "eval"]
+
+        def in_eval(e):
+            return any(a <= e["ts"] and e["ts"] + e["dur"] <= b for a, b in evals)
+
+        assert all(lab["v"] == v for e, lab in zip(spans, labels)
+                   if lab["phase"] not in ("eval", "export", "checkpoint") and not in_eval(e))
         assert phases["generate"]["role"] == "rollout" and phases["ref_log_prob"]["role"] == "reference"
+        # the weight sync's sub-phases, nested in it: gather, bucket, load, verify, activate
+        subs = {"weight_sync.gather", "weight_sync.bucket", "weight_sync.load", "weight_sync.verify",
+                "weight_sync.activate"}
+        assert subs <= set(phases) and "reward.broadcast" in phases, sorted(phases)
+        (sync,) = [e for e, lab in zip(spans, labels) if lab["phase"] == "weight_sync"]
+        inside = [lab["phase"] for e, lab in zip(spans, labels) if lab["phase"] in subs
+                  and sync["ts"] <= e["ts"] and e["ts"] + e["dur"] <= sync["ts"] + sync["dur"]]
+        assert set(inside) == subs, sorted(set(inside))
+        assert all(in_eval(e) for e, lab in zip(spans, labels)  # the final evaluation's own load
+                   if lab["phase"] in subs and not sync["ts"] <= e["ts"] <= sync["ts"] + sync["dur"])
         assert int(phases["generate"]["samples"]) == B * G and int(phases["update"]["groups"]) == B
     out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "timeline_summary.py"), *paths],
                          capture_output=True, text=True, env=subprocess_env())
@@ -329,6 +346,143 @@ def test_ppo_single_process(assets, tmp_path):
     check_structure(run_dir, "ppo", groups_per_publish=1)
     m = metrics(run_dir)
     assert all("update/critic_value_loss" in x and "update/policy_loss" in x for x in m)
+
+
+CRITIC_LR = 0.05
+
+
+@pytest.mark.parametrize("epochs,minis", [(1, 1), (2, 2)], ids=["one-step", "2-epochs-x-2-mini-batches"])
+def test_ppo_rung3(assets, tmp_path, epochs, minis):
+    """Rung 3 for PPO: iteration 0 recomputed in one plain process with transformers and torch from
+    its sealed batch -- the critic's values, the KL-shaped rewards, GAE advantages (whitened) and
+    returns, then every actor and critic SGD step of the update in the learner's seeded order of
+    mini-batches (clipped surrogate with dual clip, clipped value loss, token-mean over each
+    mini-batch) -- equals the trainer's: the actor's weights are export/iter_1's, the critic's
+    are what gives iteration 1's sealed values."""
+    run_dir = str(tmp_path / f"ppo_r3_{epochs}x{minis}")
+    run_train(assets, run_dir, PPO, extra=[*DENSE, "critic.warmup_iters=0", "critic.micro_batch_size=0",
+                                            "critic.optim.optimizer=sgd", f"critic.optim.lr={CRITIC_LR}",
+                                            "critic.optim.clip_grad=1.0e9", f"algo.ppo_epochs={epochs}",
+                                            f"algo.num_mini_batches={minis}", "eval.every=0"])
+    check_ppo_rung3(run_dir, epochs, minis)
+
+
+def check_ppo_rung3(run_dir, epochs, minis):
+    import transformers
+    from omegaconf import OmegaConf
+    from safetensors.torch import load_file
+
+    from megarl.control.batch import plan_mini_batches
+
+    cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
+    a = cfg.algo
+    b0, b1 = batches(run_dir)[:2]
+    f, d = b0.facts, b0.derived
+    export0 = os.path.join(run_dir, "export", "iter_0")
+    actor = transformers.AutoModelForCausalLM.from_pretrained(export0, dtype=torch.float32)
+    critic = transformers.AutoModelForTokenClassification.from_pretrained(export0, num_labels=1, dtype=torch.float32)
+    critic.score = torch.nn.Linear(critic.config.hidden_size, 1, bias=False)  # megarl's critic: the actor's
+    with torch.no_grad():  # trunk and a zero value head without a bias
+        critic.score.weight.zero_()
+    P, R = f.prompt_len, f.response_len
+
+    def rows(b_facts, i):
+        am = b_facts.attention_mask[i]
+        prompt = b_facts.prompt_ids[i][am[:P] != 0]
+        n = int(am[P:].sum())
+        return prompt, b_facts.response_ids[i][:n]
+
+    def forward(model, b_facts, i, values):
+        prompt, resp = rows(b_facts, i)
+        out = model(torch.cat([prompt, resp])[None]).logits[0]
+        at = slice(len(prompt) - 1, len(prompt) - 1 + len(resp))
+        if values:
+            return out[at, 0]
+        return torch.log_softmax(out[at].float(), -1).gather(-1, resp[:, None])[:, 0]
+
+    keep = f.response_mask != 0
+    # the critic's values before the update (a zero head: exactly 0) and the KL-shaped rewards
+    assert float(f.values.abs().max()) == 0.0 and float(f.bootstrap_values.abs().max()) == 0.0
+    beta = float(a.kl.beta)
+    shaped = -beta * (f.old_log_probs.values - f.ref_log_probs.values).double() * keep
+    lens = f.response_mask.sum(1).long()
+    scores = torch.tensor([r.total for r in f.rewards], dtype=torch.float64)
+    shaped[torch.arange(f.batch_size), lens - 1] += scores
+    assert within(max_abs_diff(shaped, d.shaped_rewards, keep), formula_tol(torch.float32, ops=4, scale=10.0),
+                  "train_e2e/ppo_rung3/shaped_rewards")
+    # GAE with V = 0 (bootstrapping a truncated response from V(s_T) = 0): by hand in float64
+    gamma, lam = float(a.gamma), float(a.lam)
+    adv = torch.zeros(f.batch_size, R, dtype=torch.float64)
+    for i in range(f.batch_size):
+        acc = 0.0
+        for t in reversed(range(int(lens[i]))):
+            acc = float(shaped[i, t]) + gamma * lam * acc
+            adv[i, t] = acc
+    ret = adv.clone()
+    m = keep
+    mu = adv[m].mean()
+    var = ((adv[m] - mu) ** 2).sum() / (int(m.sum()) - 1)
+    white = torch.where(m, (adv - mu) / torch.sqrt(var + 1e-8), 0.0)
+    # float32 against float64: <= R additions of terms summing to <= ~40 in magnitude, then a whitening
+    assert within(max_abs_diff(ret, d.returns, keep), formula_tol(torch.float32, ops=2 * R, scale=40.0),
+                  "train_e2e/ppo_rung3/returns")
+    assert within(max_abs_diff(white, d.advantages, keep), formula_tol(torch.float32, ops=4 * R, scale=40.0),
+                  "train_e2e/ppo_rung3/advantages")
+    A, G = d.advantages, d.returns  # the sealed ones drive the steps, as in the trainer
+    old = f.old_log_probs.values
+    eps_lo, eps_hi, dual = float(a.clip_low), float(a.clip_high), float(a.dual_clip)
+    gen = torch.Generator().manual_seed(int(cfg.trainer.seed) * 7919 + 0)
+    steps = 0
+    for _ in range(epochs):
+        for plan in plan_mini_batches(f.group_id, minis, 1, int(a.micro_batch_size), gen):
+            idx = plan.rows.tolist()
+            norm = float(keep[idx].sum())
+            pg = sum(_ppo_terms(forward(actor, f, i, False), old[i, :int(lens[i])], A[i, :int(lens[i])],
+                                eps_lo, eps_hi, dual).sum() for i in idx) / norm
+            actor.zero_grad()
+            pg.backward()
+            with torch.no_grad():
+                for p in actor.parameters():
+                    if p.grad is not None:
+                        p -= LR * p.grad
+            v_old = f.values
+            vl = 0.0
+            for i in idx:
+                n = int(lens[i])
+                v = forward(critic, f, i, True)
+                v_clip = v_old[i, :n] + (v - v_old[i, :n]).clamp(-float(cfg.critic.value_clip), float(cfg.critic.value_clip))
+                vl = vl + 0.5 * torch.maximum((v - G[i, :n]) ** 2, (v_clip - G[i, :n]) ** 2).sum()
+            critic.zero_grad()
+            (vl / norm).backward()
+            with torch.no_grad():
+                for p in critic.parameters():
+                    if p.grad is not None:
+                        p -= CRITIC_LR * p.grad
+            steps += 1
+    assert steps == epochs * minis
+    # the actor after the update: export/iter_1 (transformers vs megatron gradients, ~1e-6 relative
+    # each step, times the SGD lr: as rung 3's GRPO bound, once per step)
+    w0 = load_file(os.path.join(export0, "model.safetensors"))
+    w1 = load_file(os.path.join(run_dir, "export", "iter_1", "model.safetensors"))
+    assert max(float((w1[n] - w0[n]).abs().max()) for n in w0) > 1e-4, "the update did not move the actor"
+    worst = max(float((w1[n] - p.detach()).abs().max()) for n, p in actor.named_parameters())
+    assert within(worst, 1e-5 * steps, f"train_e2e/ppo_rung3/{epochs}x{minis}/actor_weights"), worst
+    # the critic after the update, seen through iteration 1's sealed values (its forward on batch 1)
+    f1 = b1.facts
+    with torch.no_grad():
+        err = 0.0
+        for i in range(f1.batch_size):
+            n = int(f1.response_mask[i].sum())
+            err = max(err, float((forward(critic, f1, i, True) - f1.values[i, :n]).abs().max()))
+    assert float(f1.values.abs().max()) > 1e-3, "the critic did not move: the comparison would be vacuous"
+    assert within(err, 1e-4 * steps, f"train_e2e/ppo_rung3/{epochs}x{minis}/critic_values"), err
+
+
+def _ppo_terms(lp, old, A, eps_lo, eps_hi, dual):
+    """Per-token clipped surrogate with dual clip, by its formula (megarl/algo/policy_loss.py)."""
+    ratio = torch.exp((lp - old).clamp(-20, 20))
+    pg = torch.maximum(-A * ratio, -A * ratio.clamp(1 - eps_lo, 1 + eps_hi))
+    return torch.where(A < 0, torch.minimum(pg, -A * dual), pg)
 
 
 def test_ppo_torchrun_dp2(assets, tmp_path):

@@ -11,6 +11,7 @@ bucket in transit at this seam, so the engines' own check is what refuses it.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections import Counter
@@ -19,6 +20,7 @@ from typing import Dict, Optional
 from megarl.control.placement import Placement
 from megarl.control.state_machine import ExportEvidence, IterationStateMachine, RolloutActivation
 from megarl.rollout.weight_stream import TensorManifest
+from megarl.observability.profiling import phase_context, span
 from megarl.rollout.weight_sync import sync_actor_to_engine
 from megarl.runtime.data_parallel import all_ranks_agree, gather_objects
 from megarl.versions import PolicyVersion
@@ -68,10 +70,12 @@ class WeightPublisher:
             error, report, act = None, None, None
             try:
                 self.time_slice.resume()
-                report = sync_actor_to_engine(self.actor.ddp, self.engine, version, manifest,
-                                              bucket_bytes=self.bucket_bytes, dtype=self.sync_dtype,
-                                              transport=self._transport_fault(k, attempt))
-                act = self.engine.activate(version) if self.engine is not None else None
+                with phase_context(k, version.short_id) if k is not None else contextlib.nullcontext():
+                    report = sync_actor_to_engine(self.actor.ddp, self.engine, version, manifest,
+                                                  bucket_bytes=self.bucket_bytes, dtype=self.sync_dtype,
+                                                  transport=self._transport_fault(k, attempt))
+                    with span("weight_sync.activate"):
+                        act = self.engine.activate(version) if self.engine is not None else None
             except (RolloutError, ManifestMismatchError) as e:
                 error = f"{type(e).__name__}: {e}"
             if all_ranks_agree(error is None):

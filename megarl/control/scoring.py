@@ -16,6 +16,7 @@ from typing import List
 
 from megarl.control.interfaces import Sample
 from megarl.experience.schema import RewardRecord, RewardStatus
+from megarl.observability.profiling import span
 from megarl.runtime.data_parallel import broadcast_object, gather_objects
 
 
@@ -52,7 +53,8 @@ class Scorer:
             records = [r.to_json() for r in self.runner.score(rs)]  # JSON travels, mappingproxy does not
             after = (rc["timeout"], rc["error"], rc["retries"])
             records = (records, [n - b for n, b in zip(after, before, strict=True)])
-        records = broadcast_object(records)
+        with span("reward.broadcast"):  # rank 0's records to every rank
+            records = broadcast_object(records)
         if records is not None:
             records, (timeouts, errors, retries) = records
             self.counters["reward_call_timeouts"] += timeouts

@@ -37,7 +37,7 @@ from megarl.control.interfaces import RunProgress
 from megarl.control.persistence import RunPersistence
 from megarl.control.state_machine import IterationStateMachine, PhaseDeadlines, UpdateEvidence
 from megarl.observability.metrics import MetricsWriter, StageTimer, progress_line
-from megarl.observability.profiling import IterationProfiler, span
+from megarl.observability.profiling import IterationProfiler, phase_context, span
 from megarl.observability.sample_log import SampleLogger
 from megarl.rollout.weight_sync import actor_manifest, make_version
 from megarl.runtime.data_parallel import broadcast_object, dp_size, gather_objects
@@ -220,7 +220,7 @@ class Trainer:
         wall = broadcast_object(cfg.trainer.max_wall_minutes is not None
                                 and time.time() - t_start > cfg.trainer.max_wall_minutes * 60)
         if done == total or wall:
-            with span("eval", k, self.version.short_id, final=1):
+            with span("eval", k, self.version.short_id, final=1), phase_context(k, self.version.short_id):
                 self.publisher.publish(self.version, self.manifest)  # the final policy, for the final evaluation
                 m.update(self.evaluator.evaluate(done, self.version))
         self.metrics.write(k, m)

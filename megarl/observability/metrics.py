@@ -15,7 +15,7 @@ import time
 from contextlib import contextmanager
 from typing import Dict, Optional, Sequence
 
-from megarl.observability.profiling import span
+from megarl.observability.profiling import phase_context, span
 
 
 class StageTimer:
@@ -32,7 +32,9 @@ class StageTimer:
     def stage(self, name: str, **counters):
         t = time.perf_counter()
         try:
-            with span(name, self.iteration, self.version, **counters):
+            # what runs inside (the weight sync's sub-phases, a broadcast) is about the same
+            # iteration and version
+            with span(name, self.iteration, self.version, **counters), phase_context(self.iteration, self.version):
                 yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t

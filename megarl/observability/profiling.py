@@ -16,6 +16,7 @@ Chrome trace JSON, which Perfetto (ui.perfetto.dev) and chrome://tracing open.
 from __future__ import annotations
 
 import os
+import threading
 from contextlib import contextmanager
 from typing import Iterable, Optional
 
@@ -27,6 +28,11 @@ PHASE_ROLE = {
     "reward": "reward", "old_log_prob": "actor", "ref_log_prob": "reference", "critic_values": "critic",
     "advantages": "controller", "pending_write": "controller", "update": "actor", "rollback": "actor",
     "commit": "actor", "checkpoint": "all", "export": "actor",
+    # the weight sync's sub-phases (nested in weight_sync): the owner stage gathering a tensor's
+    # shards, the stream cut into buckets, the engine receiving and checksumming them, the
+    # comparison against the manifest, the activation with its cache flush
+    "weight_sync.gather": "actor", "weight_sync.bucket": "actor", "weight_sync.load": "rollout",
+    "weight_sync.verify": "rollout", "weight_sync.activate": "rollout", "reward.broadcast": "controller",
 }
 PREFIX = "megarl/"
 
@@ -49,8 +55,27 @@ def parse_label(name: str) -> Optional[dict]:
     return out
 
 
+_CONTEXT = threading.local()  # .iteration, .version: what a span without them is about
+
+
+@contextmanager
+def phase_context(iteration: Optional[int], version: Optional[str]):
+    """Spans opened inside (by code that knows neither: a backend, the weight stream) are labelled
+    with this iteration and version."""
+    saved = getattr(_CONTEXT, "iteration", None), getattr(_CONTEXT, "version", None)
+    _CONTEXT.iteration, _CONTEXT.version = iteration, version
+    try:
+        yield
+    finally:
+        _CONTEXT.iteration, _CONTEXT.version = saved
+
+
 @contextmanager
 def span(phase: str, iteration: Optional[int] = None, version: Optional[str] = None, **counters):
+    if iteration is None:
+        iteration = getattr(_CONTEXT, "iteration", None)
+    if version is None:
+        version = getattr(_CONTEXT, "version", None)
     label = span_label(phase, iteration, version, **counters)
     nvtx = torch.cuda.is_available()
     if nvtx:

@@ -58,6 +58,7 @@ from megarl.experience.schema import SampleRouting, compact_expert_dtype
 from megarl.rollout.weight_stream import ManifestMismatchError, TensorManifest
 from megarl.splitmix import shr, splitmix64
 from megarl.versions import PolicyVersion
+from megarl.observability.profiling import span
 
 __all__ = ["HFRolloutEngine"]
 
@@ -355,7 +356,8 @@ class HFRolloutEngine:
                         # hash what landed in the staging model, i.e. what will be served
                         received.add(name, target)
                         n_bytes += tensor.numel() * tensor.element_size()
-            diff = expected_manifest.compare(received)
+            with span("weight_sync.verify"):
+                diff = expected_manifest.compare(received)
             missing_in_model = sorted(set(targets) - set(received.entries))
             if not diff.ok or missing_in_model:
                 detail = diff.describe()

@@ -124,6 +124,7 @@ from megarl.rollout.weight_stream import (
     get_flattened_tensor_bucket_class,
 )
 from megarl.versions import PolicyVersion
+from megarl.observability.profiling import span
 
 __all__ = [
     "SGLangRolloutEngine",
@@ -723,7 +724,8 @@ class SGLangRolloutEngine:
                 session = False
                 self._leader_call("end_weight_update()", lambda: _success(
                     self._engine.end_weight_update(), "end_weight_update"))
-            diff = expected_manifest.compare(received)
+            with span("weight_sync.verify"):
+                diff = expected_manifest.compare(received)
             if not diff.ok:
                 raise ManifestMismatchError(f"{version.short_id}: stream incomplete: {diff.describe()}", diff)
             if verify and n_buckets:

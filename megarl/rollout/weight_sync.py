@@ -31,6 +31,7 @@ import torch.distributed as dist
 from megarl.hashing import json_sha256
 from megarl.models import mapping
 from megarl.models.weights import iter_hf_views, iter_hf_tensors, unwrap
+from megarl.observability.profiling import span
 from megarl.rollout.protocol import LoadReport
 from megarl.rollout.weight_stream import ManifestMismatchError, TensorEntry, TensorManifest, iter_buckets
 from megarl.versions import PolicyVersion
@@ -150,10 +151,24 @@ def sync_actor_to_engine(
     if engine is None:
         _drained(stream)
         return None
-    buckets: Iterable[Bucket] = iter_buckets(stream, bucket_bytes)
+    buckets: Iterable[Bucket] = _spanned(iter_buckets(_spanned(stream, "weight_sync.gather"), bucket_bytes),
+                                         "weight_sync.bucket")
     if transport is not None:
         buckets = (transport(b) for b in buckets)
     try:
-        return engine.load_weights(version, buckets, expected_manifest)
+        with span("weight_sync.load"):
+            return engine.load_weights(version, buckets, expected_manifest)
     finally:
         _drained(stream)
+
+
+def _spanned(items, phase: str):
+    """``items``, each one's production inside a profiler span of ``phase``."""
+    it = iter(items)
+    while True:
+        with span(phase):
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+        yield item
