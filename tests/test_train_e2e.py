@@ -248,6 +248,9 @@ def check_run_metrics(run_dir):
         assert m["update/model_flops"] == want, (m["update/model_flops"], want)
         assert math.isclose(m["update/mfu"], want / (m["e2e/stage_s/update"] * 1 * PEAK))
         assert m["e2e/device_hours_per_update"] > 0
+        # where the update's steps went: micro-batches, the gradient reduction, the optimizer
+        assert m["update/micro_batch_s"] > 0 and m["update/optimizer_step_s"] > 0 and m["update/grad_reduce_s"] >= 0
+        assert m["update/grad_reduce_s"] + m["update/micro_batch_s"] <= m["e2e/stage_s/update"]
     assert "e2e/checkpoint_bytes" not in ms[0]  # no checkpoint before iteration 0's row
     ckpt = os.path.join(run_dir, "checkpoints", "iter_000001")
     size = sum(os.path.getsize(os.path.join(d, x)) for d, _, fs in os.walk(ckpt) for x in fs)

@@ -71,6 +71,11 @@ class _StepLog:
     critic_norms: List[float] = field(default_factory=list)
     skipped: int = 0
     actor_steps: int = 0
+    seconds: Dict[str, float] = field(default_factory=dict)  # the steps' StepResult.seconds, summed
+
+    def add_seconds(self, res) -> None:
+        for k, v in getattr(res, "seconds", {}).items():
+            self.seconds[k] = self.seconds.get(k, 0.0) + v
 
 
 class Learner:
@@ -241,6 +246,7 @@ class Learner:
         loss_fn = self._actor_loss_fn(batch, version, norm, kl_beta, self.policy_cfg.kl.placement == "loss")
         res = self._guarded_step("actor", lambda: self.actor.train_step(mbs, loss_fn, replay_layers=replay_layers))
         log.grad_norms.append(res.grad_norm)
+        log.add_seconds(res)
         log.skipped += 0 if res.update_successful else 1
         log.actor.append(self._reduce_step_metrics(res.metrics))
         log.actor[-1].update(res.moe_losses)  # update/moe_aux_loss, update/moe_z_loss when enabled
@@ -250,6 +256,7 @@ class Learner:
         vloss = self._value_loss_fn(batch.facts.response_len, norm)
         cres = self._guarded_step("critic", lambda: self.critic.train_step(cmbs, vloss))
         log.critic_norms.append(cres.grad_norm)
+        log.add_seconds(cres)
         log.critic.append(self._reduce_step_metrics(cres.metrics))
 
     def _update_metrics(self, log: "_StepLog", kl_beta: float) -> Dict[str, float]:
@@ -263,6 +270,11 @@ class Learner:
         if log.critic_norms:
             m["update/critic_grad_norm"] = sum(log.critic_norms) / len(log.critic_norms)
         m["update/skipped_steps"] = log.skipped
+        sec = log.seconds
+        if sec.get("micro_batches"):  # where the steps went on this rank (actor and critic together)
+            m["update/micro_batch_s"] = (sec["forward_backward_s"] - sec["grad_reduce_s"]) / sec["micro_batches"]
+            m["update/grad_reduce_s"] = sec["grad_reduce_s"]
+            m["update/optimizer_step_s"] = sec["optimizer_s"]
         if self.cfg.trainer.update_rollback == "memory":  # the host copy of v a failed update would return to
             m["update/snapshot_s"], m["update/snapshot_bytes"] = self.snapshot_s, float(self.snapshot_bytes)
         m["update/optimizer_steps"] = len(log.grad_norms)

@@ -13,6 +13,7 @@ does not divide by the micro-batch count) and finalize gradients without megatro
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -133,6 +134,10 @@ class StepResult:
     #: ``moe_aux_loss`` / ``moe_z_loss`` when enabled (megarl/models/moe_losses.py), already
     #: reduced over micro-batches, MoE layers and DP ranks; empty otherwise
     moe_losses: Dict[str, float] = field(default_factory=dict)
+    #: where this rank's step went: ``forward_backward_s`` (the schedule, the gradient reduction
+    #: included), ``grad_reduce_s`` (finalize_model_grads: the data-parallel reduction and the
+    #: tied-weight syncs, waiting for any overlapped one), ``optimizer_s``, and ``micro_batches``
+    seconds: Dict[str, float] = field(default_factory=dict)
 
 
 def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Tensor]],
@@ -266,11 +271,23 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
     from megarl.models import moe_losses
 
     config = unwrap(ddp_model).config
+    seconds = {"grad_reduce_s": 0.0, "micro_batches": float(len(items))}
+    finalize = config.finalize_model_grads_func
+
+    def timed_finalize(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return finalize(*args, **kwargs)
+        finally:
+            seconds["grad_reduce_s"] += time.perf_counter() - t
+
+    config.finalize_model_grads_func = timed_finalize if finalize is not None else None
     variable = config.variable_seq_lengths
     # micro-batches of different lengths: the pipeline stages tell each other every activation's
     # shape (megatron's variable_seq_lengths, for this step only)
     config.variable_seq_lengths = variable or len(set(runs)) > 1
     # the router's aux / z losses at the coefficient's scale (inert for dense models)
+    t0 = time.perf_counter()
     with moe_losses.step_scope(ddp_model, len(micro_batches)) as moe:
         try:
             metrics = get_forward_backward_func()(
@@ -280,7 +297,10 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
             )
         finally:
             config.variable_seq_lengths = variable
+            config.finalize_model_grads_func = finalize
             if replay_layers is not None:  # the experts queued for the recomputes, if any
                 clear_replay(ddp_model)
+    t1 = time.perf_counter()
     ok, grad_norm, _ = optimizer.step()
-    return StepResult(bool(ok), float(grad_norm or 0.0), [m for m in metrics if m is not None], moe)
+    seconds.update(forward_backward_s=t1 - t0, optimizer_s=time.perf_counter() - t1)
+    return StepResult(bool(ok), float(grad_norm or 0.0), [m for m in metrics if m is not None], moe, seconds)
