@@ -63,6 +63,13 @@ def test_same_candidates_as_generate_and_finished_rows_cost_nothing(engines, sam
     # generate computes every row for as many steps as the longest; retiring, each row its own tokens
     assert dense_work["row_steps"] == len(dense) * max(lengths)
     assert ret_work["row_steps"] == sum(lengths) < dense_work["row_steps"]
+    # a retired row is complete when it retires (a shorter one no later than a longer one); generate
+    # returns every row at the end of the call
+    assert len({r.latency_s for r in dense}) == 1 and dense[0].latency_s > 0
+    by_len = sorted(ret, key=lambda r: len(r.response_ids))
+    assert all(a.latency_s <= b.latency_s for a, b in zip(by_len, by_len[1:])), [(len(r.response_ids), r.latency_s)
+                                                                             for r in by_len]
+    assert by_len[0].latency_s < by_len[-1].latency_s
 
 
 def test_with_no_early_finish_it_is_generate_bitwise(engines):

@@ -248,6 +248,8 @@ def check_run_metrics(run_dir):
         assert m["update/model_flops"] == want, (m["update/model_flops"], want)
         assert math.isclose(m["update/mfu"], want / (m["e2e/stage_s/update"] * 1 * PEAK))
         assert m["e2e/device_hours_per_update"] > 0
+        # when candidates completed in their generate call (hf generate: all at its end)
+        assert 0 < m["rollout/first_completion_s"] == m["rollout/group_completion_s_max"] <= m["rollout/generate_s"]
         # where the update's steps went: micro-batches, the gradient reduction, the optimizer
         assert m["update/micro_batch_s"] > 0 and m["update/optimizer_step_s"] > 0 and m["update/grad_reduce_s"] >= 0
         assert m["update/grad_reduce_s"] + m["update/micro_batch_s"] <= m["e2e/stage_s/update"]

@@ -43,6 +43,8 @@ class Sample:
     #: a response generated across versions (an in-flight weight update mid-response): each
     #: response token's version; ``policy_version`` is then the last's.  None: all one version
     token_versions: Optional[tuple] = None
+    #: seconds from its generate call's start to its completion, where the engine knows it
+    latency_s: Optional[float] = None
 
     @property
     def spans_versions(self) -> bool:

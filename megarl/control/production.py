@@ -300,7 +300,8 @@ class GroupRolloutProducer:
                           prompt_ids=r.prompt_ids, response_ids=r.response_ids, raw_log_probs=r.raw_log_probs,
                           finish_reason=r.finish_reason, policy_version=r.policy_version, seed=r.seed,
                           prompt=by_group[r.request_id], routed_experts=r.routed_experts,
-                          episode=r.episode, token_versions=r.token_versions) for r in fresh]
+                          episode=r.episode, token_versions=r.token_versions, latency_s=r.latency_s)
+                   for r in fresh]
         m["rollout/samples"] += len(samples)
         finished = [s for s in samples if s.finish_reason is not FinishReason.ABORT]
         t0 = time.perf_counter()
@@ -394,6 +395,14 @@ def rollout_metrics(samples: List[Sample], m: Dict[str, float], gen_s: float,
         m[f"prep/reward_component/{name}"] = sum(val) / len(val)
         dist = drift.distribution(val)
         m.update({f"prep/reward_component/{name}/{k}": dist[k] for k in ("std", "min", "p10", "p50", "p90", "max")})
+    lat = [(s.group_id, s.latency_s) for s in samples if s.latency_s is not None]
+    if lat:  # how long the first candidate, and each group's last, took to complete in its call
+        groups: Dict[str, float] = {}
+        for g, t in lat:
+            groups[g] = max(groups.get(g, 0.0), t)
+        m["rollout/first_completion_s"] = min(t for _, t in lat)
+        m["rollout/group_completion_s_mean"] = sum(groups.values()) / len(groups)
+        m["rollout/group_completion_s_max"] = max(groups.values())
     m["rollout/repetition_4gram"] = drift.repetition_rate([s.response_ids for s in samples], 4)
     r = drift.pearson(lens.tolist(), totals.tolist())
     if r is not None:

@@ -513,6 +513,7 @@ class HFRolloutEngine:
 
         if not requests:
             return []
+        t_call = time.monotonic()
         ids = [r.request_id for r in requests]
         if len(set(ids)) != len(ids):
             raise InvalidRequestError(f"duplicate request_id in one generate call: {sorted(ids)}")
@@ -574,7 +575,9 @@ class HFRolloutEngine:
                     logits_processor=LogitsProcessorList(processors),
                 )
             generated = out[:, width:].cpu()
-            stats = {"steps": generated.shape[1], "row_steps": generated.shape[1] * len(rows)}
+            stats = {"steps": generated.shape[1], "row_steps": generated.shape[1] * len(rows),
+                     "finished_at": [time.monotonic()] * len(rows)}  # generate returns every row at its end
+        finished_at = stats.pop("finished_at")
         self.last_decode = dict(stats, rows=len(rows))
         routing = None
         if moe:
@@ -613,6 +616,7 @@ class HFRolloutEngine:
                     policy_version=slot.version.short_id,
                     seed=None if sampling.greedy else seeds[i],
                     attempt=r.attempt,
+                    latency_s=finished_at[i] - t_call,
                     routed_experts=None if routing is None else SampleRouting(
                         # prompt tokens (the prefill's last len(prompt) positions), then response
                         # tokens 0 .. length-2 (decode calls 1 .. length-1)

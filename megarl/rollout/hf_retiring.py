@@ -20,6 +20,7 @@ Not for MoE routing capture (``return_routed_experts``): the engine refuses the 
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import torch
@@ -53,6 +54,7 @@ def decode_retiring(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
                    use_cache=True, logits_to_keep=1).logits[:, -1, :]
     ids = input_ids
     steps = row_steps = 0
+    finished_at = [None] * B  # monotonic time each row's last token was chosen
     for step in range(max_new_tokens):
         chooser.rows = rows
         processors(ids, logits.to(dtype=torch.float32, copy=True))
@@ -62,6 +64,9 @@ def decode_retiring(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         if step + 1 == max_new_tokens:
             break
         live = ~torch.isin(tokens, terminal_t) if len(terminal_t) else torch.ones_like(tokens, dtype=torch.bool)
+        now = time.monotonic()
+        for r in rows[~live].tolist():
+            finished_at[r] = now
         if not bool(live.any()):
             break
         if not bool(live.all()):  # retire the finished rows from the batch and the cache
@@ -73,4 +78,6 @@ def decode_retiring(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         logits = model(input_ids=ids, attention_mask=attn, position_ids=attn.sum(-1, keepdim=True) - 1,
                        past_key_values=cache, use_cache=True).logits[:, -1, :]
     chooser.rows = None
-    return out[:, :steps], {"steps": steps, "row_steps": row_steps}
+    end = time.monotonic()
+    return out[:, :steps], {"steps": steps, "row_steps": row_steps,
+                            "finished_at": [end if t is None else t for t in finished_at]}

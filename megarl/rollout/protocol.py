@@ -212,6 +212,9 @@ class GenerationResult:
     #: update between two segments): the version of every response token, oldest first; then
     #: ``policy_version`` is the last token's.  None: every token is ``policy_version``'s
     token_versions: tuple[str, ...] | None = None
+    #: seconds from the generate call's start until this candidate was complete, where the backend
+    #: knows it (hf: the call's end, or the step its row retired; sglang: the request's e2e latency)
+    latency_s: float | None = field(default=None, compare=False)
 
     def __post_init__(self):
         n = len(self.response_ids)

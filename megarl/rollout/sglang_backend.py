@@ -343,7 +343,14 @@ def result_from_sglang_output(
         policy_version=version_id,
         seed=seed,
         attempt=request.attempt,
+        latency_s=_latency(out.get("meta_info") or {}),
     )
+
+
+def _latency(meta: dict):
+    """The request's end-to-end seconds where SGLang's meta_info reports them (``e2e_latency``)."""
+    v = meta.get("e2e_latency")
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
 class MoELayout:
