@@ -156,6 +156,10 @@ def test_after_max_retries_a_lost_candidate_fails_and_its_group_is_dropped():
     assert (c["candidates_lost"], c["candidates_regenerated"], c["samples_failed"], c["groups_dropped"]) == (3, 2, 1, 1)
     assert c["results_ignored"] == 2  # attempts 0 and 1 arrived late; attempt 2's never came
     assert out.metrics["rollout/groups_dropped"] == 1 and out.metrics["rollout/groups_accepted"] == 1
+    # by the age of the version the groups were generated on (here all on the trained one)
+    assert {k: x for k, x in out.metrics.items() if k.startswith("rollout/by_age/")} == {
+        "rollout/by_age/0/groups_accepted": 1, "rollout/by_age/0/groups_dropped": 1,
+        "rollout/by_age/0/candidates_regenerated": 2}
 
 
 def test_duplicates_and_results_of_an_earlier_call_are_ignored_and_counted():

@@ -155,6 +155,8 @@ def test_async_eta2_bound_and_killed_rollout_rank_resumes(assets, tmp_path):
         written = {int(key.rsplit("_", 1)[1]): v for key, v in m.items() if key.startswith("prep/staleness/samples_age_")}
         assert written == hists[k]
         assert m["prep/staleness/max_token_age"] == min(k, eta)
+        # the groups by the age of the version they were generated on: all of them min(k, eta) old
+        assert m[f"rollout/by_age/{min(k, eta)}/groups_accepted"] == 4, m  # trainer.prompts_per_iteration
         assert m["async/queue_depth"] == min(eta, ITERS - 1 - k)  # batches waiting after this one
         assert m["async/max_staleness"] == eta
     state = json.load(open(os.path.join(d, "checkpoints", f"iter_{ITERS - 1:06d}", "state.json")))

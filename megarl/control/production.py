@@ -31,7 +31,7 @@ from megarl.observability.metrics import StageTimer
 from megarl.rollout.protocol import GenerationRequest, SamplingParams
 from megarl.rollout.segmented import started_on
 from megarl.runtime.data_parallel import all_ranks_agree
-from megarl.versions import PolicyVersion
+from megarl.versions import PolicyVersion, step_of_short_id
 
 
 def training_sampling(rollout_cfg, seed: int, k: int, round_: int, return_routed_experts: bool = False) -> SamplingParams:
@@ -161,6 +161,7 @@ class GroupRolloutProducer:
             if need <= 0:
                 break
             round_v, records, ahead = self._draw_round(k, rnd, v)
+            counted = Counter(buffer.counters)
             requests = self._requests(k, rnd, records)
             for q, rec in zip(requests, records, strict=True):
                 by_group[q.request_id] = rec
@@ -169,8 +170,15 @@ class GroupRolloutProducer:
             sampling = training_sampling(cfg.rollout, cfg.trainer.seed, k, rnd,
                                          return_routed_experts=a.routing_replay != "none")
             self._generate_groups(requests, by_group, buffer, sampling, round_v, timer, timing, m, ahead=ahead)
-            n_groups_accepted += self._accept(buffer.pop_released(), B - n_groups_accepted, accepted, real_sizes, m)
+            taken = self._accept(buffer.pop_released(), B - n_groups_accepted, accepted, real_sizes, m)
+            n_groups_accepted += taken
             m["rollout/dapo_rounds"] = rnd + 1
+            # by the age of the version the round's groups were generated on (asynchronous RL: up to
+            # the staleness bound): how its groups fared
+            age = step_of_short_id(v) - step_of_short_id(round_v)
+            for what, n in (("groups_accepted", taken), ("groups_dropped", buffer.counters["dropped"] - counted["dropped"]),
+                            ("candidates_regenerated", buffer.counters["retries"] - counted["retries"])):
+                m[f"rollout/by_age/{age}/{what}"] += n
         if not accepted:
             self.sm.fail(f"iteration {k}: no complete group survived rollout and scoring")
             cause = (f"; the engine failed {m['rollout/engine_errors']} time(s), last: {self.last_engine_error}"
