@@ -30,9 +30,10 @@ ITERS = 5
 #: keys that differ between an uninterrupted run and a resumed one by nature: wall times, and
 #: how often the run was resumed (every other counter, checkpoints included, is cumulative)
 #: (device-hours, MFU and a checkpoint's bytes follow the wall clock: its state holds the
-#: cumulative device-hours, and a resumed process reports the checkpoints it wrote itself)
+#: cumulative device-hours, and a resumed process reports the checkpoints it wrote itself; the
+#: objects moved between ranks carry some wall times too)
 TIMING = ("time", "_s", "stage_s", "stage_share", "per_s", "seconds", "e2e/count/resumes", "hours", "mfu",
-          "checkpoint_bytes")
+          "checkpoint_bytes", "objects_moved")
 
 
 # ---- what a run leaves behind ---------------------------------------------------------------------

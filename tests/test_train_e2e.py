@@ -296,6 +296,10 @@ def test_grpo_torchrun_dp2(assets, tmp_path):
     check_structure(run_dir, "grpo", groups_per_publish=2)
     check_rung3(run_dir, assets)
     check_timeline(run_dir, ranks=2, iteration=1)
+    # what the phases handed each other between the two ranks: at least the sealed batch's
+    # samples (their token ids) went through an object collective
+    for m in metrics(run_dir):
+        assert m["e2e/objects_moved_bytes"] > 8 * m["rollout/response_tokens"] and m["e2e/objects_moved_s"] > 0, m
 
 
 def check_timeline(run_dir, ranks, iteration):

@@ -10,8 +10,8 @@ This is how a change is checked against the default path: run the tiny recipes w
 configs/grpo_arith_tiny.yaml trainer.run_id=short trainer.iterations=5``, the same for PPO) and
 compare the two run directories.  Wall times, throughputs and per-stage seconds (keys ending in
 ``_s``, ``per_s``, ``_share``, or holding ``time`` / ``seconds`` / ``hours`` / ``mfu``) differ between any
-two runs and are left out; so are ``e2e/count/resumes`` and a checkpoint's bytes (its state holds
-the wall clock's device-hours).
+two runs and are left out; so are ``e2e/count/resumes``, a checkpoint's bytes (its state holds
+the wall clock's device-hours) and the objects moved between ranks (some carry wall times).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import os
 import sys
 
 TIMING = ("time", "_s", "stage_s", "stage_share", "per_s", "seconds", "e2e/count/resumes", "hours", "mfu",
-          "checkpoint_bytes")
+          "checkpoint_bytes", "objects_moved")
 
 
 def values(run_dir: str) -> dict:

@@ -40,7 +40,7 @@ from megarl.observability.metrics import MetricsWriter, StageTimer, progress_lin
 from megarl.observability.profiling import IterationProfiler, phase_context, span
 from megarl.observability.sample_log import SampleLogger
 from megarl.rollout.weight_sync import actor_manifest, make_version
-from megarl.runtime.data_parallel import broadcast_object, dp_size, gather_objects
+from megarl.runtime.data_parallel import broadcast_object, dp_size, gather_objects, take_objects_moved
 from megarl.runtime import cpu_compat
 from megarl.runtime.run_dir import resume_command
 
@@ -309,6 +309,10 @@ class Trainer:
         m["e2e/updated_tokens"] = tokens * self.cfg.algo.ppo_epochs
         m["e2e/tokens_per_s"] = tokens / m["e2e/iteration_s"]
         m.update(recovered)
+        if self.world > 1:  # what the phases handed each other between ranks (pickled objects), all ranks
+            moved = gather_objects(take_objects_moved())
+            m["e2e/objects_moved_bytes"] = float(sum(x["bytes"] for x in moved))
+            m["e2e/objects_moved_s"] = max(x["seconds"] for x in moved)
         # device-hours: every rank of this world holds one device for the whole iteration
         self.counters["device_hours"] += self.world * m["e2e/iteration_s"] / 3600.0
         m["e2e/device_hours_per_update"] = self.counters["device_hours"] / max(self.version.optimizer_step, 1)

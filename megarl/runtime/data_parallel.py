@@ -9,6 +9,9 @@ the last row; padded rows are dropped from the gathered result.
 
 from __future__ import annotations
 
+import pickle
+import time
+
 from typing import Any, Callable, List
 
 import torch
@@ -78,20 +81,42 @@ def map_rows(fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.T
     return torch.cat(parts, 0)[:n]
 
 
+#: what this rank's object collectives moved since :func:`take_objects_moved`: the pickled bytes it
+#: sent (the samples, results and records the phases hand each other) and the seconds they took
+_MOVED = {"bytes": 0, "seconds": 0.0}
+
+
+def _count_moved(obj: Any, sends: bool, t0: float) -> None:
+    if sends:
+        _MOVED["bytes"] += len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    _MOVED["seconds"] += time.perf_counter() - t0
+
+
+def take_objects_moved() -> dict:
+    """``{"bytes", "seconds"}`` of this rank's object collectives since the last call; resets."""
+    out = dict(_MOVED)
+    _MOVED.update(bytes=0, seconds=0.0)
+    return out
+
+
 def gather_objects(obj: Any) -> List[Any]:
     """Every rank's ``obj`` (world order) on every rank."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [obj]
+    t0 = time.perf_counter()
     out: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
+    _count_moved(obj, True, t0)
     return out
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
+    t0 = time.perf_counter()
     box = [obj]
     dist.broadcast_object_list(box, src=src)
+    _count_moved(obj, dist.get_rank() == src, t0)
     return box[0]
 
 
