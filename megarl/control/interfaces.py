@@ -45,6 +45,8 @@ class Sample:
     token_versions: Optional[tuple] = None
     #: seconds from its generate call's start to its completion, where the engine knows it
     latency_s: Optional[float] = None
+    #: prompt tokens the engine served from its prefix cache, where it reports them
+    cached_prompt_tokens: Optional[int] = None
 
     @property
     def spans_versions(self) -> bool:

@@ -308,7 +308,8 @@ class GroupRolloutProducer:
                           prompt_ids=r.prompt_ids, response_ids=r.response_ids, raw_log_probs=r.raw_log_probs,
                           finish_reason=r.finish_reason, policy_version=r.policy_version, seed=r.seed,
                           prompt=by_group[r.request_id], routed_experts=r.routed_experts,
-                          episode=r.episode, token_versions=r.token_versions, latency_s=r.latency_s)
+                          episode=r.episode, token_versions=r.token_versions, latency_s=r.latency_s,
+                          cached_prompt_tokens=r.cached_prompt_tokens)
                    for r in fresh]
         m["rollout/samples"] += len(samples)
         finished = [s for s in samples if s.finish_reason is not FinishReason.ABORT]
@@ -411,6 +412,9 @@ def rollout_metrics(samples: List[Sample], m: Dict[str, float], gen_s: float,
         m["rollout/first_completion_s"] = min(t for _, t in lat)
         m["rollout/group_completion_s_mean"] = sum(groups.values()) / len(groups)
         m["rollout/group_completion_s_max"] = max(groups.values())
+    cached = [(s.cached_prompt_tokens, len(s.prompt_ids)) for s in samples if s.cached_prompt_tokens is not None]
+    if cached:  # the engine's prefix cache (SGLang reports it per request)
+        m["rollout/prefix_cache_hit_rate"] = sum(c for c, _ in cached) / max(sum(n for _, n in cached), 1)
     m["rollout/repetition_4gram"] = drift.repetition_rate([s.response_ids for s in samples], 4)
     r = drift.pearson(lens.tolist(), totals.tolist())
     if r is not None:

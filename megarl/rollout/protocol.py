@@ -215,6 +215,9 @@ class GenerationResult:
     #: seconds from the generate call's start until this candidate was complete, where the backend
     #: knows it (hf: the call's end, or the step its row retired; sglang: the request's e2e latency)
     latency_s: float | None = field(default=None, compare=False)
+    #: prompt tokens the engine served from its prefix cache (SGLang's ``cached_tokens``; None:
+    #: not reported)
+    cached_prompt_tokens: int | None = field(default=None, compare=False)
 
     def __post_init__(self):
         n = len(self.response_ids)

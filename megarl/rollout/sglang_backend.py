@@ -344,7 +344,14 @@ def result_from_sglang_output(
         seed=seed,
         attempt=request.attempt,
         latency_s=_latency(out.get("meta_info") or {}),
+        cached_prompt_tokens=_cached_tokens(out.get("meta_info") or {}),
     )
+
+
+def _cached_tokens(meta: dict):
+    """Prompt tokens SGLang served from its radix (prefix) cache, where meta_info reports them."""
+    v = meta.get("cached_tokens")
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
 
 
 def _latency(meta: dict):
