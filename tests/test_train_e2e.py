@@ -243,7 +243,9 @@ def check_run_metrics(run_dir):
         assert (r is None and "rollout/reward_length_corr" not in m) or math.isclose(m["rollout/reward_length_corr"], r)
         for name in f.rewards[0].components:
             d = drift.distribution([x.components[name] for x in f.rewards])
-            assert all(math.isclose(m[f"prep/reward_component/{name}/{k}"], d[k]) for k in ("std", "p50", "max"))
+            assert all(math.isclose(m[f"prep/reward_component_{k}/{name}"], d[k]) for k in ("std", "p50", "max"))
+        # no key is another's directory (mlflow's file store keeps a metric as a file at its path)
+        assert not [k for k in m if any(o.startswith(k + "/") for o in m)], sorted(m)
         want = train_flops(spec, spec.padded_vocab_size(16), f.attention_mask.sum(dim=1).tolist())  # model.vocab_multiple
         assert m["update/model_flops"] == want, (m["update/model_flops"], want)
         assert math.isclose(m["update/mfu"], want / (m["e2e/stage_s/update"] * 1 * PEAK))

@@ -403,7 +403,9 @@ def rollout_metrics(samples: List[Sample], m: Dict[str, float], gen_s: float,
     for name, val in comps.items():
         m[f"prep/reward_component/{name}"] = sum(val) / len(val)
         dist = drift.distribution(val)
-        m.update({f"prep/reward_component/{name}/{k}": dist[k] for k in ("std", "min", "p10", "p50", "p90", "max")})
+        # prep/reward_component_<stat>/<name>: beside the mean's key, never under it (a key that is
+        # another's directory breaks mlflow's file store)
+        m.update({f"prep/reward_component_{k}/{name}": dist[k] for k in ("std", "min", "p10", "p50", "p90", "max")})
     lat = [(s.group_id, s.latency_s) for s in samples if s.latency_s is not None]
     if lat:  # how long the first candidate, and each group's last, took to complete in its call
         groups: Dict[str, float] = {}

@@ -127,6 +127,10 @@ class FaultyActor:
     def vocab_size(self) -> int:
         return self._actor.vocab_size
 
+    @property
+    def spec(self):
+        return self._actor.spec
+
     def onload(self) -> None:
         self._actor.onload()
 
