@@ -224,3 +224,18 @@ def check_rederivation(run_dir):
     out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "inspect_experience.py"), d, "--rederive",
                           "gamma=0.5"], capture_output=True, text=True, env=subprocess_env(), timeout=300)
     assert out.returncode == 0 and "max |sealed - re-derived|" in out.stdout, out.stdout + out.stderr
+
+
+def rewrite_checkpoint_state(ckpt_dir: str, change) -> None:
+    """``change(state)`` applied to a checkpoint's state.json, its MANIFEST made to verify again:
+    a checkpoint as another writer would have left it (the negative controls of exact resume)."""
+    from megarl.hashing import file_sha256
+
+    state_path = os.path.join(ckpt_dir, "state.json")
+    state = json.load(open(state_path))
+    change(state)
+    json.dump(state, open(state_path, "w"))
+    manifest = json.load(open(os.path.join(ckpt_dir, "MANIFEST.json")))
+    manifest["files"]["state.json"] = file_sha256(state_path)
+    json.dump(manifest, open(os.path.join(ckpt_dir, "MANIFEST.json"), "w"))
+

@@ -4,6 +4,7 @@ tampered file, and a resume that would change the contract (refused, naming the 
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from tests._train_runs import (
     checkpointed_run_cmd,
     kill_tree,
     metrics,
+    rewrite_checkpoint_state,
     run_to_exit,
     uninterrupted,
 )
@@ -84,6 +86,16 @@ def test_exact_resume_after_kill(assets, tmp_path, tmp_path_factory, recipe, npr
     _kill_while_holding(checkpointed_run_cmd(assets, b_dir, recipe, nproc, extra), str(tmp_path / "killed.log"), 2)
     killed_at = _latest(b_dir)
     assert killed_at == 2 and [m["iteration"] for m in metrics(b_dir)] == [0, 1, 2], killed_at
+    if recipe == GRPO and nproc == 1:
+        # negative control: the same kill resumed from a checkpoint whose prompt cursor is one
+        # iteration behind (B = 4 prompts) is another run, which check_same_run tells apart
+        c_dir = str(tmp_path / "c")
+        shutil.copytree(b_dir, c_dir)
+        rewrite_checkpoint_state(os.path.join(c_dir, "checkpoints", f"iter_{killed_at:06d}"),
+                                 lambda st: st["sampler"].__setitem__("cursor", st["sampler"]["cursor"] - 4))
+        run_to_exit(checkpointed_run_cmd(assets, c_dir, recipe, nproc, extra))
+        with pytest.raises(AssertionError):
+            check_same_run(a_dir, c_dir, killed_at)
     out = run_to_exit(checkpointed_run_cmd(assets, b_dir, recipe, nproc, extra))
     assert f"resumed from {os.path.join(b_dir, 'checkpoints', f'iter_{killed_at:06d}')}" in out.stdout
     check_same_run(a_dir, b_dir, killed_at)

@@ -20,8 +20,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 
-from tests._train_runs import GRPO, ITERS, batches, check_same_run, checkpointed_run_cmd, metrics, run_to_exit, uninterrupted
+import pytest
+
+from tests._train_runs import (GRPO, ITERS, batches, check_same_run, checkpointed_run_cmd, metrics,
+                               rewrite_checkpoint_state, run_to_exit, uninterrupted)
 from tests.test_checkpoint_resume import _kill_while_holding, _latest
 from tests.test_split_async import _audit, _audit_labels
 
@@ -99,6 +103,14 @@ def test_partial_rollouts_eta0_on_policy_and_exact_resume_after_kill(assets, tmp
     b = str(tmp_path / "b")
     _kill_while_holding(checkpointed_run_cmd(assets, b, GRPO, 1, ETA0), str(tmp_path / "killed.log"), 2)
     assert _latest(b) == 2
+    c = str(tmp_path / "c")
+    shutil.copytree(b, c)  # the same kill, for the negative control below
     run_to_exit(checkpointed_run_cmd(assets, b, GRPO, 1, ETA0))
     check_same_run(a, b, killed_at=2)
     assert _groups(a) == _groups(b)  # the same groups, of the same prompts, in the same iterations
+    # negative control: the checkpoint without its record of the open groups (what a checkpoint
+    # held before it was written, its MANIFEST made to verify): the resumed run is another run
+    rewrite_checkpoint_state(os.path.join(c, "checkpoints", "iter_000002"), lambda st: st.pop("carried_over"))
+    run_to_exit(checkpointed_run_cmd(assets, c, GRPO, 1, ETA0))
+    with pytest.raises(AssertionError):
+        check_same_run(a, c, killed_at=2)
