@@ -100,3 +100,10 @@ def test_virtual_stages_load_stream_and_forward_like_plain_pipeline_stages(four_
         # way round: the end-to-end resume in tests/test_train_e2e.py)
         assert v2["loaded_chunks"] == 2 and v2["loaded"].keys() == src.keys()
         assert all(torch.equal(v2["loaded"][k], v1["after"][k]) for k in src)
+    # negative control: a filler micro-batch whose router losses count (moe_losses.suspended off)
+    # moves them away from the plain pipeline's by far more than the tolerance above
+    torchrun("vpp_worker.py", 2, "--vpp", "2", "--data", str(four_layer_dirs), "--out", str(tmp_path),
+             "--families", "qwen3_moe", "--filler-adds-router-losses")
+    bad, v1 = torch.load(tmp_path / "qwen3_moe_vpp2_unsuspended.pt"), torch.load(tmp_path / "qwen3_moe_vpp1.pt")
+    off = max(abs(bad["moe_losses"][k] - v) / v for k, v in v1["moe_losses"].items())
+    assert off > 1e-3, (bad["moe_losses"], v1["moe_losses"])

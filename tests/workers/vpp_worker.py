@@ -27,7 +27,15 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--families", nargs="+", required=True)
     p.add_argument("--load", type=int, default=None, help="load the checkpoints saved at this many virtual stages")
+    p.add_argument("--filler-adds-router-losses", action="store_true",
+                   help="the negative control: a filler micro-batch's router losses counted (no moe_losses.suspended)")
     a = p.parse_args()
+    if a.filler_adds_router_losses:
+        import contextlib
+
+        from megarl.models import moe_losses
+
+        moe_losses.suspended = lambda config: contextlib.nullcontext()
 
     rt.initialize(tp=1, pp=2, vpp=a.vpp)
     tokens = torch.load(os.path.join(a.data, "tokens.pt"))
@@ -71,7 +79,8 @@ def main():
             out.update(loaded_chunks=len(loaded) if isinstance(loaded, list) else 1,
                        loaded={name: t.clone() for name, t in iter_hf_tensors(loaded)})
         if rt.is_main():
-            torch.save(out, os.path.join(a.out, f"{fam}_vpp{a.vpp}.pt"))
+            tag = "_unsuspended" if a.filler_adds_router_losses else ""
+            torch.save(out, os.path.join(a.out, f"{fam}_vpp{a.vpp}{tag}.pt"))
     rt.shutdown()
 
 
