@@ -250,6 +250,8 @@ def check_run_metrics(run_dir):
         assert m["update/model_flops"] == want, (m["update/model_flops"], want)
         assert math.isclose(m["update/mfu"], want / (m["e2e/stage_s/update"] * 1 * PEAK))
         assert m["e2e/device_hours_per_update"] > 0
+        # the batch waited for each role in turn: the reference after the actor's forward
+        assert 0 <= m["prep/queue_s/actor"] < m["prep/queue_s/reference"], m
         # when candidates completed in their generate call (hf generate: all at its end)
         assert 0 < m["rollout/first_completion_s"] == m["rollout/group_completion_s_max"] <= m["rollout/generate_s"]
         # where the update's steps went: micro-batches, the gradient reduction, the optimizer

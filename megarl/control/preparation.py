@@ -105,6 +105,7 @@ class ExperiencePreparer:
         """Returns the sealed batch with its derived tensors, and the ``prep/*`` metrics."""
         v = version.short_id
         samples = produced.samples
+        t_ready = time.perf_counter()  # the produced samples wait from here for each role's forward
         c = self._collate(k, samples, v)
         m: Dict[str, float] = {}
         self.time_slice.release()
@@ -124,6 +125,9 @@ class ExperiencePreparer:
             ref = self._reference_log_probs(c, keep, len(samples), ntok, timer, m)
             values, bootstrap = self._critic_values(c, keep, len(samples), ntok, timer, m)
         self._reference_metrics(old, ref, keep, m)
+        for stage, role in (("old_log_prob", "actor"), ("ref_log_prob", "reference"), ("critic_values", "critic")):
+            if stage in timer.started:  # how long the batch waited for the role (the roles before it, time-sliced)
+                m[f"prep/queue_s/{role}"] = timer.started[stage] - t_ready
         facts = ExperienceFacts(
             run_id=self.run_id, iteration=k,
             prompt_id=tuple(s.prompt_id for s in samples), group_id=tuple(s.group_id for s in samples),

@@ -25,12 +25,14 @@ class StageTimer:
 
     def __init__(self, iteration: Optional[int] = None, version: Optional[str] = None):
         self.seconds: Dict[str, float] = {}
+        self.started: Dict[str, float] = {}  # perf_counter when each stage first began
         self.iteration, self.version = iteration, version
         self._t0 = time.perf_counter()
 
     @contextmanager
     def stage(self, name: str, **counters):
         t = time.perf_counter()
+        self.started.setdefault(name, t)
         try:
             # what runs inside (the weight sync's sub-phases, a broadcast) is about the same
             # iteration and version
