@@ -53,7 +53,7 @@ class Scorer:
             records = [r.to_json() for r in self.runner.score(rs)]  # JSON travels, mappingproxy does not
             after = (rc["timeout"], rc["error"], rc["retries"])
             records = (records, [n - b for n, b in zip(after, before, strict=True)])
-        with span("reward.broadcast"):  # rank 0's records to every rank
+        with span("reward_broadcast"):  # rank 0's records to every rank
             records = broadcast_object(records)
         if records is not None:
             records, (timeouts, errors, retries) = records

@@ -32,7 +32,7 @@ PHASE_ROLE = {
     # shards, the stream cut into buckets, the engine receiving and checksumming them, the
     # comparison against the manifest, the activation with its cache flush
     "weight_sync.gather": "actor", "weight_sync.bucket": "actor", "weight_sync.load": "rollout",
-    "weight_sync.verify": "rollout", "weight_sync.activate": "rollout", "reward.broadcast": "controller",
+    "weight_sync.verify": "rollout", "weight_sync.activate": "rollout", "reward_broadcast": "controller",
 }
 PREFIX = "megarl/"
 
