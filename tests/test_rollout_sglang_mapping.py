@@ -83,6 +83,18 @@ def test_output_mapping_rejects_inconsistent_outputs():
         result_from_sglang_output({"meta_info": {"finish_reason": {"type": "length"}}}, REQ, 0, sp, (3,), "v", None)
 
 
+def test_output_mapping_reads_the_engine_counts_where_reported():
+    """SGLang's per-request meta_info: end-to-end latency, prompt tokens served from the radix
+    cache, and retractions (preemptions when the KV pool ran out); absent or not a number: None."""
+    o = out([11, 3], [-1.0, -0.5], {"type": "stop", "matched": 3})
+    o["meta_info"].update(e2e_latency=0.25, cached_tokens=2, num_retractions=1)
+    r = result_from_sglang_output(o, REQ, 0, SamplingParams(), (3,), "v", None)
+    assert (r.latency_s, r.cached_prompt_tokens, r.preemptions) == (0.25, 2, 1)
+    o["meta_info"].update(e2e_latency=None, cached_tokens=True, num_retractions="1")
+    r = result_from_sglang_output(o, REQ, 0, SamplingParams(), (3,), "v", None)
+    assert (r.latency_s, r.cached_prompt_tokens, r.preemptions) == (None, None, None)
+
+
 def test_sampling_params_round_trip_with_the_experience_schema():
     from megarl.experience.schema import FinishReason as SchemaFinishReason, SamplingConfig
 

@@ -58,6 +58,39 @@ def test_distribution_against_numpy():
         drift.distribution([])
 
 
+def test_rollout_metrics_on_a_constructed_batch():
+    """The engine-side rollout metrics of ``rollout_metrics`` on samples built by hand: first and
+    group completion latency, the prefix-cache hit rate and preemptions (SGLang reports them per
+    request), the repetition rate and the reward/length correlation; a backend that reports no
+    latency, cache or preemption writes none of those keys (never a 0 it did not measure)."""
+    from megarl.control.interfaces import Sample
+    from megarl.control.production import rollout_metrics
+    from megarl.experience.schema import FinishReason, RewardRecord
+
+    def sample(group, resp, reward, latency=None, cached=None, pre=None, prompt=(1, 2, 3, 4)):
+        return Sample(prompt_id=group, group_id=group, sample_id=f"{group}/{len(resp)}", request_id=group,
+                      prompt_ids=prompt, response_ids=tuple(resp), raw_log_probs=torch.zeros(len(resp)),
+                      finish_reason=FinishReason.EOS, policy_version="v0", seed=0,
+                      record=RewardRecord(total=reward, scorer_version="t"), latency_s=latency,
+                      cached_prompt_tokens=cached, preemptions=pre)
+
+    samples = [sample("a", [5, 6], 1.0, 0.5, 0, 0), sample("a", [5, 6, 7, 8], 0.0, 1.5, 4, 2),
+               sample("b", [9, 9, 9, 9, 9, 9], 1.0, 0.75, 2, 0, prompt=(1, 2)), sample("b", [4], 0.0, 2.0, 2, 0, prompt=(1, 2))]
+    m = rollout_metrics(samples, {}, gen_s=2.0)
+    assert m["rollout/first_completion_s"] == 0.5
+    assert m["rollout/group_completion_s_max"] == 2.0
+    assert m["rollout/group_completion_s_mean"] == pytest.approx((1.5 + 2.0) / 2)
+    assert m["rollout/prefix_cache_hit_rate"] == pytest.approx((0 + 4 + 2 + 2) / (4 + 4 + 2 + 2))
+    assert m["rollout/preemptions"] == 2.0 and m["rollout/preempted_share"] == 0.25
+    # 4-grams: [5,6,7,8] 1 (new), [9]*6 3 of which 2 repeat; shorter responses have none
+    assert m["rollout/repetition_4gram"] == pytest.approx(2 / 4)
+    assert m["rollout/reward_length_corr"] == pytest.approx(drift.pearson([2, 4, 6, 1], [1.0, 0.0, 1.0, 0.0]))
+    bare = rollout_metrics([sample("a", [5, 6], 1.0), sample("a", [7], 0.0)], {}, gen_s=1.0)
+    for key in ("first_completion_s", "group_completion_s_mean", "prefix_cache_hit_rate", "preemptions",
+                "preempted_share"):
+        assert f"rollout/{key}" not in bare, key
+
+
 def test_reward_components_name_their_checks():
     from megarl.rewards import build_reward_function
     from megarl.rewards.declarations import component_checks

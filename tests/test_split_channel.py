@@ -314,6 +314,105 @@ def test_an_engine_that_loads_in_place_waits_between_segments_for_the_activation
         rollout.close()
 
 
+class _TwoTurnEnv:
+    """Answers the first action with a tool message and ends the episode at the second."""
+
+    def reset(self, row):
+        self.n = 0
+        return ()
+
+    def step(self, action):
+        from megarl.envs.protocol import Message, StepOutcome
+
+        self.n += 1
+        if self.n >= 2:
+            return StepOutcome((), {"steps": float(self.n)}, terminated=True, truncated=False)
+        return StepOutcome((Message("tool", "result 1"),), {}, terminated=False, truncated=False)
+
+
+@pytest.mark.parametrize("waits", [True, False], ids=["waits-for-the-activation", "negative-control-without-the-wait"])
+def test_an_agent_session_takes_the_version_published_between_its_turns(assets, waits):
+    """Agent sessions on the rollout rank with in-flight updates: a version loaded between two
+    turns of a session is activated before the next turn starts (the rank waits for the
+    activation the trainer sends after the load, however late), so the second turn's policy tokens
+    are the new version's and the first turn's the old one's; environment tokens have no version.
+    Negative control: a rank that does not wait for the activation
+    (``RolloutService.waits_for_activation = False``; its activation is sent only after the
+    results, so nothing can rescue it) runs the second turn on the old version: the sessions
+    never span versions, the defect the end-to-end audit of
+    tests/test_agent_training.py::test_calculator_agent_split_inflight_updates_between_turns
+    (``_audit_labels > 0``) catches."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.control.assembly import eos_and_pad
+    from megarl.data.tokenizer import TokenizerContract
+    from megarl.envs.render import EnvTurnRenderer
+    from megarl.rollout.agent import POLICY, AgentLimits, AgentSessionEngine
+
+    contract = TokenizerContract.from_pretrained(assets["model"])
+    actor = HFActorStandIn(AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32).eval(),
+                           "agent-inflight", contract.hash)
+    renderer = EnvTurnRenderer(contract)
+
+    def make_generator(engine):
+        return AgentSessionEngine(engine, env_factory=_TwoTurnEnv, renderer=renderer,
+                                  limits=AgentLimits(max_turns=3, max_total_tokens=60),
+                                  decode=contract.tokenizer.decode, step_timeout_s=TIMEOUT_S, max_workers=2)
+
+    trainer, rollout = _worlds(timeout_s=TIMEOUT_S)
+    # segment_await_s: at the first point between turns the rank waits for the trainer's next
+    # command (the load below), so the update lands inside the sessions whatever the timing
+    service = RolloutService(rollout, lambda d, eos, pad: HFRolloutEngine(d, eos_token_ids=eos, pad_token_id=pad),
+                             device=torch.device("cpu"), segment_tokens=1, segment_await_s=TIMEOUT_S,
+                             make_generator=make_generator)
+    service.waits_for_activation = waits
+    failure = []
+    thread = threading.Thread(target=_serve, args=(service, failure), daemon=True)
+    thread.start()
+    try:
+        eos, pad = eos_and_pad(contract.tokenizer, assets["model"])
+        remote = RemoteEngine(trainer, {"config_dir": assets["model"], "eos_token_ids": eos, "pad_token_id": pad},
+                              device=torch.device("cpu"))
+        v0 = _publish(remote, actor, 0)
+        requests = [GenerationRequest(f"q{i}", tuple(contract.encode_prompt([{"role": "user", "content": f"{i} + 3 ?"}])),
+                                      task={"row": i}) for i in range(2)]
+        ticket = remote.submit(requests, SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=4), segmented=True)
+        actor.perturb(scale=0.2, seed=5)
+        v1, m1 = actor.commit(1)
+        remote.load_weights(v1, iter_buckets(actor.named_tensors(), BUCKET), m1)  # taken after the first turns
+        if waits:
+            time.sleep(0.5)  # the activation comes late: the rank must wait for it
+            assert remote.activate(v1).version_id == v1.short_id
+            results = remote.collect(ticket)
+        else:
+            results = remote.collect(ticket)
+            assert remote.activate(v1).version_id == v1.short_id
+        assert len(results) == 4
+        for r in results:
+            t = r.episode
+            assert t.policy_turns == 2, (t.policy_turns, t.turns, t.finish_reason)
+            by_turn, env_versions = {}, set()
+            for src, turn, v in zip(t.source, t.turn, t.token_versions, strict=True):
+                if src == POLICY:
+                    by_turn.setdefault(turn, set()).add(v)
+                else:
+                    env_versions.add(v)
+            assert env_versions == {None} and sorted(by_turn) == [0, 1], (by_turn, env_versions)
+            first, second = by_turn[0], by_turn[1]
+            assert first == {v0.short_id}, by_turn
+            if waits:
+                assert second == {v1.short_id} and r.policy_version == v1.short_id, by_turn
+            else:  # the defect: the version was loaded between the turns, yet the second ran on v0
+                assert second == {v0.short_id} and r.policy_version == v0.short_id, by_turn
+        assert remote.stats["inflight_activations"] == (1 if waits else 0)
+        remote.close()
+        thread.join(timeout=10)
+        assert not thread.is_alive() and not failure
+    finally:
+        trainer.close()
+        rollout.close()
+
+
 def _serve(service, failure):
     try:
         service.serve()

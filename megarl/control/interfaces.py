@@ -47,6 +47,8 @@ class Sample:
     latency_s: Optional[float] = None
     #: prompt tokens the engine served from its prefix cache, where it reports them
     cached_prompt_tokens: Optional[int] = None
+    #: times the engine preempted it (KV exhausted, recomputed later), where it reports them
+    preemptions: Optional[int] = None
 
     @property
     def spans_versions(self) -> bool:

@@ -309,7 +309,7 @@ class GroupRolloutProducer:
                           finish_reason=r.finish_reason, policy_version=r.policy_version, seed=r.seed,
                           prompt=by_group[r.request_id], routed_experts=r.routed_experts,
                           episode=r.episode, token_versions=r.token_versions, latency_s=r.latency_s,
-                          cached_prompt_tokens=r.cached_prompt_tokens)
+                          cached_prompt_tokens=r.cached_prompt_tokens, preemptions=r.preemptions)
                    for r in fresh]
         m["rollout/samples"] += len(samples)
         finished = [s for s in samples if s.finish_reason is not FinishReason.ABORT]
@@ -417,6 +417,10 @@ def rollout_metrics(samples: List[Sample], m: Dict[str, float], gen_s: float,
     cached = [(s.cached_prompt_tokens, len(s.prompt_ids)) for s in samples if s.cached_prompt_tokens is not None]
     if cached:  # the engine's prefix cache (SGLang reports it per request)
         m["rollout/prefix_cache_hit_rate"] = sum(c for c, _ in cached) / max(sum(n for _, n in cached), 1)
+    pre = [s.preemptions for s in samples if s.preemptions is not None]
+    if pre:  # requests the engine retracted (KV pool exhausted) and recomputed
+        m["rollout/preemptions"] = float(sum(pre))
+        m["rollout/preempted_share"] = sum(p > 0 for p in pre) / len(pre)
     m["rollout/repetition_4gram"] = drift.repetition_rate([s.response_ids for s in samples], 4)
     r = drift.pearson(lens.tolist(), totals.tolist())
     if r is not None:

@@ -317,15 +317,17 @@ def episode_result(t: Trajectory, served: str = "") -> GenerationResult:
     """A finished trajectory as the engine-level result of its candidate: the whole token list
     after the prompt as ``response_ids`` (raw log-probs 0.0 on environment tokens), the last
     policy token's version (``served``, the version the engine serves, for one that never took
-    a turn: its environment failed at reset), the first turn's seed, and the trajectory itself
-    as ``episode``."""
+    a turn: its environment failed at reset), the first turn's seed, the engine's preemptions
+    summed over its turns, and the trajectory itself as ``episode``."""
     version = t.policy_version or served
     first = t.generated[0] if t.generated else None
+    pre = [g.preemptions for g in t.generated if g.preemptions is not None]
     return GenerationResult(request_id=t.request_id, candidate_index=t.candidate_index, prompt_ids=t.prompt_ids,
                             response_ids=tuple(t.response_ids), finish_reason=t.finish_reason,
                             raw_log_probs=t.log_probs_tensor(), processed_log_probs=None,
                             policy_version=version if version is not None else "",
-                            seed=first.seed if first is not None else None, attempt=t.attempt, episode=t)
+                            seed=first.seed if first is not None else None, attempt=t.attempt, episode=t,
+                            preemptions=sum(pre) if pre else None)
 
 
 class AgentSessionEngine(EngineWrapper):

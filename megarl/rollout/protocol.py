@@ -218,6 +218,9 @@ class GenerationResult:
     #: prompt tokens the engine served from its prefix cache (SGLang's ``cached_tokens``; None:
     #: not reported)
     cached_prompt_tokens: int | None = field(default=None, compare=False)
+    #: times the engine preempted this request (SGLang retracts running requests when its KV
+    #: pool runs out and recomputes them later: ``num_retractions``; None: not reported)
+    preemptions: int | None = field(default=None, compare=False)
 
     def __post_init__(self):
         n = len(self.response_ids)

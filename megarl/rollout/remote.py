@@ -312,6 +312,11 @@ class RolloutService:
     ``faults.kill_rollout_at_load``) kills this process with SIGKILL while it receives the
     weights of that optimizer step."""
 
+    #: after an in-flight load, wait for its activation before the next segment or turn.  False
+    #: only in the negative control of tests/test_split_channel.py, whose next turn then runs on
+    #: the old version (and on no version at all with an engine that loads in place)
+    waits_for_activation = True
+
     def __init__(self, world: SplitWorld, make_engine: Callable, device: torch.device,
                  kill_at_load: Optional[int] = None, segment_tokens: int = 0, segment_delay_s: float = 0.0,
                  segment_await_s: float = 0.0,
@@ -401,7 +406,7 @@ class RolloutService:
         while True:
             if self.inbox.ready():
                 kind = self.inbox.peek()[0]
-            elif loaded:
+            elif loaded and self.waits_for_activation:
                 # the trainer sends the activation as soon as the load is reported: wait for it.
                 # An engine that loads in place (SGLang: the new weights overwrite the served
                 # ones) serves no version in between, and an agent session takes a version only

@@ -58,6 +58,7 @@ class _Open:
                                                         if first.processed_log_probs is not None else None)
         self.versions: List[str] = [first.policy_version] * len(first.response_ids)
         self.finish = first.finish_reason
+        self.preemptions = first.preemptions  # summed over segments where the engine reports them
 
     def extend(self, r: GenerationResult) -> None:
         self.ids.extend(r.response_ids)
@@ -68,6 +69,8 @@ class _Open:
             self.processed = None
         self.versions.extend([r.policy_version] * len(r.response_ids))
         self.finish = r.finish_reason
+        if self.preemptions is not None and r.preemptions is not None:
+            self.preemptions += r.preemptions
 
     def result(self) -> GenerationResult:
         mixed = len(set(self.versions)) > 1
@@ -75,7 +78,7 @@ class _Open:
             self.first, response_ids=tuple(self.ids), raw_log_probs=torch.cat(self.raw),
             processed_log_probs=None if self.processed is None else torch.cat(self.processed),
             finish_reason=self.finish, policy_version=self.versions[-1] if self.versions else self.first.policy_version,
-            token_versions=tuple(self.versions) if mixed else None)
+            token_versions=tuple(self.versions) if mixed else None, preemptions=self.preemptions)
 
 
 def generate_in_segments(engine, requests: Sequence[GenerationRequest], sampling: SamplingParams,

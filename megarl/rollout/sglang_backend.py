@@ -344,13 +344,16 @@ def result_from_sglang_output(
         seed=seed,
         attempt=request.attempt,
         latency_s=_latency(out.get("meta_info") or {}),
-        cached_prompt_tokens=_cached_tokens(out.get("meta_info") or {}),
+        cached_prompt_tokens=_meta_int(out.get("meta_info") or {}, "cached_tokens"),
+        preemptions=_meta_int(out.get("meta_info") or {}, "num_retractions"),
     )
 
 
-def _cached_tokens(meta: dict):
-    """Prompt tokens SGLang served from its radix (prefix) cache, where meta_info reports them."""
-    v = meta.get("cached_tokens")
+def _meta_int(meta: dict, key: str):
+    """A count SGLang's meta_info reports where it does: ``cached_tokens`` (prompt tokens served
+    from its radix cache), ``num_retractions`` (times the scheduler retracted the request when
+    the KV pool ran out, to recompute it later: a preemption)."""
+    v = meta.get(key)
     return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
 
 

@@ -51,7 +51,9 @@ def test_grpo_trains_on_what_the_real_engine_sampled_with_the_version_it_was_sen
             assert max_abs_diff(prev, f.rollout_log_probs.values, f.response_mask.bool()) > 100 * NET_FP32_LOGPROB
     assert "eval/accuracy" in ms[0] and "eval/accuracy" in ms[-1]
     # what the real engine reports per request: its prefix cache's share of the prompt tokens (the 4
-    # candidates of a prompt share it) and each request's end-to-end latency
+    # candidates of a prompt share it), each request's end-to-end latency and its retractions (a
+    # KV pool this size never runs out for the tiny batch: none)
     for m in ms:
         assert 0.0 <= m["rollout/prefix_cache_hit_rate"] <= 1.0, m
+        assert m["rollout/preemptions"] == 0.0 and m["rollout/preempted_share"] == 0.0, m
         assert 0.0 < m["rollout/first_completion_s"] <= m["rollout/group_completion_s_max"], m
