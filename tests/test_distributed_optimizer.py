@@ -79,3 +79,55 @@ def test_the_cpu_accommodations_are_still_needed():
     assert 's["step"] = step' in src and "dst_tensors[key].copy_(tensors[key])" in src
     # the default sharding format is one megatron's own dist_checkpointing refuses
     assert "'distrib_optim_sharding_type', 'fully_sharded_model_space'" in src
+    # the loss scaler moves its restored scale to the current CUDA device (an entry point of the
+    # device-rewriting mode: megarl.models.optim.load_grad_scaler_states calls it)
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+
+    from megarl.runtime.cpu_compat import ENTRY_POINTS
+
+    assert ".cuda(torch.cuda.current_device())" in inspect.getsource(DynamicGradScaler.load_state_dict)
+    assert ("megatron.core.optimizer.grad_scaler", "DynamicGradScaler.load_state_dict") in ENTRY_POINTS
+
+
+def test_fp16_loss_scaler_survives_a_rollback_and_a_checkpoint(hf, tmp_path):
+    """fp16 through megatron's Float16 optimizer (tests/workers/grad_scaler_worker.py): the
+    dynamic loss scaler's state is golden after the overflows before the first successful step
+    (2**32 halved once per overflow after the first, hysteresis 2); an update rollback puts it
+    back (megatron's ChainedOptimizer has no ``grad_scaler`` of its own: the snapshot reads each
+    chained optimizer's); a checkpoint saves it per rank beside the optimizer state and a resume
+    restores it, so the next step equals the uninterrupted run's bitwise at DP=2, and at DP=1 the
+    one state all saved ranks agree on.  Negative control: the same resume with the scaler reset
+    to a fresh one's (2**32, what a resume that lost it runs with) overflows and skips the step,
+    and the weights differ.  A checkpoint without the scaler file, or whose file disagrees with
+    the optimizer state, is refused naming the file."""
+    ckpt = tmp_path / "ck" / "iter_000001"
+    ckpt.parent.mkdir()
+    out = str(tmp_path / "save.pt")
+    torchrun("grad_scaler_worker.py", 2, "--hf", hf, "--out", out, "--mode", "save", "--ckpt", str(ckpt))
+    got = _load(out)
+    (fresh,) = got["fresh"]
+    assert fresh == {"kind": "DynamicGradScaler", "scale": 2.0 ** 32, "growth_tracker": 0, "hysteresis_tracker": 2}
+    n = got["overflows"]
+    assert n >= 2, n  # fp16 at 2**32 overflows: the scaler had work to do
+    (first,) = got["first_success"]
+    assert first == dict(fresh, scale=2.0 ** 32 * 0.5 ** (n - 1), growth_tracker=1, hysteresis_tracker=2 - n)
+    assert got["after_overflow"][0]["scale"] == first["scale"] / 2  # the overflow moved it...
+    assert got["after_rollback"] == [first]  # ...and the rollback put it back
+    assert got["saved_file"] == {"per_rank": [[first], [first]]}
+    assert got["uninterrupted_ok"] and got["resumed_ok"] and got["resumed_scalers"] == [first]
+    for name, w in got["uninterrupted"].items():
+        assert torch.equal(w, got["resumed"][name]), name
+    # negative control: a resume that lost the scaler overflows at 2**32 and skips the step
+    assert not got["lost_ok"]
+    assert any(not torch.equal(w, got["lost"][name]) for name, w in got["uninterrupted"].items())
+    per_rank = got["refused_per_rank"]
+    assert all("actor_grad_scaler.json: missing" in r["refused_missing"] for r in per_rank), per_rank
+    assert "the checkpoint's two records disagree" in per_rank[-1]["refused_edited"], per_rank
+    one = _load(_resume_dp1(hf, ckpt, tmp_path))
+    assert one["resumed_scalers"] == [first] and one["resumed_ok"]
+
+
+def _resume_dp1(hf, ckpt, tmp_path) -> str:
+    out = str(tmp_path / "resume1.pt")
+    torchrun("grad_scaler_worker.py", 1, "--hf", hf, "--out", out, "--mode", "resume", "--ckpt", str(ckpt))
+    return out

@@ -122,6 +122,42 @@ def _init_sgd_state(opt, config=None) -> None:
                     opt.state[p]["momentum_buffer"] = torch.zeros_like(p.data)
 
 
+def grad_scaler_states(optimizer) -> List[Optional[dict]]:
+    """The loss scaler state of each of megatron's optimizers (a ``ChainedOptimizer`` holds one
+    per parameter set and has no ``grad_scaler`` of its own; None where one has no scaler: fp32,
+    bf16 without a loss scale).  fp16's ``DynamicGradScaler``: ``scale`` (a float), and the
+    ``growth_tracker`` / ``hysteresis_tracker`` counting the successful and overflowing steps
+    towards the next change of scale."""
+    out: List[Optional[dict]] = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        scaler = getattr(opt, "grad_scaler", None)
+        if scaler is None:
+            out.append(None)
+            continue
+        sd = scaler.state_dict()
+        out.append({"kind": type(scaler).__name__,
+                    **{k: (float(v.item()) if torch.is_tensor(v) else v) for k, v in sd.items()}})
+    return out
+
+
+def load_grad_scaler_states(optimizer, states: List[Optional[dict]], where: str) -> None:
+    """Put ``states`` (from :func:`grad_scaler_states`) back into ``optimizer``'s scalers;
+    raises ValueError naming ``where`` when the optimizers and the states do not match."""
+    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    if len(states) != len(opts):
+        raise ValueError(f"{where}: {len(states)} loss scaler state(s) for {len(opts)} optimizer(s)")
+    for i, (opt, st) in enumerate(zip(opts, states, strict=True)):
+        scaler = getattr(opt, "grad_scaler", None)
+        if (scaler is None) != (st is None) or (st is not None and st["kind"] != type(scaler).__name__):
+            raise ValueError(f"{where}: optimizer {i} has loss scaler {type(scaler).__name__ if scaler else None}, "
+                             f"the state is {st['kind'] if st else None}'s (a run in another precision?)")
+        if st is None:
+            continue
+        sd = scaler.state_dict()
+        scaler.load_state_dict({k: (torch.full_like(sd[k], st[k]) if torch.is_tensor(sd[k]) else st[k])
+                                for k in sd})
+
+
 #: loss_fn(model_output, micro_batch) -> (loss share of the global loss, metrics dict)
 LossFn = Callable[[torch.Tensor, Dict[str, torch.Tensor]], Tuple[torch.Tensor, Dict[str, float]]]
 

@@ -28,6 +28,7 @@ from typing import List, Optional
 import torch
 
 from megarl.errors import MegarlError
+from megarl.models.optim import grad_scaler_states, load_grad_scaler_states
 from megarl.roles.offload import _ALIGN, _as_chunks, _byte_view, _host_buffer, _sync, _torch_optimizers, \
     training_state_claims
 
@@ -74,8 +75,8 @@ class UpdateSnapshot:
                             if torch.is_tensor(v) and v.untyped_storage().data_ptr() not in self._claimed]
         self._groups = [[{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in o.param_groups]
                         for o in opts]
-        scaler = getattr(optimizer, "grad_scaler", None)
-        self._scaler = copy.deepcopy(scaler.state_dict()) if scaler is not None else None
+        # megatron's ChainedOptimizer has no grad_scaler of its own: one per optimizer it chains
+        self._scalers = grad_scaler_states(optimizer)
         self._sched_steps = None if scheduler is None else scheduler.num_steps
         self.steps = steps
         self.taken = True
@@ -102,9 +103,7 @@ class UpdateSnapshot:
         for o, groups in zip(opts, self._groups, strict=True):
             for g, saved in zip(o.param_groups, groups, strict=True):
                 g.update(copy.deepcopy(saved))
-        scaler = getattr(optimizer, "grad_scaler", None)
-        if scaler is not None and self._scaler is not None:
-            scaler.load_state_dict(copy.deepcopy(self._scaler))
+        load_grad_scaler_states(optimizer, self._scalers, "rollback")
         if scheduler is not None:
             scheduler.num_steps = self._sched_steps
             scheduler.step(increment=0)

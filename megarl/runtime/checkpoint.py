@@ -7,6 +7,8 @@ to be consumed (so ``unconsumed_experience`` records that explicitly).  Layout o
     actor/            megarl megatron checkpoint of the actor (dist_checkpointing; loadable at any
                       TP/PP, also usable as ``model.path``)
     actor_optim/      the actor's optimizer state (dist_checkpointing, sharded like the model)
+    actor_grad_scaler.json     the loss scaler of each of the actor's optimizers, per rank (fp16:
+                      scale and the growth / hysteresis trackers), restored explicitly at load
     critic/, critic_optim/     PPO
     reference/        only when the reference was refreshed away from its starting weights
     rng/rank_<r>.safetensors + rng/rank_<r>.json   torch / numpy / python (and CUDA) RNG states
@@ -170,6 +172,54 @@ def _save_optimizer(model, optimizer, out_dir: str) -> None:
     dist_checkpointing.save(optimizer.sharded_state_dict(model_sd, metadata=dict(OPTIMIZER_METADATA)), out_dir)
 
 
+def _gather_grad_scalers(optimizer) -> list:
+    """Collective: every rank's :func:`~megarl.models.optim.grad_scaler_states`, in rank order."""
+    from megarl.models.optim import grad_scaler_states
+
+    mine = grad_scaler_states(optimizer)
+    if not dist.is_initialized():
+        return [mine]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return out
+
+
+def _restore_grad_scalers(optimizer, path: str) -> None:
+    """The loss scalers from ``path`` (written by :func:`save`), explicitly: megatron's optimizer
+    state carries a copy too, and keeps a fresh scaler without a word when it lacks one, so a
+    resumed fp16 run would start again from 2**32 and skip its first steps as overflows.  At the
+    saved world size each rank takes its own entry (after checking megatron restored the same);
+    at another, each optimizer's scaler must have been one state on every saved rank."""
+    from megarl.models.optim import grad_scaler_states, load_grad_scaler_states
+
+    mine = grad_scaler_states(optimizer)
+    if not os.path.isfile(path):
+        if any(s is not None for s in mine):
+            raise CheckpointError(f"{path}: missing; the optimizer has a loss scaler (fp16) and the checkpoint "
+                                  "does not say its state (written by an older megarl?)")
+        return
+    with open(path) as f:
+        per_rank = json.load(f)["per_rank"]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if len(per_rank) == world:
+        want = per_rank[_rank()]
+        if len(want) == len(mine) and mine != want:
+            raise CheckpointError(f"{path}: rank {_rank()}'s loss scalers {want}, but the optimizer state restored "
+                                  f"{mine}: the checkpoint's two records disagree")
+    else:
+        want = []
+        for i in range(len(mine)):
+            seen = {json.dumps(r[i], sort_keys=True) for r in per_rank if i < len(r)}
+            if len(seen) != 1:
+                raise CheckpointError(f"{path}: optimizer {i}'s loss scaler was in {len(seen)} states across the "
+                                      f"{len(per_rank)} saved ranks; resume at the saved world size ({len(per_rank)})")
+            want.append(json.loads(seen.pop()))
+    try:
+        load_grad_scaler_states(optimizer, want, path)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
+
+
 def _load_optimizer(model, optimizer, in_dir: str) -> None:
     from megatron.core import dist_checkpointing
 
@@ -210,6 +260,9 @@ def save(root: str, iteration: int, state: dict, roles: dict, keep: int = 3,
         save_megatron_checkpoint(model, os.path.join(tmp, role))
         if optimizer is not None:
             _save_optimizer(model, optimizer, os.path.join(tmp, f"{role}_optim"))
+            scalers = _gather_grad_scalers(optimizer)
+            if rank0:
+                _write_json(os.path.join(tmp, f"{role}_grad_scaler.json"), {"per_rank": scalers})
     # RNG and optimizer digests are per rank
     from safetensors.torch import save_file
 
@@ -325,6 +378,7 @@ def load_roles(path: str, roles: dict) -> None:
         load_megatron_checkpoint(model, os.path.join(path, role))
         if optimizer is not None:
             _load_optimizer(model, optimizer, os.path.join(path, f"{role}_optim"))
+            _restore_grad_scalers(optimizer, os.path.join(path, f"{role}_grad_scaler.json"))
 
 
 def restore_rng(path: str, same_layout: bool) -> None:

@@ -171,6 +171,9 @@ ENTRY_POINTS = (
     # the optimizer: construction and every state-touching method (megarl.models.optim,
     # megarl.runtime.checkpoint); the methods of each optimizer class are in _OPTIMIZER_METHODS
     ("megatron.core.optimizer", "get_megatron_optimizer"),
+    # fp16's loss scaler restored explicitly (megarl.models.optim.load_grad_scaler_states: it
+    # moves the scale with .cuda())
+    ("megatron.core.optimizer.grad_scaler", "DynamicGradScaler.load_state_dict"),
     # the pipeline schedules get_forward_backward_func returns (it reads these module globals)
     ("megatron.core.pipeline_parallel.schedules", "forward_backward_no_pipelining"),
     ("megatron.core.pipeline_parallel.schedules", "forward_backward_pipelining_without_interleaving"),
