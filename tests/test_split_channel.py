@@ -98,8 +98,15 @@ def _publish(remote, actor, step, stream=None):
 
 
 def test_weights_stream_verified_and_commands_run_in_order(channel):
+    from megarl.observability.profiling import parse_label
+
     actor, config_dir, remote, service, thread, failure, *_ = channel
-    v0 = _publish(remote, actor, 0)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        v0 = _publish(remote, actor, 0)
+    # the bridge's broadcasts are a span of the timeline, one per bucket, with the bytes they carry
+    bridge = [parse_label(e.name) for e in prof.events() if (parse_label(e.name) or {}).get("phase") == "weight_sync.bridge"]
+    assert len(bridge) > 1 and sum(int(b["bytes"]) for b in bridge) == sum(
+        t.numel() * t.element_size() for _, t in actor.named_tensors()), bridge
     local = HFRolloutEngine(config_dir, eos_token_ids=[], pad_token_id=0)
     version, manifest = actor.commit(0)
     local.load_weights(version, iter_buckets(actor.named_tensors(), BUCKET), manifest)

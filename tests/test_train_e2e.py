@@ -336,7 +336,7 @@ def check_timeline(run_dir, ranks, iteration):
         # the weight sync's sub-phases, nested in it: gather, bucket, load, verify, activate
         subs = {"weight_sync.gather", "weight_sync.bucket", "weight_sync.load", "weight_sync.verify",
                 "weight_sync.activate"}
-        assert subs <= set(phases) and "reward_broadcast" in phases, sorted(phases)
+        assert subs <= set(phases) and {"reward_broadcast", "results_gather"} <= set(phases), sorted(phases)
         (sync,) = [e for e, lab in zip(spans, labels) if lab["phase"] == "weight_sync"]
         inside = [lab["phase"] for e, lab in zip(spans, labels) if lab["phase"] in subs
                   and sync["ts"] <= e["ts"] and e["ts"] + e["dur"] <= sync["ts"] + sync["dur"]]

@@ -21,6 +21,7 @@ from typing import List, Optional, Sequence
 
 import torch.distributed as dist
 
+from megarl.observability.profiling import span
 from megarl.rollout.protocol import GenerationRequest, GenerationResult, SamplingParams
 from megarl.runtime.data_parallel import dp_rank, dp_size, gather_objects, is_mp_leader
 
@@ -124,7 +125,8 @@ def collect_everywhere(engine, placement: Placement, ticket, errors: Optional[li
             mine = engine.collect(ticket)
         except RolloutError as e:
             failure = f"{type(e).__name__}: {e}"
-    gathered = gather_objects((mine, failure) if placement.is_group_leader else None)
+    with span("results_gather"):  # the generated experience, from each group's leader to every rank
+        gathered = gather_objects((mine, failure) if placement.is_group_leader else None)
     results = [r for item in gathered if item is not None for r in item[0]]
     if errors is not None:
         errors.extend((0, item[1]) for item in gathered if item is not None and item[1] is not None)
@@ -152,7 +154,8 @@ def generate_everywhere(engine, placement: Placement, requests: Sequence[Generat
             mine = engine.generate(share, sampling) if share else []
         except RolloutError as e:
             mine, failure = [], f"{type(e).__name__}: {e}"
-    gathered = gather_objects((placement.group_index, mine, failure) if placement.is_group_leader else None)
+    with span("results_gather"):  # the generated experience, from each group's leader to every rank
+        gathered = gather_objects((placement.group_index, mine, failure) if placement.is_group_leader else None)
     by_group = {g: res for item in gathered if item is not None for g, res, _ in [item]}
     if errors is not None:
         errors.extend((g, f) for item in gathered if item is not None for g, _, f in [item] if f is not None)

@@ -33,6 +33,10 @@ PHASE_ROLE = {
     # comparison against the manifest, the activation with its cache flush
     "weight_sync.gather": "actor", "weight_sync.bucket": "actor", "weight_sync.load": "rollout",
     "weight_sync.verify": "rollout", "weight_sync.activate": "rollout", "reward_broadcast": "controller",
+    # split placement: the buckets' broadcast over the bridge to the rollout ranks (inside load)
+    "weight_sync.bridge": "actor->rollout",
+    # the generated results gathered from each inference group's leader to every rank
+    "results_gather": "controller",
 }
 PREFIX = "megarl/"
 

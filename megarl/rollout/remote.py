@@ -37,6 +37,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from megarl.observability.profiling import span
 from megarl.rollout.protocol import (
     ActivationReport,
     GenerationRequest,
@@ -180,8 +181,9 @@ class RemoteEngine:
                      for idx in _by_dtype(meta).values()]  # built before the meta is sent: a failure leaves no half bucket
             for box in self.to:
                 box.send(("bucket", meta))
-            for flat in flats:
-                _broadcast(self.world, flat, f"sending {version.short_id}")
+            with span("weight_sync.bridge", bytes=sum(f.numel() * f.element_size() for f in flats)):
+                for flat in flats:
+                    _broadcast(self.world, flat, f"sending {version.short_id}")
 
     def activate(self, version: PolicyVersion) -> ActivationReport:
         """Every rollout engine activates ``version``; every command sent from now on runs on it."""
