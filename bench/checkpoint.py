@@ -7,7 +7,7 @@ per-iteration version and manifest checks cost next to an iteration of the tiny 
     python bench/checkpoint.py --json out.json # also write the numbers as JSON
 
 Part 1 builds an actor (megatron model + DDP + Adam, one optimizer step so Adam's moments
-exist) from a random Llama-shaped HF checkpoint, then times ``megarl.runtime.checkpoint.save`` (model
+exist) from a random Llama-shaped HF checkpoint, then times ``megarl.checkpointing.checkpoint.save`` (model
 and optimizer through megatron ``dist_checkpointing``, RNG, optimizer digests, sha256
 MANIFEST, fsync, atomic publish) twice -- the first save pays dist_checkpointing's one-time
 start-up -- then ``verify`` (sha256 of every file) and ``load_roles`` into the live actor.
@@ -53,7 +53,7 @@ def bench_save_load(name: str, config: dict, workdir: str) -> dict:
     from megarl.models.megatron_ckpt import load_model
     from megarl.models.optim import train_step, wrap_for_training
     from megarl.roles.offload import ActorOffloader
-    from megarl.runtime import checkpoint
+    from megarl.checkpointing import checkpoint
 
     hf = os.path.join(workdir, f"hf-{name}")
     write_random_hf_checkpoint(hf, config)

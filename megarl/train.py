@@ -12,7 +12,7 @@ files, then -- after every train and held-out row was checked against the reward
 model: built once, cached at their paths); then torch.distributed and megatron
 come up, the run directory gets the resolved config and its hash, and the loop runs.  Before
 any model loads the run directory is checked too (writable; a finished run is left as it is and
-the command exits 0; megarl/runtime/run_dir.py), and a stopped run prints the command that resumes it.
+the command exits 0; megarl/checkpointing/run_dir.py), and a stopped run prints the command that resumes it.
 """
 
 from __future__ import annotations

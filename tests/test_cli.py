@@ -208,7 +208,7 @@ def test_startup_errors_are_one_line_naming_the_key(tmp_path):
     ro.chmod(0o500)
     try:
         if os.access(str(ro), os.W_OK):  # root: a mode-500 directory is writable, so it is accepted
-            from megarl.runtime.run_dir import check_writable
+            from megarl.checkpointing.run_dir import check_writable
 
             check_writable("trainer.run_dir", str(ro / "run"))
         else:
@@ -408,7 +408,7 @@ def test_activation_estimate_by_recompute_sequence_parallelism_and_chunking():
 
 
 def test_resume_command_names_the_run_dir():
-    from megarl.runtime.run_dir import resume_command
+    from megarl.checkpointing.run_dir import resume_command
 
     argv = ["/x/megarl/train.py", "--config", "configs/grpo_arith_tiny.yaml", "trainer.iterations=5",
             "trainer.run_dir=/old"]
@@ -420,8 +420,8 @@ def test_resume_command_names_the_run_dir():
 
 
 def test_run_dir_decisions(tmp_path):
-    """The table in megarl/runtime/run_dir.py, on directories laid out as runs leave them."""
-    from megarl.runtime.run_dir import inspect_run_dir, start_decision
+    """The table in megarl/checkpointing/run_dir.py, on directories laid out as runs leave them."""
+    from megarl.checkpointing.run_dir import inspect_run_dir, start_decision
 
     def cfg(*ov):
         return load_config(GRPO, ["trainer.iterations=3", *ov])

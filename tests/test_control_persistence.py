@@ -1,6 +1,6 @@
 """RunPersistence on its own: a fake actor (a weight vector, a scheduler, a model spec), a fake
 tokenizer contract and a real sampler, KL controller and state machine.  Checkpoints go through
-the real ``megarl.runtime.checkpoint`` (temporary dir, MANIFEST with sha256 of every file, ``latest``,
+the real ``megarl.checkpointing.checkpoint`` (temporary dir, MANIFEST with sha256 of every file, ``latest``,
 RNG, verification on read); only the megatron dist-checkpoint of the roles
 (``megarl.models.megatron_ckpt``) is replaced by a file holding the fake weights."""
 
@@ -20,12 +20,12 @@ import pytest
 import torch
 
 from megarl.algo.kl import FixedKLController
+from megarl.checkpointing import checkpoint
 from megarl.config import section_hash
 from megarl.control.interfaces import RunProgress
 from megarl.control.persistence import RunPersistence
 from megarl.control.state_machine import CompletionConditionError, IterationStateMachine, Phase
 from megarl.data.prompts import PromptSampler
-from megarl.runtime import checkpoint
 from tests._control_fakes import H, Dataset, load_cfg, prompt_records, sealed_batch, version
 
 

@@ -1,6 +1,6 @@
 """megatron's distributed optimizer (ZeRO-1) on CPU over gloo: what the GPU default runs, proven
 here.  Two DP=2 Adam steps equal the plain optimizer's bitwise; a checkpoint it writes (the
-``fully_reshardable`` format, megarl/runtime/checkpoint.py) resumes bitwise at DP=2 and within
+``fully_reshardable`` format, megarl/checkpointing/checkpoint.py) resumes bitwise at DP=2 and within
 fp32 rounding at DP=1.  The CPU accommodations it needs (megarl/runtime/cpu_compat.py) are each
 checked to still be needed, so a megatron-core that fixes them says so."""
 

@@ -188,7 +188,7 @@ def dry_run(cfg, world_size: Optional[int] = None) -> dict:
     from megarl.config import missing_packages
     from megarl.models.fit import validate_model_fit
     from megarl.commands.startup import check_start_paths
-    from megarl.runtime.run_dir import inspect_run_dir, start_decision
+    from megarl.checkpointing.run_dir import inspect_run_dir, start_decision
 
     simulated = world_size is not None
     world = world_size if simulated else int(os.environ.get("WORLD_SIZE", "1"))

@@ -267,7 +267,7 @@ def check_start_paths(cfg) -> None:
     """Every directory the start writes into, before anything is built: the run directory (or
     runs/ for the default one) and the built-in assets' directories when they must be built."""
     from megarl.builtin.warmstart import is_built
-    from megarl.runtime.run_dir import check_writable
+    from megarl.checkpointing.run_dir import check_writable
 
     run_dir = cfg.trainer.run_dir
     check_writable("trainer.run_dir", run_dir if run_dir else "runs")

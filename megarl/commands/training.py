@@ -11,9 +11,9 @@ from typing import Optional
 from megarl.commands.run_checks import check_run
 from megarl.commands.startup import (check_model, check_reward, check_start_paths, ensure_builtin_model,
                                      ensure_builtin_task, write_run_files)
+from megarl.checkpointing.run_dir import inspect_run_dir, start_decision
 from megarl.config import config_hash, default_run_dir, require_installed
 from megarl.rewards.dataset_fields import check_datasets_against_reward
-from megarl.runtime.run_dir import inspect_run_dir, start_decision
 
 __all__ = ["Start", "prepare_start", "run_training"]
 

@@ -151,7 +151,7 @@ class RunPersistence:
         skipped) and the checkpoint says how many groups (and tokens) a resume drops."""
         import contextlib
 
-        from megarl.runtime import checkpoint
+        from megarl.checkpointing import checkpoint
 
         t0 = time.perf_counter()
         self.actor.onload()
@@ -203,7 +203,7 @@ class RunPersistence:
         """Continue from ``<run_dir>/checkpoints/latest`` (verified) if there is one: roles,
         schedules, sampler, KL controller, progress and RNG restored; the checkpoint's state is
         returned (None when there is none)."""
-        from megarl.runtime import checkpoint
+        from megarl.checkpointing import checkpoint
 
         path = checkpoint.find_latest(self.ckpt_root) if os.path.isdir(self.ckpt_root) else None
         if path is None:
@@ -337,7 +337,7 @@ class RunPersistence:
         not the resumed iteration's (the crash came before its seal: the rollout runs again); a
         clear error naming the field when it is but a version or a config hash differs."""
         from megarl.experience.seal import load_sealed
-        from megarl.runtime import checkpoint
+        from megarl.checkpointing import checkpoint
 
         d = self.pending_dir
         side_path = os.path.join(d, "position.json")

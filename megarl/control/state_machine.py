@@ -15,7 +15,7 @@ groups complete, or the gradient step succeeded).  Three kinds of outcome:
 * condition met                 -> next phase.
 
 ACTOR_COMMITTED is the in-memory version that may be published; whether a checkpoint of it is
-on disk is a different question, answered by ``megarl.runtime.checkpoint`` (the ``latest`` pointer).
+on disk is a different question, answered by ``megarl.checkpointing.checkpoint`` (the ``latest`` pointer).
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from typing import Dict, Optional
 
 import torch.distributed as dist
 
+from megarl.checkpointing.run_dir import resume_command
 from megarl.config.schema import TrainConfig
 from megarl.errors import MegarlError
 from megarl.control.assembly import assemble, assemble_engine, wire_components
@@ -42,7 +43,6 @@ from megarl.observability.sample_log import SampleLogger
 from megarl.rollout.weight_sync import actor_manifest, make_version
 from megarl.runtime.data_parallel import broadcast_object, dp_size, gather_objects, take_objects_moved
 from megarl.runtime import cpu_compat
-from megarl.runtime.run_dir import resume_command
 
 
 def stop_file_is_stale(path: str) -> bool:

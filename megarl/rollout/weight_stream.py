@@ -11,7 +11,7 @@ device, verify the manifest, and only then switch the active-version pointer ato
 The per-tensor checksum (:func:`tensor_checksum`) is computed with torch ops where the tensor
 lives -- on the GPU for a GPU actor or engine -- and only a few KiB per tensor reach the host.
 It is an integrity check against transport and layout bugs, not a cryptographic hash; files on
-disk keep sha256 (``megarl.runtime.checkpoint``).
+disk keep sha256 (``megarl.checkpointing.checkpoint``).
 
 Nothing here knows about megatron or about a particular engine; the megatron source of the
 stream (gather over TP, broadcast over PP, mapping to HF names) plugs in as the iterable.

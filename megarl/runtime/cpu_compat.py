@@ -169,7 +169,7 @@ ENTRY_POINTS = (
     ("megatron.core.distributed.distributed_data_parallel", "DistributedDataParallel.broadcast_params"),
     ("megatron.core.distributed.distributed_data_parallel", "DistributedDataParallel.start_param_sync"),
     # the optimizer: construction and every state-touching method (megarl.models.optim,
-    # megarl.runtime.checkpoint); the methods of each optimizer class are in _OPTIMIZER_METHODS
+    # megarl.checkpointing.checkpoint); the methods of each optimizer class are in _OPTIMIZER_METHODS
     ("megatron.core.optimizer", "get_megatron_optimizer"),
     # fp16's loss scaler restored explicitly (megarl.models.optim.load_grad_scaler_states: it
     # moves the scale with .cuda())
@@ -180,7 +180,7 @@ ENTRY_POINTS = (
     ("megatron.core.pipeline_parallel.schedules", "forward_backward_pipelining_with_interleaving"),
     # tensor-parallel helpers megarl calls directly (megarl.models.forward)
     ("megatron.core.tensor_parallel.cross_entropy", "vocab_parallel_cross_entropy"),
-    # dist_checkpointing (megarl.models.megatron_ckpt, megarl.runtime.checkpoint)
+    # dist_checkpointing (megarl.models.megatron_ckpt, megarl.checkpointing.checkpoint)
     ("megatron.core.dist_checkpointing.serialization", "save"),
     ("megatron.core.dist_checkpointing.serialization", "load"),
 )

@@ -135,7 +135,7 @@ def set_eos(model_dir: str, eos: int) -> None:
 
 
 def param_digest(model) -> str:
-    from megarl.runtime.checkpoint import tensor_digest  # no numpy view: storages stay resizable
+    from megarl.checkpointing.checkpoint import tensor_digest  # no numpy view: storages stay resizable
 
     h = hashlib.sha256()
     for name, p in sorted(model.named_parameters()):

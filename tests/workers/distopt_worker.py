@@ -3,7 +3,7 @@
     --mode steps   two Adam steps on a fixed global batch split over DP, with the plain and with
                    the distributed optimizer from the same start; saves both weights (rank 0)
     --mode save    one step with the distributed optimizer, a checkpoint (megarl's
-                   runtime.checkpoint, optimizer state included), a second step; saves the weights
+                   checkpointing.checkpoint, optimizer state included), a second step; saves the weights
     --mode resume  loads that checkpoint (at this DP, with the --dist optimizer or the plain one)
                    and takes the second step; saves the weights
 
@@ -17,12 +17,12 @@ import os
 
 import torch
 
+from megarl.checkpointing import checkpoint
 from megarl.config import OptimSettings
 from megarl.models.forward import token_log_probs_from_logits
 from megarl.models.megatron_ckpt import load_model
 from megarl.models.optim import train_step, wrap_for_training
 from megarl.models.weights import iter_hf_tensors
-from megarl.runtime import checkpoint
 from megarl.runtime import distributed as rt
 
 

@@ -8,7 +8,7 @@ master weights and a ``DynamicGradScaler`` (initial scale 2**32, hysteresis 2).
 
     --mode save    (any DP) steps from the start until the first one that is not an overflow;
                    an update snapshot taken, an overflowing step (the loss times inf), the
-                   snapshot restored; a checkpoint (megarl's runtime.checkpoint); one more
+                   snapshot restored; a checkpoint (megarl's checkpointing.checkpoint); one more
                    step.  Then, from fresh models: the checkpoint loaded and that step again;
                    the negative control (loaded, then the scaler reset to a fresh one's state,
                    as a resume that lost it would be); and the refusals of a checkpoint without
@@ -25,6 +25,7 @@ import shutil
 
 import torch
 
+from megarl.checkpointing import checkpoint
 from megarl.config import OptimSettings
 from megarl.models.forward import token_log_probs_from_logits
 from megarl.models.megatron_ckpt import load_model
@@ -32,7 +33,7 @@ from megarl.models.optim import grad_scaler_states, load_grad_scaler_states, tra
 from megarl.models.safetensors_io import CheckpointError
 from megarl.models.weights import iter_hf_tensors
 from megarl.roles.rollback import UpdateSnapshot
-from megarl.runtime import checkpoint, cpu_compat
+from megarl.runtime import cpu_compat
 from megarl.runtime import distributed as rt
 from tests.workers.distopt_worker import batch
 

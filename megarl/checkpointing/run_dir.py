@@ -57,7 +57,7 @@ class RunDirState:
 
 
 def inspect_run_dir(run_dir: str) -> RunDirState:
-    from megarl.runtime.checkpoint import CheckpointError, find_latest
+    from megarl.checkpointing.checkpoint import CheckpointError, find_latest
 
     done = None
     done_path = os.path.join(run_dir, DONE)
