@@ -140,7 +140,7 @@ class FakeRolloutEngine:
 
     Faults, keyed by ``(sample_id, attempt)`` (sample id ``<request_id>/cCC``):
     ``lose`` -- the result is withheld and delivered late, with the next call's results
-    (as :class:`megarl.runtime.faults.FaultyRolloutEngine` does); ``duplicate`` -- delivered twice;
+    (as :class:`megarl.rollout.faulty.FaultyRolloutEngine` does); ``duplicate`` -- delivered twice;
     ``abort`` -- finish reason ABORT.  ``fail_calls``: call numbers (0-based) that raise a
     RolloutError.  ``extra_late``: results appended to the first call's output.
     ``on_call(i, engine)``: a hook run at the start of call i."""

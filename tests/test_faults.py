@@ -7,7 +7,8 @@ from megarl.config import FaultsConfig
 from megarl.control.placement import Placement, generate_everywhere
 from megarl.rollout.protocol import FinishReason, GenerationRequest, GenerationResult, RolloutError, SamplingParams
 from megarl.rewards.faulty import FaultyRewardFunction
-from megarl.runtime.faults import FaultInjector, FaultyRolloutEngine
+from megarl.rollout.faulty import FaultyRolloutEngine
+from megarl.runtime.faults import FaultInjector
 
 
 def test_decisions_are_deterministic_keyed_and_near_the_rate():
@@ -99,7 +100,7 @@ def _loss(output, mb):
 
 
 def test_faulty_actor_poisons_the_last_step_of_a_listed_iteration_once():
-    from megarl.runtime.faults import FaultyActor
+    from megarl.roles.faulty_actor import FaultyActor
 
     inj = FaultInjector(FaultsConfig(fail_optimizer_step_at=[1], fail_optimizer_step_kind="nan",
                                      fail_optimizer_step_rank=0), seed=0, rank=0, world=1)
@@ -118,7 +119,8 @@ def test_faulty_actor_poisons_the_last_step_of_a_listed_iteration_once():
 def test_faulty_actor_raises_after_the_optimizer_applied_the_step():
     import pytest
 
-    from megarl.runtime.faults import FaultyActor, InjectedFault
+    from megarl.roles.faulty_actor import FaultyActor
+    from megarl.runtime.faults import InjectedFault
 
     inj = FaultInjector(FaultsConfig(fail_optimizer_step_at=[0], fail_optimizer_step_rank=-1), seed=0, rank=1, world=2)
     actor = _Actor()

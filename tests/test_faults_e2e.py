@@ -1,5 +1,5 @@
 """Failures never corrupt training (the seed's failure rules), proven with faults injected at
-the real seams (megarl/runtime/faults.py) of real runs:
+the real seams (megarl/runtime/faults.py and the wrappers beside each seam) of real runs:
 
 * lost, late and duplicated rollout results, hung reward calls and a weight load corrupted in
   transit: the run completes, every sealed sample comes from the version its record names

@@ -218,7 +218,7 @@ def assemble_engine(cfg, tok, config_dir: str, injector) -> EngineParts:
     engine = (create_remote_engine(split, config_dir, eos, pad) if split is not None
               else create_engine(cfg, placement, config_dir, eos, pad))
     if engine is not None and (cfg.faults.rollout_error_rate or cfg.faults.duplicate_result_rate):
-        from megarl.runtime.faults import FaultyRolloutEngine
+        from megarl.rollout.faulty import FaultyRolloutEngine
 
         engine = FaultyRolloutEngine(engine, injector)
     sync_dtype = broadcast_object(engine.dtype if engine is not None and dist.get_rank() == 0 else None)
@@ -337,7 +337,7 @@ def wire_components(cfg, parts: Parts, eng: EngineParts, *, sm, progress, run_di
         rollout_precision="" if eng.sync_dtype is None else str(eng.sync_dtype).removeprefix("torch."))
     learning_actor = parts.actor
     if parts.injector is not None:
-        from megarl.runtime.faults import FaultyActor
+        from megarl.roles.faulty_actor import FaultyActor
 
         learning_actor = FaultyActor(parts.actor, parts.injector, cfg.algo.ppo_epochs * cfg.algo.num_mini_batches)
     learner = Learner(cfg, actor=learning_actor, critic=parts.critic, sm=sm, kl_ctl=parts.kl_ctl, counters=counters,
