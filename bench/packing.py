@@ -6,7 +6,7 @@ A batch in the experience layout (left-padded prompts, right-padded responses) w
 response lengths drawn uniformly from the given ranges goes through ``response_log_probs`` (what
 the actor's old log-probs and the reference run) padded (today's default: rows sorted by length,
 each micro-batch cut to its longest row) and packed (the same micro-batches, each one THD
-sequence).  On CPU the packed attention is ``cpu_compat.thd_core_attention``: "repad" (the
+sequence).  On CPU the packed attention is ``cpu_layers.thd_core_attention``: "repad" (the
 default), and with ``--block-mask`` also "block_mask" (one dense block-diagonal mask over the
 pack).  Prints seconds per forward of the whole batch (median of ``--repeats`` rounds that alternate the layouts,
 after one warm-up each), the median per-round speed-up, the token counts each layout computes, and
@@ -61,7 +61,7 @@ def main() -> None:
                     help="forward micro-batch sizes (algo.forward_micro_batch_size; 0 = whole batch)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--block-mask", action="store_true",
-                    help="also time cpu_compat's dense block-diagonal-mask attention (slow: t**2)")
+                    help="also time cpu_layers' dense block-diagonal-mask attention (slow: t**2)")
     # the built-in tiny model's shape (megarl/tinymodel.py), random weights
     ap.add_argument("--hidden-size", type=int, default=128)
     ap.add_argument("--num-layers", type=int, default=4)
@@ -75,6 +75,7 @@ def main() -> None:
 
     rt.initialize(tp=1, pp=1)
     from megarl.builtin.tiny_checkpoint import make_tiny_hf_checkpoint
+    from megarl.models import cpu_layers
     from megarl.models.forward import response_log_probs
     from megarl.models.megatron_ckpt import load_model
     from megarl.runtime import cpu_compat
@@ -97,11 +98,11 @@ def main() -> None:
     def packed(mbs, impl):
         def run():
             if impl != "thd":
-                cpu_compat.THD_ATTENTION = impl
+                cpu_layers.THD_ATTENTION = impl
             try:
                 return response_log_probs(model, p_ids, r_ids, attn, mbs, pack=True)
             finally:
-                cpu_compat.THD_ATTENTION = "repad"
+                cpu_layers.THD_ATTENTION = "repad"
         return run
 
     for mbs in a.mbs:

@@ -6,7 +6,7 @@
   ``tests/workers/context_parallel_worker.py``): the actor's log-probs, one PPO update of the real
   ``Learner`` (actor and critic: gradient norms, losses, every weight after two SGD steps) and the
   log-probs and values after it, at CP=2, CP=2 x TP=2 (with and without sequence parallelism, the
-  former with full activation recomputation) and CP=2 x PP=2.  The attention is the CPU stand-in in ``megarl/runtime/cpu_compat.py``
+  former with full activation recomputation) and CP=2 x PP=2.  The attention is the CPU stand-in in ``megarl/models/cpu_layers.py``
   (``context_parallel_core_attention``); transformer-engine's is a row of ``tests/gpu/run.sh``.
 * The same at every CP layout with token-budget micro-batches (packed THD sequences, each split over
   the CP ranks on its own; rows padded at their ends to multiples of 2 x cp), against the same

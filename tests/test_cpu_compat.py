@@ -94,10 +94,11 @@ def test_router_gemm_fails_without_the_accommodation_and_runs_with_it():
     assert _run_without_cuda(code) == ["NameError", "fixed"]
 
 
-def test_local_norm_refuses_sequence_parallel_without_the_accommodation_and_marks_it_with():
-    """megatron's torch norm asserts ``not config.sequence_parallel`` (else the accommodation can
-    go); after install() the same norm is built, with its weight marked ``sequence_parallel`` (the
-    flag finalize_model_grads sums over TP ranks by), and its outputs are the plain norm's."""
+def test_local_norm_refuses_sequence_parallel_and_the_stand_in_marks_it():
+    """megatron's torch norm asserts ``not config.sequence_parallel`` (else the stand-in can go);
+    ``cpu_layers.SequenceParallelTorchNorm`` builds the same norm, with its weight marked
+    ``sequence_parallel`` (the flag finalize_model_grads sums over TP ranks by), and its outputs
+    are the plain norm's."""
     code = (
         "import torch\n"
         "from megatron.core.transformer.transformer_config import TransformerConfig\n"
@@ -110,15 +111,14 @@ def test_local_norm_refuses_sequence_parallel_without_the_accommodation_and_mark
         "except AssertionError as e:\n"
         "    assert 'sequence parallel' in str(e), e\n"
         "    print('refused')\n"
-        "from megarl.runtime import cpu_compat\n"
-        "cpu_compat.install()\n"
-        "norm = WrappedTorchNorm(config=cfg, hidden_size=8, eps=1e-6)\n"
+        "from megarl.models.cpu_layers import SequenceParallelTorchNorm\n"
+        "norm = SequenceParallelTorchNorm(config=cfg, hidden_size=8, eps=1e-6)\n"
         "assert isinstance(norm, torch.nn.RMSNorm) and norm.weight.sequence_parallel is True\n"
         "assert cfg.sequence_parallel is True  # the caller's config is untouched\n"
         "x = torch.randn(5, 8)\n"
         "assert torch.equal(norm(x), torch.nn.RMSNorm(8, eps=1e-6)(x))\n"
         "cfg.sequence_parallel = False\n"
-        "assert not hasattr(WrappedTorchNorm(config=cfg, hidden_size=8).weight, 'sequence_parallel')\n"
+        "assert not hasattr(SequenceParallelTorchNorm(config=cfg, hidden_size=8).weight, 'sequence_parallel')\n"
         "print('marked')\n"
     )
     assert _run_without_cuda(code) == ["refused", "marked"]
@@ -251,10 +251,12 @@ def test_entry_points_are_wrapped_where_megarl_reaches_them():
     from megatron.core.transformer.moe import moe_utils
 
     assert "te_general_gemm" in vars(moe_utils)
-    # the local attention takes THD (packed) sequences once installed
+    # megatron's layer classes stay megatron's: the stand-ins are subclasses (models/cpu_layers.py)
     from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    assert DotProductAttention.forward._megarl_thd
+    for fn in (DotProductAttention.forward, DotProductAttention.__init__, WrappedTorchNorm.__new__):
+        assert fn.__module__.startswith("megatron.") and not hasattr(fn, "__wrapped__"), fn
     from megatron.core import dist_checkpointing, tensor_parallel
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -294,7 +296,8 @@ _NOT_ENTRY_POINTS = {
     "megatron.core.tensor_parallel.reduce_from_tensor_model_parallel_region": "an all-reduce with an identity "
                                                                                "backward; no device literal",
     "megatron.core.tensor_parallel.vocab_parallel_cross_entropy": "an entry point",
-    "megatron.core.transformer.dot_product_attention.DotProductAttention": "isinstance checks; cpu_compat's wrapper",
+    "megatron.core.transformer.dot_product_attention.DotProductAttention": "isinstance checks; subclassed by "
+                                                                           "models/cpu_layers.py (built in a spec)",
     "megatron.core.transformer.enums.AttnMaskType": "an enum",
     "megatron.core.transformer.moe.moe_utils": "patched by cpu_compat (the router GEMM)",
     "megatron.core.transformer.moe.moe_utils.clear_aux_losses_tracker": "empties megatron's aux-loss dict",
@@ -302,7 +305,10 @@ _NOT_ENTRY_POINTS = {
     "megatron.core.transformer.moe.router.Router": "isinstance checks",
     "megatron.core.transformer.moe.router_replay.RouterReplayAction": "an enum (the replay runs inside the forward)",
     "megatron.core.transformer.transformer_config.TransformerConfig": "configuration",
-    "megatron.core.transformer.torch_norm.WrappedTorchNorm": "patched by cpu_compat (sequence parallelism)",
+    "megatron.core.transformer.torch_norm.WrappedTorchNorm": "subclassed by models/cpu_layers.py (sequence "
+                                                             "parallelism; built in a spec)",
+    "megatron.core.transformer.spec_utils.ModuleSpec": "layer specs",
+    "megatron.core.transformer.transformer_block": "layer specs (cpu_layers.local_spec)",
     "megatron.core.optimizer.distrib_optimizer": "read (HAVE_APEX_OR_TE) and patched by cpu_compat (its step state)",
 }
 
@@ -358,18 +364,27 @@ def test_megatron_forward_runs_inside_the_mode(tmp_path, megatron_world):
     assert not _mode_on_stack() and not cpu_compat.in_megatron_scope()
 
 
+def _parameters(fn) -> list:
+    """What a caller sees of ``fn``'s signature: each parameter's name, kind and default."""
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
 def test_local_attention_thd_surface():
-    """The THD path given to megatron's local attention: megatron still refuses packed sequences
-    there (else the wrapper can go), hands the core attention ``[t, heads, dim]`` for THD, and
+    """The THD path of the stand-in for megatron's local attention (``cpu_layers.LocalAttention``):
+    megatron still refuses packed sequences there (else the stand-in can go), its forward is the
+    one the subclass overrides, it hands the core attention ``[t, heads, dim]`` for THD, and
     applies RoPE per ``cu_seqlens`` sequence without transformer-engine."""
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.transformer import attention
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    original = getattr(DotProductAttention.forward, "__wrapped__", DotProductAttention.forward)
+    from megarl.models.cpu_layers import LocalAttention
+
+    original = DotProductAttention.forward
     assert "Packed sequence is not supported by DotProductAttention" in inspect.getsource(original)
     assert list(inspect.signature(original).parameters) == [
         "self", "query", "key", "value", "attention_mask", "attn_mask_type", "attention_bias", "packed_seq_params"]
+    assert _parameters(LocalAttention.forward) == _parameters(original)
     src = inspect.getsource(attention.Attention.forward)
     assert "query = query.squeeze(1)" in src and "core_attn_out.reshape(core_attn_out.size(0), 1, -1)" in src
     assert "cu_seqlens" in inspect.signature(rope_utils._apply_rotary_pos_emb_thd).parameters
@@ -417,15 +432,73 @@ def test_recompute_needs_the_accommodations_and_runs_with_them():
 
 def test_local_attention_context_parallel_surface():
     """The context-parallel stand-in: megatron's local attention still refuses cp > 1 (else the
-    wrapper can go), the constructor's signature is the one the wrapper forwards, and megatron
-    still pins the index it picks each CP rank's RoPE rows with (the mode drops the pinning)."""
+    stand-in can go), the constructor's signature is the one ``LocalAttention`` forwards, and
+    megatron still pins the index it picks each CP rank's RoPE rows with (the mode drops the
+    pinning)."""
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    original = getattr(DotProductAttention.__init__, "__wrapped__", DotProductAttention.__init__)
+    from megarl.models.cpu_layers import LocalAttention
+
+    original = DotProductAttention.__init__
     assert "Context parallelism is only supported by TEDotProductAttention" in inspect.getsource(original)
     assert list(inspect.signature(original).parameters)[:2] == ["self", "config"]
+    assert [p[0] for p in _parameters(LocalAttention.__init__)] == ["self", "config", "args", "kwargs"]
     assert "pin_memory=True" in inspect.getsource(rope_utils.get_pos_emb_on_this_cp_rank)
+
+
+def test_local_norm_stand_in_surface():
+    """``cpu_layers.SequenceParallelTorchNorm.__new__`` forwards megatron's torch norm's
+    arguments: megatron's still starts ``(cls, config, hidden_size, eps=1e-5, ...)``."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megarl.models.cpu_layers import SequenceParallelTorchNorm
+
+    theirs, ours = _parameters(WrappedTorchNorm.__new__), _parameters(SequenceParallelTorchNorm.__new__)
+    assert theirs[:4] == ours[:4] and [p[0] for p in theirs[:4]] == ["cls", "config", "hidden_size", "eps"]
+    assert ours[4][1] is inspect.Parameter.VAR_KEYWORD and len(ours) == 5
+
+
+def _spec_classes(node, out=None) -> set:
+    """Every class named anywhere in a layer or block spec."""
+    import dataclasses
+
+    out = set() if out is None else out
+    if isinstance(node, type):
+        out.add(node)
+    elif isinstance(node, (list, tuple)):
+        for x in node:
+            _spec_classes(x, out)
+    elif dataclasses.is_dataclass(node):
+        for f in dataclasses.fields(node):
+            _spec_classes(getattr(node, f.name), out)
+    return out
+
+
+def test_the_local_spec_gets_the_stand_ins(megatron_world):
+    """megatron's local spec still names ``DotProductAttention`` and ``WrappedTorchNorm`` (else
+    ``cpu_layers.local_spec`` silently substitutes nothing), a layer spec still becomes the block
+    megatron's ``TransformerBlock`` derives (final norm: ``LayerNormImpl``), and the stand-ins
+    take every place megatron's classes had."""
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer import transformer_block as tb
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megarl.models.cpu_layers import LocalAttention, SequenceParallelTorchNorm, local_spec
+
+    cfg = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, normalization="RMSNorm")
+    layer = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    assert {DotProductAttention, WrappedTorchNorm} <= _spec_classes(layer)
+    derived = tb._get_block_submodules(cfg, layer)
+    assert derived.layer_specs == [layer] * 2 and derived.layer_norm is tb.LayerNormImpl
+    block = local_spec(layer, cfg)
+    assert block == local_spec(derived, cfg) and len(block.layer_specs) == 2
+    found = _spec_classes(block)
+    assert {LocalAttention, SequenceParallelTorchNorm} <= found
+    assert not found & {DotProductAttention, WrappedTorchNorm}, found
+    assert _spec_classes(layer) >= {DotProductAttention, WrappedTorchNorm}  # megatron's spec is untouched
 
 
 @CPU_ONLY

@@ -57,7 +57,9 @@ def ragged_batch(seed=0):
 
 @pytest.fixture(params=["repad", "block_mask"])
 def thd_attention(request, monkeypatch):
-    monkeypatch.setattr(cpu_compat, "THD_ATTENTION", request.param)
+    from megarl.models import cpu_layers
+
+    monkeypatch.setattr(cpu_layers, "THD_ATTENTION", request.param)
     return request.param
 
 
@@ -159,12 +161,10 @@ def test_scalar_values_with_empty_row(ckpts):
 
 @pytest.mark.skipif(not cpu_compat.on_cpu(), reason="the local attention's THD path is a CPU accommodation")
 def test_local_attention_without_thd_path_is_refused(ckpts, monkeypatch):
-    """Without the CPU accommodation (megatron's local attention as on a CUDA machine without TE)
+    """Without the CPU stand-in (megatron's local attention as on a CUDA machine without TE)
     a packed forward is refused up front, naming the key."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
+    monkeypatch.setattr(cpu_compat, "use_local_layer_stand_ins", lambda: False)
     model = load_model(ckpts["actor"])
-    monkeypatch.setattr(DotProductAttention, "forward", DotProductAttention.forward.__wrapped__)
     with pytest.raises(ValueError, match="algo.pack_sequences"):
         teacher_forced_log_probs(model, torch.ones(2, 4, dtype=torch.long), pack=True)
 

@@ -1,10 +1,11 @@
 """Build a megatron-core ``GPTModel`` (or a scalar value-head variant) from a :class:`ModelSpec`.
 
 The layer is composed from megatron's ``ModuleSpec``s: the transformer-engine spec on CUDA,
-the local (pure megatron-core) spec on CPU.  Both realise the same function; only kernels
-differ.  The value-head variant (critic, neural reward model) replaces the vocabulary
-projection by a replicated ``hidden -> 1`` linear so it maps to HF ``*ForTokenClassification``
-with ``num_labels=1``.
+the local (pure megatron-core) spec on CPU, with megarl's stand-ins for the local attention and
+norm (``models/cpu_layers.py``).  Both realise the same function; only kernels differ.  The
+value-head variant (critic, neural reward model) replaces the vocabulary projection by a
+replicated ``hidden -> 1`` linear so it maps to HF ``*ForTokenClassification`` with
+``num_labels=1``.
 
 A mixture-of-experts model (``spec.moe``) is built from megatron's decoder *block* spec, one
 layer spec per layer (MoE or dense: ``moe_layer_freq``), with ``SequentialMLP`` experts (one
@@ -208,20 +209,28 @@ def moe_transformer_config(spec: ModelSpec, opts: BuildOptions) -> dict:
 
 
 def layer_spec(spec: ModelSpec, opts: BuildOptions, config=None, vp_stage: Optional[int] = None):
-    """The decoder's layer spec (dense) or block spec (MoE: ``config`` is its TransformerConfig;
-    the block is this stage's layers, of virtual stage ``vp_stage`` under virtual stages)."""
+    """The decoder's layer spec (dense) or block spec (MoE; and any model built from megarl's local
+    layers, ``models/cpu_layers.py``: ``config`` is its TransformerConfig; the block is this
+    stage's layers, of virtual stage ``vp_stage`` under virtual stages)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    from megarl.models import cpu_layers
+
     if spec.moe is not None:
-        return gpt_layer_specs.get_gpt_decoder_block_spec(
+        built = gpt_layer_specs.get_gpt_decoder_block_spec(
             config, use_transformer_engine=opts.resolved_te(), normalization="RMSNorm", vp_stage=vp_stage)
-    if opts.resolved_te():
+    elif opts.resolved_te():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             qk_layernorm=spec.qk_norm
         )
-    return gpt_layer_specs.get_gpt_layer_local_spec(
-        qk_layernorm=spec.qk_norm, normalization="RMSNorm"
-    )
+    else:
+        built = gpt_layer_specs.get_gpt_layer_local_spec(
+            qk_layernorm=spec.qk_norm, normalization="RMSNorm"
+        )
+    if opts.resolved_te() or not cpu_compat.use_local_layer_stand_ins():
+        return built
+    # megatron's local layers refuse packed sequences, context and sequence parallelism
+    return cpu_layers.local_spec(built, config, vp_stage)
 
 
 class ScalarValueHead(torch.nn.Module):

@@ -228,14 +228,14 @@ def packing_unsupported_reason() -> Optional[str]:
     """None when this process can run packed (THD) forwards, else why not (for start-up checks).
 
     On CUDA the packed path is transformer-engine's attention (megatron's local
-    ``DotProductAttention`` refuses ``packed_seq_params``); on CPU ``megarl.runtime.cpu_compat``
-    gives the local attention a THD path.
+    ``DotProductAttention`` refuses ``packed_seq_params``); on CPU the local spec's attention is
+    ``megarl.models.cpu_layers.LocalAttention``, which has a THD path.
     """
     import importlib.util
 
     from megarl.runtime import cpu_compat
 
-    if cpu_compat.local_attention_takes_thd() or importlib.util.find_spec("transformer_engine") is not None:
+    if cpu_compat.use_local_layer_stand_ins() or importlib.util.find_spec("transformer_engine") is not None:
         return None
     return ("transformer-engine is not installed: on CUDA only its attention takes packed (THD) sequences "
             "(megatron-core's local DotProductAttention refuses them)")
@@ -245,9 +245,8 @@ def _check_packable(model) -> None:
     """Refuse, before any forward, a model whose attention cannot take a packed sequence."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    if getattr(DotProductAttention.forward, "_megarl_thd", False):
-        return
-    if any(isinstance(m, DotProductAttention) for m in unwrap(model).modules()):
+    if any(isinstance(m, DotProductAttention) and not getattr(m, "takes_thd", False)
+           for m in unwrap(model).modules()):
         raise ValueError("pack=True (algo.pack_sequences): this model uses megatron-core's local "
                          "DotProductAttention, which has no packed-sequence (THD) path on CUDA; build it with "
                          "transformer-engine or run padded")

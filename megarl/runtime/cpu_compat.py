@@ -34,28 +34,11 @@ What is patched, and why (observed on megatron-core 0.16.1):
   at the top of ``moe_utils``; without TE every router forward raises ``NameError``.
   :func:`install` binds it to ``None`` when TE is absent, so the router takes megatron's own
   ``torch.mm`` path in ``moe_router_dtype`` (fp32).
-* Packed (THD) sequences: megatron's local ``DotProductAttention`` (the only attention without
-  transformer-engine) asserts ``packed_seq_params is None``; the rest of megatron (RoPE restarting
-  at every ``cu_seqlens`` boundary, the ``[t, 1, h]`` layout) already handles THD in pure torch.
-  A wrapper gives the local attention a THD path (:func:`thd_core_attention`: each sequence
-  attends causally to itself only) and leaves every call without ``packed_seq_params`` to the
-  original, untouched.  On CUDA, TE's attention takes THD natively
-  (:func:`local_attention_takes_thd` says which).
-* Context parallelism (``parallel.cp``): megatron's local ``DotProductAttention`` asserts
-  ``context_parallel_size == 1`` (transformer-engine's attention is the one that splits a
-  sequence over CP ranks, on CUDA).  The same wrapper builds it at cp 1 and, at cp > 1, gives it
-  a stand-in (:func:`context_parallel_core_attention`: all-gather K and V over the CP group, a
-  causal mask on the positions of the whole sequence, and for packed (THD) sequences within each
-  ``cu_seqlens`` sequence).  The rest -- RoPE for each rank's zig-zag
-  chunks, the gradient reduction over data x context parallel ranks -- is megatron's own.  The
-  mode also drops ``pin_memory=True`` (megatron pins the chunk index it picks RoPE rows with).
-* Sequence parallelism: megatron's local (torch) norm refuses ``config.sequence_parallel``
-  (``transformer/torch_norm.py``); transformer-engine's and apex's norms instead mark their
-  weights ``sequence_parallel`` so that ``finalize_model_grads`` sums their gradients over the
-  TP ranks.  :func:`sequence_parallel_norm` builds the same torch norm and marks it so.  The rest
-  of sequence parallelism (the scatter after the embedding, the gathers and reduce-scatters
-  around the TP linears) is megatron's own, over gloo's ``all_gather_into_tensor`` /
-  ``reduce_scatter_tensor``.
+* Context parallelism: megatron pins the chunk index it picks each CP rank's RoPE rows with;
+  the mode drops ``pin_memory=True``.  Packed (THD) sequences, context parallelism and sequence
+  parallelism are otherwise not patched here: megatron's local attention and torch norm refuse
+  them, and ``megarl/models/cpu_layers.py`` builds stand-ins into the local layer spec
+  (:func:`use_local_layer_stand_ins` says where: on CPU).
 * Activation recomputation (``parallel.recompute``): megatron's ``CheckpointFunction`` saves and
   restores the CUDA RNG state around the recompute (there is none: the CPU generator and
   megatron's tracker are saved beside it), and its backward re-runs megatron code from the
@@ -85,7 +68,6 @@ fails loudly when a megatron-core upgrade changes the surface patched here.
 
 from __future__ import annotations
 
-import copy
 import functools
 import importlib
 import sys
@@ -323,9 +305,7 @@ def install() -> bool:
     _MODE = _CudaToCpuMode()
     _wrap_entry_points()
     _patch_grad_clipping()
-    _patch_local_attention_thd()
     _patch_router_gemm()
-    _patch_norm_for_sequence_parallel()
     _patch_checkpoint_rng()
     _patch_distributed_optimizer_step_state()
     _INSTALLED = True
@@ -380,36 +360,6 @@ def _patch_grad_clipping() -> None:
 
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32_cpu
     optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32_cpu
-
-
-def sequence_parallel_norm(original_new, cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
-    """megatron's local (torch) norm under sequence parallelism: the same ``torch.nn.RMSNorm`` /
-    ``LayerNorm``, its weights marked ``sequence_parallel`` so that ``finalize_model_grads``
-    sums their gradients over the TP ranks (each rank's norm saw 1/tp of the sequence).  That is
-    what transformer-engine's and apex's norms do; megatron's torch norm refuses
-    ``config.sequence_parallel`` instead (``transformer/torch_norm.py``)."""
-    if not config.sequence_parallel:
-        return original_new(cls, config, hidden_size, eps, **kwargs)
-    plain = copy.copy(config)  # the same settings, read by the norm's constructor only
-    object.__setattr__(plain, "sequence_parallel", False)
-    norm = original_new(cls, plain, hidden_size, eps, **kwargs)
-    for p in norm.parameters():
-        p.sequence_parallel = True
-    return norm
-
-
-def _patch_norm_for_sequence_parallel() -> None:
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    original = WrappedTorchNorm.__new__
-    if getattr(original, "_megarl_sp", False):
-        return
-
-    def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
-        return sequence_parallel_norm(original, cls, config, hidden_size, eps, **kwargs)
-
-    __new__._megarl_sp = True  # type: ignore[attr-defined]
-    WrappedTorchNorm.__new__ = __new__
 
 
 def _no_cuda_rng_state(*_args, **_kwargs):
@@ -482,165 +432,6 @@ def _patch_router_gemm() -> None:
 
     if "te_general_gemm" not in vars(moe_utils):
         moe_utils.te_general_gemm = None
-
-
-#: How :func:`thd_core_attention` computes a packed micro-batch on CPU.  "repad": scatter the
-#: sequences into a ``[max_seqlen, n_seqs]`` grid and run megatron's own attention with its causal
-#: mask (cost ``n_seqs * max_seqlen**2``, the padded forward's attention; TE's varlen kernels pay
-#: ``sum(len_i**2)``); "block_mask": one
-#: ``[t, t]`` block-diagonal causal mask over the whole pack (cost ``t**2``; the literal
-#: definition, kept to cross-check "repad" in tests and bench/packing.py).
-THD_ATTENTION = "repad"
-
-
-def thd_core_attention(original, module, query, key, value, packed_seq_params):
-    """Causal self-attention of a packed (THD) micro-batch through megatron's local attention.
-
-    ``query`` ``[t, np, hn]`` and ``key`` / ``value`` ``[t, ng, hn]`` hold the tokens of the
-    sequences delimited by ``packed_seq_params.cu_seqlens_q`` back to back (RoPE was already
-    applied per sequence by megatron).  Token k of sequence i attends to tokens of sequence i at
-    or before k and to nothing else.  Returns ``[t, np * hn]``, the layout TE returns for THD.
-    """
-    from megatron.core.transformer.enums import AttnMaskType
-
-    if module.attn_mask_type != AttnMaskType.causal:
-        raise NotImplementedError(f"packed sequences on CPU: only causal self-attention, not {module.attn_mask_type}")
-    cu = packed_seq_params.cu_seqlens_q
-    for name in ("cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
-        other = getattr(packed_seq_params, name)
-        if other is not None and other is not cu and not torch.equal(other, cu):
-            raise NotImplementedError(f"packed sequences on CPU: {name} must equal cu_seqlens_q (self-attention, "
-                                      "no padding between sequences)")
-    if query.dim() == 4:  # [t, 1, np, hn]
-        query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
-    t = query.shape[0]
-    if int(cu[-1]) != t:
-        raise ValueError(f"packed sequences: cu_seqlens ends at {int(cu[-1])}, but the pack has {t} tokens")
-    cu = cu.to(device=query.device, dtype=torch.long)
-    lengths = cu[1:] - cu[:-1]
-    n = lengths.numel()
-    seq = torch.repeat_interleave(torch.arange(n, device=query.device), lengths, output_size=t)
-    if THD_ATTENTION == "block_mask":
-        masked = (seq[:, None] != seq[None, :]) | torch.ones(t, t, dtype=torch.bool, device=query.device).triu(1)
-        ctx = original(module, query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), masked[None, None])
-        return ctx.reshape(t, -1)
-    if THD_ATTENTION != "repad":
-        raise ValueError(f"cpu_compat.THD_ATTENTION={THD_ATTENTION!r}: expected 'repad' or 'block_mask'")
-    width = int(lengths.max()) if n else 0
-    pos = torch.arange(t, device=query.device) - torch.repeat_interleave(cu[:-1], lengths, output_size=t)
-    flat = pos * n + seq  # token k sits at [pos_k, seq_k] of a [width, n] (sbhd) grid
-
-    def grid(x):
-        return x.new_zeros((width * n, *x.shape[1:])).index_copy_(0, flat, x).view(width, n, *x.shape[1:])
-
-    # the explicit mask is the one megatron builds for a causal module given none
-    causal = torch.ones(width, width, dtype=torch.bool, device=query.device).triu(1)
-    ctx = original(module, grid(query), grid(key), grid(value), causal)  # [width, n, np * hn]
-    return ctx.reshape(width * n, -1).index_select(0, flat)
-
-
-class _GatherOverContext(torch.autograd.Function):
-    """All-gather ``[s / cp, ...]`` over the context-parallel group along the first dimension
-    (rank after rank); the backward sums every rank's gradient of this rank's part
-    (reduce-scatter): each CP rank's queries attend to every rank's keys and values."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        n = torch.distributed.get_world_size(group)
-        out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
-        torch.distributed.all_gather_into_tensor(out, x.contiguous(), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        n = torch.distributed.get_world_size(ctx.group)
-        out = grad.new_empty((grad.shape[0] // n,) + tuple(grad.shape[1:]))
-        torch.distributed.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
-        return out, None
-
-
-def context_parallel_core_attention(original, module, query, key, value, packed_seq_params=None):
-    """Causal self-attention of this context-parallel rank's zig-zag share of the sequence
-    (:mod:`megarl.models.context_parallel`) through megatron's local attention: the keys and values
-    of every CP rank are all-gathered (each rank's part in that rank's order), and query position
-    ``p`` attends to key position ``q`` iff ``q <= p`` in the *whole* sequence -- and, for a packed
-    (THD) pack, iff both are in the same ``cu_seqlens`` sequence (each sequence split on its own).
-    The function of transformer-engine's CP attention (which exchanges the K/V chunks ring-wise
-    instead, without ever holding them all); ``[sq, b, np, hn]`` in, ``[sq, b, np * hn]`` out
-    (THD: ``[t, np, hn]`` in, ``[t, np * hn]`` out)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.transformer.enums import AttnMaskType
-
-    from megarl.models.context_parallel import all_positions
-
-    if module.attn_mask_type != AttnMaskType.causal:
-        raise NotImplementedError("context parallelism on CPU: only causal self-attention, "
-                                  f"not {module.attn_mask_type}")
-    thd = packed_seq_params is not None
-    if thd and query.dim() == 3:  # [t, np, hn]: a batch of one
-        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
-    group = ps.get_context_parallel_group()
-    cp, rank = torch.distributed.get_world_size(group), ps.get_context_parallel_rank()
-    local = query.shape[0]
-    length = local * cp
-    cu = packed_seq_params.cu_seqlens_q.to(device=query.device, dtype=torch.long) if thd else None
-    key, value = _GatherOverContext.apply(key, group), _GatherOverContext.apply(value, group)
-    k_pos = all_positions(length, cp, query.device, cu)  # the whole-pack position of each gathered key
-    q_pos = k_pos[rank * local:(rank + 1) * local]
-    masked = k_pos[None, :] > q_pos[:, None]  # True: not attended (megatron's mask convention)
-    if thd:  # and nothing across a sequence boundary
-        seq = torch.bucketize(k_pos, cu[1:], right=True)
-        masked |= seq[None, :] != seq[rank * local:(rank + 1) * local, None]
-    out = original(module, query, key, value, masked[None, None])
-    return out.reshape(local, -1) if thd else out
-
-
-def local_attention_init(original_init, module, config, *args, **kwargs) -> None:
-    """megatron's local ``DotProductAttention`` built for a context-parallel model: it asserts
-    ``context_parallel_size == 1`` (only transformer-engine's attention splits the sequence on
-    CUDA); the stand-in (:func:`context_parallel_core_attention`) does it on CPU, so the module is
-    built from the same settings at cp 1 and then holds the real ones."""
-    if config.context_parallel_size == 1:
-        return original_init(module, config, *args, **kwargs)
-    plain = copy.copy(config)  # read by the constructor only
-    object.__setattr__(plain, "context_parallel_size", 1)
-    original_init(module, plain, *args, **kwargs)
-    module.config = config
-
-
-def _patch_local_attention_thd() -> None:
-    """Packed (THD) sequences and context parallelism for megatron's local attention on CPU."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    original = DotProductAttention.forward
-    if getattr(original, "_megarl_thd", False):
-        return
-    original_init = DotProductAttention.__init__
-
-    @functools.wraps(original_init)
-    def __init__(self, config, *args, **kwargs):
-        local_attention_init(original_init, self, config, *args, **kwargs)
-
-    @functools.wraps(original)
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
-        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
-        if self.config.context_parallel_size > 1:
-            if attention_bias is not None:
-                raise NotImplementedError("context parallelism on CPU: no attention bias")
-            return context_parallel_core_attention(original, self, query, key, value,
-                                                   packed_seq_params if thd else None)
-        if not thd:
-            return original(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
-                            attention_bias=attention_bias, packed_seq_params=packed_seq_params)
-        if attention_bias is not None:
-            raise NotImplementedError("packed sequences on CPU: no attention bias")
-        return thd_core_attention(original, self, query, key, value, packed_seq_params)
-
-    forward._megarl_thd = True  # type: ignore[attr-defined]
-    DotProductAttention.forward = forward
-    DotProductAttention.__init__ = __init__
 
 
 def seed_megatron_rng(seed: int) -> None:
@@ -716,6 +507,14 @@ def use_distributed_optimizer(requested: Optional[bool]) -> bool:
     return not on_cpu()
 
 
+def use_local_layer_stand_ins() -> bool:
+    """Whether megatron's local attention and torch norm are built as megarl's stand-ins
+    (``megarl/models/cpu_layers.py``: packed sequences, context and sequence parallelism without
+    transformer-engine): on CPU yes; on CUDA no, megatron's own local layers (only
+    transformer-engine's attention packs there)."""
+    return on_cpu()
+
+
 def prepare_optimizer_for_load(optimizer) -> None:
     """Before a checkpoint loads into megatron's distributed optimizer over a torch optimizer (no
     transformer-engine or apex: the CPU), give the torch optimizer the state a step leaves: its
@@ -741,14 +540,6 @@ def prepare_optimizer_for_load(optimizer) -> None:
                         state["exp_avg_sq"] = torch.zeros_like(p.data)
 
 
-def local_attention_takes_thd() -> bool:
-    """Whether megatron's local ``DotProductAttention`` takes packed (THD) sequences: on CPU yes,
-    through :func:`install`'s wrapper (:func:`thd_core_attention`); on CUDA no (only
-    transformer-engine's attention packs there)."""
-    return on_cpu()
-
-
-@functools.lru_cache(maxsize=None)
 def megatron_core_version() -> str:
     from importlib.metadata import version
 

@@ -72,16 +72,16 @@ def update(cfg, actor, critic, v, batch, out):
 
 def counting_attention():
     """Counts of the CPU stand-in CP attention's calls by kind (padded rows, packed THD)."""
-    from megarl.runtime import cpu_compat
+    from megarl.models import cpu_layers
 
     counts = Counter()
-    real = cpu_compat.context_parallel_core_attention
+    real = cpu_layers.context_parallel_core_attention
 
     def counted(original, module, query, key, value, packed_seq_params=None):
         counts["thd" if packed_seq_params is not None else "padded"] += 1
         return real(original, module, query, key, value, packed_seq_params)
 
-    cpu_compat.context_parallel_core_attention = counted
+    cpu_layers.context_parallel_core_attention = counted
     return counts
 
 
