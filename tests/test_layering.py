@@ -351,8 +351,9 @@ DIRECTION = {
     "megarl.observability": TOP + ("megarl.builtin", "megarl.control", "megarl.roles", "megarl.rollout", "megarl.models",
                                    "megarl.data", "megarl.rewards", "megarl.envs", "megarl.evaluation",
                                    "megarl.algo", "megarl.experience", "megarl.runtime", "megarl.checkpointing"),
-    "megarl.runtime": TOP + ("megarl.builtin", "megarl.control", "megarl.roles", "megarl.evaluation", "megarl.rewards", "megarl.envs",
-                             "megarl.data", "megarl.algo", "megarl.observability", "megarl.checkpointing"),
+    # the ground floor (process groups, device policy, the fault decisions): nothing above it,
+    # models, rollout, roles and control included; checkpoints live in megarl.checkpointing
+    "megarl.runtime": ("megarl",),
     "megarl.control": TOP,
     # the estimators: pure functions of the candidates' outcomes
     "megarl.evaluation": TOP + ("megarl.builtin", "megarl.control", "megarl.roles", "megarl.rollout", "megarl.models", "megarl.runtime",
@@ -386,3 +387,33 @@ def _direction_violations(root: Path = ROOT) -> list:
 def test_imports_run_downward():
     bad = _direction_violations()
     assert not bad, "imports that run upward:\n" + "\n".join(bad)
+
+
+def test_the_direction_rule_finds_a_planted_violation(tmp_path):
+    # The direction check itself, on a copy of the layout: an upward import (lazy, relative or
+    # by name) is reported with its file, line and rule; the same tree without it is clean.
+    pkg = tmp_path / "megarl"
+    for sub in ("runtime", "models", "rollout", "checkpointing", "control"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "errors.py").write_text("")
+    (pkg / "models" / "builder.py").write_text("from megarl.runtime import faults\n")
+    (pkg / "rollout" / "protocol.py").write_text("")
+    (pkg / "control" / "loop.py").write_text("")
+    (pkg / "checkpointing" / "checkpoint.py").write_text("from megarl.models import builder\n")
+    (pkg / "runtime" / "faults.py").write_text("from megarl.errors import MegarlError\n")
+    assert _direction_violations(tmp_path) == []
+    (pkg / "runtime" / "faults.py").write_text(
+        "from megarl.errors import MegarlError\n"
+        "def wrap():\n"
+        "    from ..rollout.protocol import EngineWrapper\n"
+        "import importlib; importlib.import_module('megarl.models.builder')\n")
+    (pkg / "checkpointing" / "checkpoint.py").write_text("from megarl.models import builder\nimport megarl.control.loop\n")
+    bad = _direction_violations(tmp_path)
+    assert [b.split(" (")[0] for b in bad] == [
+        "megarl/checkpointing/checkpoint.py:2: imports megarl.control.loop",
+        "megarl/runtime/faults.py:4: imports megarl.models.builder",
+        "megarl/runtime/faults.py:3: imports megarl.rollout.protocol",
+    ], bad
+    assert all("megarl.runtime must not import megarl)" in b for b in bad[1:])
