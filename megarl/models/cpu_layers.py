@@ -85,7 +85,7 @@ def thd_core_attention(original, module, query, key, value, packed_seq_params):
         ctx = original(module, query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), masked[None, None])
         return ctx.reshape(t, -1)
     if THD_ATTENTION != "repad":
-        raise ValueError(f"cpu_compat.THD_ATTENTION={THD_ATTENTION!r}: expected 'repad' or 'block_mask'")
+        raise ValueError(f"cpu_layers.THD_ATTENTION={THD_ATTENTION!r}: expected 'repad' or 'block_mask'")
     width = int(lengths.max()) if n else 0
     pos = torch.arange(t, device=query.device) - torch.repeat_interleave(cu[:-1], lengths, output_size=t)
     flat = pos * n + seq  # token k sits at [pos_k, seq_k] of a [width, n] (sbhd) grid
