@@ -341,7 +341,8 @@ def test_megatron_forward_runs_inside_the_mode(tmp_path, megatron_world):
     import torch
 
     from megarl.builtin.tiny_checkpoint import make_tiny_hf_checkpoint
-    from megarl.models.forward import position_ids_for, teacher_forced_log_probs
+    from megarl.models.forward import teacher_forced_log_probs
+    from megarl.models.micro_batches import position_ids_for
     from megarl.models.megatron_ckpt import load_model
 
     model = load_model(make_tiny_hf_checkpoint(str(tmp_path / "llama"), "llama", seed=3, vocab_size=300))

@@ -417,3 +417,38 @@ def test_the_direction_rule_finds_a_planted_violation(tmp_path):
         "megarl/runtime/faults.py:3: imports megarl.rollout.protocol",
     ], bad
     assert all("megarl.runtime must not import megarl)" in b for b in bad[1:])
+
+
+#: what only the micro-batch layer calls: megatron's schedule and the model's forward on a micro-batch
+ONE_PLACE = {"get_forward_backward_func": "megarl/models/micro_batches.py",
+             "packed_seq_params=mb.packed_seq_params()": "megarl/models/micro_batches.py"}
+
+
+def _callers(root: Path, needle: str) -> list:
+    """The files under ``root``/megarl whose code (not comments or strings) names ``needle``."""
+    out = []
+    for path in sorted((root / "megarl").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and needle in ast.unparse(node):
+                out.append(str(path.relative_to(root)))
+                break
+    return out
+
+
+@pytest.mark.parametrize("needle", sorted(ONE_PLACE))
+def test_one_schedule_call_and_one_model_call(needle):
+    """The forward-only passes and the update reach megatron's schedule and the model's packed
+    forward through one module: a second copy is where CP, SP, EP or VPP would land twice."""
+    assert _callers(ROOT, needle) == [ONE_PLACE[needle]]
+
+
+def test_the_one_place_check_sees_a_second_copy(tmp_path):
+    pkg = tmp_path / "megarl" / "models"
+    pkg.mkdir(parents=True)
+    (pkg / "micro_batches.py").write_text("def f(g):\n    return g.get_forward_backward_func()()\n")
+    assert _callers(tmp_path, "get_forward_backward_func") == ["megarl/models/micro_batches.py"]
+    (pkg / "optim.py").write_text("# get_forward_backward_func is not called here\n"
+                                  "from x import get_forward_backward_func\n"
+                                  "def step():\n    get_forward_backward_func()(forward_only=False)\n")
+    assert _callers(tmp_path, "get_forward_backward_func") == ["megarl/models/micro_batches.py", "megarl/models/optim.py"]

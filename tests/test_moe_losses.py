@@ -44,7 +44,7 @@ def _hand_losses(model, tokens):
     top-k holds expert i, aux = E / (k T^2) sum_i n_i sum_t p_ti, z-loss = mean_t logsumexp(z_t)^2."""
     from megatron.core.transformer.moe.router import Router
 
-    from megarl.models.forward import position_ids_for
+    from megarl.models.micro_batches import position_ids_for
 
     inputs = []
     hooks = [m.register_forward_hook(lambda mod, args, out: inputs.append((mod, args[0])))

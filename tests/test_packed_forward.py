@@ -15,13 +15,8 @@ import torch
 
 from megarl.commands.run_checks import check_run
 from megarl.config import ConfigError, load_config
-from megarl.models.forward import (
-    PackedMicroBatch,
-    response_log_probs,
-    right_align,
-    scalar_values,
-    teacher_forced_log_probs,
-)
+from megarl.models.forward import response_log_probs, right_align, scalar_values, teacher_forced_log_probs
+from megarl.models.micro_batches import PackedMicroBatch
 from megarl.builtin.tiny_checkpoint import make_tiny_hf_checkpoint
 from megarl.models.megatron_ckpt import load_model
 from megarl.runtime import cpu_compat

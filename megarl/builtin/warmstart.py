@@ -240,7 +240,7 @@ def teacher_forced_accuracy(model, tokens, mask, vocab_size: int) -> float:
     exactly the rows that greedy decoding answers token for token."""
     import torch
 
-    from megarl.models.forward import position_ids_for
+    from megarl.models.micro_batches import position_ids_for
 
     was_training = model.training
     model.eval()

@@ -3,7 +3,7 @@
 ``ppo_epochs`` x ``num_mini_batches`` optimizer steps; each mini-batch holds whole groups
 (seeded shuffle) and is padded to equal micro-batches on every DP rank with rows whose loss
 mask is 0 -- or, with ``algo.micro_batch_tokens``, packed into token-budget micro-batches, as many
-on every DP rank (:func:`token_micro_batches`) -- so every rank runs the same number of
+on every DP rank (:mod:`megarl.models.micro_batches`) -- so every rank runs the same number of
 forward/backward passes under one global normaliser.  The actor (and critic) step through megatron's forward-backward schedule, so PP
 works.  A step is *guarded*: an exception or a non-finite grad norm on any rank makes every
 rank abandon the update together; the actor and critic are then rolled back to v from a host
@@ -24,21 +24,18 @@ import torch
 
 from megarl.algo.aggregation import global_normaliser, masked_mean
 from megarl.algo.kl import KLConfig, kl_k1
-from megarl.algo.objective import actor_loss
 from megarl.algo.policy_loss import PolicyLossConfig
-from megarl.algo.value_loss import clipped_value_loss
 from megarl.control.batch import plan_mini_batches
-from megarl.experience.token_budget import plan_token_micro_batches
 from megarl.control.state_machine import IterationStateMachine
 from megarl.errors import MegarlError
-from megarl.experience.schema import ExperienceBatch, LogProbs
-from megarl.models.forward import (PackedMicroBatch, gather_response, next_token_terms, token_log_probs_from_logits,
-                                   token_terms, vocab_parallel_entropy)
+from megarl.experience.schema import ExperienceBatch
+from megarl.models.micro_batches import padded_micro_batches, token_micro_batches
 from megarl.models.flops import train_flops
 from megarl.models.router_replay import record_to_rows
 from megarl.models.weights import unwrap
 from megarl.observability.metrics import StageTimer
 from megarl.roles.common import sequence_length, step_tensors
+from megarl.roles.losses import policy_loss_fn, value_loss_fn
 from megarl.rollout.weight_stream import TensorManifest
 from megarl.rollout.weight_sync import actor_manifest
 from megarl.runtime.data_parallel import all_ranks_agree, dp_rank, gather_objects
@@ -182,10 +179,9 @@ class Learner:
                     actor_mbs, critic_mbs = mbs, mbs
                 else:
                     rows, is_pad = plan.rank_rows(dp_rank(), self.dp)
-                    local = {name: t[rows].clone() for name, t in columns.items()}
-                    local["loss_mask"][is_pad] = 0
-                    actor_mbs = _micro_batches(local, a.micro_batch_size, rows.numel())
-                    critic_mbs = _micro_batches(local, cfg.critic.micro_batch_size, rows.numel()) if self.critic else None
+                    actor_mbs = padded_micro_batches(columns, rows, is_pad, a.micro_batch_size)
+                    critic_mbs = (padded_micro_batches(columns, rows, is_pad, cfg.critic.micro_batch_size)
+                                  if self.critic else None)
                 if train_actor:
                     self._actor_step(batch, version, actor_mbs, norm, kl_beta, replay_layers, log)
                 if self.critic is not None:
@@ -243,7 +239,14 @@ class Learner:
         return columns, replay_layers
 
     def _actor_step(self, batch, version, mbs, norm, kl_beta: float, replay_layers, log: "_StepLog"):
-        loss_fn = self._actor_loss_fn(batch, version, norm, kl_beta, self.policy_cfg.kl.placement == "loss")
+        f = batch.facts
+        kl_in_loss = self.policy_cfg.kl.placement == "loss"
+        loss_fn = policy_loss_fn(
+            vocab_size=self.actor.vocab_size, response_len=f.response_len, cfg=self.policy_cfg, normaliser=norm,
+            kl_beta=kl_beta, old_producer=f.old_log_probs.producer,
+            ref_producer=f.ref_log_probs.producer if f.ref_log_probs is not None else None, kl_in_loss=kl_in_loss,
+            entropy_grad=self.cfg.algo.entropy_coef > 0, log_prob_chunk=self.cfg.algo.log_prob_chunk,
+            old_version=version.short_id)
         res = self._guarded_step("actor", lambda: self.actor.train_step(mbs, loss_fn, replay_layers=replay_layers))
         log.grad_norms.append(res.grad_norm)
         log.add_seconds(res)
@@ -253,7 +256,8 @@ class Learner:
         log.actor_steps += 1
 
     def _critic_step(self, batch, cmbs, norm, log: "_StepLog"):
-        vloss = self._value_loss_fn(batch.facts.response_len, norm)
+        vloss = value_loss_fn(response_len=batch.facts.response_len, value_clip=self.critic.value_clip,
+                              agg_mode=self.cfg.algo.agg_mode, normaliser=norm)
         cres = self._guarded_step("critic", lambda: self.critic.train_step(cmbs, vloss))
         log.critic_norms.append(cres.grad_norm)
         log.add_seconds(cres)
@@ -291,44 +295,6 @@ class Learner:
             keep = f.response_mask != 0
             cur = float(masked_mean(kl_k1(f.old_log_probs.values, f.ref_log_probs.values), keep))
             self.kl_ctl.update(cur, f.batch_size)
-
-    def _actor_loss_fn(self, batch: ExperienceBatch, version: PolicyVersion, norm, kl_beta: float, kl_in_loss: bool):
-        """The policy loss of one micro-batch from the actor's logits (megatron's loss closure)."""
-        f = batch.facts
-        R, V = f.response_len, self.actor.vocab_size
-        old_prod = f.old_log_probs.producer
-        ref_prod = f.ref_log_probs.producer if f.ref_log_probs is not None else None
-        need_entropy_grad = self.cfg.algo.entropy_coef > 0
-        chunk = self.cfg.algo.log_prob_chunk
-        v = version.short_id
-
-        def loss_fn(output, mb):
-            lp_all = next_token_terms(output, mb, lambda logits, nxt: token_log_probs_from_logits(logits, nxt, V,
-                                                                                                   chunk=chunk))
-            lp = gather_response(lp_all, mb["prompt_lens"], mb["response_lens"], R)
-            with torch.set_grad_enabled(need_entropy_grad and torch.is_grad_enabled()):
-                ent = next_token_terms(output if need_entropy_grad else output.detach(), mb,
-                                       lambda logits, _nxt: vocab_parallel_entropy(logits, V, chunk))
-                ent = gather_response(ent, mb["prompt_lens"], mb["response_lens"], R)
-            out = actor_loss(
-                lp, old_log_probs=LogProbs(mb["old_log_probs"], old_prod), advantages=mb["advantages"],
-                loss_mask=mb["loss_mask"], cfg=self.policy_cfg, normaliser=norm,
-                ref_log_probs=LogProbs(mb["ref_log_probs"], ref_prod) if kl_in_loss else None,
-                entropy=ent, is_weights=mb.get("is_weights"), old_version=v, kl_beta=kl_beta)
-            return out.loss, out.metrics
-
-        return loss_fn
-
-    def _value_loss_fn(self, R: int, norm):
-        a = self.cfg.algo
-
-        def vloss(output, mb):
-            vals = gather_response(token_terms(output[..., 0].float(), mb), mb["prompt_lens"], mb["response_lens"], R)
-            out = clipped_value_loss(vals, mb["old_values"], mb["returns"], mb["loss_mask"],
-                                     self.critic.value_clip, a.agg_mode, norm)
-            return out.loss, {**out.metrics, "value_loss": float(out.loss.detach())}
-
-        return vloss
 
     def _guarded_step(self, role: str, step):
         """One optimizer step that every rank either completes or abandons together: an
@@ -377,33 +343,6 @@ class Learner:
                 w = sum(t for _, t in pairs)
                 out[key] = sum(v * t for v, t in pairs) / w if w > 0 else sum(vals) / len(vals)
         return out
-
-
-def _micro_batches(local: Dict[str, torch.Tensor], size: int, rows: int) -> List[Dict[str, torch.Tensor]]:
-    """This rank's mini-batch rows cut into micro-batches of ``size`` rows (0: all at once)."""
-    step = size or rows
-    return [{name: t[i:i + step] for name, t in local.items()} for i in range(0, rows, step)]
-
-
-def token_micro_batches(columns: Dict[str, torch.Tensor], rows: torch.Tensor, budget: int, rank: int,
-                        dp: int) -> List[Dict[str, torch.Tensor]]:
-    """This rank's packed micro-batches of the mini-batch ``rows`` under a token budget
-    (``algo.micro_batch_tokens``, :func:`~megarl.experience.token_budget.plan_token_micro_batches`):
-    each holds its rows' columns cut to its longest row and, as ``packed``, the rows' real tokens
-    back to back.  A filler micro-batch repeats a row with its loss mask 0."""
-    lengths = (columns["prompt_lens"] + columns["response_lens"])[rows]
-    plan = plan_token_micro_batches(lengths.tolist(), budget, dp)[rank]
-    out = []
-    for bin_rows, pad in zip(plan.bins, plan.pad, strict=True):
-        idx = rows[torch.tensor(bin_rows, dtype=torch.long)]
-        mb = {name: t[idx].clone() for name, t in columns.items()}
-        own = mb["prompt_lens"] + mb["response_lens"]
-        mb["tokens"] = mb["tokens"][:, :int(own.max())]
-        if pad:
-            mb["loss_mask"].zero_()
-        mb["packed"] = PackedMicroBatch.from_rows(mb["tokens"], own)
-        out.append(mb)
-    return out
 
 
 def combine_steps(steps: List[Dict[str, float]], prefix: str) -> Dict[str, float]:

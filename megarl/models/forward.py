@@ -16,8 +16,10 @@ float rounding.  On CUDA this is transformer-engine's varlen attention; without 
 attention gets its THD path from ``megarl.runtime.cpu_compat`` (CPU only).  With
 ``micro_batch_tokens`` (``algo.micro_batch_tokens``) the packed micro-batches are cut by a token
 budget instead of a row count; the update's packed micro-batches
-(:func:`megarl.models.optim.train_step`) reach their loss through :func:`next_token_terms` and
-:func:`token_terms`.
+(:func:`megarl.models.optim.train_step`) reach their loss through
+:func:`megarl.models.micro_batches.next_token_terms` and :func:`~megarl.models.micro_batches.token_terms`.
+What a micro-batch is for megatron (padding, packing, SP / CP / EP / VPP) is
+:mod:`megarl.models.micro_batches`.
 
 Under context parallelism (``parallel.cp``) every forward runs this rank's positions of each row,
 or of each packed sequence, and the output functions are :class:`PositionWise`: labels shifted on
@@ -27,17 +29,18 @@ the whole row, per-token results gathered back to rows (:mod:`megarl.models.cont
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Union
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from megarl.experience.packing import PackedLayout, pack, pack_layout, unpack
+from megarl.experience.packing import unpack
 from megarl.models import context_parallel
-from megarl.models.router_replay import (RecordRouting, RouterTargets, RoutingStats, RowRouting, record_to_rows,
-                                         routed)
+from megarl.models.micro_batches import (MicroBatch, ModelInput, PackedMicroBatch, PositionWise, call_model,
+                                         ep_common_packs, ep_common_widths, own_width, pad_columns, run_schedule,
+                                         sequence_multiple, sp_aligned, tokens_of)
+from megarl.models.router_replay import RecordRouting, RouterTargets, RoutingStats, RowRouting, record_to_rows
 from megarl.models.weights import as_chunks, unwrap
-
 
 
 def mask_padded_vocab(logits_shard: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -100,114 +103,6 @@ def gather_vocab(logits_shard: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return logits_shard[..., :vocab_size]
 
 
-def position_ids_for(tokens: torch.Tensor) -> torch.Tensor:
-    return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-
-
-@dataclass(frozen=True)
-class PackedMicroBatch:
-    """The rows of one micro-batch as one packed (THD) sequence.
-
-    ``tokens`` / ``position_ids`` ``(1, total + filler)``: the real tokens of every row back to
-    back and their positions within their row, then ``filler`` tokens of id 0 that form a
-    sequence of their own (attention never crosses a ``cu_seqlens`` boundary, so they change no
-    real token's output; they make the length what sequence parallelism or the MoE dispatcher
-    needs); ``layout`` maps the real packed tokens back to the ``(b, s)`` rows.
-    """
-
-    tokens: torch.Tensor
-    position_ids: torch.Tensor
-    layout: PackedLayout
-    filler: int = 0
-
-    @classmethod
-    def from_rows(cls, tokens: torch.Tensor, lengths: torch.Tensor) -> "PackedMicroBatch":
-        """Pack right-padded ``tokens (b, s)`` whose row b has ``lengths[b] >= 1`` real tokens."""
-        mask = torch.arange(tokens.shape[1], device=tokens.device)[None, :] < lengths.to(tokens.device)[:, None]
-        layout = pack_layout(mask, tokens.shape[1])
-        return cls(pack(tokens, layout)[None], layout.position_ids[None], layout)
-
-    @property
-    def real_tokens(self) -> int:
-        return self.layout.total_tokens
-
-    def padded_to(self, length: int) -> "PackedMicroBatch":
-        """The same micro-batch with filler tokens up to ``length`` in all (unchanged when it
-        has them already)."""
-        extra = length - self.tokens.shape[1]
-        if extra <= 0:
-            return self
-        filler_positions = torch.arange(extra, dtype=self.position_ids.dtype, device=self.position_ids.device)
-        return PackedMicroBatch(pad_columns(self.tokens, length), torch.cat([self.position_ids, filler_positions[None]], 1),
-                                self.layout, self.filler + extra)
-
-    def to(self, dev) -> "PackedMicroBatch":
-        return PackedMicroBatch(self.tokens.to(dev), self.position_ids.to(dev), self.layout, self.filler)
-
-    def cu_seqlens(self) -> torch.Tensor:
-        """The pack's sequence boundaries, the filler sequence included."""
-        cu = self.layout.cu_seqlens.to(self.tokens.device)
-        if self.filler:
-            cu = torch.cat([cu, cu.new_full((1,), int(cu[-1]) + self.filler)])
-        return cu
-
-    def packed_seq_params(self):
-        """megatron-core's THD parameters: attention within ``cu_seqlens`` boundaries (the filler is
-        one more sequence), RoPE per sequence (``max_seqlen`` sizes the RoPE table)."""
-        from megatron.core.packed_seq_params import PackedSeqParams
-
-        cu = self.cu_seqlens()
-        n = max(self.layout.max_seqlen, self.filler)
-        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n, max_seqlen_kv=n)
-
-    def rows_padded_to(self, multiple: int) -> "PackedMicroBatch":
-        """The same rows with every sequence lengthened at its end to a multiple of ``multiple``
-        (context parallelism splits each sequence into ``2 x cp`` chunks): padding of the row's own
-        sequence, after its real tokens, which causal attention never lets them see.  ``layout``
-        then maps the padded sequences (outputs past a row's real length are the caller's to drop)."""
-        if multiple == 1:
-            return self
-        if self.filler:
-            raise ValueError("rows_padded_to: pad the rows before adding filler tokens")
-        lengths = (self.layout.cu_seqlens[1:] - self.layout.cu_seqlens[:-1]).long().cpu()
-        rows = unpack(self.tokens[0, :self.real_tokens], self.layout)
-        run = -(-lengths // multiple) * multiple
-        return PackedMicroBatch.from_rows(pad_columns(rows, int(run.max())), run)
-
-
-MicroBatch = Union[torch.Tensor, PackedMicroBatch]
-
-
-@dataclass(frozen=True)
-class PositionWise:
-    """A forward-only pass's output function given position by position: ``fn(outputs (n, t,
-    ...), labels (n, t)) -> (n, t, ...)``; with ``shift`` the labels are the next tokens and the
-    last position (which predicts past the sequence) is dropped.
-
-    Called as ``on_output(output, tokens)`` on a whole sequence, it is the function
-    :func:`forward_only` has always taken.  Given position by position, the same function runs on
-    a context-parallel rank's share of a sequence (:mod:`megarl.models.context_parallel`: labels
-    shifted on the whole row, then split; the per-position results gathered back to rows)."""
-
-    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    shift: bool
-
-    def __call__(self, output: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        if self.shift:
-            return self.fn(output[:, :-1], tokens[:, 1:])
-        return self.fn(output, tokens)
-
-    def on_context_parallel_share(self, output: torch.Tensor, tokens: torch.Tensor, width: int,
-                                  cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The whole rows' result from this CP rank's ``output`` (its positions of ``tokens``, the
-        whole padded rows, or the whole pack of ``cu_seqlens``), cut to ``width`` (less the shifted
-        position)."""
-        labels = context_parallel.shifted_labels(tokens) if self.shift else tokens
-        whole = context_parallel.gather(self.fn(output, context_parallel.split(labels, cu_seqlens=cu_seqlens)),
-                                        cu_seqlens)
-        return whole[:, :width - 1] if self.shift else whole[:, :width]
-
-
 @dataclass(frozen=True)
 class Routing:
     """MoE routing for a forward pass (``algo.routing_replay``): ``rows`` on the pass's token
@@ -252,31 +147,16 @@ def _check_packable(model) -> None:
                          "transformer-engine or run padded")
 
 
-def _call(model, mb: MicroBatch, targets: Optional[RouterTargets] = None, routing: Optional[Routing] = None):
-    with routed(model, targets, routing is not None and routing.replay, routing.stats if routing else None):
-        # context parallelism: this rank's positions of the rows, of each packed sequence (the whole rows otherwise)
-        if isinstance(mb, PackedMicroBatch):
-            cu = mb.cu_seqlens()
-            return model(context_parallel.split(mb.tokens, cu_seqlens=cu),
-                         context_parallel.split(mb.position_ids, cu_seqlens=cu), None,
-                         packed_seq_params=mb.packed_seq_params())
-        return model(context_parallel.split(mb), context_parallel.split(position_ids_for(mb)), None)
-
-
 def _result(on_output, out: torch.Tensor, mb: MicroBatch, width: int) -> torch.Tensor:
     """``on_output`` of a micro-batch's output at its own width; under context parallelism
     ``out`` holds this rank's positions only, and ``on_output`` must be a :class:`PositionWise`."""
     if context_parallel.size() == 1:
-        return on_output(*_own(out, _tokens(mb), width))
+        return on_output(*own_width(out, tokens_of(mb), width))
     if not isinstance(on_output, PositionWise):
         raise TypeError("forward_only under context parallelism needs a PositionWise output function "
                         f"(per position, labels shifted on the whole row), got {on_output!r}")
     cu = mb.cu_seqlens() if isinstance(mb, PackedMicroBatch) else None
-    return on_output.on_context_parallel_share(out, _tokens(mb), width, cu)
-
-
-def _tokens(mb: MicroBatch) -> torch.Tensor:
-    return mb.tokens if isinstance(mb, PackedMicroBatch) else mb
+    return on_output.on_context_parallel_share(out, tokens_of(mb), width, cu)
 
 
 def forward_only(model, micro_batches: List[MicroBatch],
@@ -296,7 +176,6 @@ def forward_only(model, micro_batches: List[MicroBatch],
     (:func:`megarl.models.builder.build_model_chunks`), run by megatron's interleaved schedule.
     """
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     chunks = as_chunks(model)  # virtual pipeline stages: one per stage
     model = chunks[0]
@@ -309,59 +188,42 @@ def forward_only(model, micro_batches: List[MicroBatch],
             raise ValueError(f"parallel.cp={context_parallel.size()}: {why}")
     results: List[Optional[torch.Tensor]] = []
     targets = targets if targets is not None else [None] * len(micro_batches)
+    replay, stats = routing is not None and routing.replay, routing.stats if routing else None
     # sequence parallelism: each micro-batch runs on whole tp-sized chunks of its rows (right
     # padding, never attended to by a causal model); on_output sees the micro-batch's own width
-    aligned = [_aligned(mb, tg, sequence_multiple(model)) for mb, tg in zip(micro_batches, targets, strict=True)]
+    items = [ModelInput(mb.to(dev), tg, width) for mb, tg, width in
+             (sp_aligned(mb, tg, sequence_multiple(model)) for mb, tg in zip(micro_batches, targets, strict=True))]
     was_training = model.training
     for c in chunks:
         c.eval()
     try:
         with torch.no_grad():
             if pp == 1:
-                for mb, tg, width in aligned:
-                    mb = mb.to(dev)
-                    out = _call(model, mb, tg, routing)
-                    results.append(_result(on_output, out, mb, width))
+                for inp in items:
+                    out = call_model(model, inp.tokens, inp.targets, replay, stats)
+                    results.append(_result(on_output, out, inp.tokens, inp.width))
                 return results
-            items = [(mb.to(dev), tg, width) for mb, tg, width in aligned]
-            real = len(items)
-            if len(chunks) > 1 and real % pp:
-                # megatron's interleaved schedule runs micro-batches in groups of pp: repeat the last
-                # one up to a multiple of pp (their results are dropped)
-                items += [items[-1]] * (pp - real % pp)
-            # every model chunk draws the micro-batches in order from an iterator of its own
-            it = iter(items) if len(chunks) == 1 else [iter(items) for _ in chunks]
 
             def step(data_iterator, m):
-                mb, tg, width = next(data_iterator)
-                out = _call(m, mb, tg, routing)
+                inp = next(data_iterator)
+                out = call_model(m, inp.tokens, inp.targets, replay, stats)
 
                 def loss_func(output):
-                    res = _result(on_output, output, mb, width)
+                    res = _result(on_output, output, inp.tokens, inp.width)
                     # the schedule divides the first element in place by the micro-batch count
                     # (megatron's loss averaging): a scalar of its own, never the result
                     return torch.zeros((), device=res.device), {"result": res}
 
                 return out, loss_func
 
-            # every micro-batch in one schedule call, so the stages work on different
-            # micro-batches at once; their shapes differ (widths; a packed one travels between
-            # stages as [total, 1, hidden]), so the stages tell each other every activation's shape
-            # (megatron's variable_seq_lengths, for this call only: training steps have one shape)
-            shapes = [tuple(_tokens(mb).shape) for mb, _tg, _width in items]  # megatron divides by cp itself
-            config = inner.config
-            variable = config.variable_seq_lengths
-            config.variable_seq_lengths = True
-            try:
-                store = get_forward_backward_func()(
-                    forward_step_func=step, data_iterator=it, model=chunks, num_microbatches=len(items),
-                    seq_length=max(s[1] for s in shapes), micro_batch_size=max(s[0] for s in shapes),
-                    forward_only=True)
-            finally:
-                config.variable_seq_lengths = variable
-            # the results live on the last stage (broadcast below)
-            last = ps.is_pipeline_last_stage()
-            results.extend([entry["result"] for entry in store][:real] if last else [None] * real)
+            # every micro-batch in one schedule call, so the stages work on different micro-batches
+            # at once; their shapes differ (widths; a packed one travels between stages as
+            # [total, 1, hidden]), so the stages always tell each other every activation's shape
+            store = run_schedule(chunks, items, step, forward_only=True, variable=True,
+                                 shapes=[tokens_of(inp.tokens).shape for inp in items])
+            # the results live on the last stage (broadcast below); a filler's are dropped
+            real = len(items)
+            results.extend([entry["result"] for entry in store][:real] if ps.is_pipeline_last_stage() else [None] * real)
     finally:
         if was_training:
             for c in chunks:
@@ -420,7 +282,7 @@ def _by_length(model, tokens: torch.Tensor, lengths: Optional[torch.Tensor], mic
     order = torch.argsort(lengths.cpu(), descending=True, stable=True)
     groups = list(order.split(micro_batch_size or tokens.shape[0]))
     widths = [max(int(lengths[g].max()), trim + 1) for g in groups]
-    run = _ep_common_widths(model, groups, widths)
+    run = ep_common_widths(model, groups, widths)
     mbs = [pad_columns(tokens[g, :w], r) for g, w, r in zip(groups, widths, run, strict=True)]
     # a widened micro-batch replays the filler routing (0 .. k-1) on its extra columns
     tg = None if routing is None else [routing.targets(mb, g, mb.shape[1]) for mb, g in zip(mbs, groups, strict=True)]
@@ -431,80 +293,6 @@ def _by_length(model, tokens: torch.Tensor, lengths: Optional[torch.Tensor], mic
         out[g.to(out.device), : w - trim] = res[:, : w - trim]
     past = torch.arange(out.shape[1], device=out.device)[None, :] >= (lengths.to(out.device) - trim)[:, None]
     return out.masked_fill_(past.reshape(past.shape + (1,) * (out.dim() - 2)), 0)
-
-
-def _moe_dispatch_group(model):
-    """The group megatron's allgather token dispatcher gathers over (expert TP x EP) when the
-    model has routed experts spread over EP > 1 ranks; else None."""
-    from megatron.core import parallel_state as ps
-
-    spec = getattr(unwrap(model), "megarl_spec", None)
-    if getattr(spec, "moe", None) is None or ps.get_expert_model_parallel_world_size() == 1:
-        return None
-    return ps.get_expert_tensor_and_model_parallel_group()
-
-
-def _ep_common_widths(model, groups: List[torch.Tensor], widths: List[int]) -> List[int]:
-    """The width each micro-batch runs at: its own, except for an MoE model at EP > 1.
-
-    There the allgather token dispatcher (megatron-core ``MoEAllGatherTokenDispatcher``, which
-    ``cpu_compat`` selects on CPU) gathers every micro-batch's tokens over the expert TP x EP group
-    with one equal-sized all-gather, so the ranks of that group, which hold different rows (they
-    are data-parallel ranks for everything but the experts), must run the same number of
-    micro-batches of the same shape: each is widened to the widest among them.  (The alltoall
-    dispatcher built on CUDA needs only the same number.)  The extra columns are right padding,
-    which causal attention never lets reach a row's real positions.  Collective over that group."""
-    group = _moe_dispatch_group(model)
-    if group is None:
-        return widths
-    mine = ([len(g) for g in groups], widths)
-    every: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
-    if any(rows != mine[0] for rows, _ in every):
-        raise ValueError("MoE at expert parallel size > 1: the ranks of an expert-parallel group must run the same "
-                         f"number of micro-batches with the same rows each (the token dispatcher gathers them); got "
-                         f"{[rows for rows, _ in every]}")
-    return [max(ws) for ws in zip(*(w for _, w in every), strict=True)]
-
-
-def _aligned(mb: MicroBatch, tg: Optional[RouterTargets], m: int):
-    """``(micro-batch, targets, width)``: a micro-batch lengthened to a multiple of ``m`` (tp, for
-    sequence parallelism) -- a padded one by right padding, a packed one by filler tokens -- with
-    its routing targets widened alike, and the width its outputs are cut back to."""
-    if isinstance(mb, PackedMicroBatch):
-        run = round_up(mb.tokens.shape[1], m)
-        if tg is not None and run > mb.tokens.shape[1]:
-            tg = tg.widened(1, run - mb.tokens.shape[1])
-        return mb.padded_to(run), tg, mb.real_tokens
-    w = mb.shape[1]
-    run = round_up(w, m)
-    if run == w:
-        return mb, tg, w
-    return pad_columns(mb, run), (None if tg is None else tg.widened(mb.shape[0], run - w)), w
-
-
-def _own(out: torch.Tensor, tokens: torch.Tensor, width: Optional[int]):
-    """A micro-batch's output and tokens at its own width (``width`` None: as they are)."""
-    if width is None or width == tokens.shape[1]:
-        return out, tokens
-    return out[:, :width], tokens[:, :width]
-
-
-def sequence_multiple(model) -> int:
-    """What a forward's sequence length must be a multiple of: tp under sequence parallelism
-    (megatron splits the sequence into tp equal chunks), else 1."""
-    return unwrap(model).megarl_opts.sequence_multiple
-
-
-def round_up(width: int, multiple: int) -> int:
-    return -(-width // multiple) * multiple
-
-
-def pad_columns(tokens: torch.Tensor, width: int) -> torch.Tensor:
-    """``tokens`` right-padded with id 0 to ``width`` columns (unchanged when it has them)."""
-    if tokens.shape[1] >= width:
-        return tokens
-    return torch.cat([tokens, tokens.new_zeros((tokens.shape[0], width - tokens.shape[1]))], 1)
 
 
 def _packed(model, tokens: torch.Tensor, lengths: Optional[torch.Tensor], micro_batch_size: int,
@@ -535,7 +323,7 @@ def _packed(model, tokens: torch.Tensor, lengths: Optional[torch.Tensor], micro_
     tg = None if routing is None else [routing.targets(it, g, w)
                                        for it, g, w in zip(items, groups, widths, strict=True)]
     n_own = len(items)
-    items, tg = _ep_common_packs(model, items, tg, routing)
+    items, tg = ep_common_packs(model, items, tg)
     results = forward_only(model, items, on_output, tg, routing)[:n_own]
     out = None
     for g, w, item, res in zip(groups, widths, items, results, strict=True):
@@ -549,80 +337,6 @@ def _packed(model, tokens: torch.Tensor, lengths: Optional[torch.Tensor], micro_
         out[g.to(out.device), :n] = rows[:, :n]
     past = torch.arange(out.shape[1], device=out.device)[None, :] >= (lengths.to(out.device) - trim)[:, None]
     return out.masked_fill_(past.reshape(past.shape + (1,) * (out.dim() - 2)), 0)
-
-
-def common_pack_lengths(model, lengths: List[int]) -> List[int]:
-    """The length each packed micro-batch runs at: its own, except for an MoE model at EP > 1,
-    where megatron's allgather token dispatcher (``cpu_compat`` selects it on CPU) gathers equal
-    token counts over the expert TP x EP group, whose ranks hold different rows: there the ranks
-    must run as many micro-batches, and each is lengthened (by filler tokens) to the longest of its
-    index over the group.  (The alltoall dispatcher built on CUDA needs only as many; the filler is
-    a few tokens.)  Collective over that group."""
-    group = _moe_dispatch_group(model)
-    if group is None:
-        return list(lengths)
-    every: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, list(lengths), group=group)
-    counts = [len(e) for e in every]
-    if len(set(counts)) != 1:
-        raise ValueError("MoE at expert parallel size > 1: the ranks of an expert-parallel group must run as many "
-                         f"packed micro-batches (the token dispatcher gathers each); got {counts}")
-    return [max(column) for column in zip(*every, strict=True)]
-
-
-def _ep_common_packs(model, items: List[PackedMicroBatch], tg: Optional[List[RouterTargets]],
-                     routing: Optional[Routing]):
-    """The packed micro-batches an MoE model at EP > 1 runs (:func:`common_pack_lengths`): as many
-    on every rank of the dispatch group (a rank with fewer repeats its first, whose results are
-    dropped), each lengthened by filler tokens to the longest of its index.  Collective over that
-    group; as given otherwise."""
-    group = _moe_dispatch_group(model)
-    if group is None:
-        return items, tg
-    counts: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(counts, len(items), group=group)
-    extra = max(counts) - len(items)
-    items = items + [items[0]] * extra
-    if tg is not None:  # a repeat is dispatched as the first was, and counts in no routing statistic
-        tg = tg + [RouterTargets(tg[0].experts, torch.zeros_like(tg[0].valid), tg[0].moe_layers)] * extra
-    longest = common_pack_lengths(model, [int(it.tokens.shape[1]) for it in items])
-    if tg is not None:
-        tg = [t.widened(1, n - it.tokens.shape[1]) if n > it.tokens.shape[1] else t
-              for t, it, n in zip(tg, items, longest, strict=True)]
-    return [it.padded_to(n) for it, n in zip(items, longest, strict=True)], tg
-
-
-def next_token_terms(output: torch.Tensor, mb, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``(b, w - 1)``: ``fn(logits, next tokens)`` per position of a training micro-batch's rows
-    (position t of a row: the output at its token t against its token t + 1), whether the model ran
-    them padded (``output`` ``(b, w, ...)``) or packed (``mb["packed"]``; ``output`` ``(1, total,
-    ...)`` over the real packed tokens: computed there, then unpacked to the rows).  ``fn`` maps
-    ``(n, t, ...)`` outputs and ``(n, t)`` tokens to ``(n, t)``."""
-    p = mb.get("packed")
-    run = mb.get("context_parallel_width")
-    if run is not None:  # this CP rank's positions of the rows padded to run (module context_parallel)
-        return PositionWise(fn, shift=True).on_context_parallel_share(output, pad_columns(mb["tokens"], run),
-                                                                      mb["tokens"].shape[1])
-    if p is not None and mb.get("context_parallel_packed"):  # this CP rank's positions of each sequence
-        vals = PositionWise(fn, shift=True).on_context_parallel_share(output, p.tokens, p.real_tokens, p.cu_seqlens())
-        return unpack(torch.cat([vals[0], vals.new_zeros(1)]), p.layout)[:, :mb["tokens"].shape[1] - 1]
-    if p is None:
-        return fn(output[:, :-1], mb["tokens"][:, 1:])
-    vals = fn(output[:, :-1], p.tokens[:, 1:p.real_tokens])[0]
-    # a row's last token predicts the next row's first: that entry lands past the row's end
-    return unpack(torch.cat([vals, vals.new_zeros(1)]), p.layout)[:, :-1]
-
-
-def token_terms(values: torch.Tensor, mb) -> torch.Tensor:
-    """``(b, w)``: a per-token output of a training micro-batch (``(b, w)`` padded, ``(1, total)``
-    packed) on its rows."""
-    if mb.get("context_parallel_width") is not None:
-        return context_parallel.gather(values)[:, :mb["tokens"].shape[1]]
-    p = mb.get("packed")
-    if p is not None and mb.get("context_parallel_packed"):
-        whole = context_parallel.gather(values, p.cu_seqlens())[0, :p.real_tokens]
-        return unpack(whole, p.layout)[:, :mb["tokens"].shape[1]]
-    return values if p is None else unpack(values[0], p.layout)
 
 
 def teacher_forced_log_probs(model, tokens: torch.Tensor, micro_batch_size: int = 0,

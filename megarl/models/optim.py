@@ -185,30 +185,28 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
     ``loss_fn`` returns ``sum(terms) / global_normaliser`` for its micro-batch.
 
     Packed micro-batches (``algo.micro_batch_tokens``): every micro-batch also holds ``packed``, a
-    :class:`~megarl.models.forward.PackedMicroBatch` of its rows, which is what the model runs
+    :class:`~megarl.models.micro_batches.PackedMicroBatch` of its rows, which is what the model runs
     (``tokens`` stays the rows' ``(b, w)`` grid for the loss); their lengths differ, and megatron's
     pipeline stages then tell each other every activation's shape.  ``loss_fn`` sees the output
-    of the real packed tokens, ``(1, total, ...)``; :func:`~megarl.models.forward.next_token_terms`
-    and :func:`~megarl.models.forward.token_terms` bring it to the rows.
+    of the real packed tokens, ``(1, total, ...)``; :func:`~megarl.models.micro_batches.next_token_terms`
+    and :func:`~megarl.models.micro_batches.token_terms` bring it to the rows.
 
     Context parallelism (``parallel.cp``): the model runs this CP rank's positions of the rows, or of
     each packed sequence (:mod:`megarl.models.context_parallel`; packed rows padded at their ends to
     multiples of 2 x cp); the micro-batch also holds ``context_parallel_width`` (padded: the width
     the rows were cut from) or ``context_parallel_packed`` (and ``packed`` as it ran): ``loss_fn``
-    sees this rank's positions' output, and :func:`~megarl.models.forward.next_token_terms` /
-    :func:`~megarl.models.forward.token_terms` gather its per-token terms to the whole rows.
+    sees this rank's positions' output, and :func:`~megarl.models.micro_batches.next_token_terms` /
+    :func:`~megarl.models.micro_batches.token_terms` gather its per-token terms to the whole rows.
 
     ``replay_layers`` (MoE routing replay): every micro-batch also holds ``routing`` ``(b, s,
     layers, k)`` and ``routing_valid`` ``(b, s)`` on its token grid
     (:func:`megarl.models.router_replay.record_to_rows`; columns: these decoder layers), and
     each forward dispatches its tokens to those experts.
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from megarl.models import context_parallel
-    from megarl.models.forward import (common_pack_lengths, pad_columns, position_ids_for, round_up,
-                                       sequence_multiple)
-    from megarl.models.router_replay import RouterTargets, RowRouting, clear_replay, routed
+    from megarl.models import context_parallel, moe_losses
+    from megarl.models.micro_batches import (ModelInput, call_model, common_pack_lengths, pad_columns, round_up,
+                                             run_schedule, sequence_multiple, tokens_of)
+    from megarl.models.router_replay import RouterTargets, RowRouting, clear_replay
     from megarl.models.weights import as_chunks, unwrap
 
     if not micro_batches:
@@ -234,10 +232,8 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
         # the longest of the EP ranks' same micro-batch; context parallelism, 2 x cp (x tp)
         runs = [round_up(n, multiple) for n in
                 common_pack_lengths(ddp_model, [mb["packed"].tokens.shape[1] for mb in micro_batches])]
-        mbs = 1
     else:
-        seq = micro_batches[0]["tokens"].shape[1]
-        mbs = micro_batches[0]["tokens"].shape[0]
+        seq, mbs = micro_batches[0]["tokens"].shape[1], micro_batches[0]["tokens"].shape[0]
         for i, mb in enumerate(micro_batches):
             if tuple(mb["tokens"].shape) != (mbs, seq):
                 raise ValueError(f"micro-batch {i} has tokens of shape {list(mb['tokens'].shape)}; "
@@ -246,52 +242,43 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
         # causal model never attends to); the loss sees the micro-batch's own width
         runs = [round_up(seq, multiple)] * len(micro_batches)
     dev = next(chunks[0].parameters()).device
-    items = [({k: (v.to(dev) if torch.is_tensor(v) or k == "packed" else v) for k, v in mb.items()}, run)
-             for mb, run in zip(micro_batches, runs, strict=True)]
-    pp = unwrap(chunks[0]).config.pipeline_model_parallel_size
-    if len(chunks) > 1 and len(items) % pp:
-        # megatron's interleaved schedule runs micro-batches in groups of pp: the last one again,
-        # its loss times zero (no gradient, no metrics), up to a multiple of pp
-        items += [(dict(items[-1][0], megarl_filler=True), items[-1][1])] * (pp - len(items) % pp)
-    it = iter(items) if len(chunks) == 1 else [iter(items) for _ in chunks]
 
-    def padded_forward(model, mb, run):
-        targets = None
+    def model_input(mb, run) -> ModelInput:
+        """What the model runs for ``mb`` at length ``run``; under context parallelism ``mb`` also
+        records what the loss needs to gather this rank's positions back to the rows."""
+        p, rows, targets = mb.get("packed"), None, None
         if replay_layers is not None:
-            rows = RowRouting(mb["routing"], mb["routing_valid"], replay_layers).rows(slice(None), run)
-            targets = RouterTargets.for_padded(rows)
-        tokens = pad_columns(mb["tokens"], run)
-        if cp > 1:  # this rank's positions; the loss gathers its terms back to the rows (next_token_terms)
-            mb["context_parallel_width"] = run
-            return model(context_parallel.split(tokens), context_parallel.split(position_ids_for(tokens)), None), None
-        with routed(model, targets, replay=True):
-            return model(tokens, position_ids_for(tokens), None), mb["tokens"].shape[1]
-
-    def packed_forward(model, mb, run):
-        p = mb["packed"]
-        targets = None
-        if replay_layers is not None:
-            rows = RowRouting(mb["routing"], mb["routing_valid"], replay_layers).rows(slice(None), p.layout.seq_len)
+            rows = RowRouting(mb["routing"], mb["routing_valid"], replay_layers).rows(
+                slice(None), p.layout.seq_len if p is not None else run)
+        if p is None:
+            if rows is not None:
+                targets = RouterTargets.for_padded(rows)
+            if cp > 1:  # this rank's positions; the loss gathers its terms back to the rows (next_token_terms)
+                mb["context_parallel_width"] = run
+            return ModelInput(pad_columns(mb["tokens"], run), targets, None if cp > 1 else mb["tokens"].shape[1])
+        if rows is not None:
             targets = RouterTargets.for_packed(rows, p.layout)
             if run > p.real_tokens:  # the filler sequence: filler experts, never valid
                 targets = targets.widened(1, run - p.real_tokens)
         p = p.padded_to(run)
         if cp > 1:  # this rank's positions of each sequence; the loss gathers its terms (next_token_terms)
             mb["packed"] = p
-            cu = p.cu_seqlens()
-            return model(context_parallel.split(p.tokens, cu_seqlens=cu),
-                         context_parallel.split(p.position_ids, cu_seqlens=cu), None,
-                         packed_seq_params=p.packed_seq_params()), None
-        with routed(model, targets, replay=True):
-            return model(p.tokens, p.position_ids, None, packed_seq_params=p.packed_seq_params()), p.real_tokens
+        return ModelInput(p, targets, None if cp > 1 else p.real_tokens)
+
+    items = []
+    for mb, run in zip(micro_batches, runs, strict=True):
+        mb = {k: (v.to(dev) if torch.is_tensor(v) or k == "packed" else v) for k, v in mb.items()}
+        items.append((mb, model_input(mb, run)))
+    config = unwrap(ddp_model).config
 
     def step(data_iterator, model):
-        mb, run = next(data_iterator)
+        mb, inp = next(data_iterator)
         # a filler (virtual stages) carries no router loss either (moe_losses.suspended)
         with moe_losses.suspended(config) if mb.get("megarl_filler") else contextlib.nullcontext():
-            out, own = (packed_forward if "packed" in mb else padded_forward)(model, mb, run)
+            out = call_model(model, inp.tokens, inp.targets, replay=True)
 
         def loss_func(output):
+            own = inp.width
             loss, metrics = loss_fn(output[:, :own] if own is not None and output.shape[1] != own else output, mb)
             if mb.get("megarl_filler"):
                 loss, metrics = loss * 0.0, None
@@ -304,10 +291,9 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
         c.train()
         c.zero_grad_buffer()
     optimizer.zero_grad()
-    from megarl.models import moe_losses
-
-    config = unwrap(ddp_model).config
-    seconds = {"grad_reduce_s": 0.0, "micro_batches": float(len(items))}
+    pp = config.pipeline_model_parallel_size
+    fillers = (-len(items)) % pp if len(chunks) > 1 else 0
+    seconds = {"grad_reduce_s": 0.0, "micro_batches": float(len(items) + fillers)}
     finalize = config.finalize_model_grads_func
 
     def timed_finalize(*args, **kwargs):
@@ -318,21 +304,16 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
             seconds["grad_reduce_s"] += time.perf_counter() - t
 
     config.finalize_model_grads_func = timed_finalize if finalize is not None else None
-    variable = config.variable_seq_lengths
-    # micro-batches of different lengths: the pipeline stages tell each other every activation's
-    # shape (megatron's variable_seq_lengths, for this step only)
-    config.variable_seq_lengths = variable or len(set(runs)) > 1
     # the router's aux / z losses at the coefficient's scale (inert for dense models)
     t0 = time.perf_counter()
     with moe_losses.step_scope(ddp_model, len(micro_batches)) as moe:
         try:
-            metrics = get_forward_backward_func()(
-                forward_step_func=step, data_iterator=it, model=chunks,
-                num_microbatches=len(items), seq_length=max(runs), micro_batch_size=mbs,
-                forward_only=False,
-            )
+            # megatron's interleaved schedule runs micro-batches in groups of pp: the last one again,
+            # its loss times zero (no gradient, no metrics), up to a multiple of pp
+            metrics = run_schedule(chunks, items, step, forward_only=False,
+                                   shapes=[tokens_of(inp.tokens).shape for _mb, inp in items],
+                                   filler=lambda item: (dict(item[0], megarl_filler=True), item[1]))
         finally:
-            config.variable_seq_lengths = variable
             config.finalize_model_grads_func = finalize
             if replay_layers is not None:  # the experts queued for the recomputes, if any
                 clear_replay(ddp_model)

@@ -492,8 +492,8 @@ def check_token_budget(ctx):
     gradient norm, and chunked log-probs equal megatron's kernel's while the pass's peak CUDA memory
     drops by about the fp32 logits."""
     from megarl.experience.token_budget import first_fit
-    from megarl.models.forward import (PackedMicroBatch, next_token_terms, response_log_probs,
-                                       token_log_probs_from_logits)
+    from megarl.models.forward import response_log_probs, token_log_probs_from_logits
+    from megarl.models.micro_batches import PackedMicroBatch, next_token_terms
     from megarl.models.optim import train_step
 
     g = torch.Generator().manual_seed(5)

@@ -57,7 +57,7 @@ def main():
         held[fam] = sorted({int(n.split(".")[6]) for n in names if ".mlp.experts.local_experts." in n})
         if a.tp > 1 and fam == a.families[0]:
             # megatron-core trains MoE layers at TP > 1 only with sequence parallelism (config.py refuses it)
-            from megarl.models.forward import position_ids_for
+            from megarl.models.micro_batches import position_ids_for
 
             model.train()
             try:

@@ -140,7 +140,7 @@ def logit_probe():
     against the positions of the logits they were given (``{"max_positions", "positions"}``)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from megarl.control import learning
+    from megarl.roles import losses
 
     probe = {"max_positions": 0, "positions": 0}
 
@@ -167,12 +167,12 @@ def logit_probe():
                 return fn(logits, *args, **kw)
         return call
 
-    saved = learning.token_log_probs_from_logits, learning.vocab_parallel_entropy
-    learning.token_log_probs_from_logits, learning.vocab_parallel_entropy = (watched(f) for f in saved)
+    saved = losses.token_log_probs_from_logits, losses.vocab_parallel_entropy
+    losses.token_log_probs_from_logits, losses.vocab_parallel_entropy = (watched(f) for f in saved)
     try:
         yield probe
     finally:
-        learning.token_log_probs_from_logits, learning.vocab_parallel_entropy = saved
+        losses.token_log_probs_from_logits, losses.vocab_parallel_entropy = saved
 
 
 def main():
