@@ -1,6 +1,12 @@
 """Loading a recipe: the YAML merged onto the schema, ``key=value`` overrides merged as an omegaconf
 dotlist (an unknown key or a value of the wrong type is refused with the key's full name), and
-the resolved config's hash."""
+the resolved config's hash.
+
+A recipe may start from another: a top-level ``base: <file>`` (a path relative to the recipe's
+own directory; a list of them merges in order) is loaded first, itself with its own base if it
+names one, and the recipe's keys are merged over it, so a recipe states only how it differs
+(``configs/*_tiny.yaml`` start from ``configs/base/tiny.yaml``).  ``base`` is not a config key:
+the resolved config, its hash and ``--print-config`` hold the merged whole."""
 
 from __future__ import annotations
 
@@ -49,6 +55,43 @@ def _omegaconf_error(e: Exception, where: str, key: Optional[str] = None) -> Con
     return ConfigError(f"{where}: {key}: {msg}" if key else f"{where}: {msg}")
 
 
+def _load_yaml(path: str):
+    from omegaconf import DictConfig, OmegaConf
+
+    try:
+        recipe = OmegaConf.load(path)
+    except Exception as e:  # yaml syntax
+        raise ConfigError(f"{path}: not a valid YAML recipe ({str(e).splitlines()[0]})") from None
+    if not isinstance(recipe, DictConfig):
+        raise ConfigError(f"{path}: not a valid YAML recipe (a mapping of sections expected)")
+    return recipe
+
+
+def _recipe_chain(path: str, _seen: tuple[str, ...] = ()) -> list:
+    """``[(file, recipe), ...]`` to merge in order: the bases a recipe names (``base:``, relative
+    to its directory, each with its own bases first), then the recipe without its ``base`` key."""
+    from omegaconf import ListConfig
+
+    real = os.path.realpath(path)
+    if real in _seen:
+        raise ConfigError(f"{path}: base recipes form a cycle ({' -> '.join(_seen + (real,))})")
+    recipe = _load_yaml(path)
+    bases = recipe.pop("base", None)
+    if bases is None:
+        bases = []
+    elif isinstance(bases, str):
+        bases = [bases]
+    elif not (isinstance(bases, ListConfig) and all(isinstance(b, str) for b in bases)):
+        raise ConfigError(f"{path}: base must be a recipe file name or a list of them, got {bases!r}")
+    chain = []
+    for base in bases:
+        base_path = os.path.join(os.path.dirname(path), base)
+        if not os.path.isfile(base_path):
+            raise ConfigError(f"{path}: base recipe {base} not found ({base_path})")
+        chain += _recipe_chain(base_path, _seen + (real,))
+    return chain + [(path, recipe)]
+
+
 def merge_config(path: Optional[str], overrides: list[str] = ()):
     """The recipe and the overrides merged onto the schema: an omegaconf ``DictConfig``, not yet
     resolved (``--print-config`` shows it; :func:`load_config` turns it into a
@@ -56,22 +99,18 @@ def merge_config(path: Optional[str], overrides: list[str] = ()):
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    schema = OmegaConf.structured(TrainConfig)
-    merged = schema
+    merged = OmegaConf.structured(TrainConfig)
     if path is not None:
         if not os.path.isfile(path):
             raise ConfigError(f"--config {path}: file not found")
-        try:
-            recipe = OmegaConf.load(path)
-        except Exception as e:  # yaml syntax
-            raise ConfigError(f"{path}: not a valid YAML recipe ({str(e).splitlines()[0]})") from None
-        try:
-            if recipe.get("critic") is not None:
-                # an Optional[dataclass] node merges only onto a structured default
-                schema.critic = OmegaConf.structured(CriticConfig)
-            merged = OmegaConf.merge(schema, recipe)
-        except OmegaConfBaseException as e:
-            raise _omegaconf_error(e, path) from None
+        for file, recipe in _recipe_chain(path):
+            try:
+                if recipe.get("critic") is not None and merged.critic is None:
+                    # an Optional[dataclass] node merges only onto a structured default
+                    merged.critic = OmegaConf.structured(CriticConfig)
+                merged = OmegaConf.merge(merged, recipe)
+            except OmegaConfBaseException as e:
+                raise _omegaconf_error(e, file) from None
     for ov in overrides:
         if "=" not in ov:
             raise ConfigError(f"override {ov!r}: expected key=value")
