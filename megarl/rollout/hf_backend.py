@@ -55,10 +55,10 @@ from megarl.rollout.protocol import (
 )
 from megarl.rollout.lifecycle import VersionLifecycle
 from megarl.experience.schema import SampleRouting, compact_expert_dtype
+from megarl.rollout.manifest_receiver import ManifestReceiver
 from megarl.rollout.weight_stream import ManifestMismatchError, TensorManifest
 from megarl.splitmix import shr, splitmix64
 from megarl.versions import PolicyVersion
-from megarl.observability.profiling import span
 
 __all__ = ["HFRolloutEngine"]
 
@@ -310,11 +310,7 @@ class HFRolloutEngine:
         Raises ManifestMismatchError (naming the tensors) when a tensor is missing, unexpected,
         or differs in shape, dtype or bytes; the active version is untouched either way.
         """
-        if expected_manifest.global_hash != version.weight_manifest_hash:
-            raise ManifestMismatchError(
-                f"expected manifest hash {expected_manifest.global_hash} is not the manifest of "
-                f"{version.short_id} ({version.weight_manifest_hash})"
-            )
+        rx = ManifestReceiver(version, expected_manifest)
         with self._lock:
             if self._asleep:
                 raise EngineAsleepError(f"load_weights({version.short_id}): engine is asleep; wake() first")
@@ -329,36 +325,15 @@ class HFRolloutEngine:
             slot = self._standby
             slot.version, slot.manifest = None, None  # contents undefined from here on
             self._versions.begin_load(version)
-        t0 = time.perf_counter()
+        rx.start()
         try:
             targets = slot.targets()
-            received = TensorManifest()
-            n_bytes = n_buckets = 0
             with torch.no_grad():
-                for bucket in named_tensor_buckets:
-                    n_buckets += 1
+                for bucket in rx.buckets(named_tensor_buckets):
                     for name, tensor in bucket:
-                        if name in received:
-                            raise ManifestMismatchError(f"{version.short_id}: tensor {name!r} received twice")
-                        target = targets.get(name)
-                        if target is None:
-                            raise ManifestMismatchError(
-                                f"{version.short_id}: received tensor {name!r} which the engine model "
-                                f"({type(slot.model).__name__}) does not have"
-                            )
-                        if tuple(target.shape) != tuple(tensor.shape) or target.dtype != tensor.dtype:
-                            raise ManifestMismatchError(
-                                f"{version.short_id}: tensor {name!r} expected shape {tuple(target.shape)} "
-                                f"dtype {target.dtype}, received shape {tuple(tensor.shape)} dtype {tensor.dtype}"
-                            )
-                        if not (tensor.data_ptr() == target.data_ptr() and tensor.stride() == target.stride()):
-                            target.copy_(tensor)  # else built in place (staging_target)
-                        # hash what landed in the staging model, i.e. what will be served
-                        received.add(name, target)
-                        n_bytes += tensor.numel() * tensor.element_size()
-            with span("weight_sync.verify"):
-                diff = expected_manifest.compare(received)
-            missing_in_model = sorted(set(targets) - set(received.entries))
+                        self._stage_tensor(rx, slot, targets, name, tensor)
+            diff = rx.compare()
+            missing_in_model = sorted(set(targets) - set(rx.received.entries))
             if not diff.ok or missing_in_model:
                 detail = diff.describe()
                 if missing_in_model:
@@ -368,26 +343,41 @@ class HFRolloutEngine:
                     f"engine stays on {self.active_version.short_id if self.active_version else 'no version'}",
                     diff,
                 )
-            if received.global_hash != version.weight_manifest_hash:  # implied by diff.ok; belt and braces
+            if rx.received.global_hash != version.weight_manifest_hash:  # implied by diff.ok; belt and braces
                 raise ManifestMismatchError(
-                    f"{version.short_id}: received hash {received.global_hash} != {version.weight_manifest_hash}"
+                    f"{version.short_id}: received hash {rx.received.global_hash} != {version.weight_manifest_hash}"
                 )
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             with self._lock:
-                slot.version, slot.manifest = version, received
+                slot.version, slot.manifest = version, rx.received
                 self._versions.stage(version)
         finally:
             with self._lock:
                 self._versions.end_load()
-        return LoadReport(
-            version_id=version.short_id,
-            manifest_hash=received.global_hash,
-            num_tensors=len(received),
-            num_bytes=n_bytes,
-            num_buckets=n_buckets,
-            seconds=time.perf_counter() - t0,
-        )
+        return rx.report()
+
+    @staticmethod
+    def _stage_tensor(rx: ManifestReceiver, slot: "_Slot", targets: dict, name: str, tensor: torch.Tensor) -> None:
+        """One received tensor into the standby model's tensor of that name, checked by name,
+        shape and dtype, then recorded as it landed."""
+        rx.refuse_repeat(name)
+        version = rx.version
+        target = targets.get(name)
+        if target is None:
+            raise ManifestMismatchError(
+                f"{version.short_id}: received tensor {name!r} which the engine model "
+                f"({type(slot.model).__name__}) does not have"
+            )
+        if tuple(target.shape) != tuple(tensor.shape) or target.dtype != tensor.dtype:
+            raise ManifestMismatchError(
+                f"{version.short_id}: tensor {name!r} expected shape {tuple(target.shape)} "
+                f"dtype {target.dtype}, received shape {tuple(tensor.shape)} dtype {tensor.dtype}"
+            )
+        if not (tensor.data_ptr() == target.data_ptr() and tensor.stride() == target.stride()):
+            target.copy_(tensor)  # else built in place (staging_target)
+        # hash what landed in the staging model, i.e. what will be served
+        rx.landed(name, target, tensor)
 
     def activate(self, version: PolicyVersion) -> ActivationReport:
         """Atomically make the staged ``version`` the active one and flush caches."""

@@ -96,7 +96,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import time
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -115,6 +114,7 @@ from megarl.rollout.protocol import (
     candidate_seed,
 )
 from megarl.rollout.lifecycle import VersionLifecycle
+from megarl.rollout.manifest_receiver import ManifestReceiver
 from megarl.experience.schema import SampleRouting, compact_expert_dtype
 from megarl.models.safetensors_io import model_dir_eos_token_ids
 from megarl.rollout.weight_stream import (
@@ -124,7 +124,6 @@ from megarl.rollout.weight_stream import (
     get_flattened_tensor_bucket_class,
 )
 from megarl.versions import PolicyVersion
-from megarl.observability.profiling import span
 
 __all__ = [
     "SGLangRolloutEngine",
@@ -665,13 +664,7 @@ class SGLangRolloutEngine:
         named_tensor_buckets: Iterable[Sequence[tuple[str, torch.Tensor]]],
         expected_manifest: TensorManifest,
     ) -> LoadReport:
-        import torch.distributed as dist
-
-        if expected_manifest.global_hash != version.weight_manifest_hash:
-            raise ManifestMismatchError(
-                f"expected manifest hash {expected_manifest.global_hash} is not the manifest of "
-                f"{version.short_id} ({version.weight_manifest_hash})"
-            )
+        rx = ManifestReceiver(version, expected_manifest)
         if self.asleep:
             raise EngineAsleepError(f"load_weights({version.short_id}): engine is asleep; wake() first")
         self._versions.refuse_second_load(version)
@@ -683,26 +676,11 @@ class SGLangRolloutEngine:
         self._staged_manifest = None
         verify = self.verify_writes == "every" or (self.verify_writes == "first" and not self._loads_verified)
         written_before: dict[str, str] | None = None  # group rank 0: checksums of the reset parameters
-        t0 = time.perf_counter()
-        received = TensorManifest()
-        n_bytes = n_buckets = 0
+        rx.start()
         session = False  # a weight-update session is open on the engine (group rank 0)
         try:
-            for bucket in named_tensor_buckets:
-                n_buckets += 1
-                error = None
-                try:  # verify before handing anything to the engine
-                    for name, tensor in bucket:
-                        if name in received.entries:
-                            raise ManifestMismatchError(f"{version.short_id}: tensor {name!r} received twice")
-                        received.entries[name] = expected_manifest.check_entry(name, tensor)
-                        n_bytes += tensor.numel() * tensor.element_size()
-                except ManifestMismatchError as e:
-                    error = e
-                if not self._all_ok(error is None):
-                    raise error or ManifestMismatchError(
-                        f"{version.short_id}: another rank of the inference group rejected bucket {n_buckets}"
-                    )
+            for bucket in rx.buckets(named_tensor_buckets):
+                self._check_bucket(rx, bucket)  # verify before handing anything to the engine
                 on_device = [(n, t.to(self.device, non_blocking=True)) for n, t in bucket]
                 flat = flatten_bucket_by_dtype(on_device, bucket_cls=bucket_cls)
                 payloads = [
@@ -712,14 +690,9 @@ class SGLangRolloutEngine:
                     )
                     for b in flat.values()
                 ]
-                self._synchronize()
-                gathered = [None] * self.tp_size if self.rank_in_group == 0 else None
-                if self.group is not None:
-                    dist.gather_object(payloads, gathered, dst=self.src_global_rank, group=self.group)
-                else:
-                    gathered = [payloads]
+                gathered = self._gather_payloads(payloads)
                 self._versions.loaded_in_place()  # from here v is no longer what the engine holds
-                if verify and n_buckets == 1:  # every parameter to random values, and their checksums
+                if verify and rx.n_buckets == 1:  # every parameter to random values, and their checksums
                     def reset():
                         nonlocal written_before
                         self._check_weights("reset_tensors")
@@ -732,7 +705,7 @@ class SGLangRolloutEngine:
                     self._leader_call("begin_weight_update()", lambda: _success(
                         self._engine.begin_weight_update(), "begin_weight_update"))
                 # every rank keeps its flattened tensors alive until this returned (slime)
-                self._leader_call(f"update_weights_from_tensor (bucket {n_buckets})",
+                self._leader_call(f"update_weights_from_tensor (bucket {rx.n_buckets})",
                                   lambda g=gathered: self._hand_over(g))
                 del flat, payloads, on_device, gathered
                 if self.device.type == "cuda":
@@ -741,17 +714,16 @@ class SGLangRolloutEngine:
                 session = False
                 self._leader_call("end_weight_update()", lambda: _success(
                     self._engine.end_weight_update(), "end_weight_update"))
-            with span("weight_sync.verify"):
-                diff = expected_manifest.compare(received)
+            diff = rx.compare()
             if not diff.ok:
                 raise ManifestMismatchError(f"{version.short_id}: stream incomplete: {diff.describe()}", diff)
-            if verify and n_buckets:
+            if verify and rx.n_buckets:
                 self._leader_call("check_weights(checksum) after the update",
                                   lambda: self._unwritten(written_before, version), WeightsNotWrittenError)
                 self._loads_verified += 1
             self.flush_cache()
             self._versions.stage(version)
-            self._staged_manifest = received
+            self._staged_manifest = rx.received
             self.last_load_error = None
         except BaseException as e:
             self.last_load_error = f"{version.short_id}: {type(e).__name__}: {e}"
@@ -763,7 +735,34 @@ class SGLangRolloutEngine:
             raise
         finally:  # on failure before any hand-over v is still active; after it, none is (reload)
             self._versions.end_load()
-        return LoadReport(version.short_id, received.global_hash, len(received), n_bytes, n_buckets, time.perf_counter() - t0)
+        return rx.report()
+
+    def _check_bucket(self, rx: ManifestReceiver, bucket) -> None:
+        """Every rank of the group checks its copy of one bucket against the expected manifest;
+        all raise if any rank found a bad tensor (one all-reduce), so none hands it over."""
+        error = None
+        try:
+            for name, tensor in bucket:
+                rx.checked(name, tensor)
+        except ManifestMismatchError as e:
+            error = e
+        if not self._all_ok(error is None):
+            raise error or ManifestMismatchError(
+                f"{rx.version.short_id}: another rank of the inference group rejected bucket {rx.n_buckets}"
+            )
+
+    def _gather_payloads(self, payloads: list) -> list | None:
+        """Every TP rank's serialized payloads at the group's first rank (None elsewhere), once
+        the tensors they point to are complete."""
+        self._synchronize()
+        gathered = [None] * self.tp_size if self.rank_in_group == 0 else None
+        if self.group is not None:
+            import torch.distributed as dist
+
+            dist.gather_object(payloads, gathered, dst=self.src_global_rank, group=self.group)
+        else:
+            gathered = [payloads]
+        return gathered
 
     def _hand_over(self, gathered) -> tuple[bool, str]:
         """Group rank 0: every dtype bucket of one stream bucket into the engine, checking each
