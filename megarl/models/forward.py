@@ -1,29 +1,17 @@
-"""Teacher-forced forwards through a (TP x PP sharded) megatron model.
+"""Teacher-forced forwards through a (TP x PP x CP sharded) megatron model.
 
-* :func:`token_log_probs_from_logits` — vocab-parallel log-prob of given targets, exact with
-  a padded vocabulary (padding rows are masked out of the partition function), differentiable.
-* :func:`forward_only` — run micro-batches through the pipeline (megatron's own schedule) and
-  return per-micro-batch results from the last stage, broadcast to every rank.
+* :func:`token_log_probs_from_logits`, :func:`vocab_parallel_entropy`: vocab-parallel log-probs and
+  entropies, exact with a padded vocabulary, differentiable.
+* :func:`forward_only`: micro-batches through the pipeline without gradients, each result broadcast
+  from the last stage to every rank; :func:`teacher_forced_log_probs`, :func:`scalar_values` and
+  :func:`response_log_probs` over rows of any lengths.
 
-Sequences are right-padded ``[batch, seq]`` token ids; attention is causal, so positions
-past a sequence's end never influence its valid positions.
-
-With ``pack=True`` (``algo.pack_sequences``) the forward-only passes lay the real tokens of the
-rows of each micro-batch back to back in one ``[1, total]`` sequence with megatron-core's
-``PackedSeqParams(qkv_format="thd")``: attention never crosses a ``cu_seqlens`` boundary and
-RoPE restarts at 0 in every sequence, so each row's outputs equal the padded forward's up to
-float rounding.  On CUDA this is transformer-engine's varlen attention; without TE the local
-attention gets its THD path from ``megarl.runtime.cpu_compat`` (CPU only).  With
-``micro_batch_tokens`` (``algo.micro_batch_tokens``) the packed micro-batches are cut by a token
-budget instead of a row count; the update's packed micro-batches
-(:func:`megarl.models.optim.train_step`) reach their loss through
-:func:`megarl.models.micro_batches.next_token_terms` and :func:`~megarl.models.micro_batches.token_terms`.
-What a micro-batch is for megatron (padding, packing, SP / CP / EP / VPP) is
-:mod:`megarl.models.micro_batches`.
-
-Under context parallelism (``parallel.cp``) every forward runs this rank's positions of each row,
-or of each packed sequence, and the output functions are :class:`PositionWise`: labels shifted on
-the whole row, per-token results gathered back to rows (:mod:`megarl.models.context_parallel`).
+Rows are right-padded ``[batch, seq]`` token ids and attention is causal, so positions past a row's
+end never influence its valid positions: rows of similar length share a micro-batch cut to its
+longest row.  With ``pack=True`` (``algo.pack_sequences``) or a token budget
+(``algo.micro_batch_tokens``) each micro-batch runs as one packed (THD) sequence, whose outputs
+equal the padded forward's up to float rounding.  What a micro-batch is for megatron (padding,
+packing, SP / CP / EP / VPP, the model and schedule calls) is :mod:`megarl.models.micro_batches`.
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ import torch.distributed as dist
 from megarl.experience.packing import PackedLayout, pack, pack_layout, unpack
 from megarl.experience.token_budget import plan_token_micro_batches
 from megarl.models import context_parallel
-from megarl.models.router_replay import RouterTargets, RoutingStats, routed
-from megarl.models.weights import unwrap
+from megarl.models.router_replay import RouterTargets, RoutingStats, RowRouting, routed
+from megarl.models.weights import as_chunks, unwrap
 
 
 def position_ids_for(tokens: torch.Tensor) -> torch.Tensor:
@@ -378,3 +378,71 @@ def token_micro_batches(columns: Dict[str, torch.Tensor], rows: torch.Tensor, bu
         mb["packed"] = PackedMicroBatch.from_rows(mb["tokens"], own)
         out.append(mb)
     return out
+
+
+def update_inputs(model, micro_batches: Sequence[Dict[str, Any]], replay_layers=None) -> List[tuple]:
+    """The update's micro-batches (:func:`padded_micro_batches` or :func:`token_micro_batches`) as
+    ``(micro-batch, ModelInput)`` pairs on the model's device: all padded to one ``(b, s)``, or all
+    packed; lengthened for sequence parallelism, for MoE at EP > 1 (collective over the dispatch
+    group) and context parallelism; ``replay_layers``: their routing-replay targets.  Under context
+    parallelism the micro-batch also records what its loss needs to gather this rank's positions
+    back to the rows (``context_parallel_width``, or ``packed`` as it ran and ``context_parallel_packed``)."""
+    if not micro_batches:
+        raise ValueError("train_step needs at least one micro-batch")
+    chunks = as_chunks(model)  # virtual pipeline stages
+    if len(chunks) > 1 and replay_layers is not None:
+        raise ValueError("routing replay with virtual pipeline stages is not supported yet")
+    packed = ["packed" in mb for mb in micro_batches]
+    if any(packed) and not all(packed):
+        raise ValueError(f"micro-batches {[i for i, p in enumerate(packed) if not p]} are padded and the others "
+                         "packed; a step runs one kind")
+    multiple = sequence_multiple(model)
+    cp = context_parallel.size()
+    if cp > 1:
+        why = context_parallel.check_supported(routing=replay_layers is not None)
+        if why is not None:
+            raise ValueError(f"parallel.cp={cp}: {why}")
+        if packed[0]:  # each sequence is split into 2 x cp chunks: every row padded at its end
+            micro_batches = [dict(mb, packed=mb["packed"].rows_padded_to(2 * cp), context_parallel_packed=True)
+                             for mb in micro_batches]
+    if packed[0]:
+        # filler tokens: sequence parallelism, up to a multiple of tp; MoE at EP > 1 (on CPU), up to
+        # the longest of the EP ranks' same micro-batch; context parallelism, 2 x cp (x tp)
+        runs = [round_up(n, multiple) for n in
+                common_pack_lengths(model, [mb["packed"].tokens.shape[1] for mb in micro_batches])]
+    else:
+        seq, mbs = micro_batches[0]["tokens"].shape[1], micro_batches[0]["tokens"].shape[0]
+        for i, mb in enumerate(micro_batches):
+            if tuple(mb["tokens"].shape) != (mbs, seq):
+                raise ValueError(f"micro-batch {i} has tokens of shape {list(mb['tokens'].shape)}; "
+                                 f"all micro-batches of a step must be [{mbs}, {seq}]")
+        # sequence parallelism: the model runs on whole tp-sized chunks (right padding, which a
+        # causal model never attends to); the loss sees the micro-batch's own width
+        runs = [round_up(seq, multiple)] * len(micro_batches)
+    dev = next(chunks[0].parameters()).device
+
+    def model_input(mb, run) -> ModelInput:
+        p, rows, targets = mb.get("packed"), None, None
+        if replay_layers is not None:
+            rows = RowRouting(mb["routing"], mb["routing_valid"], replay_layers).rows(
+                slice(None), p.layout.seq_len if p is not None else run)
+        if p is None:
+            if rows is not None:
+                targets = RouterTargets.for_padded(rows)
+            if cp > 1:  # this rank's positions; the loss gathers its terms back to the rows (next_token_terms)
+                mb["context_parallel_width"] = run
+            return ModelInput(pad_columns(mb["tokens"], run), targets, None if cp > 1 else mb["tokens"].shape[1])
+        if rows is not None:
+            targets = RouterTargets.for_packed(rows, p.layout)
+            if run > p.real_tokens:  # the filler sequence: filler experts, never valid
+                targets = targets.widened(1, run - p.real_tokens)
+        p = p.padded_to(run)
+        if cp > 1:  # this rank's positions of each sequence; the loss gathers its terms (next_token_terms)
+            mb["packed"] = p
+        return ModelInput(p, targets, None if cp > 1 else p.real_tokens)
+
+    items = []
+    for mb, run in zip(micro_batches, runs, strict=True):
+        mb = {k: (v.to(dev) if torch.is_tensor(v) or k == "packed" else v) for k, v in mb.items()}
+        items.append((mb, model_input(mb, run)))
+    return items

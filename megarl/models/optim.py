@@ -180,95 +180,27 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Dict[str, torch.Ten
                loss_fn: LossFn, replay_layers: Optional[Tuple[int, ...]] = None) -> StepResult:
     """One optimizer step over ``micro_batches`` (this DP rank's part of the global batch).
 
-    Each micro-batch is a dict with at least ``tokens`` ``(b, s)``; all micro-batches of a
-    step must share ``s`` (pad to a common length; padding is masked out by ``loss_fn``).
-    ``loss_fn`` returns ``sum(terms) / global_normaliser`` for its micro-batch.
-
-    Packed micro-batches (``algo.micro_batch_tokens``): every micro-batch also holds ``packed``, a
-    :class:`~megarl.models.micro_batches.PackedMicroBatch` of its rows, which is what the model runs
-    (``tokens`` stays the rows' ``(b, w)`` grid for the loss); their lengths differ, and megatron's
-    pipeline stages then tell each other every activation's shape.  ``loss_fn`` sees the output
-    of the real packed tokens, ``(1, total, ...)``; :func:`~megarl.models.micro_batches.next_token_terms`
-    and :func:`~megarl.models.micro_batches.token_terms` bring it to the rows.
-
-    Context parallelism (``parallel.cp``): the model runs this CP rank's positions of the rows, or of
-    each packed sequence (:mod:`megarl.models.context_parallel`; packed rows padded at their ends to
-    multiples of 2 x cp); the micro-batch also holds ``context_parallel_width`` (padded: the width
-    the rows were cut from) or ``context_parallel_packed`` (and ``packed`` as it ran): ``loss_fn``
-    sees this rank's positions' output, and :func:`~megarl.models.micro_batches.next_token_terms` /
-    :func:`~megarl.models.micro_batches.token_terms` gather its per-token terms to the whole rows.
+    Each micro-batch is a dict with at least ``tokens`` ``(b, s)`` (all of one shape, padding masked
+    out by ``loss_fn``), or, packed under a token budget (``algo.micro_batch_tokens``), also
+    ``packed``: a :class:`~megarl.models.micro_batches.PackedMicroBatch` of its rows, which is what
+    the model runs.  :func:`~megarl.models.micro_batches.update_inputs` makes them what the layout
+    needs (SP, CP, EP, routing replay); ``loss_fn(output, mb)`` returns ``sum(terms) /
+    global_normaliser`` from the output at the micro-batch's own width (packed: ``(1, total, ...)``;
+    under CP this rank's positions), which :func:`~megarl.models.micro_batches.next_token_terms` and
+    :func:`~megarl.models.micro_batches.token_terms` bring back to the rows.
 
     ``replay_layers`` (MoE routing replay): every micro-batch also holds ``routing`` ``(b, s,
     layers, k)`` and ``routing_valid`` ``(b, s)`` on its token grid
     (:func:`megarl.models.router_replay.record_to_rows`; columns: these decoder layers), and
     each forward dispatches its tokens to those experts.
     """
-    from megarl.models import context_parallel, moe_losses
-    from megarl.models.micro_batches import (ModelInput, call_model, common_pack_lengths, pad_columns, round_up,
-                                             run_schedule, sequence_multiple, tokens_of)
-    from megarl.models.router_replay import RouterTargets, RowRouting, clear_replay
+    from megarl.models import moe_losses
+    from megarl.models.micro_batches import call_model, run_schedule, tokens_of, update_inputs
+    from megarl.models.router_replay import clear_replay
     from megarl.models.weights import as_chunks, unwrap
 
-    if not micro_batches:
-        raise ValueError("train_step needs at least one micro-batch")
     chunks = as_chunks(ddp_model)  # virtual pipeline stages
-    if len(chunks) > 1 and replay_layers is not None:
-        raise ValueError("routing replay with virtual pipeline stages is not supported yet")
-    packed = ["packed" in mb for mb in micro_batches]
-    if any(packed) and not all(packed):
-        raise ValueError(f"micro-batches {[i for i, p in enumerate(packed) if not p]} are padded and the others "
-                         "packed; a step runs one kind")
-    multiple = sequence_multiple(ddp_model)
-    cp = context_parallel.size()
-    if cp > 1:
-        why = context_parallel.check_supported(routing=replay_layers is not None)
-        if why is not None:
-            raise ValueError(f"parallel.cp={cp}: {why}")
-        if packed[0]:  # each sequence is split into 2 x cp chunks: every row padded at its end
-            micro_batches = [dict(mb, packed=mb["packed"].rows_padded_to(2 * cp), context_parallel_packed=True)
-                             for mb in micro_batches]
-    if packed[0]:
-        # filler tokens: sequence parallelism, up to a multiple of tp; MoE at EP > 1 (on CPU), up to
-        # the longest of the EP ranks' same micro-batch; context parallelism, 2 x cp (x tp)
-        runs = [round_up(n, multiple) for n in
-                common_pack_lengths(ddp_model, [mb["packed"].tokens.shape[1] for mb in micro_batches])]
-    else:
-        seq, mbs = micro_batches[0]["tokens"].shape[1], micro_batches[0]["tokens"].shape[0]
-        for i, mb in enumerate(micro_batches):
-            if tuple(mb["tokens"].shape) != (mbs, seq):
-                raise ValueError(f"micro-batch {i} has tokens of shape {list(mb['tokens'].shape)}; "
-                                 f"all micro-batches of a step must be [{mbs}, {seq}]")
-        # sequence parallelism: the model runs on whole tp-sized chunks (right padding, which a
-        # causal model never attends to); the loss sees the micro-batch's own width
-        runs = [round_up(seq, multiple)] * len(micro_batches)
-    dev = next(chunks[0].parameters()).device
-
-    def model_input(mb, run) -> ModelInput:
-        """What the model runs for ``mb`` at length ``run``; under context parallelism ``mb`` also
-        records what the loss needs to gather this rank's positions back to the rows."""
-        p, rows, targets = mb.get("packed"), None, None
-        if replay_layers is not None:
-            rows = RowRouting(mb["routing"], mb["routing_valid"], replay_layers).rows(
-                slice(None), p.layout.seq_len if p is not None else run)
-        if p is None:
-            if rows is not None:
-                targets = RouterTargets.for_padded(rows)
-            if cp > 1:  # this rank's positions; the loss gathers its terms back to the rows (next_token_terms)
-                mb["context_parallel_width"] = run
-            return ModelInput(pad_columns(mb["tokens"], run), targets, None if cp > 1 else mb["tokens"].shape[1])
-        if rows is not None:
-            targets = RouterTargets.for_packed(rows, p.layout)
-            if run > p.real_tokens:  # the filler sequence: filler experts, never valid
-                targets = targets.widened(1, run - p.real_tokens)
-        p = p.padded_to(run)
-        if cp > 1:  # this rank's positions of each sequence; the loss gathers its terms (next_token_terms)
-            mb["packed"] = p
-        return ModelInput(p, targets, None if cp > 1 else p.real_tokens)
-
-    items = []
-    for mb, run in zip(micro_batches, runs, strict=True):
-        mb = {k: (v.to(dev) if torch.is_tensor(v) or k == "packed" else v) for k, v in mb.items()}
-        items.append((mb, model_input(mb, run)))
+    items = update_inputs(ddp_model, micro_batches, replay_layers)
     config = unwrap(ddp_model).config
 
     def step(data_iterator, model):
