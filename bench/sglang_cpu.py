@@ -40,7 +40,7 @@ def main() -> None:
     from megarl.rollout.protocol import GenerationRequest, SamplingParams
     from megarl.rollout.sglang_backend import SGLangRolloutEngine
     from megarl.rollout.weight_stream import iter_buckets
-    from tests._standins import HFActorStandIn, tiny_llama_config
+    from megarl.builtin.hf_actor import HFActorStandIn, tiny_llama_config
 
     config = tiny_llama_config(vocab_size=64, hidden=128, layers=4, eos_token_id=None, bos_token_id=None,
                                intermediate_size=256, architectures=["LlamaForCausalLM"])

@@ -29,7 +29,7 @@ from megarl.rollout.hf_backend import HFRolloutEngine  # noqa: E402
 from megarl.rollout.protocol import GenerationRequest, SamplingParams  # noqa: E402
 from megarl.rollout.weight_stream import iter_buckets  # noqa: E402
 from bench.shapes import ONE_B, llama  # noqa: E402
-from tests._standins import HFActorStandIn, tiny_llama_config  # noqa: E402
+from megarl.builtin.hf_actor import HFActorStandIn, tiny_llama_config  # noqa: E402
 
 
 NO_TOKENIZER = "sha256:" + "0" * 64  # the bench has no tokenizer

@@ -171,7 +171,7 @@ def test_sglang_sessions_continue_from_input_ids(tmp_path, monkeypatch):
 
     from megarl.builtin.tiny_tokenizer import build_tiny_tokenizer
     from megarl.rollout.sglang_backend import SGLangRolloutEngine
-    from tests._standins import HFActorStandIn, tiny_llama_config
+    from megarl.builtin.hf_actor import HFActorStandIn, tiny_llama_config
     from tests.sglang_fake import FakeSGLang, load_description, recorded_versions
 
     environ = dict(os.environ)

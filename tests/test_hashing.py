@@ -53,7 +53,7 @@ def test_pinned_digests():
     assert section_hash(VALUE) == json_sha256(VALUE)
     assert section_hash({"template": "{{ '字符' }} é <|end|>"}) == \
         "sha256:ce312aa4657229c842d587fdbeafba3da91473b4bf40cfcac915d4b4b5b9ce75"
-    none_tok = json_sha256({"tokenizer": "none"})  # tests/_standins.py's default tokenizer hash
+    none_tok = json_sha256({"tokenizer": "none"})  # megarl/builtin/hf_actor.py's default tokenizer hash
     assert none_tok == "sha256:e04372902c950f20d9a1aaa7d5953cb402629f472264bbd9fe0865f4990e814a"
     v = PolicyVersion("run-1", 3, 1, "sha256:" + "a" * 64, none_tok, json_sha256({"x": "c"}))
     assert v.identity_hash == "sha256:666cd0ff1ca50e7a143ecd9d748d85127278aff1ec974a5286cd06eedc6d436c"

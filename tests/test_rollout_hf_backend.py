@@ -1,6 +1,6 @@
 """hf rollout backend: log-prob spaces, version activation, manifest checks, refusal rules.
 
-A transformers model stands in for the actor (tests/_standins.py: HFActorStandIn); the
+A transformers model stands in for the actor (megarl/builtin/hf_actor.py: HFActorStandIn); the
 megatron-actor versions of these checks are the lead's.
 """
 
@@ -27,7 +27,7 @@ from megarl.rollout.protocol import (
     VersionNotStagedError,
 )
 from megarl.rollout.weight_stream import ManifestMismatchError, TensorManifest, iter_buckets
-from tests._standins import HFActorStandIn, tiny_llama_config
+from megarl.builtin.hf_actor import HFActorStandIn, tiny_llama_config
 from tests._tolerance import NET_FP32_LOGPROB, max_abs_diff, within
 
 BUCKET = 40_000  # bytes: several buckets for the tiny model

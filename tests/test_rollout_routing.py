@@ -14,7 +14,7 @@ from megarl.rollout.hf_backend import HFRolloutEngine, _RoutingRecorder, moe_exp
 from megarl.rollout.protocol import GenerationRequest, InvalidRequestError, SamplingParams
 from megarl.rollout.sglang_backend import moe_layout_from_config
 from megarl.rollout.weight_stream import iter_buckets
-from tests._standins import HFActorStandIn, tiny_llama_config, tiny_moe_config
+from megarl.builtin.hf_actor import HFActorStandIn, tiny_llama_config, tiny_moe_config
 
 PROMPTS = [GenerationRequest("p0", (2, 5, 17, 40, 9)), GenerationRequest("p1", (2, 33)),
            GenerationRequest("p2", (2, 7, 7, 11, 25, 6, 12))]

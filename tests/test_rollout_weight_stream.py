@@ -14,7 +14,7 @@ from megarl.rollout.weight_stream import (
     iter_buckets,
     tensor_checksum,
 )
-from tests._standins import tiny_llama_config
+from megarl.builtin.hf_actor import tiny_llama_config
 
 
 def named(seed=0):

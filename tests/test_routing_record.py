@@ -180,7 +180,7 @@ def test_routing_replay_config():
     with pytest.raises(ConfigError, match="algo.routing_replay.*dense model"):
         validate_model_fit(load_config(GRPO, ["algo.routing_replay=rollout"]), dense, "config.json")
     assert moe_num_experts(dense) is None
-    from tests._standins import tiny_moe_config
+    from megarl.builtin.hf_actor import tiny_moe_config
 
     moe = spec_from_hf_config(json.loads(tiny_moe_config("qwen3_moe").to_json_string()))
     validate_model_fit(load_config(GRPO, ["algo.routing_replay=rollout"]), moe, "config.json")

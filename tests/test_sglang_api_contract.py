@@ -43,7 +43,7 @@ from megarl.rollout.sglang_backend import (
     sglang_sampling_params,
 )
 from megarl.rollout.weight_stream import ManifestMismatchError, iter_buckets
-from tests._standins import HFActorStandIn, tiny_llama_config
+from megarl.builtin.hf_actor import HFActorStandIn, tiny_llama_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VERSIONS = recorded_versions()
@@ -456,7 +456,7 @@ def test_routed_experts_are_recorded_from_0_5_7_on(desc):
 
 @pytest.fixture
 def moe_dir(tmp_path):
-    from tests._standins import tiny_moe_config
+    from megarl.builtin.hf_actor import tiny_moe_config
 
     tiny_moe_config("qwen3_moe", layers=3, mlp_only_layers=[], decoder_sparse_step=1,
                     eos_token_id=CONTRACT_EOS).save_pretrained(tmp_path)
@@ -464,7 +464,7 @@ def moe_dir(tmp_path):
 
 
 def test_routed_experts_come_back_as_the_samples_routing(fake, desc, moe_dir):
-    from tests._standins import tiny_moe_config
+    from megarl.builtin.hf_actor import tiny_moe_config
 
     if not _has_routed_experts(desc):
         with pytest.raises(RolloutError, match="needs SGLang >= 0.5.7"):
@@ -575,7 +575,7 @@ def test_a_load_that_leaves_an_engine_parameter_unwritten_fails_naming_it(fake, 
 
 
 def test_a_qwen3_moe_with_dense_layers_is_refused_before_the_engine_starts(fake, tmp_path):
-    from tests._standins import tiny_moe_config
+    from megarl.builtin.hf_actor import tiny_moe_config
 
     tiny_moe_config("qwen3_moe", layers=3, mlp_only_layers=[1]).save_pretrained(tmp_path)
     with pytest.raises(RolloutError, match=r"mlp_only_layers=\[1\]"):

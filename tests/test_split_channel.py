@@ -27,7 +27,7 @@ from megarl.rollout.protocol import GenerationRequest, SamplingParams
 from megarl.rollout.remote import RemoteEngine, RolloutService
 from megarl.rollout.weight_stream import ManifestMismatchError, iter_buckets
 from megarl.runtime.split import Heartbeat, PeerLostError, SplitWorld
-from tests._standins import HFActorStandIn, tiny_llama_config
+from megarl.builtin.hf_actor import HFActorStandIn, tiny_llama_config
 from tests._tolerance import NET_FP32_LOGPROB, max_abs_diff, within
 
 BUCKET = 40_000  # bytes: several buckets for the tiny model

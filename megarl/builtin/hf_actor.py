@@ -1,7 +1,7 @@
-"""Stand-ins for the actor, shared by the rollout tests and bench/weight_sync.py (test helpers:
-not part of the ``megarl`` package).
+"""A transformers model in the actor's place: its logical tensors feed the weight stream.
 
-An "actor" here is a plain transformers model whose logical tensors feed the stream; the lead
+The rollout engines' tests and the weight-sync benchmarks (bench/weight_sync.py,
+bench/sglang_cpu.py) publish weights without building a megatron actor; in training the lead
 replaces it with the megatron actor's gathered stream.  Nothing is downloaded.
 """
 
