@@ -13,8 +13,8 @@ What a micro-batch must be for megatron is decided once:
 * the model call (:func:`call_model`) and the schedule call (:func:`run_schedule`), one each.
 
 The update's micro-batches of a mini-batch are cut here too (:func:`padded_micro_batches`,
-:func:`token_micro_batches`), and their outputs go back to rows by :func:`next_token_terms` and
-:func:`token_terms`.
+:func:`token_micro_batches`) and made what the layout needs (:func:`update_inputs`); their outputs
+go back to rows by :func:`next_token_terms` and :func:`token_terms`.
 """
 
 from __future__ import annotations
