@@ -180,86 +180,55 @@ def _memory_lines(cfg, spec, dp: int) -> List[str]:
     return lines + activation_lines(cfg, spec, dp)
 
 
-def dry_run(cfg, world_size: Optional[int] = None) -> dict:
-    """Check and plan; print one line per check; return the plan (for tests)."""
-    from megarl.builtin.warmstart import is_built
-    from megarl.commands.run_checks import check_run
-    from megarl.commands.startup import check_model, check_reward
-    from megarl.config import missing_packages
-    from megarl.models.fit import validate_model_fit
-    from megarl.commands.startup import check_start_paths
+def _run_dir_line(cfg) -> str:
+    """What a start would do with ``trainer.run_dir``: resume, start over, or start a new run."""
     from megarl.checkpointing.run_dir import inspect_run_dir, start_decision
 
-    simulated = world_size is not None
-    world = world_size if simulated else int(os.environ.get("WORLD_SIZE", "1"))
-    dp = check_run(cfg, world)
-    lines = [f"ok   config: recipe {cfg.recipe}, {cfg.algo.name} ({cfg.algo.advantage}), valid at world size {world}"
-             + (" (simulated: --world-size)" if simulated else "")]
-    not_checked = []
-    for key, msg in missing_packages(cfg):
-        if not simulated:
-            from megarl.errors import ConfigError
-
-            raise ConfigError(f"{key}: {msg}")
-        not_checked.append(f"{key}: {msg.split(';')[0]}")
-    check_start_paths(cfg)
     run_dir = cfg.trainer.run_dir
-    if run_dir:
-        state = inspect_run_dir(run_dir)
-        finished = start_decision(cfg, state, dry=True)
-        if finished:
-            what = finished
-        elif state.checkpoint and cfg.trainer.resume == "auto":
-            what = f"would resume from {state.checkpoint}"
-        else:
-            what = "would move the interrupted attempt aside and start over" if state.used else "would start a new run"
-        lines.append(f"ok   trainer.run_dir: {run_dir}: {what}")
+    if not run_dir:
+        return "ok   trainer.run_dir: runs/ is writable (default: runs/<recipe>-<timestamp>)"
+    state = inspect_run_dir(run_dir)
+    finished = start_decision(cfg, state, dry=True)
+    if finished:
+        what = finished
+    elif state.checkpoint and cfg.trainer.resume == "auto":
+        what = f"would resume from {state.checkpoint}"
     else:
-        lines.append("ok   trainer.run_dir: runs/ is writable (default: runs/<recipe>-<timestamp>)")
-    check_reward(cfg)
-    if cfg.rollout.agent.env:  # validated with its arguments above (check_environment)
-        ag = cfg.rollout.agent
-        lines.append(f"ok   rollout.agent: environment {ag.env} loads; it scores each episode "
-                     f"(at most {ag.max_turns} turns, {ag.max_total_tokens} tokens)")
-    else:
-        lines.append(f"ok   reward: {cfg.reward.fn or 'reward model only'} builds"
-                     + (f" (+ reward model {cfg.reward.model.path})" if cfg.reward.model.path else ""))
+        what = "would move the interrupted attempt aside and start over" if state.used else "would start a new run"
+    return f"ok   trainer.run_dir: {run_dir}: {what}"
 
-    builds = []
-    if cfg.model.build_tiny and not is_built(cfg.model.path):
-        builds.append(f"would build the built-in tiny model at model.path={cfg.model.path} (model.tiny.*)")
-    if cfg.data.build_arithmetic or cfg.data.build_running_sum:
-        task = "arithmetic" if cfg.data.build_arithmetic else "running-sum"
-        paths = (("data.train_path", cfg.data.train_path), ("data.heldout_path", cfg.data.heldout_path))
-        builds += [f"would build the {task} task file {key}={path}" for key, path in paths
-                   if path and not os.path.exists(path)]
-    spec = None
-    if not builds:
-        from megarl.data.tokenizer import TokenizerContract
-        from megarl.models.hf_config import load_spec
-        from megarl.rewards.dataset_fields import check_datasets_against_reward
 
-        check_datasets_against_reward(cfg)
-        check_model(cfg)  # also resolves Hub ids to their local snapshots, as a start does
-        spec = load_spec(cfg.model.path)
-        validate_model_fit(cfg, spec, where=os.path.join(cfg.model.path, "config.json"))
-        p = cfg.parallel
-        moe = getattr(spec, "moe", None)
-        experts = (f", {moe.num_experts} experts (top-{moe.top_k}) over ep {p.ep} x etp {p.etp or p.tp}"
-                   if moe is not None else "")
-        lines.append(f"ok   model.path: {cfg.model.path}: {spec.architecture}, {spec.num_layers} layers, hidden "
-                     f"{spec.hidden_size}, {spec.num_attention_heads} heads / {spec.num_query_groups} KV heads: "
-                     f"fits tp {p.tp} x pp {p.pp}{experts}")
-        tok_dir = cfg.model.tokenizer or cfg.model.path
-        tok = TokenizerContract.load(tok_dir, cfg.model.chat_template)
-        lines.append(f"ok   tokenizer: {tok_dir}: loads (contract {tok.hash[:12]})")
-        lines += _load_datasets(cfg, tok)
-    else:
-        lines += [f"--   {b}" for b in builds]
-        lines.append("--   model, tokenizer and datasets: checked once built (a real start builds them first)")
+def _check_model_and_data(cfg, lines: list):
+    """Check the model (its fit on the layout), the tokenizer and the datasets as a start would,
+    a line for each onto ``lines``; returns the model's spec."""
+    from megarl.commands.startup import check_model
+    from megarl.data.tokenizer import TokenizerContract
+    from megarl.models.fit import validate_model_fit
+    from megarl.models.hf_config import load_spec
+    from megarl.rewards.dataset_fields import check_datasets_against_reward
 
+    check_datasets_against_reward(cfg)
+    check_model(cfg)  # also resolves Hub ids to their local snapshots, as a start does
+    spec = load_spec(cfg.model.path)
+    validate_model_fit(cfg, spec, where=os.path.join(cfg.model.path, "config.json"))
+    p = cfg.parallel
+    moe = getattr(spec, "moe", None)
+    experts = (f", {moe.num_experts} experts (top-{moe.top_k}) over ep {p.ep} x etp {p.etp or p.tp}"
+               if moe is not None else "")
+    lines.append(f"ok   model.path: {cfg.model.path}: {spec.architecture}, {spec.num_layers} layers, hidden "
+                 f"{spec.hidden_size}, {spec.num_attention_heads} heads / {spec.num_query_groups} KV heads: "
+                 f"fits tp {p.tp} x pp {p.pp}{experts}")
+    tok_dir = cfg.model.tokenizer or cfg.model.path
+    tok = TokenizerContract.load(tok_dir, cfg.model.chat_template)
+    lines.append(f"ok   tokenizer: {tok_dir}: loads (contract {tok.hash[:12]})")
+    lines += _load_datasets(cfg, tok)
+    return spec
+
+
+def _placement_lines(cfg, world: int, dp: int) -> list:
+    """The plan's lines on ranks, rollout placement and partial rollouts."""
     p, r = cfg.parallel, cfg.rollout
-    lines.append("")
+    lines = []
     split = cfg.placement.mode == "split"
     trainers = world - cfg.placement.rollout_ranks if split else world
     lines.append(f"plan: {'trainer ranks' if split else 'world'} {trainers} = tp {p.tp} x pp {p.pp} x dp {dp}"
@@ -287,6 +256,57 @@ def dry_run(cfg, world_size: Optional[int] = None) -> dict:
                  "(async_rl.max_staleness=0: every trained token on-policy)")
         lines.append(f"partial rollouts: {B} + {an.extra_groups} groups open, generated async_rl.segment_tokens="
                      f"{an.segment_tokens} tokens at a time until {B} are complete; {carry}")
+    return lines
+
+
+def dry_run(cfg, world_size: Optional[int] = None) -> dict:
+    """Check and plan; print one line per check; return the plan (for tests)."""
+    from megarl.builtin.warmstart import is_built
+    from megarl.commands.run_checks import check_run
+    from megarl.commands.startup import check_reward
+    from megarl.config import missing_packages
+    from megarl.commands.startup import check_start_paths
+
+    simulated = world_size is not None
+    world = world_size if simulated else int(os.environ.get("WORLD_SIZE", "1"))
+    dp = check_run(cfg, world)
+    lines = [f"ok   config: recipe {cfg.recipe}, {cfg.algo.name} ({cfg.algo.advantage}), valid at world size {world}"
+             + (" (simulated: --world-size)" if simulated else "")]
+    not_checked = []
+    for key, msg in missing_packages(cfg):
+        if not simulated:
+            from megarl.errors import ConfigError
+
+            raise ConfigError(f"{key}: {msg}")
+        not_checked.append(f"{key}: {msg.split(';')[0]}")
+    check_start_paths(cfg)
+    lines.append(_run_dir_line(cfg))
+    check_reward(cfg)
+    if cfg.rollout.agent.env:  # validated with its arguments above (check_environment)
+        ag = cfg.rollout.agent
+        lines.append(f"ok   rollout.agent: environment {ag.env} loads; it scores each episode "
+                     f"(at most {ag.max_turns} turns, {ag.max_total_tokens} tokens)")
+    else:
+        lines.append(f"ok   reward: {cfg.reward.fn or 'reward model only'} builds"
+                     + (f" (+ reward model {cfg.reward.model.path})" if cfg.reward.model.path else ""))
+
+    builds = []
+    if cfg.model.build_tiny and not is_built(cfg.model.path):
+        builds.append(f"would build the built-in tiny model at model.path={cfg.model.path} (model.tiny.*)")
+    if cfg.data.build_arithmetic or cfg.data.build_running_sum:
+        task = "arithmetic" if cfg.data.build_arithmetic else "running-sum"
+        paths = (("data.train_path", cfg.data.train_path), ("data.heldout_path", cfg.data.heldout_path))
+        builds += [f"would build the {task} task file {key}={path}" for key, path in paths
+                   if path and not os.path.exists(path)]
+    spec = None
+    if not builds:
+        spec = _check_model_and_data(cfg, lines)
+    else:
+        lines += [f"--   {b}" for b in builds]
+        lines.append("--   model, tokenizer and datasets: checked once built (a real start builds them first)")
+
+    lines.append("")
+    lines += _placement_lines(cfg, world, dp)
     lines += batch_plan(cfg, dp)
     if spec is not None:
         lines += _memory_lines(cfg, spec, dp)

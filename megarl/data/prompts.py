@@ -356,6 +356,35 @@ def _row_id(row: dict, id_field: str, where: str, default: str) -> str:
     return value
 
 
+def _row_prompt(row: dict, where: str, prompt_field: str, messages_field: str, apply_chat_template: bool,
+                system_prompt: str | None):
+    """``(text, chat, messages)`` of one row: exactly one of a text prompt and a chat; the
+    messages to encode (None for a raw text prompt), the system prompt first where one is set."""
+    text, chat = row.get(prompt_field), row.get(messages_field)
+    if text is not None and chat is not None:
+        raise PromptDatasetError(
+            f"{where}: has both {prompt_field!r} and {messages_field!r}; give exactly one")
+    if text is None and chat is None:
+        raise PromptDatasetError(
+            f"{where}: needs a {prompt_field!r} (text) or {messages_field!r} (chat) field; "
+            f"found {sorted(row)}")
+    if text is not None:
+        if not isinstance(text, str) or not text:
+            raise PromptDatasetError(
+                f"{where}: field {prompt_field!r} must be a non-empty string, got {text!r:.80}")
+        messages = None
+        if apply_chat_template:
+            messages = [{"role": "user", "content": text}]
+    else:
+        messages = _messages(chat, where, messages_field)
+        if not apply_chat_template:
+            raise PromptDatasetError(
+                f"{where}: field {messages_field!r} is a chat, which needs apply_chat_template=True")
+    if messages is not None and system_prompt is not None and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}] + messages
+    return text, chat, messages
+
+
 def load_prompt_dataset(
     path: str | os.PathLike,
     contract,
@@ -401,28 +430,8 @@ def load_prompt_dataset(
                     f"{where}: duplicate {id_field!r} {prompt_id!r} (first at {seen_ids[prompt_id]})")
             seen_ids[prompt_id] = where
 
-            text, chat = row.get(prompt_field), row.get(messages_field)
-            if text is not None and chat is not None:
-                raise PromptDatasetError(
-                    f"{where}: has both {prompt_field!r} and {messages_field!r}; give exactly one")
-            if text is None and chat is None:
-                raise PromptDatasetError(
-                    f"{where}: needs a {prompt_field!r} (text) or {messages_field!r} (chat) field; "
-                    f"found {sorted(row)}")
-            if text is not None:
-                if not isinstance(text, str) or not text:
-                    raise PromptDatasetError(
-                        f"{where}: field {prompt_field!r} must be a non-empty string, got {text!r:.80}")
-                messages = None
-                if apply_chat_template:
-                    messages = [{"role": "user", "content": text}]
-            else:
-                messages = _messages(chat, where, messages_field)
-                if not apply_chat_template:
-                    raise PromptDatasetError(
-                        f"{where}: field {messages_field!r} is a chat, which needs apply_chat_template=True")
-            if messages is not None and system_prompt is not None and messages[0]["role"] != "system":
-                messages = [{"role": "system", "content": system_prompt}] + messages
+            text, chat, messages = _row_prompt(row, where, prompt_field, messages_field, apply_chat_template,
+                                               system_prompt)
             try:
                 ids = contract.encode_prompt(messages if messages is not None else text)
             except Exception as e:  # template errors (jinja raise_exception), tokenizer errors

@@ -225,11 +225,9 @@ def _rope(cfg: dict, where: str) -> tuple[float, Optional[Llama3RopeScaling]]:
     return float(theta), rs
 
 
-def spec_from_hf_config(cfg: dict, where: str = "config.json") -> ModelSpec:
-    """Validate an HF config dict and turn it into a :class:`ModelSpec`.
-
-    Raises :class:`ModelConfigError` naming ``where`` and the offending key.
-    """
+def _architecture(cfg: dict, where: str) -> tuple[str, str, str]:
+    """``(architecture, family, head)`` from ``architectures`` (at most one entry) or, without
+    it, from ``model_type``; the two must agree where both are given."""
     archs = cfg.get("architectures") or []
     model_type = cfg.get("model_type")
     if len(archs) > 1:
@@ -254,6 +252,54 @@ def spec_from_hf_config(cfg: dict, where: str = "config.json") -> ModelSpec:
         raise ModelConfigError(
             f"{where}: model_type='{model_type}' disagrees with architectures entry '{arch}'"
         )
+    return arch, family, head
+
+
+def _attention_heads(cfg: dict, hidden: int, where: str) -> tuple[int, int, int]:
+    """``(heads, query groups, head_dim)``; head_dim defaults to hidden_size / heads."""
+    heads = int(_require(cfg, "num_attention_heads", where))
+    groups = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = cfg.get("head_dim")
+    if head_dim is None:
+        if hidden % heads:
+            raise ModelConfigError(
+                f"{where}: hidden_size={hidden} is not divisible by num_attention_heads={heads}"
+            )
+        head_dim = hidden // heads
+    if heads % groups:
+        raise ModelConfigError(
+            f"{where}: num_attention_heads={heads} is not divisible by num_key_value_heads={groups}"
+        )
+    return heads, groups, head_dim
+
+
+def _biases(cfg: dict, family: str, attn_family: str, moe_family: bool, where: str) -> tuple[bool, bool]:
+    """``(qkv_bias, linear_bias)``: Qwen2 attention has a QKV bias only; elsewhere megatron's
+    ``add_bias_linear`` covers o_proj and the MLP together, and MoE experts take none."""
+    attention_bias = bool(cfg.get("attention_bias", False))
+    mlp_bias = bool(cfg.get("mlp_bias", False))
+    if attn_family == "qwen2":
+        return bool(cfg.get("qkv_bias", True)), False
+    if moe_family and (attention_bias or mlp_bias):
+        key = "attention_bias" if attention_bias else "mlp_bias"
+        raise ModelConfigError(
+            f"{where}: {key}=true is not supported for {family} (megatron's experts and shared "
+            "experts take no bias with expert tensor parallelism)"
+        )
+    if attention_bias != mlp_bias:
+        raise ModelConfigError(
+            f"{where}: attention_bias={attention_bias} with mlp_bias={mlp_bias} is not "
+            "supported (megatron's add_bias_linear covers o_proj and the MLP together)"
+        )
+    return attention_bias, attention_bias
+
+
+def spec_from_hf_config(cfg: dict, where: str = "config.json") -> ModelSpec:
+    """Validate an HF config dict and turn it into a :class:`ModelSpec`.
+
+    Raises :class:`ModelConfigError` naming ``where`` and the offending key.
+    """
+    arch, family, head = _architecture(cfg, where)
 
     moe_family = family in MOE_FAMILIES
     known = _BENIGN_KEYS | _SEMANTIC_KEYS | ((_MOE_BENIGN_KEYS | _MOE_SEMANTIC_KEYS[family]) if moe_family else set())
@@ -271,37 +317,8 @@ def spec_from_hf_config(cfg: dict, where: str = "config.json") -> ModelSpec:
         raise ModelConfigError(f"{where}: hidden_act='{act}' is not supported (expected 'silu')")
 
     hidden = int(_require(cfg, "hidden_size", where))
-    heads = int(_require(cfg, "num_attention_heads", where))
-    groups = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = cfg.get("head_dim")
-    if head_dim is None:
-        if hidden % heads:
-            raise ModelConfigError(
-                f"{where}: hidden_size={hidden} is not divisible by num_attention_heads={heads}"
-            )
-        head_dim = hidden // heads
-    if heads % groups:
-        raise ModelConfigError(
-            f"{where}: num_attention_heads={heads} is not divisible by num_key_value_heads={groups}"
-        )
-
-    attention_bias = bool(cfg.get("attention_bias", False))
-    mlp_bias = bool(cfg.get("mlp_bias", False))
-    if attn_family == "qwen2":
-        qkv_bias, linear_bias = bool(cfg.get("qkv_bias", True)), False
-    elif moe_family and (attention_bias or mlp_bias):
-        key = "attention_bias" if attention_bias else "mlp_bias"
-        raise ModelConfigError(
-            f"{where}: {key}=true is not supported for {family} (megatron's experts and shared "
-            "experts take no bias with expert tensor parallelism)"
-        )
-    else:
-        if attention_bias != mlp_bias:
-            raise ModelConfigError(
-                f"{where}: attention_bias={attention_bias} with mlp_bias={mlp_bias} is not "
-                "supported (megatron's add_bias_linear covers o_proj and the MLP together)"
-            )
-        qkv_bias = linear_bias = attention_bias
+    heads, groups, head_dim = _attention_heads(cfg, hidden, where)
+    qkv_bias, linear_bias = _biases(cfg, family, attn_family, moe_family, where)
 
     sliding_window = cfg.get("sliding_window")
     if attn_family == "qwen2" or attn_family == "qwen3":

@@ -224,40 +224,9 @@ class CodeExec:
         proc = None
         rfd = wfd = None
         try:
-            try:
-                box = os.path.join(root, "box")
-                os.mkdir(box, 0o700)
-                drop = self.uid is not None and os.geteuid() == 0
-                if drop:
-                    os.chmod(root, 0o711)  # the sandbox user may traverse to its box, not list root
-                    os.chown(box, self.uid, self.gid)
-                with open(os.path.join(box, "main.py"), "w", encoding="utf-8") as f:
-                    f.write(program)
-                with open(os.path.join(root, "stdin"), "w", encoding="utf-8") as f:
-                    f.write(stdin)
-                if drop:
-                    os.chown(os.path.join(box, "main.py"), self.uid, self.gid)
-                fin = open(os.path.join(root, "stdin"), "rb")
-                fout = open(os.path.join(root, "stdout"), "wb")
-                ferr = open(os.path.join(root, "stderr"), "wb")
-            except OSError as e:
-                raise _SandboxError(f"cannot prepare the work directory: {e}") from None
+            box, drop, (fin, fout, ferr) = self._prepare_box(root, program, stdin)
             rfd, wfd = os.pipe()
-            cfg = {
-                "report_fd": wfd, "strict": self.strict, "unshare": self.sandbox == "unshare", "tmpfs_size": self.tmpfs_size,
-                "cpu_s": self.cpu_s, "as": self.memory_mb << 20, "fsize": self.max_file_bytes,
-                "nproc": self.max_procs, "nofile": self.max_open_files,
-                "uid": self.uid, "gid": self.gid, "env": _MIN_ENV,
-                "startup_limit_s": self.startup_timeout_s + 2.0, "hard_limit_s": self.timeout_s + 2.0,
-                "argv": [self.python, "-I", "-B", "-c", sb.PRELUDE],
-            }
-            if self.sandbox == "bwrap":  # the namespaces and the root are bubblewrap's; the launcher runs inside
-                cfg["provided"] = dict.fromkeys(("netns", "mountns", "pidns", "tmpfs", "proc", "rootfs"), True)
-                cfg["chdir"] = sb.BOX
-                argv = sb.bwrap_argv(self.bwrap, self.python, box, tmpfs_size=self.tmpfs_size, drop_user=drop) + [
-                    "--", self.python, "-I", "-S", "-c", sb.LAUNCHER, json.dumps(cfg)]
-            else:
-                argv = [sys.executable, "-I", "-S", "-c", sb.LAUNCHER, json.dumps(cfg)]
+            argv = self._launcher_argv(box, drop, wfd)
             t0 = time.monotonic()
             try:
                 with fin, fout, ferr:
@@ -270,29 +239,7 @@ class CodeExec:
                 wfd = None
             buf = bytearray()
             started, eof = self._await_start(rfd, buf, t0 + self.startup_timeout_s)
-            timed_out = False
-            if started is not None:
-                # the prelude's CLOCK_MONOTONIC is ours; the clamp only guards against a clock that is not
-                t_start = min(max(started, t0), time.monotonic())
-                try:
-                    proc.wait(timeout=max(0.0, t_start + self.timeout_s - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    timed_out = True
-                    # unshare / none: kill the program first (pid 1 of its namespace: all it forked dies
-                    # with it) so the launcher reaps it and reports; then the launcher's process group.
-                    # bwrap: the reported pid is the sandbox's own; killing bubblewrap ends the sandbox
-                    pid = next((r["pid"] for r in self._parse(buf) if "pid" in r), None)
-                    if pid is not None and self.sandbox != "bwrap" and proc.poll() is None:
-                        try:
-                            os.kill(pid, signal.SIGKILL)
-                            proc.wait(timeout=2.0)
-                        except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
-                            pass
-            elif eof:  # the launcher ended without starting the program: its reports say why
-                try:
-                    proc.wait(timeout=5.0)
-                except subprocess.TimeoutExpired:
-                    pass
+            t_start, timed_out = self._await_end(proc, buf, started, eof, t0)
             self._kill(proc)
             t_end = time.monotonic()
             self._drain(rfd, buf, 5.0)
@@ -342,6 +289,77 @@ class CodeExec:
                 if fd is not None:
                     os.close(fd)
             shutil.rmtree(root, ignore_errors=True)
+
+    def _prepare_box(self, root: str, program: str, stdin: str):
+        """``(box, drop, (stdin, stdout, stderr files))``: the program written into ``root/box``
+        (owned by the sandbox user when ``drop``), its stdin beside it, its output files opened."""
+        try:
+            box = os.path.join(root, "box")
+            os.mkdir(box, 0o700)
+            drop = self.uid is not None and os.geteuid() == 0
+            if drop:
+                os.chmod(root, 0o711)  # the sandbox user may traverse to its box, not list root
+                os.chown(box, self.uid, self.gid)
+            with open(os.path.join(box, "main.py"), "w", encoding="utf-8") as f:
+                f.write(program)
+            with open(os.path.join(root, "stdin"), "w", encoding="utf-8") as f:
+                f.write(stdin)
+            if drop:
+                os.chown(os.path.join(box, "main.py"), self.uid, self.gid)
+            fin = open(os.path.join(root, "stdin"), "rb")
+            fout = open(os.path.join(root, "stdout"), "wb")
+            ferr = open(os.path.join(root, "stderr"), "wb")
+        except OSError as e:
+            raise _SandboxError(f"cannot prepare the work directory: {e}") from None
+        return box, drop, (fin, fout, ferr)
+
+    def _launcher_argv(self, box: str, drop: bool, wfd: int) -> list[str]:
+        """The command that starts the launcher (inside bubblewrap for ``sandbox="bwrap"``) with
+        its configuration: limits, user, environment, the report pipe ``wfd``."""
+        cfg = {
+            "report_fd": wfd, "strict": self.strict, "unshare": self.sandbox == "unshare", "tmpfs_size": self.tmpfs_size,
+            "cpu_s": self.cpu_s, "as": self.memory_mb << 20, "fsize": self.max_file_bytes,
+            "nproc": self.max_procs, "nofile": self.max_open_files,
+            "uid": self.uid, "gid": self.gid, "env": _MIN_ENV,
+            "startup_limit_s": self.startup_timeout_s + 2.0, "hard_limit_s": self.timeout_s + 2.0,
+            "argv": [self.python, "-I", "-B", "-c", sb.PRELUDE],
+        }
+        if self.sandbox == "bwrap":  # the namespaces and the root are bubblewrap's; the launcher runs inside
+            cfg["provided"] = dict.fromkeys(("netns", "mountns", "pidns", "tmpfs", "proc", "rootfs"), True)
+            cfg["chdir"] = sb.BOX
+            return sb.bwrap_argv(self.bwrap, self.python, box, tmpfs_size=self.tmpfs_size, drop_user=drop) + [
+                "--", self.python, "-I", "-S", "-c", sb.LAUNCHER, json.dumps(cfg)]
+        return [sys.executable, "-I", "-S", "-c", sb.LAUNCHER, json.dumps(cfg)]
+
+    def _await_end(self, proc, buf: bytearray, started: float | None, eof: bool, t0: float
+                   ) -> tuple[float | None, bool]:
+        """``(t_start, timed_out)``: wait for a started program until ``timeout_s`` after its
+        start (killing it past that), or briefly for a launcher that ended without starting it
+        (``t_start`` None)."""
+        t_start, timed_out = None, False
+        if started is not None:
+            # the prelude's CLOCK_MONOTONIC is ours; the clamp only guards against a clock that is not
+            t_start = min(max(started, t0), time.monotonic())
+            try:
+                proc.wait(timeout=max(0.0, t_start + self.timeout_s - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                # unshare / none: kill the program first (pid 1 of its namespace: all it forked dies
+                # with it) so the launcher reaps it and reports; then the launcher's process group.
+                # bwrap: the reported pid is the sandbox's own; killing bubblewrap ends the sandbox
+                pid = next((r["pid"] for r in self._parse(buf) if "pid" in r), None)
+                if pid is not None and self.sandbox != "bwrap" and proc.poll() is None:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                        proc.wait(timeout=2.0)
+                    except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
+                        pass
+        elif eof:  # the launcher ended without starting the program: its reports say why
+            try:
+                proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                pass
+        return t_start, timed_out
 
     @classmethod
     def _await_start(cls, rfd: int, buf: bytearray, deadline: float) -> tuple[float | None, bool]:

@@ -168,40 +168,16 @@ def run_agent_rollouts(engine, prompts: Sequence[GenerationRequest | Tuple[str, 
     the served one).  A trajectory then spans versions: each policy token keeps the version that
     sampled it (``Trajectory.token_versions``), and the next turn is a new prefill of the exact
     token list so far under the new weights -- no KV of an older version is attended to."""
-    from megarl.envs.render import EnvRenderError
-    from megarl.envs.runner import EnvStatus, EnvironmentPool
+    from megarl.envs.runner import EnvironmentPool
 
     if limits.max_turns < 1 or limits.max_total_tokens < 1:
         raise ValueError(f"agent limits must be >= 1, got {limits}")
     reqs = [p if isinstance(p, GenerationRequest) else GenerationRequest(p[0], tuple(p[1])) for p in prompts]
-    trajs: List[Trajectory] = []
-    env_rows: List[Mapping[str, Any]] = []
-    prompt_of: List[int] = []  # the prompt index of each trajectory
-    for i, q in enumerate(reqs):
-        row = q.task if rows is None else rows[i]
-        if row is None:
-            raise ValueError(f"{q.request_id}: an agent session needs the environment's row (GenerationRequest.task)")
-        for c in q.candidates(sampling.n):
-            trajs.append(Trajectory(q.request_id, c, q.prompt_ids, attempt=q.attempt))
-            env_rows.append(row)
-            prompt_of.append(i)
+    trajs, env_rows, prompt_of = _new_trajectories(reqs, rows, sampling)
     position = {id(t): j for j, t in enumerate(trajs)}  # a trajectory's environment in the pool
     pool = EnvironmentPool(env_factory, step_timeout_s=step_timeout_s, max_workers=max_workers)
     try:
-        for j, res in enumerate(pool.reset(env_rows)):
-            t = trajs[j]
-            if res.status is not EnvStatus.OK:
-                _fail(t, res.status.value, res.error)
-                continue
-            extra = tuple(res.outcome.observation) if res.outcome is not None else ()
-            if extra:
-                i = prompt_of[j]
-                msgs = None if prompt_messages is None else prompt_messages[i]
-                if msgs is None or encode_prompt is None:
-                    raise ValueError(f"{t.request_id}: the environment's reset returned messages, but the prompt is "
-                                     "plain text (no messages to append them to)")
-                t.prompt_ids = tuple(encode_prompt(list(msgs) + [{"role": m.role, "content": m.content}
-                                                                 for m in extra]))
+        _reset(pool, trajs, env_rows, prompt_of, prompt_messages, encode_prompt)
         stops = tuple(sorted(set(sampling.stop_token_ids) | set(renderer.assistant_end_ids)))
         first_turn = True
         while True:
@@ -211,22 +187,7 @@ def run_agent_rollouts(engine, prompts: Sequence[GenerationRequest | Tuple[str, 
             if between_turns is not None and not first_turn:
                 between_turns()
             first_turn = False
-            budget = {id(t): limits.max_total_tokens - len(t.response_ids) for t in active}
-            # one engine call per distinct per-turn limit (a trajectory near its budget samples less)
-            by_limit: Dict[int, List[Trajectory]] = {}
-            for t in active:
-                by_limit.setdefault(min(sampling.max_new_tokens, budget[id(t)]), []).append(t)
-            results: Dict[int, GenerationResult] = {}
-            for cap, group in sorted(by_limit.items()):
-                sp = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                                    max_new_tokens=cap, stop_token_ids=stops, n=1, seed=sampling.seed)
-                turn_reqs = [GenerationRequest(f"{t.request_id}/c{t.candidate_index}/t{t.turns}",
-                                               t.prompt_ids + tuple(t.response_ids)) for t in group]
-                # keyed by id: an engine may answer out of order, twice, or not at all
-                got = {r.request_id: r for r in engine.generate(turn_reqs, sp) if r.candidate_index == 0}
-                for t, q in zip(group, turn_reqs, strict=True):
-                    if q.request_id in got:
-                        results[id(t)] = got[q.request_id]
+            results = _policy_turn(engine, active, sampling, stops, limits)
             stepping: List[Trajectory] = []
             for t in active:
                 res = results.get(id(t))
@@ -246,41 +207,111 @@ def run_agent_rollouts(engine, prompts: Sequence[GenerationRequest | Tuple[str, 
             outs = pool.step([position[id(t)] for t in stepping],
                              [decode(t.generated[-1].response_ids) for t in stepping])
             for t, res in zip(stepping, outs, strict=True):
-                t.step_latency_s.append(float(res.latency_s))
-                if res.status is not EnvStatus.OK:
-                    _fail(t, res.status.value, res.error)
-                    continue
-                out = res.outcome
-                for k, v in dict(out.reward_components).items():
-                    t.reward_components[k] = t.reward_components.get(k, 0.0) + float(v)
-                # the environment's own count when it gives one (a tool may answer in a user message)
-                info = dict(out.info or {})
-                t.tool_calls += int(info["tool_calls"]) if "tool_calls" in info else \
-                    sum(1 for m in out.observation if m.role == "tool")
-                if out.terminated:
-                    t.finish_reason = FinishReason.ENVIRONMENT
-                    t.turns += 1
-                    continue
-                if out.truncated:
-                    t.finish_reason = FinishReason.ENV_TRUNCATED
-                    t.turns += 1
-                    continue
-                t.turns += 1
-                if t.turns >= limits.max_turns:
-                    t.finish_reason = FinishReason.MAX_TURNS
-                    continue
-                try:
-                    ids = renderer.render(out.observation)
-                except EnvRenderError as e:  # text that would encode as a control token
-                    _fail(t, "invalid", str(e))
-                    continue
-                if len(t.response_ids) + len(ids) >= limits.max_total_tokens:
-                    t.finish_reason = FinishReason.LENGTH  # no room for the observation and a reply
-                    continue
-                t.append_environment(ids)
+                _after_step(t, res, renderer, limits)
     finally:
         pool.close()
     return trajs
+
+
+def _new_trajectories(reqs: Sequence[GenerationRequest], rows, sampling: SamplingParams):
+    """``(trajectories, environment rows, prompt index of each)``: one trajectory per candidate,
+    in (prompt, candidate) order."""
+    trajs: List[Trajectory] = []
+    env_rows: List[Mapping[str, Any]] = []
+    prompt_of: List[int] = []  # the prompt index of each trajectory
+    for i, q in enumerate(reqs):
+        row = q.task if rows is None else rows[i]
+        if row is None:
+            raise ValueError(f"{q.request_id}: an agent session needs the environment's row (GenerationRequest.task)")
+        for c in q.candidates(sampling.n):
+            trajs.append(Trajectory(q.request_id, c, q.prompt_ids, attempt=q.attempt))
+            env_rows.append(row)
+            prompt_of.append(i)
+    return trajs, env_rows, prompt_of
+
+
+def _reset(pool, trajs, env_rows, prompt_of, prompt_messages, encode_prompt) -> None:
+    """Reset every trajectory's environment; messages a reset returns are appended to the
+    prompt's messages and the prompt re-encoded (a text prompt cannot take them)."""
+    from megarl.envs.runner import EnvStatus
+
+    for j, res in enumerate(pool.reset(env_rows)):
+        t = trajs[j]
+        if res.status is not EnvStatus.OK:
+            _fail(t, res.status.value, res.error)
+            continue
+        extra = tuple(res.outcome.observation) if res.outcome is not None else ()
+        if extra:
+            i = prompt_of[j]
+            msgs = None if prompt_messages is None else prompt_messages[i]
+            if msgs is None or encode_prompt is None:
+                raise ValueError(f"{t.request_id}: the environment's reset returned messages, but the prompt is "
+                                 "plain text (no messages to append them to)")
+            t.prompt_ids = tuple(encode_prompt(list(msgs) + [{"role": m.role, "content": m.content}
+                                                             for m in extra]))
+
+
+def _policy_turn(engine, active: List[Trajectory], sampling: SamplingParams, stops, limits: AgentLimits
+                 ) -> Dict[int, GenerationResult]:
+    """One policy turn of every active trajectory, by ``id(trajectory)``; a trajectory the
+    engine did not answer is absent."""
+    budget = {id(t): limits.max_total_tokens - len(t.response_ids) for t in active}
+    # one engine call per distinct per-turn limit (a trajectory near its budget samples less)
+    by_limit: Dict[int, List[Trajectory]] = {}
+    for t in active:
+        by_limit.setdefault(min(sampling.max_new_tokens, budget[id(t)]), []).append(t)
+    results: Dict[int, GenerationResult] = {}
+    for cap, group in sorted(by_limit.items()):
+        sp = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                            max_new_tokens=cap, stop_token_ids=stops, n=1, seed=sampling.seed)
+        turn_reqs = [GenerationRequest(f"{t.request_id}/c{t.candidate_index}/t{t.turns}",
+                                       t.prompt_ids + tuple(t.response_ids)) for t in group]
+        # keyed by id: an engine may answer out of order, twice, or not at all
+        got = {r.request_id: r for r in engine.generate(turn_reqs, sp) if r.candidate_index == 0}
+        for t, q in zip(group, turn_reqs, strict=True):
+            if q.request_id in got:
+                results[id(t)] = got[q.request_id]
+    return results
+
+
+def _after_step(t: Trajectory, res, renderer, limits: AgentLimits) -> None:
+    """Apply one environment step's result to ``t``: its rewards and tool calls, then either an
+    end (terminated, truncated, out of turns or tokens, a failure) or the rendered observation."""
+    from megarl.envs.render import EnvRenderError
+    from megarl.envs.runner import EnvStatus
+
+    t.step_latency_s.append(float(res.latency_s))
+    if res.status is not EnvStatus.OK:
+        _fail(t, res.status.value, res.error)
+        return
+    out = res.outcome
+    for k, v in dict(out.reward_components).items():
+        t.reward_components[k] = t.reward_components.get(k, 0.0) + float(v)
+    # the environment's own count when it gives one (a tool may answer in a user message)
+    info = dict(out.info or {})
+    t.tool_calls += int(info["tool_calls"]) if "tool_calls" in info else \
+        sum(1 for m in out.observation if m.role == "tool")
+    if out.terminated:
+        t.finish_reason = FinishReason.ENVIRONMENT
+        t.turns += 1
+        return
+    if out.truncated:
+        t.finish_reason = FinishReason.ENV_TRUNCATED
+        t.turns += 1
+        return
+    t.turns += 1
+    if t.turns >= limits.max_turns:
+        t.finish_reason = FinishReason.MAX_TURNS
+        return
+    try:
+        ids = renderer.render(out.observation)
+    except EnvRenderError as e:  # text that would encode as a control token
+        _fail(t, "invalid", str(e))
+        return
+    if len(t.response_ids) + len(ids) >= limits.max_total_tokens:
+        t.finish_reason = FinishReason.LENGTH  # no room for the observation and a reply
+        return
+    t.append_environment(ids)
 
 
 def _fail(t: Trajectory, status: str, error: Optional[str]) -> None:

@@ -217,6 +217,37 @@ class _RoutingRecorder:
         return torch.stack(out, dim=2)
 
 
+def _logits_processors(sampling: SamplingParams, seeds, n_rows: int):
+    """``(processors, chooser)``: the raw log-prob recorder, transformers' warpers for
+    ``sampling`` (none when greedy), then the per-candidate seeded chooser, last."""
+    from transformers.generation import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    recorder = _RawLogProbRecorder()
+    processors = [recorder]
+    if not sampling.greedy:
+        if sampling.temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(sampling.temperature))
+        if sampling.top_k >= 1:
+            processors.append(TopKLogitsWarper(top_k=sampling.top_k))
+        if sampling.top_p < 1.0:
+            processors.append(TopPLogitsWarper(top_p=sampling.top_p))
+    chooser = _SeededTokenChooser(recorder, None if sampling.greedy else seeds, size=n_rows)
+    processors.append(chooser)
+    return processors, chooser
+
+
+def _response_end(toks: list, max_new_tokens: int, eos_set: set, stop_set: set) -> tuple[int, FinishReason]:
+    """``(length, reason)`` of one generated row: up to and including its first eos or stop
+    token, else ``max_new_tokens`` (LENGTH)."""
+    length, reason = min(len(toks), max_new_tokens), FinishReason.LENGTH
+    for j, t in enumerate(toks[:max_new_tokens]):
+        if t in eos_set:
+            return j + 1, FinishReason.EOS
+        if t in stop_set:
+            return j + 1, FinishReason.STOP
+    return length, reason
+
+
 class HFRolloutEngine:
     """Rollout engine on a transformers causal LM.  See the module docstring for the design.
 
@@ -495,15 +526,8 @@ class HFRolloutEngine:
             with self._lock:
                 self._generating -= 1
 
-    def _generate(
-        self, slot: _Slot, requests: Sequence[GenerationRequest], sampling: SamplingParams
-    ) -> list[GenerationResult]:
-        from transformers import GenerationConfig, LogitsProcessorList
-        from transformers.generation import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
-        if not requests:
-            return []
-        t_call = time.monotonic()
+    def _refuse_invalid(self, requests: Sequence[GenerationRequest]) -> None:
+        """Refuse a call with a repeated request id or a prompt token outside the vocabulary."""
         ids = [r.request_id for r in requests]
         if len(set(ids)) != len(ids):
             raise InvalidRequestError(f"duplicate request_id in one generate call: {sorted(ids)}")
@@ -513,26 +537,30 @@ class HFRolloutEngine:
             if bad:
                 raise InvalidRequestError(f"request {r.request_id}: token ids {bad[:5]} outside [0, {vocab})")
 
-        rows = [(r, c) for r in requests for c in r.candidates(sampling.n)]
-        seeds = [candidate_seed(sampling.seed, r.request_id, c) for r, c in rows]
-        width = max(len(r.prompt_ids) for r, _ in rows)
+    def _left_padded(self, rows, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(input_ids, attention_mask)`` of the rows' prompts, left padded to ``width``."""
         input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
         attention = torch.zeros((len(rows), width), dtype=torch.long)
         for i, (r, _) in enumerate(rows):  # left padding: every row's next token is at the end
             input_ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
             attention[i, width - len(r.prompt_ids):] = 1
+        return input_ids, attention
 
-        recorder = _RawLogProbRecorder()
-        processors = [recorder]
-        if not sampling.greedy:
-            if sampling.temperature != 1.0:
-                processors.append(TemperatureLogitsWarper(sampling.temperature))
-            if sampling.top_k >= 1:
-                processors.append(TopKLogitsWarper(top_k=sampling.top_k))
-            if sampling.top_p < 1.0:
-                processors.append(TopPLogitsWarper(top_p=sampling.top_p))
-        chooser = _SeededTokenChooser(recorder, None if sampling.greedy else seeds, size=len(rows))
-        processors.append(chooser)
+    def _generate(
+        self, slot: _Slot, requests: Sequence[GenerationRequest], sampling: SamplingParams
+    ) -> list[GenerationResult]:
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        if not requests:
+            return []
+        t_call = time.monotonic()
+        self._refuse_invalid(requests)
+
+        rows = [(r, c) for r in requests for c in r.candidates(sampling.n)]
+        seeds = [candidate_seed(sampling.seed, r.request_id, c) for r, c in rows]
+        width = max(len(r.prompt_ids) for r, _ in rows)
+        input_ids, attention = self._left_padded(rows, width)
+        processors, chooser = _logits_processors(sampling, seeds, len(rows))
 
         terminal = tuple(dict.fromkeys(self.eos_token_ids + sampling.stop_token_ids))
         gen_config = GenerationConfig(
@@ -586,14 +614,7 @@ class HFRolloutEngine:
         results = []
         for i, (r, c) in enumerate(rows):
             toks = generated[i].tolist()
-            length, reason = min(len(toks), sampling.max_new_tokens), FinishReason.LENGTH
-            for j, t in enumerate(toks[: sampling.max_new_tokens]):
-                if t in eos_set:
-                    length, reason = j + 1, FinishReason.EOS
-                    break
-                if t in stop_set:
-                    length, reason = j + 1, FinishReason.STOP
-                    break
+            length, reason = _response_end(toks, sampling.max_new_tokens, eos_set, stop_set)
             results.append(
                 GenerationResult(
                     request_id=r.request_id,
