@@ -52,12 +52,12 @@ def main() -> None:
     a = p.parse_args()
 
     import torch
-    from omegaconf import OmegaConf
     from transformers import DynamicCache, LlamaForCausalLM
 
     from megarl.builtin.tiny_checkpoint import tiny_hf_config
+    from megarl.config import merge_config
 
-    shape = {k: OmegaConf.load(a.recipe).model.tiny[k] for k in SHAPE_KEYS}
+    shape = {k: merge_config(a.recipe).model.tiny[k] for k in SHAPE_KEYS}  # its base's keys included
     for kv in a.shape:
         key, _, value = kv.partition("=")
         if key not in SHAPE_KEYS or not value.isdigit():

@@ -200,7 +200,8 @@ def test_startup_errors_are_one_line_naming_the_key(tmp_path):
     line = _one_error(_cli(["--config", GRPO, "trainer.profile_iterations=3"], tmp_path), "trainer.profile_iterations")
     assert "expects a list, e.g. trainer.profile_iterations=[3]" in line and "AnyNode" not in line
     bad_yaml = tmp_path / "typo.yaml"
-    bad_yaml.write_text(open(GRPO).read().replace("prompts_per_iteration: 16", "prompts_per_iteraton: 16"))
+    base = os.path.join(CONFIGS, "base", "tiny.yaml")  # the tiny recipes' shared keys
+    bad_yaml.write_text(open(base).read().replace("prompts_per_iteration: 16", "prompts_per_iteraton: 16"))
     line = _one_error(_cli(["--config", str(bad_yaml)], tmp_path), "trainer.prompts_per_iteraton")
     assert line.startswith(f"error: {bad_yaml}: unknown key") and "did you mean trainer.prompts_per_iteration" in line
     ro = tmp_path / "ro"

@@ -138,6 +138,7 @@ def test_reward_isolation_keys_accepted():
 
 def test_ppo_without_critic_refused(tmp_path):
     text = open(PPO).read().split("\ncritic:")[0] + "\nreward: {fn: arithmetic}\n"
+    text = text.replace("base: base/tiny.yaml", f"base: {os.path.join(ROOT, 'configs', 'base', 'tiny.yaml')}")
     p = tmp_path / "ppo_no_critic.yaml"
     p.write_text(text)
     _fail(str(p), [], "critic")
