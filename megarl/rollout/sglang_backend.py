@@ -4,91 +4,19 @@ Written against SGLang 0.5.3 .. 0.5.23 (``setup.py`` extra ``gpu``; the Docker i
 What each call relies on is recorded, per release, in ``docker/sglang_api/sglang-<v>.json`` (read
 from the release's source by ``docker/sglang_api/record.py``), and
 ``tests/test_sglang_api_contract.py`` drives this class against a fake engine built from those
-records.  Paths below are relative to ``python/sglang/srt`` of the release named.
-
-* ``entrypoints/engine.py``: ``Engine(**ServerArgs)`` runs its schedulers in child processes (one
-  per TP rank).  ``update_weights_from_tensor(named_tensors, load_format, flush_cache)`` takes, for
-  ``load_format="flattened_bucket"``, one pre-serialized payload per TP rank and returns
-  ``(success, message)`` (``managers/tokenizer_control_mixin.py`` in 0.5.20 and 0.5.23,
-  ``tokenizer_communicator_mixin.py`` in 0.5.3 and 0.5.5).  Every call's ``success`` is checked:
-  a refused update fails the load (:class:`WeightUpdateRejectedError`, ``last_load_error``).
-* Weight-update session (0.5.21+): the scheduler refuses ``update_weights_from_tensor`` with
-  ``(False, "update_weights_from_tensor must run between begin_weight_update() and
-  end_weight_update()")`` unless ``begin_weight_update()`` opened a session (0.5.23
-  ``managers/scheduler_components/weight_updater.py:232``).  Where the engine has those two
-  methods, a load opens the session before its first hand-over and closes it before its
-  manifest check, also when it fails (a session left open refuses the next ``begin``).
-* ``release_memory_occupation(tags)`` / ``resume_memory_occupation(tags)`` (effective with
-  ``enable_memory_saver=True``): ``tags=None`` means every type the release knows, which from
-  0.5.5 includes ``cuda_graph`` (``constants.py``).  Resuming a tag that was not released raises
-  ``KeyError`` in the scheduler (``offload_tags.remove``), and a scheduler exception signals the
-  parent process (``SIGQUIT``, 0.5.23 ``managers/scheduler.py:6373``): the trainer dies.  So
-  ``wake()`` resumes exactly the tags ``sleep()`` released, never ``None``.
-* ``weight_sync/tensor_bucket.py``: SGLang's own ``FlattenedTensorBucket`` builds the payload (its
-  layout changed: elements per dtype up to 0.5.5, uint8 with byte offsets by 0.5.20), and
-  ``utils/common.py`` ``MultiprocessingSerializer`` deserializes it with a safe unpickler that admits
-  only SGLang's own classes (0.5.5+): megarl's class could never be loaded, so none is sent.
-* ``weight_sync/utils.py``: tensors cross as CUDA IPC handles, every TP rank serializes its own
-  copy and the group's first rank gathers them; ``monkey_patch_torch_reductions`` first.
-* slime ``backends/megatron_utils/update_weight/update_weight_from_tensor.py``
-  (``_send_to_colocated_engine``): one bucket per dtype, payload ``{"flattened_tensor",
-  "metadata"}`` serialized with ``output_str=True``; keep the flattened tensors alive until every
-  engine call returned; ``torch.cuda.ipc_collect()`` after each bucket.  verl
-  ``workers/rollout/sglang_rollout/sglang_rollout.py``: only infer-TP rank 0 talks to the engine,
-  ``flush_cache`` after the whole update, release ``["kv_cache", "weights"]``.
-* Log-prob space: SGLang's sampler returns log softmax(logits / T) unless
-  ``SGLANG_RETURN_ORIGINAL_LOGPROB`` (0.5.4+; ``RETURN_ORIGINAL_LOGPROB`` in 0.5.2/0.5.3, absent in
-  0.5.1, hence the lower bound) is true (``layers/sampler.py``).  Both are set before the engine
-  (and so its children) starts: this backend returns **raw** log-probs; ``processed_log_probs`` is
-  None.  tests/gpu checks the space against the megatron actor.
-* EOS: the scheduler stops on the model config's ``eos_token_id`` plus ``generation_config.json``'s
-  (``configs/model_config.py`` ``_get_hf_eos_token_id``) plus ``sampling_params.stop_token_ids``
-  (``managers/schedule_batch.py``).  This backend sends the union of the tokenizer contract's eos
-  ids, the model dir's eos ids and the sampling contract's stop ids as ``stop_token_ids``, and the
-  parser accepts exactly those: an eos id as EOS, a stop id as STOP, anything else is an error.
-* Per-candidate seeds: ``sampling_params.sampling_seed`` is used only when the engine runs with
-  ``enable_deterministic_inference`` (``sampling/sampling_batch_info.py``), which switches to
-  batch-invariant kernels, forces the pytorch sampling backend and restricts the attention
-  backend (0.5.23 ``arg_groups/overrides.py``): decoding is slower.  ``deterministic_inference=True``
-  turns it on; without it no seed is sent and ``GenerationResult.seed`` is None, because none
-  was honoured.
-* A weight update that reports success is not proof that the engine holds the weights: a model's
-  ``load_weights`` skips names it has no parameter for (0.5.23's Qwen3-MoE treats every layer as
-  sparse and drops the dense MLP of ``mlp_only_layers``).  SGLang's weight checker
-  (``utils/weight_checker.py``, ``check_weights`` actions ``reset_tensors`` and ``checksum``)
-  proves every parameter was written: before the first hand-over the engine's parameters are set
-  to random values and checksummed; after the update any parameter whose checksum did not change
-  was not written, and the load fails naming it (``verify_writes``: the engine's first load, every
-  load, or never).  A fused parameter written only in part (q of a fused qkv) is not caught.
-  The checksums are asked for once at start: 0.5.7's checker has no ``checksum`` action and 0.5.3
-  has none, so the check is refused there at start, not at the first load.
-* ``Engine()`` sets ``CUDA_DEVICE_MAX_CONNECTIONS`` (4 or 8) and NCCL variables in the calling
-  process (``entrypoints/engine.py`` ``_set_envs_and_config``); megatron's TP/SP communication
-  overlap relies on ``CUDA_DEVICE_MAX_CONNECTIONS=1`` and NCCL reads its variables when a
-  communicator is created, so they are restored once the schedulers have started
-  (:data:`TRAINER_ENV_VARS`).
-
-* Routed experts (MoE): ``Engine.generate(return_routed_experts=True)`` on an engine started with
-  ``enable_return_routed_experts`` (both from 0.5.7; absent up to 0.5.6.post2).  ``meta_info[
-  "routed_experts"]`` holds the top-k ids of tokens ``[0, seqlen - 1)`` (prompt + output; the last
-  output token is never fed), for every decoder layer (``num_hidden_layers``, zeros in dense
-  layers) x ``num_experts_per_tok``, int32 (0.5.23 ``state_capturer/base.py`` ``get_topk``);
-  with ``skip_tokenizer_init`` (this backend) it is base64 of those bytes in 0.5.23
-  (``managers/tokenizer_manager.py:2609``) and the tensor itself in 0.5.7
-  (``managers/tokenizer_manager.py:1505``): :func:`routed_experts_from_sglang_output` takes both.
-  An engine started without the flag returns no routing (its capturer is None), which the parser
-  refuses.  The ids are logical in 0.5.23 (captured before ``topk_ids_logical_to_physical``,
-  ``layers/moe/topk.py:2574``) and physical in 0.5.7 (``layers/moe/topk.py:984``), which equal
-  logical ones unless redundant experts / EPLB are on: this backend refuses
-  ``ep_num_redundant_experts`` there.  Recorded per release: ``routed_experts`` in
-  ``docker/sglang_api/sglang-<v>.json``.
+records.  Every rank of the group constructs :class:`SGLangRolloutEngine` and calls every method;
+the group's first rank owns the engine.  Log-probs are **raw** (``processed_log_probs`` is None).
 
 Differences from the hf backend, stated rather than hidden: SGLang updates weights in place (no
 second copy of the model fits next to the KV cache), so once the first bucket of v+1 has been
 handed over, v is gone.  Every tensor is checked against the expected manifest *before* it is
 handed over (a corrupted tensor is never loaded), generate() is refused from the first bucket
 until activate(), and a failed load leaves the engine with no active version (the control plane
-must reload a version) unless nothing had been handed over yet, in which case it stays on v.
+must reload one) unless nothing had been handed over yet, in which case it stays on v.
+
+What each SGLang call relies on, release by release (paths, sessions, memory tags, EOS, seeds,
+weight checks, routed experts, environment variables): docs/gpu.md, "SGLang calls, release by
+release".
 """
 
 from __future__ import annotations
@@ -491,7 +419,7 @@ class SGLangRolloutEngine:
             FinishReason.EOS (:attr:`eos_token_ids`).
         dtype: the engine's dtype, and so the dtype the weight stream is cast to (:attr:`dtype`).
         deterministic_inference: start SGLang with ``enable_deterministic_inference`` so that
-            per-candidate seeds are honoured (slower decoding; see the module docstring).
+            per-candidate seeds are honoured (slower decoding; see docs/gpu.md).
         device: where incoming tensors are staged for the hand-over (default: the current CUDA
             device; the CPU contract test uses ``"cpu"`` with a fake engine).
         engine_kwargs: extra ``ServerArgs`` (e.g. ``attention_backend``, ``enable_memory_saver``).
