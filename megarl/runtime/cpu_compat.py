@@ -5,65 +5,13 @@ megatron-core has no supported CPU path: it hard-codes ``device="cuda"`` literal
 p2p communication, tensor-parallel mappings and RoPE.  megarl's tests prove TP/PP/DP layouts
 on CPU with gloo, so we redirect those CUDA references to the CPU *only when CUDA is absent*.
 On a CUDA machine :func:`install` returns immediately, the wrappers below are never installed
-and every function here returns the CUDA behaviour.
+and every function here returns the CUDA behaviour; callers call each unconditionally.
 
-What is patched, and why (observed on megatron-core 0.16.1):
-
-* ``torch.cuda.current_device`` returns ``"cpu"`` so ``device=torch.cuda.current_device()``
-  allocations land on the CPU.
-* A :class:`torch.overrides.TorchFunctionMode` rewrites a ``device`` argument of type cuda to
-  cpu (``torch.zeros(..., device="cuda")`` in the schedules), makes ``Tensor.cuda()`` return the
-  tensor itself and ``Tensor.to("cuda")`` a CPU no-op, and names a CPU tensor's type as its CUDA
-  twin (``Tensor.type()``: the distributed optimizer sorts parameters by
-  ``"torch.cuda.FloatTensor"``).  It is active *only while megatron code
-  runs*: :func:`install` wraps megatron's entry points (:data:`ENTRY_POINTS`: parallel-state
-  set-up, model construction and forward, DDP construction and grad sync, optimizer
-  construction and steps, the pipeline schedules, vocab-parallel cross entropy, RoPE scaling,
-  dist_checkpointing save / load, the RNG tracker) so that each pushes the mode on its thread on
-  the way in and pops it on the way out (:func:`megatron_scope`, reentrant: a nested entry point
-  costs one thread-local read).  Everything else, megarl's own code and transformers generation
-  included, runs without it: the mode costs every torch call a trip through Python.
-* ``torch.cuda.synchronize`` / ``torch.cuda.empty_cache`` become no-ops.
-* Gradient clipping: megatron's ``clip_grad_by_total_norm_fp32`` asserts CUDA grad types; a
-  CPU twin with the same arithmetic replaces it (the norm itself is megatron's own).
-* The CUDA RNG tracker that megatron requires is replaced by megatron's own tracker initialised
-  in inference mode (dropout is 0 in RL fine-tuning; the tracker is never forked on CPU):
-  :func:`seed_megatron_rng`.
-* The MoE router's GEMM: ``moe_utils.RouterGatingLinearFunction`` tests
-  ``te_general_gemm is not None``, but that name is bound only by the transformer-engine import
-  at the top of ``moe_utils``; without TE every router forward raises ``NameError``.
-  :func:`install` binds it to ``None`` when TE is absent, so the router takes megatron's own
-  ``torch.mm`` path in ``moe_router_dtype`` (fp32).
-* Context parallelism: megatron pins the chunk index it picks each CP rank's RoPE rows with;
-  the mode drops ``pin_memory=True``.  Packed (THD) sequences, context parallelism and sequence
-  parallelism are otherwise not patched here: megatron's local attention and torch norm refuse
-  them, and ``megarl/models/cpu_layers.py`` builds stand-ins into the local layer spec
-  (:func:`use_local_layer_stand_ins` says where: on CPU).
-* Activation recomputation (``parallel.recompute``): megatron's ``CheckpointFunction`` saves and
-  restores the CUDA RNG state around the recompute (there is none: the CPU generator and
-  megatron's tracker are saved beside it), and its backward re-runs megatron code from the
-  autograd engine, where the device-rewriting mode is not on the torch function stack
-  (:func:`_in_mode` puts it there); ``CheckpointWithoutOutput()`` -- the selective recompute of
-  the norms -- takes FP8 to be on (``fp8 is not None`` with ``fp8=False``) and reads
-  transformer-engine's FP8 state, which does not exist without TE.  :func:`_patch_checkpoint_rng`.
-
-What megarl asks of megatron differently on CPU, each a function that callers call
-unconditionally (on CUDA it returns the CUDA behaviour):
-
-* :func:`use_transformer_engine`: the local layer spec, never transformer-engine's (CUDA kernels).
-* :func:`params_dtype_problem`: float32 only (megatron's bf16/fp16 paths type-check CUDA tensors);
-  :func:`model_dtype`: a model loaded without an explicit dtype is built in float32.
-* :func:`adjust_transformer_config`: ``use_cpu_initialization=True`` (no CUDA RNG / device for
-  the initialisers), ``batch_p2p_sync=False`` (it synchronises CUDA streams), and for a
-  mixture-of-experts model the allgather token dispatcher (the alltoall one creates a
-  ``torch.cuda.Stream`` in its constructor).
-* :func:`model_to_device`: the model stays where megatron built it (``.cuda()`` on CUDA).
-* :func:`use_distributed_optimizer`: on by default on CUDA, off by default on CPU (where it
-  runs in float32 through the ``Tensor.type()`` rewrite: tests/test_distributed_optimizer.py).
-
-The runtime's choice of process-group backend and compute device (gloo and the CPU without
-CUDA) is :mod:`megarl.runtime.distributed`'s, by :func:`on_cpu`.  ``tests/test_cpu_compat.py``
-fails loudly when a megatron-core upgrade changes the surface patched here.
+What is patched and why, and what megarl asks of megatron differently on CPU:
+docs/cpu.md.  The runtime's choice of process-group backend and compute device (gloo and the
+CPU without CUDA) is :mod:`megarl.runtime.distributed`'s, by :func:`on_cpu`.
+``tests/test_cpu_compat.py`` fails loudly when a megatron-core upgrade changes the surface
+patched here.
 """
 
 from __future__ import annotations

@@ -4,23 +4,7 @@ SGLang has a CPU path (``SGLANG_USE_CPU_ENGINE=1``: torch-native layers, the ``t
 attention backend).  On a machine with neither a GPU nor SGLang's CPU kernel package (not on the
 package index; its fast kernels need AMX anyway) five things stand in its way; each is mended
 here, and each mend checks that what it mends is still there, failing loudly (naming the SGLang
-version) when a release moves it:
-
-1. ``mem_cache/allocation.py`` imports the CPU kernel package ``sgl_kernel`` at load time.  A
-   stand-in package of that name (``pythonpath/sgl_kernel``) gives torch versions of what the
-   non-speculative paths call, and a loud error for anything else.
-2. ``weight_updater.py`` synchronises ``torch.get_device_module()`` when releasing memory: on a
-   CUDA build of torch without a GPU that is ``torch.cuda``, and the scheduler dies.  With no
-   CUDA device, the call answers ``torch.cpu`` (what SGLang's own ``get_device_module`` does).
-3. Routed-expert capture registers its pinned host buffer with ``cudaHostRegister``
-   (``mem_cache/pool_host/common.py`` ``_cuda_host_register``); with no CUDA device it is a no-op.
-4. SGLang's dependency ``flash_mla`` loads a CUDA library at import and raises ``OSError``, which
-   megatron-core's ``try: import flash_mla except ImportError`` does not catch: the megatron actor
-   could not be built in the process that runs SGLang.  A stand-in (``pythonpath/flash_mla``)
-   makes it absent.
-5. The engine's schedulers are spawned interpreters: (2) and (3) must happen in them too.
-   ``pythonpath/sitecustomize.py`` installs them there, after the modules load, when
-   ``MEGARL_SGLANG_CPU=1`` (set by :func:`prepare`, inherited by the children).
+version) when a release moves it.  The five, and why: docs/cpu.md, "SGLang on a CPU".
 
 Use: call :func:`prepare` before anything imports ``sglang``, and build the backend with
 :func:`backend_kwargs` and the engine with :func:`engine_kwargs`.  All do nothing where
