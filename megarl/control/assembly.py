@@ -12,67 +12,102 @@ driver are the only ones that import the components.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 
+from megarl.algo.kl import AdaptiveKLController, FixedKLController
+from megarl.algo.registry import advantage_needs
+from megarl.config.schema import TrainConfig
+from megarl.control.heldout import Evaluator
+from megarl.control.interfaces import RunProgress
+from megarl.control.learning import Learner
+from megarl.control.placement import Placement, create_engine, create_remote_engine, make_placement
+from megarl.control.preparation import ExperiencePreparer
+from megarl.control.production import GroupRolloutProducer
+from megarl.control.production_agent import AgentEpisodeMetrics
+from megarl.control.production_ahead import AheadAdmission
+from megarl.control.production_partial import PartialRolloutProducer
+from megarl.control.publication import EngineTimeSlice, WeightPublisher
+from megarl.control.scoring import EpisodeScorer, Scorer
+from megarl.control.state_machine import IterationStateMachine
+from megarl.data.prompts import PromptDataset, PromptSampler, load_configured_dataset
+from megarl.data.tokenizer import TokenizerContract
+from megarl.envs.protocol import load_environment
+from megarl.envs.render import EnvTurnRenderer, check_template
+from megarl.models.safetensors_io import model_dir_eos_token_ids
+from megarl.rewards import build_reward_function
+from megarl.rewards.base import RewardFunction
+from megarl.rewards.dataset_fields import drop_rows_missing_fields
+from megarl.rewards.declarations import component_checks
+from megarl.rewards.faulty import FaultyRewardFunction
+from megarl.rewards.isolation import resolve_isolation
+from megarl.rewards.runner import RewardRunner
+from megarl.roles.actor import Actor
+from megarl.roles.critic import Critic
+from megarl.roles.faulty_actor import FaultyActor
+from megarl.roles.faulty_reward_model import FaultyRewardModel
+from megarl.roles.reference import Reference
+from megarl.roles.reward_model import RewardModel
+from megarl.rollout.agent import AgentLimits, AgentSessionEngine
+from megarl.rollout.faulty import FaultyRolloutEngine
+from megarl.rollout.protocol import RolloutEngine
+from megarl.rollout.remote import RolloutService
 from megarl.runtime.data_parallel import broadcast_object
+from megarl.runtime.distributed import device
+from megarl.runtime.faults import FaultInjector
+from megarl.runtime.split import split_world
+
 
 
 @dataclass
 class Parts:
     """Everything built before a resume (see the module docstring)."""
 
-    tok: Any
-    train_data: Any
-    heldout: Any
-    sampler: Any
-    actor: Any
-    reference: Any
-    critic: Any
-    injector: Any  # a FaultInjector when any faults.* key is set, else None
-    reward_fn: Any
-    reward_runner: Any  # rank 0 only
-    reward_model: Any
-    kl_ctl: Any
+    tok: TokenizerContract
+    train_data: PromptDataset
+    heldout: Optional[PromptDataset]  # None without data.heldout_path
+    sampler: PromptSampler
+    actor: Actor
+    reference: Optional[Reference]  # None unless reference.enabled
+    critic: Optional[Critic]  # None without a critic section
+    injector: Optional[FaultInjector]  # a FaultInjector when any faults.* key is set, else None
+    reward_fn: Optional[RewardFunction]  # None when the environment scores (reward.fn null)
+    reward_runner: Optional[RewardRunner]  # rank 0 only
+    reward_model: Optional[Union[RewardModel, FaultyRewardModel]]
+    kl_ctl: Union[FixedKLController, AdaptiveKLController]
 
 
 @dataclass
 class Components:
     """The phase components of one run, wired to the parts and to each other's interfaces."""
 
-    publisher: Any
-    producer: Any
-    preparer: Any
-    learner: Any
-    evaluator: Any
+    publisher: WeightPublisher
+    producer: GroupRolloutProducer  # or its PartialRolloutProducer (async_rl.partial_rollouts)
+    preparer: ExperiencePreparer
+    learner: Learner
+    evaluator: Evaluator
 
 
 @dataclass
 class EngineParts:
-    placement: Any
-    engine: Any  # None on ranks that hold no engine
+    placement: Placement
+    engine: Optional[RolloutEngine]  # None on ranks that hold no engine
     pad_id: int
     sync_dtype: Optional[torch.dtype]
     stop_token_ids: tuple = ()  # what every engine ends a response on (eos_and_pad), for the record
 
 
-def assemble(cfg, model_path: str, tokenizer_dir: str) -> Parts:
-    from megarl.algo.kl import AdaptiveKLController, FixedKLController
-    from megarl.data.prompts import PromptSampler, load_configured_dataset
-    from megarl.data.tokenizer import TokenizerContract
-    from megarl.roles.actor import Actor
-    from megarl.runtime.faults import FaultInjector
-
+def assemble(cfg: TrainConfig, model_path: str, tokenizer_dir: str) -> Parts:
     tok = TokenizerContract.load(tokenizer_dir, cfg.model.chat_template)
     d = cfg.data
     train_data = load_configured_dataset(d, tok, d.train_path, split=d.train_split, subset=d.train_subset)
     heldout = (load_configured_dataset(d, tok, d.heldout_path, split=d.heldout_split, subset=d.heldout_subset)
                if d.heldout_path else None)
-    from megarl.rewards.dataset_fields import drop_rows_missing_fields  # data.on_missing_fields=skip
-
+    # data.on_missing_fields=skip
     train_data, heldout = drop_rows_missing_fields(cfg, train_data), drop_rows_missing_fields(cfg, heldout)
     sampler = PromptSampler(len(train_data), seed=cfg.trainer.seed, shuffle=d.shuffle)
 
@@ -85,15 +120,11 @@ def assemble(cfg, model_path: str, tokenizer_dir: str) -> Parts:
                   distributed_optimizer=p.distributed_optimizer)
     reference = None
     if cfg.reference.enabled:
-        from megarl.roles.reference import Reference
-
         reference = Reference(cfg.reference.path or model_path, p.tp, p.pp, version="ref-0",
                               vocab_multiple=cfg.model.vocab_multiple, offload=cfg.reference.offload,
                               sequence_parallel=p.sequence_parallel, log_prob_chunk=a.log_prob_chunk)
     critic = None
     if cfg.critic is not None:
-        from megarl.roles.critic import Critic
-
         critic = Critic(cfg.critic, actor.model, p.tp, p.pp, total_steps, vocab_multiple=cfg.model.vocab_multiple,
                         sequence_parallel=p.sequence_parallel, overlap_grad_reduce=p.overlap_grad_reduce,
                         recompute=p.recompute, distributed_optimizer=p.distributed_optimizer)
@@ -107,22 +138,15 @@ def assemble(cfg, model_path: str, tokenizer_dir: str) -> Parts:
                  reward_model=reward_model, kl_ctl=kl_ctl)
 
 
-def _rewards(cfg, injector, rank0: bool):
-    from megarl.rewards import build_reward_function
-    from megarl.rewards.runner import RewardRunner
-
+def _rewards(cfg: TrainConfig, injector: Optional[FaultInjector], rank0: bool):
     r = cfg.reward
     fn = build_reward_function(r.fn, r.kwargs, r.components) if r.fn else None
     if fn is not None and cfg.faults.reward_timeout_rate:
-        from megarl.rewards.faulty import FaultyRewardFunction
-
         # an injected hang lasts ten timeouts: it is still hanging when the runner's timeout is
         # declared however late a busy machine wakes the runner, so the count stays exact
         fn = FaultyRewardFunction(fn, injector, hang_s=10.0 * r.timeout_s)
     runner = None
     if fn and rank0:
-        from megarl.rewards.isolation import resolve_isolation
-
         # faults.reward_timeout_rate wraps fn here, in the trainer: those runs stay on threads
         isolation = "thread" if cfg.faults.reward_timeout_rate else resolve_isolation(r.isolation, r.fn, r.components)
         spec = {"fn": r.fn, "kwargs": dict(r.kwargs or {}), "components": list(r.components or [])}
@@ -131,8 +155,6 @@ def _rewards(cfg, injector, rank0: bool):
                               max_memory_mb=r.max_memory_mb, cpu_time_s=r.cpu_time_s)
     reward_model = None
     if r.model.path:
-        from megarl.roles.reward_model import RewardModel
-
         p = cfg.parallel
         reward_model = RewardModel(r.model.path, p.tp, p.pp, tokenizer=r.model.tokenizer,
                                    chat_template=r.model.chat_template, vocab_multiple=cfg.model.vocab_multiple,
@@ -140,38 +162,29 @@ def _rewards(cfg, injector, rank0: bool):
                                    pack=cfg.algo.pack_sequences, micro_batch_tokens=cfg.algo.micro_batch_tokens,
                                    sequence_parallel=p.sequence_parallel)
         if injector is not None and (cfg.faults.reward_model_error_at or cfg.faults.reward_model_timeout_at):
-            from megarl.roles.faulty_reward_model import FaultyRewardModel
-
             reward_model = FaultyRewardModel(reward_model, injector, r.model.timeout_s)
     return fn, runner, reward_model
 
 
-def make_scorer(cfg, tok, runner, reward_model, counters, quarantine_path: str, rank0: bool, *,
-                shape_overlong: bool):
+def make_scorer(cfg: TrainConfig, tok: TokenizerContract, runner: Optional[RewardRunner], reward_model, counters,
+                quarantine_path: str, rank0: bool, *, shape_overlong: bool) -> Scorer:
     """The run's sample scorer (training: with ``reward.overlong_buffer`` shaping; evaluation,
     here and in ``python -m megarl.eval``: without)."""
-    from megarl.control.scoring import Scorer
-
     return Scorer(cfg.reward, tok, runner, reward_model, counters, quarantine_path, rank0,
                   max_new_tokens=cfg.rollout.max_new_tokens, shape_overlong=shape_overlong)
 
 
-def episode_scorer(cfg, tok, counters, quarantine_path: str, rank0: bool):
+def episode_scorer(cfg: TrainConfig, tok: TokenizerContract, counters, quarantine_path: str,
+                   rank0: bool) -> EpisodeScorer:
     """The scorer of agent trajectories: the environment's reward components."""
-    from megarl.control.scoring import EpisodeScorer
-
     return EpisodeScorer(cfg.reward, tok, counters, quarantine_path, rank0, env_name=cfg.rollout.agent.env)
 
 
-def agent_engine(cfg, tok, engine):
+def agent_engine(cfg: TrainConfig, tok: TokenizerContract, engine: Optional[RolloutEngine]):
     """``rollout.agent``: the engine wrapped so that each candidate is a multi-turn session
     against a fresh environment (:class:`megarl.rollout.agent.AgentSessionEngine`), and the
     chat-template report of the start-up check (:func:`megarl.envs.render.check_template`).
     ``engine`` None (a rank that holds none) stays None."""
-    from megarl.envs.protocol import load_environment
-    from megarl.envs.render import EnvTurnRenderer, check_template
-    from megarl.rollout.agent import AgentLimits, AgentSessionEngine
-
     ag = cfg.rollout.agent
     report = check_template(tok)
     if engine is None:
@@ -184,7 +197,7 @@ def agent_engine(cfg, tok, engine):
                               encode_prompt=tok.encode_prompt), report
 
 
-def evaluation_scorer(cfg, tok, counters, quarantine_path: str):
+def evaluation_scorer(cfg: TrainConfig, tok: TokenizerContract, counters, quarantine_path: str):
     """``(scorer, runner, reward function)`` for an evaluation outside a training run (one
     process): the configured reward under its runner, scored like the held-out evaluation (an
     agent's episodes by their environment: no runner, no function).  Close the runner after use."""
@@ -195,31 +208,25 @@ def evaluation_scorer(cfg, tok, counters, quarantine_path: str):
     return scorer, runner, fn
 
 
-def eos_and_pad(tok, config_dir: str):
+def eos_and_pad(tok: TokenizerContract, config_dir: str):
     """The ids that end a response -- the contract's eos and the model dir's (config.json /
     generation_config.json), which SGLang stops on regardless, so both backends end responses on
     the same tokens -- and the padding id."""
-    from megarl.models.safetensors_io import model_dir_eos_token_ids
-
     eos = list(dict.fromkeys(([tok.eos_token_id] if tok.eos_token_id is not None else [])
                              + list(model_dir_eos_token_ids(config_dir))))
     return eos, (tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0))
 
 
-def assemble_engine(cfg, tok, config_dir: str, injector) -> EngineParts:
+def assemble_engine(cfg: TrainConfig, tok: TokenizerContract, config_dir: str,
+                    injector: Optional[FaultInjector]) -> EngineParts:
     """The rollout engines, created on an HF config of the actor (``config_dir``; weights only
     ever arrive by stream), and the dtype weights are synced in."""
-    from megarl.control.placement import create_engine, create_remote_engine, make_placement
-    from megarl.runtime.split import split_world
-
     split = split_world() if cfg.placement.mode == "split" else None
     placement = make_placement(cfg.rollout.backend, cfg.rollout.tp, split=split is not None)
     eos, pad = eos_and_pad(tok, config_dir)
     engine = (create_remote_engine(split, config_dir, eos, pad) if split is not None
               else create_engine(cfg, placement, config_dir, eos, pad))
     if engine is not None and (cfg.faults.rollout_error_rate or cfg.faults.duplicate_result_rate):
-        from megarl.rollout.faulty import FaultyRolloutEngine
-
         engine = FaultyRolloutEngine(engine, injector)
     sync_dtype = broadcast_object(engine.dtype if engine is not None and dist.get_rank() == 0 else None)
     if isinstance(sync_dtype, str):
@@ -228,21 +235,15 @@ def assemble_engine(cfg, tok, config_dir: str, injector) -> EngineParts:
                        stop_token_ids=tuple(eos))
 
 
-def serve_rollout_rank(cfg, world) -> dict:
+def serve_rollout_rank(cfg: TrainConfig, world) -> dict:
     """A rollout rank's whole job in split placement: build the engine the trainer names and
     execute its commands until it says stop.  With ``rollout.agent.env`` the sessions run here,
     next to the engine: each generate command answers whole trajectories."""
-    from megarl.control.placement import Placement, create_engine
-    from megarl.rollout.remote import RolloutService
-    from megarl.runtime.distributed import device
-
     def make_engine(config_dir, eos, pad):
         return create_engine(cfg, Placement(num_groups=1, group_index=0, is_group_leader=True), config_dir, eos, pad)
 
     make_generator = None
     if cfg.rollout.agent.env:
-        from megarl.data.tokenizer import TokenizerContract
-
         tok = TokenizerContract.load(cfg.model.tokenizer or cfg.model.path, cfg.model.chat_template)
 
         def make_generator(engine):
@@ -254,7 +255,7 @@ def serve_rollout_rank(cfg, world) -> dict:
                           make_generator=make_generator).serve()
 
 
-def _rollout_engine(cfg, parts: Parts, eng: EngineParts, rank0: bool):
+def _rollout_engine(cfg: TrainConfig, parts: Parts, eng: EngineParts, rank0: bool):
     """What production and evaluation generate with: the engine, or with an environment every
     candidate a session with it (in split placement the sessions run on the rollout ranks)."""
     if not cfg.rollout.agent.env:
@@ -266,38 +267,24 @@ def _rollout_engine(cfg, parts: Parts, eng: EngineParts, rank0: bool):
     return eng.engine if split else engine
 
 
-def _production_variants(cfg) -> dict:
+def _production_variants(cfg: TrainConfig) -> dict:
     """The producer's admission (generation ahead within the staleness bound, asynchronous RL)
     and observers (the agent episodes' metrics), as the config asks."""
     admission = None
     if cfg.async_rl.max_staleness > 0 and not cfg.async_rl.partial_rollouts:  # generation runs ahead, within the bound
-        from megarl.control.production_ahead import AheadAdmission
-
         admission = AheadAdmission(cfg)
     observers = []
     if cfg.rollout.agent.env:
-        from megarl.control.production_agent import AgentEpisodeMetrics
-
         observers.append(AgentEpisodeMetrics())
     return {"admission": admission, "observers": observers}
 
 
-def wire_components(cfg, parts: Parts, eng: EngineParts, *, sm, progress, run_dir: str, run_id: str, dp: int,
-                    rank0: bool, ckpt_root: str) -> Components:
+def wire_components(cfg: TrainConfig, parts: Parts, eng: EngineParts, *, sm: IterationStateMachine,
+                    progress: RunProgress, run_dir: str, run_id: str, dp: int, rank0: bool,
+                    ckpt_root: str) -> Components:
     """The phase components of the iteration over the built parts: publication, production
     (with its scorer), preparation, learning (through the fault seam when faults are set) and
     evaluation (scoring without training-only shaping)."""
-    import os
-
-    from megarl.algo.registry import advantage_needs
-    from megarl.control.heldout import Evaluator
-    from megarl.control.learning import Learner
-    from megarl.control.preparation import ExperiencePreparer
-    from megarl.control.production import GroupRolloutProducer
-    from megarl.control.publication import EngineTimeSlice, WeightPublisher
-    from megarl.control.scoring import Scorer
-    from megarl.rewards.declarations import component_checks
-
     counters = progress.counters
     quarantine = os.path.join(run_dir, "quarantine.jsonl")
     time_slice = EngineTimeSlice(eng.engine, cfg.rollout.backend == "sglang" and cfg.rollout.enable_memory_saver)
@@ -316,11 +303,9 @@ def wire_components(cfg, parts: Parts, eng: EngineParts, *, sm, progress, run_di
         rank0=rank0)
     producer_class = GroupRolloutProducer
     if cfg.async_rl.partial_rollouts:  # complete groups train, unfinished ones carry over
-        from megarl.control.production_partial import PartialRolloutProducer as producer_class
+        producer_class = PartialRolloutProducer
     stops = eng.stop_token_ids
     if agentic:  # a session's turn also ends on the template's end of an assistant turn
-        from megarl.envs.render import EnvTurnRenderer
-
         stops = tuple(dict.fromkeys([*stops, *EnvTurnRenderer(parts.tok).assistant_end_ids]))
     producer = producer_class(
         cfg, grouped=advantage_needs(cfg.algo.advantage).groups, train_data=parts.train_data, sampler=parts.sampler,
@@ -337,8 +322,6 @@ def wire_components(cfg, parts: Parts, eng: EngineParts, *, sm, progress, run_di
         rollout_precision="" if eng.sync_dtype is None else str(eng.sync_dtype).removeprefix("torch."))
     learning_actor = parts.actor
     if parts.injector is not None:
-        from megarl.roles.faulty_actor import FaultyActor
-
         learning_actor = FaultyActor(parts.actor, parts.injector, cfg.algo.ppo_epochs * cfg.algo.num_mini_batches)
     learner = Learner(cfg, actor=learning_actor, critic=parts.critic, sm=sm, kl_ctl=parts.kl_ctl, counters=counters,
                       dp=dp, sync_dtype=eng.sync_dtype, rank0=rank0, ckpt_root=ckpt_root)
