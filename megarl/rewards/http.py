@@ -1,64 +1,17 @@
 """A remote reward service over HTTP (``reward.fn: http``).
 
-Batches of samples are POSTed as JSON to ``url``; the service answers one result per sample.
-Every way the service can fail is a *status* with a message that names the failure, never a
-number (see ``docs/rewards.md``).
+Batches of samples are POSTed as JSON to ``url`` (schema ``megarl.reward/1``); the service
+answers ``{"scores": [...]}``, exactly one result per request sample, in order: a total with
+optional components, or the service's own ``error`` / ``invalid`` verdict.  Every way the service
+can fail is a *status* with a message that starts with a bracketed tag naming the failure, never
+a number.  The request and response formats, the table of failures (status, retried, counted by
+the circuit breaker), the tags, auth, the breaker and the limits: ``docs/rewards.md``, "A remote
+reward service".
 
-Request (``Content-Type: application/json``)::
-
-    {"schema": "megarl.reward/1",
-     "samples": [{"sample_id": str, "prompt_id": str, "group_id": str,
-                  "prompt": str, "response": str,
-                  "prompt_ids": [int], "response_ids": [int],
-                  "finish_reason": str, "ground_truth": {...}, "messages": [{...}] | null}, ...]}
-
-Response (HTTP 200, JSON)::
-
-    {"scores": [<result>, ...]}          # exactly one result per request sample, in order
-    <result> = {"total": float, "components": {str: float}}    # ok ("components" optional,
-                                                                 # default {"http": total})
-             | {"status": "error" | "invalid", "error": str}    # the service's own verdict
-    # a result may echo "sample_id"; if it does, it must match the request's (order check)
-
-What each failure becomes (the message starts with the tag in brackets):
-
-============================================  =======  =======  ===============
-failure                                       status   retried  breaker failure
-============================================  =======  =======  ===============
-request / read past ``timeout_s``             timeout  yes      yes
-connection refused / dropped / reset          error    yes      yes
-HTTP 5xx, 408, 429                            error    yes      yes
-other HTTP 4xx (bad request, auth)            error    no       no
-not 200 (redirects are not followed)          error    yes      yes
-body not JSON / no ``scores`` list            error    yes      yes
-``scores`` of the wrong length / order        error    yes      yes
-body over ``max_response_bytes``              error    yes      yes
-one sample's total / component NaN, inf       error    no       no
-one sample's result not a number / object     error    no       no
-the service says error / invalid              same     no       no
-circuit breaker open                          error    no       counted apart
-============================================  =======  =======  ===============
-
-Tags: ``[timeout]``, ``[connection]``, ``[http_5xx]``, ``[http_4xx]``, ``[malformed_response]``,
-``[wrong_length]``, ``[response_too_large]``, ``[non_finite_score]``, ``[bad_result]``,
-``[service_error]``, ``[service_invalid]``, ``[breaker_open]``, ``[auth]``.
-
-Auth.  ``auth_env`` names an environment variable whose value is sent as the ``auth_header``
-header (prefixed by ``auth_prefix``, e.g. ``"Bearer "``).  The value is read from the environment
-at each request and never stored on the object, put in the scorer version, logged or placed in
-an error text (every message is scrubbed of it, in case a server echoes it back).
-
-Circuit breaker.  ``breaker_failures`` consecutive failed requests (column above) open it; while
-open every request fails fast (status error, ``[breaker_open]``, counted in
-``metrics()["breaker_rejected"]``); after ``breaker_reset_s`` it is half-open: one probe request
-goes through, success closes it, failure opens it again for another ``breaker_reset_s``.
-
-Limits.  ``timeout_s`` bounds each attempt (connect, every read, and the whole body read, which
-is streamed against a deadline); ``max_retries`` extra attempts with backoff
-``backoff_s * 2**(k-1)`` times a jitter in [0.5, 1.5), capped at ``max_backoff_s``;
-``max_concurrency`` requests in flight at once across all threads (a semaphore);
-``batch_size`` samples per request.  The worst case for one :meth:`score_batch` is about
-``ceil(n / batch_size / max_concurrency) * (1 + max_retries) * (timeout_s + max_backoff_s)``.
+The auth token is read from the environment (``auth_env``) at each request and never stored on
+the object, put in the scorer version, logged or placed in an error text.  The worst case for one
+:meth:`score_batch` is about ``ceil(n / batch_size / max_concurrency) * (1 + max_retries) *
+(timeout_s + max_backoff_s)``.
 """
 
 from __future__ import annotations
@@ -151,7 +104,7 @@ class _Breaker:
 
 
 class HttpReward:
-    """Scores samples by POSTing them in batches to a reward service; see the module docstring.
+    """Scores samples by POSTing them in batches to a reward service; see docs/rewards.md.
 
     ``__call__`` scores one sample (a batch of one); :meth:`score_batch` is what
     :class:`~megarl.rewards.runner.RewardRunner` uses.  :meth:`metrics` returns request counts and
