@@ -95,13 +95,13 @@ def _numeric_keys():
 
 
 def test_every_numeric_key_has_a_range_rule():
-    """A numeric key added to the schema without a rule in megarl/config/ranges.py fails here."""
+    """A numeric key added to the schema without a declared range (setting(..., range=...)) fails here."""
     from megarl.config.ranges import RANGES
 
     keys = _numeric_keys()
     assert "rollout.top_p" in keys and "trainer.profile_iterations" in keys and "critic.optim.lr" in keys
     missing = [k for k in keys if k not in RANGES]
-    assert not missing, f"numeric keys without a range in megarl/config/ranges.py: {missing}"
+    assert not missing, f"numeric keys declaring no range in megarl/config/schema.py: {missing}"
     stale = [k for k in RANGES if k not in keys]
     assert not stale, f"rules for keys that are not in the schema: {stale}"
 

@@ -7,9 +7,17 @@ from __future__ import annotations
 import math
 from typing import Callable, Mapping, Optional, Sequence
 
-from megarl.config.schema import (ALGORITHMS, RECOMPUTE_MODULES, ROUTING_REPLAY, TINY_FAMILIES, TINY_TASKS, TINY_VALIDATIONS,
-                                  TrainConfig)
+from megarl.config.ranges import lookup, range_errors
+from megarl.config.schema import ASYNC_CORRECTIONS, TrainConfig, choices_of
 from megarl.errors import ConfigError, require as _need, require_choice as _choice
+
+
+def _one_of(cfg, dotted: str, key: Optional[str] = None) -> None:
+    """The value at ``dotted`` (under ``cfg``, a config or one of its sections) is one of the
+    choices its schema field declares; the error names ``key`` (default: ``dotted``)."""
+    parent, _, leaf = dotted.rpartition(".")
+    section = lookup(cfg, parent)[1] if parent else cfg
+    _choice(getattr(section, leaf), key or dotted, choices_of(type(section), leaf))
 
 
 def _validate_trackers(cfg: TrainConfig) -> None:
@@ -30,7 +38,7 @@ def validate_eval_settings(cfg: TrainConfig) -> None:
     """The ``eval`` section and the data-vs-reward keys (also all that ``python -m megarl.eval``
     validates: it trains nothing)."""
     e = cfg.eval
-    _choice(cfg.data.on_missing_fields, "data.on_missing_fields", ("error", "skip"))
+    _one_of(cfg, "data.on_missing_fields")
     _need(e.samples_per_prompt >= 1, "eval.samples_per_prompt", f"must be >= 1, got {e.samples_per_prompt}")
     _need(e.max_new_tokens is None or e.max_new_tokens >= 1, "eval.max_new_tokens",
           f"must be >= 1 or null (rollout.max_new_tokens), got {e.max_new_tokens}")
@@ -44,10 +52,8 @@ def validate_eval_settings(cfg: TrainConfig) -> None:
 
 
 def _validate_ranges(cfg: TrainConfig) -> None:
-    """Every numeric key within its range (the table in :mod:`megarl.config.ranges`), and the
-    bounds that pair two keys."""
-    from megarl.config.ranges import range_errors
-
+    """Every numeric key within its range (declared beside its type in :mod:`megarl.config.schema`),
+    and the bounds that pair two keys."""
     for key, msg in range_errors(cfg):
         raise ConfigError(f"{key}: {msg}")
     for key, o in (("actor.optim", cfg.actor.optim),) + ((("critic.optim", cfg.critic.optim),) if cfg.critic else ()):
@@ -64,13 +70,13 @@ def _validate_ranges(cfg: TrainConfig) -> None:
           "is true with data.build_arithmetic=true: the built-in task files are one task's (data.train_path / "
           "data.heldout_path); turn one of them off")
     tiny = cfg.model.tiny
-    _choice(tiny.family, "model.tiny.family", TINY_FAMILIES)
-    _choice(tiny.task, "model.tiny.task", TINY_TASKS)
+    _one_of(cfg, "model.tiny.family")
+    _one_of(cfg, "model.tiny.task")
     _need(tiny.task != "running_sum" or (tiny.family == "llama" and not tiny.tool_demos and not tiny.two_turn_demos),
           "model.tiny.task",
           f"is running_sum, whose build is a dense llama without demonstrations; got model.tiny.family={tiny.family}, "
           f"tool_demos={tiny.tool_demos}, two_turn_demos={tiny.two_turn_demos}")
-    _choice(tiny.warmstart_validation, "model.tiny.warmstart_validation", TINY_VALIDATIONS)
+    _one_of(cfg, "model.tiny.warmstart_validation")
     _need(tiny.family == "llama" or tiny.top_k <= tiny.num_experts, "model.tiny.top_k",
           f"{tiny.top_k} is above model.tiny.num_experts={tiny.num_experts}")
     _need(tiny.tool_min_digits <= tiny.tool_max_digits, "model.tiny.tool_min_digits",
@@ -143,8 +149,6 @@ def validate_agent_settings(cfg: TrainConfig) -> None:
           "(each turn's routing would have to be joined); set algo.routing_replay: none")
 
 
-PLACEMENTS = ("hybrid", "split")
-ASYNC_CORRECTIONS = ("decoupled", "tis", "mask")
 
 
 def trainer_world_size(cfg: TrainConfig, world_size: int) -> int:
@@ -156,7 +160,7 @@ def _validate_placement(cfg: TrainConfig, world_size: int) -> None:
     """``placement`` and ``async_rl``: the split of the world, and the staleness bound's required
     off-policy correction."""
     pl, an, r = cfg.placement, cfg.async_rl, cfg.rollout
-    _choice(pl.mode, "placement.mode", PLACEMENTS)
+    _one_of(cfg, "placement.mode")
     if pl.mode == "split":
         _need(world_size > pl.rollout_ranks, "placement.rollout_ranks",
               f"{pl.rollout_ranks} leaves no trainer rank in a world of {world_size} (torchrun --nproc-per-node "
@@ -214,7 +218,7 @@ def _validate_placement(cfg: TrainConfig, world_size: int) -> None:
     _need(not cfg.faults.rollout_segment_await_s or (an.segment_tokens and pl.mode == "split"),
           "faults.rollout_segment_await_s", "holds a rollout rank between generation segments, which needs "
           "placement.mode=split and async_rl.segment_tokens > 0")
-    _choice(an.proximal_log_probs, "async_rl.proximal_log_probs", ("actor", "engine"))
+    _one_of(cfg, "async_rl.proximal_log_probs")
     if an.proximal_log_probs == "engine":
         _need(pl.mode == "split" and an.max_staleness > 0, "async_rl.proximal_log_probs",
               "is 'engine', which needs placement.mode=split and async_rl.max_staleness > 0 (synchronously the "
@@ -224,7 +228,7 @@ def _validate_placement(cfg: TrainConfig, world_size: int) -> None:
         _need(cfg.algo.routing_replay == "none", "async_rl.proximal_log_probs",
               "is 'engine', but algo.routing_replay needs the actor's forward with the recorded routing")
     if an.correction is not None:
-        _choice(an.correction, "async_rl.correction", ASYNC_CORRECTIONS)
+        _one_of(cfg, "async_rl.correction")
         if an.correction == "tis":
             _need(an.is_cap is not None, "async_rl.is_cap", "must be set (>= 1) with async_rl.correction=tis")
 
@@ -274,26 +278,26 @@ def _validate_choices(cfg: TrainConfig) -> None:
     """Every key whose value is one of a fixed set: the rollout backend, failure handling (the
     algorithm's registered names are its own check, :mod:`megarl.algo.config_checks`)."""
     a, r = cfg.algo, cfg.rollout
-    _choice(a.name, "algo.name", ALGORITHMS)
-    _choice(a.zero_std_rule, "algo.zero_std_rule", ("epsilon", "skip"))
-    _choice(a.kl.placement, "algo.kl.placement", ("none", "loss", "reward"))
-    _choice(a.partial_groups, "algo.partial_groups", ("drop", "allow_partial"))
-    _choice(a.routing_replay, "algo.routing_replay", ROUTING_REPLAY)
-    _choice(r.backend, "rollout.backend", ("hf", "sglang"))
-    _choice(r.verify_engine_weights, "rollout.verify_engine_weights", ("first", "every", "never"))
-    _choice(cfg.reward.on_failure, "reward.on_failure", ("drop", "quarantine"))
+    _one_of(cfg, "algo.name")
+    _one_of(cfg, "algo.zero_std_rule")
+    _one_of(cfg, "algo.kl.placement")
+    _one_of(cfg, "algo.partial_groups")
+    _one_of(cfg, "algo.routing_replay")
+    _one_of(cfg, "rollout.backend")
+    _one_of(cfg, "rollout.verify_engine_weights")
+    _one_of(cfg, "reward.on_failure")
 
 
 def _validate_trainer(cfg: TrainConfig) -> None:
     """``trainer``: resume, checkpoints, update failures and rollback, phase deadlines; the
     rollout's retries."""
     t, r = cfg.trainer, cfg.rollout
-    _choice(cfg.trainer.resume, "trainer.resume", ("auto", "never"))
+    _one_of(cfg, "trainer.resume")
     _need(cfg.trainer.checkpoint_every >= 0, "trainer.checkpoint_every", "must be >= 0")
     _need(cfg.trainer.checkpoint_keep >= 1, "trainer.checkpoint_keep", "must be >= 1")
-    _choice(t.resume_experience, "trainer.resume_experience", ("rerun", "reuse"))
-    _choice(t.on_update_failure, "trainer.on_update_failure", ("retry", "skip", "stop"))
-    _choice(t.update_rollback, "trainer.update_rollback", ("memory", "none"))
+    _one_of(cfg, "trainer.resume_experience")
+    _one_of(cfg, "trainer.on_update_failure")
+    _one_of(cfg, "trainer.update_rollback")
     _need(t.max_update_retries >= 0, "trainer.max_update_retries", "must be >= 0")
     for phase, limit in vars(t.phase_timeout_s).items():
         _need(limit is None or limit > 0, f"trainer.phase_timeout_s.{phase}", f"must be > 0 seconds or null, got {limit}")
@@ -308,7 +312,7 @@ def _validate_faults(cfg: TrainConfig, world_size: int) -> None:
     f = cfg.faults
     for key in ("rollout_error_rate", "duplicate_result_rate", "reward_timeout_rate"):
         _need(0.0 <= getattr(f, key) < 1.0, f"faults.{key}", f"must be in [0, 1), got {getattr(f, key)}")
-    _choice(f.fail_optimizer_step_kind, "faults.fail_optimizer_step_kind", ("exception", "nan"))
+    _one_of(cfg, "faults.fail_optimizer_step_kind")
     _need(-1 <= f.fail_optimizer_step_rank < world_size, "faults.fail_optimizer_step_rank",
           f"must be -1 (the last rank) or a rank in [0, {world_size}), got {f.fail_optimizer_step_rank}")
     _need(not f.reward_timeout_rate or cfg.reward.timeout_s is not None, "faults.reward_timeout_rate",
@@ -375,7 +379,7 @@ def _validate_log_prob_sources(cfg: TrainConfig) -> None:
           f"must be >= 1 or null, got {rc.token_is_cap}")
     _need(rc.seq_mask_threshold is None or rc.seq_mask_threshold > 0, "algo.rollout_correction.seq_mask_threshold",
           f"must be > 0 or null, got {rc.seq_mask_threshold}")
-    _choice(rc.seq_mask_stat, "algo.rollout_correction.seq_mask_stat", ("max_abs", "mean"))
+    _one_of(cfg, "algo.rollout_correction.seq_mask_stat")
     if rc.token_is_cap is not None or rc.seq_mask_threshold is not None:
         _need(not r.reuse_rollout_log_probs, "algo.rollout_correction",
               "compares the actor's old log-probs with the rollout's; rollout.reuse_rollout_log_probs=true "
@@ -401,8 +405,8 @@ def _validate_sizes(cfg: TrainConfig) -> None:
         _need(v >= 1, key, f"must be >= 1, got {v}")
     _need(r.temperature > 0, "rollout.temperature", f"must be > 0 for training rollouts, got {r.temperature}")
     for key, o in (("actor.optim", cfg.actor.optim),) + ((("critic.optim", cfg.critic.optim),) if cfg.critic else ()):
-        _choice(o.optimizer, f"{key}.optimizer", ("adam", "sgd"))
-        _choice(o.lr_decay_style, f"{key}.lr_decay_style", ("constant", "linear", "cosine"))
+        _one_of(cfg, f"{key}.optimizer")
+        _one_of(cfg, f"{key}.lr_decay_style")
         _need(o.lr > 0, f"{key}.lr", f"must be > 0, got {o.lr}")
 
 
@@ -451,12 +455,12 @@ def _validate_layout(cfg: TrainConfig, world_size: int) -> int:
 def _validate_recompute(rc) -> None:
     """``parallel.recompute``: what megatron recomputes (how it fits a model's layers is checked
     on its config.json, :func:`megarl.models.fit.validate_model_fit`)."""
-    _choice(rc.granularity, "parallel.recompute.granularity", (None, "full", "selective"))
-    _choice(rc.method, "parallel.recompute.method", ("uniform", "block"))
+    _one_of(rc, "granularity", "parallel.recompute.granularity")
+    _one_of(rc, "method", "parallel.recompute.method")
     if rc.granularity == "selective":
         _need(len(rc.modules) > 0, "parallel.recompute.modules", "must name at least one module with granularity selective")
         for i, m in enumerate(rc.modules):
-            _choice(m, f"parallel.recompute.modules[{i}]", RECOMPUTE_MODULES)
+            _choice(m, f"parallel.recompute.modules[{i}]", choices_of(type(rc), "modules"))
         # megarl builds its experts as SequentialMLP (no grouped GEMM) and no model with MLA
         for m, why in (("moe_act", "needs megatron's grouped-GEMM experts, which megarl does not build"),
                        ("mla_up_proj", "is for multi-latent attention, which no megarl model has")):
