@@ -21,26 +21,7 @@ the corrections, computed once from sealed facts:
       mean:     |(1/|y_i|) sum_t d_t|      (log geometric-mean ratio)
       mean_abs: (1/|y_i|) sum_t |d_t|      (AReaL's ``action=mask`` at sequence level)
 
-**Asynchronous RL: decoupled PPO.**  Fu et al. 2025 ("AReaL: A Large-Scale Asynchronous
-Reinforcement Learning System for Language Reasoning") separate the behaviour policy (the
-rollout's stale weights, ``rollout_log_probs``) from the proximal policy the PPO ratio is clipped
-against (Hilton et al. 2022, "Batch size-invariance for policy optimization"): here the old
-log-probs recomputed by the actor on the trained version v before the update.  The policy loss
-stays ``PPO(pi_theta / pi_old)`` (:mod:`megarl.algo.policy_loss`) and each token is weighted by
-w_t'.  :func:`async_correction_config` maps ``async_rl.correction`` onto this module:
-``decoupled`` -> filter at ``is_cap`` (uncapped when null), ``tis`` -> truncate at ``is_cap``,
-``mask`` -> drop a sample whose ``mean_abs`` error exceeds ``mask_threshold``.
-
-**The normaliser** (``normaliser``).  The loss is ``aggregate_loss(w' * PG, loss_mask, mode, N)``
-with N counted from ``DerivedTensors.loss_mask`` over the optimizer step
-(:func:`megarl.algo.aggregation.global_normaliser`, called by the learner).  ``after_mask`` (the
-synchronous mismatch correction) returns the reduced ``loss_mask``: N no longer counts the dropped
-tokens.  ``before_mask`` (AReaL: ``loss_mask_count`` is taken before masking) returns
-``loss_mask`` unchanged and rejects a token through a 0 weight, so N still counts it and the
-surviving tokens' gradients are not inflated by the rejection.  A rejected token then leaves the
-policy-gradient term only: the reference-KL-in-loss and entropy terms and the critic's value loss
-still see it (as in AReaL, whose behaviour mask applies to the policy loss), and the learner's
-ratio / clip metrics count it.
+Decoupled PPO: :func:`async_correction_config`; the loss normaliser: :class:`RolloutCorrectionConfig`.
 """
 
 from __future__ import annotations
@@ -66,7 +47,19 @@ class RolloutCorrectionConfig:
     ``uncapped``); token_is_mode: truncate | filter | uncapped (module docstring);
     seq_mask_threshold: mask sequences whose error (``seq_mask_stat``) exceeds it (None = no
     masking); normaliser: after_mask | before_mask (whether the loss normaliser counts the
-    rejected tokens; module docstring)."""
+    rejected tokens, below).
+
+    **The normaliser** (``normaliser``).  The loss is ``aggregate_loss(w' * PG, loss_mask, mode, N)``
+    with N counted from ``DerivedTensors.loss_mask`` over the optimizer step
+    (:func:`megarl.algo.aggregation.global_normaliser`, called by the learner).  ``after_mask`` (the
+    synchronous mismatch correction) returns the reduced ``loss_mask``: N no longer counts the dropped
+    tokens.  ``before_mask`` (AReaL: ``loss_mask_count`` is taken before masking) returns
+    ``loss_mask`` unchanged and rejects a token through a 0 weight, so N still counts it and the
+    surviving tokens' gradients are not inflated by the rejection.  A rejected token then leaves the
+    policy-gradient term only: the reference-KL-in-loss and entropy terms and the critic's value loss
+    still see it (as in AReaL, whose behaviour mask applies to the policy loss), and the learner's
+    ratio / clip metrics count it.
+    """
 
     token_is_cap: float | None = 2.0
     seq_mask_threshold: float | None = None
@@ -105,8 +98,19 @@ class RolloutCorrectionConfig:
 
 
 def async_correction_config(correction: str, is_cap: float | None, mask_threshold: float) -> RolloutCorrectionConfig:
-    """``async_rl.correction`` as a correction config (module docstring, decoupled PPO); the
-    normaliser is always counted before masking (AReaL)."""
+    """``async_rl.correction`` as a correction config; the normaliser is always counted before
+    masking (AReaL).
+
+    **Decoupled PPO.**  Fu et al. 2025 ("AReaL: A Large-Scale Asynchronous
+    Reinforcement Learning System for Language Reasoning") separate the behaviour policy (the
+    rollout's stale weights, ``rollout_log_probs``) from the proximal policy the PPO ratio is clipped
+    against (Hilton et al. 2022, "Batch size-invariance for policy optimization"): here the old
+    log-probs recomputed by the actor on the trained version v before the update.  The policy loss
+    stays ``PPO(pi_theta / pi_old)`` (:mod:`megarl.algo.policy_loss`) and each token is weighted by
+    w_t'.  This function maps ``async_rl.correction`` onto this module:
+    ``decoupled`` -> filter at ``is_cap`` (uncapped when null), ``tis`` -> truncate at ``is_cap``,
+    ``mask`` -> drop a sample whose ``mean_abs`` error exceeds ``mask_threshold``.
+    """
     if correction == "decoupled":
         return RolloutCorrectionConfig(token_is_cap=is_cap, token_is_mode="uncapped" if is_cap is None else "filter",
                                        normaliser="before_mask")

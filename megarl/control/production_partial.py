@@ -2,41 +2,19 @@
 carry over to the next iteration instead of holding the batch up (``async_rl.partial_rollouts``;
 hybrid placement, where generation and training share the pool and take turns).
 
-Each iteration keeps ``B + async_rl.extra_groups`` groups open (over-sampling: new prompts are
-drawn to refill the pool) and generates every unfinished candidate ``async_rl.segment_tokens``
-new tokens at a time on the version the engines serve.  After each segment it stops when
+Each iteration keeps ``B + async_rl.extra_groups`` groups open and generates every unfinished
+candidate ``async_rl.segment_tokens`` new tokens at a time on the version the engines serve.  It
+stops after the first segment at which at least B groups are complete and every *due* group is
+complete (admitted at step s0, due at s0 + max(eta, 1), eta = ``async_rl.max_staleness``), and
+trains on B complete groups: due ones first, then oldest first (admission step, the segment it
+completed in, admission order).  At eta >= 1 a carried candidate keeps its tokens, each with
+the version that sampled it (a new prefill continues it: no older KV is attended to); at eta = 0
+an unfinished group's tokens are dropped at the iteration's end and it starts again, where it is
+due.  The staleness bound holds by construction and is checked independently (preparation's
+per-token :func:`~megarl.experience.staleness.check_staleness`).  A group is never mixed with
+another or normalised before all G of its candidates finished.
 
-* at least B groups are complete (every one of their G candidates finished), and
-* every *due* group is complete: a group admitted at optimizer step s0 must be trained by step
-  s0 + max(eta, 1), eta = ``async_rl.max_staleness``;
-
-then it trains on B complete groups, due ones first and then oldest first (by admission step,
-then by the segment it completed in, then by admission order).  The rest stay open.
-
-The staleness contract holds by construction and is checked independently (preparation's
-per-token :func:`~megarl.experience.staleness.check_staleness`):
-
-* eta >= 1: a carried candidate keeps its tokens; each token keeps the version that sampled it
-  (``Sample.token_versions``), the continuation is a new prefill of ``prompt + tokens so far``
-  under the weights now served (no KV computed by an older version is attended to), and the
-  oldest token of a group trained at step s was sampled at s0 >= s - eta.  The proximal policy
-  is the actor's (old log-probs recomputed), the behaviour policy the rollout's per-token
-  log-probs, and ``async_rl.correction`` weighs the gap.
-* eta = 0 (synchronous, with over-sampling): every trained token is the current version's.  An
-  unfinished group's tokens are dropped at the end of the iteration (counted) and the group is
-  generated again from its prompt in the next one, where it is due: a long problem is delayed one
-  iteration, never starved by the short ones that finish first.
-
-A group is never mixed with another or normalised before it is whole: candidates join their own
-group only, and a group reaches the group buffer (its partial-group rule, advantages) only once
-all G candidates finished.  An aborted candidate is generated again from its prompt (its tokens
-dropped, a new attempt).
-
-Checkpoints (:meth:`PartialRolloutProducer.in_flight`): at eta = 0 no tokens are carried over an
-iteration's end, so the open groups (prompt, id, admission step) are recorded and restored: a
-resume is exact.  At eta >= 1 the carried tokens are declared dropped: the groups' prompts go
-back to the sampler (served first after a resume) and the checkpoint counts the dropped groups
-and tokens.
+The rules, their reasons, checkpoints and metrics: docs/design.md, "Partial rollouts".
 """
 
 from __future__ import annotations
@@ -107,7 +85,8 @@ class _Group:
 
 class PartialRolloutProducer(GroupRolloutProducer):
     """The :class:`~megarl.control.production.GroupRolloutProducer` whose iteration trains on the
-    groups that completed while the others carry over (the module docstring states the rules).
+    groups that completed while the others carry over (the module docstring states the rules;
+    the proximal policy is the actor's, the behaviour policy the rollout's per-token log-probs).
     Scoring, the group buffer's partial-group rule and the produced rollout are the synchronous
     producer's."""
 
@@ -127,8 +106,9 @@ class PartialRolloutProducer(GroupRolloutProducer):
     # ---- checkpoints ------------------------------------------------------------------------
 
     def in_flight(self) -> Optional[dict]:
-        """What a checkpoint records (eta 0: the open groups, no tokens) or drops (eta >= 1:
-        the carried tokens; the prompts go back to the sampler)."""
+        """What a checkpoint records (eta 0: the open groups, no tokens, so a resume is exact) or
+        drops (eta >= 1: the carried tokens, counted; the prompts go back to the sampler and are
+        served first after a resume)."""
         if not self.open:
             return None
         if self._max_staleness == 0:

@@ -15,20 +15,8 @@ step ``invalid``; an exception makes it ``error``, an overrun ``timeout`` -- a s
 reason, never a reward (the same rule as :mod:`megarl.rewards.runner`).
 
 :func:`load_environment` turns ``rollout.agent.env`` (a built-in name or ``"pkg.mod:Class"``)
-and ``rollout.agent.env_args`` into a factory; errors name those keys.  A user environment::
-
-    # mypkg/envs.py; rollout.agent: {env: "mypkg.envs:Countdown", env_args: {turns: 3}}
-    class Countdown:
-        def __init__(self, turns: int = 3):
-            self.turns = turns
-        def reset(self, row):
-            self.left, self.answer = self.turns, row["answer"]
-            return ()
-        def step(self, action):
-            self.left -= 1
-            if self.answer in action or self.left == 0:
-                return StepOutcome((), {"correct": float(self.answer in action)}, terminated=True, truncated=False)
-            return StepOutcome((Message("user", "try again"),), {}, terminated=False, truncated=False)
+and ``rollout.agent.env_args`` into a factory; errors name those keys.  An example user
+environment: docs/multi-turn.md, "Writing an environment".
 
 How the session maps an outcome: ``terminated`` -> finish reason ``environment``, ``truncated``
 -> ``env_truncated``; a failed call (``error`` / ``timeout`` / ``invalid``) ends the trajectory

@@ -6,31 +6,12 @@ and CP rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r`` ("zig-zag"), so that
 mask every rank has the same attention work.  Every CP rank of a data-parallel replica holds the
 same rows; only the positions differ.
 
-What the data path must get right, and where megarl does it:
-
-* **Labels are shifted before the split.**  The target of position ``t`` is token ``t + 1`` of
-  the whole sequence; the last position of a rank's chunk predicts the first token of the *next
-  chunk*, which another rank holds.  :func:`shifted_labels` shifts the whole row, then
-  :func:`split` cuts the labels exactly as the tokens (shifting each rank's slice instead drops
-  or misplaces one target per chunk edge: verl PR #4250).
-* **One loss, one normaliser.**  Every CP rank computes its positions' per-token terms, and
-  :func:`gather` all-gathers them into whole rows, so every CP rank evaluates *the same* loss of
-  the same rows with the step's global normaliser.  The backward of the gather keeps this rank's
-  positions of the gradient and adds nothing: each rank back-propagates only its own terms'
-  share, and megatron's DDP sums the parameter gradients over data-parallel x context-parallel
-  ranks.  (Summing the gathered gradient instead -- the backward of
-  ``torch.distributed.nn.all_gather`` -- would multiply every gradient by ``cp``.)
-* **Metrics once per replica.**  The gathered loss is the same on every CP rank, so its
-  metrics are reported by CP rank 0 only (``megarl.control.learning``), never summed over CP.
-* **Padding to** ``2 * cp`` (times ``tp`` under sequence parallelism, which splits each rank's
-  share again): :attr:`megarl.models.builder.BuildOptions.sequence_multiple`.  The padding is at
-  the end of each row, which causal attention never lets reach a real position.
-* **Packed (THD) micro-batches** (``algo.pack_sequences``, ``algo.micro_batch_tokens``): every
-  sequence of the pack is split on its own (:func:`sequence_positions`), so each row is padded at
-  its end to a multiple of ``2 * cp`` (padding that belongs to the row's sequence and that none of
-  its real tokens attends to), and the pack's filler sequence to a multiple of ``2 * cp`` (times
-  tp under SP) in all.  ``cu_seqlens`` stay the whole pack's; megatron's THD RoPE picks each
-  sequence's chunks by them.
+What the data path must get right, and where megarl does it: labels are shifted on the whole
+row before the split (:func:`shifted_labels`); every CP rank evaluates the same loss of whole
+rows with the step's global normaliser, and the gradient is not summed over CP (:func:`gather`);
+the gathered loss's metrics are reported by CP rank 0 only (``megarl.control.learning``), never
+summed over CP; rows are padded to a multiple of ``2 * cp`` and a packed (THD) micro-batch's
+sequences are split one by one (:func:`sequence_positions`).
 """
 
 from __future__ import annotations
@@ -76,7 +57,19 @@ def positions(length: int, cp: int, cp_rank: int, device=None) -> torch.Tensor:
 def sequence_positions(cu_seqlens: torch.Tensor, cp: int, cp_rank: int, device=None) -> torch.Tensor:
     """The positions of a packed (THD) pack that CP rank ``cp_rank`` holds: every sequence of
     ``cu_seqlens`` (each a multiple of ``2 * cp`` long) split on its own, its two chunks in
-    sequence order (transformer-engine's THD layout, and megatron's per-sequence RoPE rows)."""
+    sequence order (transformer-engine's THD layout, and megatron's per-sequence RoPE rows).
+
+    **Padding to** ``2 * cp`` (times ``tp`` under sequence parallelism, which splits each rank's
+    share again): :attr:`megarl.models.builder.BuildOptions.sequence_multiple`.  The padding is at
+    the end of each row, which causal attention never lets reach a real position.
+
+    **Packed (THD) micro-batches** (``algo.pack_sequences``, ``algo.micro_batch_tokens``): every
+    sequence of the pack is split on its own (:func:`sequence_positions`), so each row is padded at
+    its end to a multiple of ``2 * cp`` (padding that belongs to the row's sequence and that none of
+    its real tokens attends to), and the pack's filler sequence to a multiple of ``2 * cp`` (times
+    tp under SP) in all.  ``cu_seqlens`` stay the whole pack's; megatron's THD RoPE picks each
+    sequence's chunks by them.
+    """
     cu = [int(c) for c in cu_seqlens]
     return torch.cat([start + positions(end - start, cp, cp_rank, device)
                       for start, end in zip(cu[:-1], cu[1:], strict=True)])
@@ -107,14 +100,21 @@ def split(x: torch.Tensor, dim: int = 1, cu_seqlens=None) -> torch.Tensor:
 
 def shifted_labels(tokens: torch.Tensor) -> torch.Tensor:
     """``(b, s)`` next-token targets of whole rows: ``tokens[:, t + 1]`` at position ``t``, and 0 at
-    the last position (it predicts past the row; its term is cut off by the caller)."""
+    the last position (it predicts past the row; its term is cut off by the caller).
+
+    **Labels are shifted before the split.**  The target of position ``t`` is token ``t + 1`` of
+    the whole sequence; the last position of a rank's chunk predicts the first token of the *next
+    chunk*, which another rank holds.  :func:`shifted_labels` shifts the whole row, then
+    :func:`split` cuts the labels exactly as the tokens (shifting each rank's slice instead drops
+    or misplaces one target per chunk edge: verl PR #4250).
+    """
     return torch.cat([tokens[:, 1:], tokens.new_zeros((tokens.shape[0], 1))], 1)
 
 
 class _Gather(torch.autograd.Function):
     """All-gather the CP ranks' positions of ``(b, s / cp, ...)`` into whole ``(b, s, ...)`` rows;
     the backward returns this rank's positions of the gradient (every CP rank computes the same
-    loss of the gathered rows: module doc)."""
+    loss of the gathered rows: :func:`gather`)."""
 
     @staticmethod
     def forward(ctx, local: torch.Tensor, cp_group, cp: int, cp_rank: int, cu_seqlens) -> torch.Tensor:
@@ -135,7 +135,19 @@ class _Gather(torch.autograd.Function):
 def gather(local: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
     """Whole rows ``(b, s, ...)`` from every CP rank's ``(b, s / cp, ...)`` positions (of each
     sequence of ``cu_seqlens`` for a packed pack), the same on every CP rank; differentiable
-    (module doc: the gradient is not summed over CP)."""
+    (the gradient is not summed over CP).
+
+    **One loss, one normaliser.**  Every CP rank computes its positions' per-token terms, and
+    :func:`gather` all-gathers them into whole rows, so every CP rank evaluates *the same* loss of
+    the same rows with the step's global normaliser.  The backward of the gather keeps this rank's
+    positions of the gradient and adds nothing: each rank back-propagates only its own terms'
+    share, and megatron's DDP sums the parameter gradients over data-parallel x context-parallel
+    ranks.  (Summing the gathered gradient instead -- the backward of
+    ``torch.distributed.nn.all_gather`` -- would multiply every gradient by ``cp``.)
+
+    **Metrics once per replica.**  The gathered loss is the same on every CP rank, so its
+    metrics are reported by CP rank 0 only (``megarl.control.learning``), never summed over CP.
+    """
     cp = size()
     if cp == 1:
         return local

@@ -18,19 +18,10 @@ Layouts (megatron-core ``attention.py`` / ``mlp.py``; Megatron-Bridge ``param_ma
   split over TP along dim 0, and the padding is dropped on export.
 * Tied embeddings: only ``embedding.word_embeddings.weight`` is mapped; HF ``lm_head.weight``
   is absent (or ignored on import when it equals the embedding).
-* Mixture-of-experts layers (megatron-core ``MoELayer`` with ``SequentialMLP`` experts):
-  ``mlp.router.weight`` is the HF router (``gate``) weight, replicated; routed expert e is
-  ``mlp.experts.local_experts.{e}.linear_fc1/fc2`` with the same gate/up and row layouts as a
-  dense MLP, split over the *expert* tensor-parallel group (``expert_tensor_parallel_size``);
-  the shared expert ``mlp.shared_experts.linear_fc1/fc2`` is split over the ordinary TP group and
-  its sigmoid gate ``mlp.shared_experts.gate_weight`` is replicated.  Expert names here carry
-  the *global* expert index: EP rank r holds experts ``[r * E / ep, (r + 1) * E / ep)`` as its
-  local experts 0.. (:func:`canonical_name` adds the offset).  The HF names of the block are
-  one entry of :data:`MOE_HF_NAMES` per family layout.
-* Layer names are global (``decoder.layers.{global}``); a PP stage's local index is offset by
-  the layer's ``layer_number``.  The transformer-engine spec fuses the pre-attention and
-  pre-MLP norms into ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``:
-  :func:`canonical_name` maps those to the local-spec names.
+* Mixture-of-experts layers: router replicated, routed experts laid out like a dense MLP over
+  the *expert* TP group, named by global expert index (:func:`_moe_rules` says how).
+* Layer names are global (``decoder.layers.{global}``): :func:`canonical_name` maps a PP stage's
+  local names, and the transformer-engine spec's fused norms, to them.
 """
 
 from __future__ import annotations
@@ -163,7 +154,18 @@ def hf_names_in_order(spec: ModelSpec) -> List[str]:
 
 
 def _moe_rules(spec: ModelSpec, i: int) -> List[ParamRule]:
-    """The rules of MoE layer ``i``: router, routed experts in global order, shared expert."""
+    """The rules of MoE layer ``i``: router, routed experts in global order, shared expert.
+
+    Mixture-of-experts layers (megatron-core ``MoELayer`` with ``SequentialMLP`` experts):
+    ``mlp.router.weight`` is the HF router (``gate``) weight, replicated; routed expert e is
+    ``mlp.experts.local_experts.{e}.linear_fc1/fc2`` with the same gate/up and row layouts as a
+    dense MLP, split over the *expert* tensor-parallel group (``expert_tensor_parallel_size``);
+    the shared expert ``mlp.shared_experts.linear_fc1/fc2`` is split over the ordinary TP group and
+    its sigmoid gate ``mlp.shared_experts.gate_weight`` is replicated.  Expert names here carry
+    the *global* expert index: EP rank r holds experts ``[r * E / ep, (r + 1) * E / ep)`` as its
+    local experts 0.. (:func:`canonical_name` adds the offset).  The HF names of the block are
+    one entry of :data:`MOE_HF_NAMES` per family layout.
+    """
     moe = spec.moe
     names = MOE_HF_NAMES[moe.hf_layout]
     m, blk = f"decoder.layers.{i}.mlp", f"model.layers.{i}.{names.block}"
@@ -228,7 +230,13 @@ def hf_shapes(spec: ModelSpec) -> Dict[str, Tuple[int, ...]]:
 def canonical_name(local_name: str, layer_numbers: Sequence[int], expert_offset: int = 0) -> str:
     """Map a parameter name of one PP stage (local layer index, TE or local spec) to the
     canonical global name.  ``layer_numbers[i]`` is the 1-based global ``layer_number`` of
-    local layer ``i``; ``expert_offset`` is the global index of this EP rank's local expert 0."""
+    local layer ``i``; ``expert_offset`` is the global index of this EP rank's local expert 0.
+
+    Layer names are global (``decoder.layers.{global}``); a PP stage's local index is offset by
+    the layer's ``layer_number``.  The transformer-engine spec fuses the pre-attention and
+    pre-MLP norms into ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``:
+    :func:`canonical_name` maps those to the local-spec names.
+    """
     m = _LAYER_RE.match(local_name)
     if not m:
         return local_name

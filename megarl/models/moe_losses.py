@@ -20,19 +20,8 @@ ranks is
 i.e. the coefficient multiplies the mean over micro-batches and ranks, the scaling megatron
 documents as the intended one ("1/(num_micro_batches * dp_size)").
 
-Why this module has to intervene: megatron attaches the losses with ``MoEAuxLossAutoScaler``,
-whose backward scale the schedule sets to 1 under ``calculate_per_token_loss`` (megarl's
-setting), and a router built with ``calculate_per_token_loss`` multiplies the loss by the
-micro-batch's token count, expecting ``finalize_model_grads`` to divide by the global token
-count -- which megarl's finalize does not (its policy loss is already normalised).  Left alone,
-the aux gradient would be T (or M * dp) times what the coefficient says and would change with
-the micro-batch size and the DP size (contract 6).  So for each step: the routers do not multiply
-by T, and the coefficients megatron reads are ``c / (M * dp)`` (restored afterwards).  Megatron's
-tracker records the losses divided by the coefficient in use, so the reported values are the
-unscaled ``aux`` / ``z`` whatever the scaling: ``moe_aux_loss`` / ``moe_z_loss`` are the means
-over micro-batches, MoE layers and DP ranks (``update/moe_aux_loss``: 1.0 is a perfectly balanced
-top-k).  ``tests/test_moe_losses.py`` checks the gradient against a hand computation of the
-formulas above.
+Why megarl has to intervene, and how: :func:`step_scope`.  ``tests/test_moe_losses.py`` checks
+the gradient against a hand computation of the formulas above.
 """
 
 from __future__ import annotations
@@ -58,7 +47,22 @@ def step_scope(ddp_model, num_micro_batches: int) -> Iterator[Dict[str, float]]:
     """Around one optimizer step's forward/backward: the coefficients scaled to ``c / (M * dp)``,
     megatron's tracker cleared before and read after.  Yields a dict that holds, after the block,
     ``moe_aux_loss`` / ``moe_z_loss`` (the enabled ones).  Inert (no collective, nothing
-    changed) for a dense model or one with both losses off."""
+    changed) for a dense model or one with both losses off.
+
+    Why megarl has to intervene: megatron attaches the losses with ``MoEAuxLossAutoScaler``,
+    whose backward scale the schedule sets to 1 under ``calculate_per_token_loss`` (megarl's
+    setting), and a router built with ``calculate_per_token_loss`` multiplies the loss by the
+    micro-batch's token count, expecting ``finalize_model_grads`` to divide by the global token
+    count -- which megarl's finalize does not (its policy loss is already normalised).  Left alone,
+    the aux gradient would be T (or M * dp) times what the coefficient says and would change with
+    the micro-batch size and the DP size (contract 6).  So for each step: the routers do not multiply
+    by T, and the coefficients megatron reads are ``c / (M * dp)`` (restored afterwards).
+
+    Megatron's tracker records the losses divided by the coefficient in use, so the reported
+    values are the unscaled ``aux`` / ``z`` whatever the scaling: ``moe_aux_loss`` /
+    ``moe_z_loss`` are the means over micro-batches, MoE layers and DP ranks
+    (``update/moe_aux_loss``: 1.0 is a perfectly balanced top-k).
+    """
     from megarl.models.weights import as_chunks
 
     chunks = as_chunks(ddp_model)  # virtual pipeline stages

@@ -6,35 +6,8 @@ in (pinned) host memory and their device memory is returned; the reference model
 host between its forwards.  Physical tricks never change the logical contract: a step after
 ``offload()``/``onload()`` is bitwise the step without them (``tests/test_offload.py``).
 
-How it works
-------------
-Everything is moved at the level of *storages*, not tensors.  megatron DDP keeps gradients
-(and, with the distributed optimizer, parameters) in one contiguous ``_ParamAndGradBuffer``
-per dtype; each ``param.data`` / ``param.main_grad`` / bucket / optimizer shard is a *view* into
-``buffer.param_data`` / ``buffer.grad_data``.  Offloading copies each distinct device storage
-into one flat host buffer per kind and then ``untyped_storage().resize_(0)``s it (the approach
-of verl's ``offload_megatron_model_to_cpu`` and megatron's own
-``_ParamAndGradBuffer.offload_to_cpu``).  Every view keeps pointing at the same storage object,
-so onloading is ``resize_(nbytes)`` plus a copy back and no view needs re-pointing.  Storages
-are deduplicated, so a buffer holding a hundred parameter views moves as one copy, and a tensor
-that two kinds reach (an FP32 optimizer's params *are* the model params; a distributed
-optimizer's fp32 shards are views of ``param_data``) is moved only by the kind that owns it.
-
-Who owns what (megatron-core 0.16.1, checked against the installed source):
-
-* params: every module parameter and registered buffer, plus ``buffer.param_data`` of each DDP
-  buffer (``None`` without the distributed optimizer: the params are then separate tensors);
-* grads: ``buffer.grad_data`` (``param.main_grad`` and the ``param.grad`` views megatron's
-  optimizers set point into it) and any other ``.grad``/``.main_grad`` tensor;
-* optimizer: the inner ``torch.optim`` optimizers' ``state`` tensors (``exp_avg``,
-  ``exp_avg_sq``, ``momentum_buffer``, ``step``) and their ``param_groups`` tensors that the
-  model does not own: the fp32 main params of ``Float16OptimizerWithFloat16Params``
-  (``fp32_from_float16_groups``) and of ``DistributedOptimizer``
-  (``shard_fp32_from_float16_groups``).  ``ChainedOptimizer`` is walked recursively.
-
-The host copies are allocated once per kind (pinned when CUDA is available) and reused on every
-cycle; on CPU (tests) the "device" is the CPU, so offload is a copy to a separate host buffer
-plus freeing the original storage, which is exactly what the tests check.
+Everything is moved at the level of *storages*, not tensors (:class:`_StorageGroup` says how
+and why); :func:`training_state_claims` says which storages belong to which kind.
 
 Not supported: NCCL user-buffer registration (``nccl_ub``) and CUDA graphs that captured these
 storages' addresses: the storage's address changes across a round trip.
@@ -96,7 +69,24 @@ class _Slot:
 
 
 class _StorageGroup:
-    """A set of distinct device storages moved to and from one flat host buffer together."""
+    """A set of distinct device storages moved to and from one flat host buffer together.
+
+    Everything is moved at the level of *storages*, not tensors.  megatron DDP keeps gradients
+    (and, with the distributed optimizer, parameters) in one contiguous ``_ParamAndGradBuffer``
+    per dtype; each ``param.data`` / ``param.main_grad`` / bucket / optimizer shard is a *view* into
+    ``buffer.param_data`` / ``buffer.grad_data``.  Offloading copies each distinct device storage
+    into one flat host buffer per kind and then ``untyped_storage().resize_(0)``s it (the approach
+    of verl's ``offload_megatron_model_to_cpu`` and megatron's own
+    ``_ParamAndGradBuffer.offload_to_cpu``).  Every view keeps pointing at the same storage object,
+    so onloading is ``resize_(nbytes)`` plus a copy back and no view needs re-pointing.  Storages
+    are deduplicated, so a buffer holding a hundred parameter views moves as one copy, and a tensor
+    that two kinds reach (an FP32 optimizer's params *are* the model params; a distributed
+    optimizer's fp32 shards are views of ``param_data``) is moved only by the kind that owns it.
+
+    The host copies are allocated once per kind (pinned when CUDA is available) and reused on every
+    cycle; on CPU (tests) the "device" is the CPU, so offload is a copy to a separate host buffer
+    plus freeing the original storage, which is exactly what the tests check.
+    """
 
     def __init__(self, kind: str, preserve: bool = True):
         self.kind = kind
@@ -239,7 +229,20 @@ def _as_chunks(model) -> List[torch.nn.Module]:
 
 def training_state_claims(chunks: Sequence[torch.nn.Module], torch_opts: Sequence[torch.optim.Optimizer]) -> _Claims:
     """The distinct device storages of a megatron-DDP model and its optimizer, by kind
-    (``params``, ``grads``, ``optimizer``; see "Who owns what" above)."""
+    (``params``, ``grads``, ``optimizer``).
+
+    Who owns what (megatron-core 0.16.1, checked against the installed source):
+
+    * params: every module parameter and registered buffer, plus ``buffer.param_data`` of each DDP
+      buffer (``None`` without the distributed optimizer: the params are then separate tensors);
+    * grads: ``buffer.grad_data`` (``param.main_grad`` and the ``param.grad`` views megatron's
+      optimizers set point into it) and any other ``.grad``/``.main_grad`` tensor;
+    * optimizer: the inner ``torch.optim`` optimizers' ``state`` tensors (``exp_avg``,
+      ``exp_avg_sq``, ``momentum_buffer``, ``step``) and their ``param_groups`` tensors that the
+      model does not own: the fp32 main params of ``Float16OptimizerWithFloat16Params``
+      (``fp32_from_float16_groups``) and of ``DistributedOptimizer``
+      (``shard_fp32_from_float16_groups``).  ``ChainedOptimizer`` is walked recursively.
+    """
     claims = _Claims(_model_device(chunks))
     # params: DDP's contiguous param buffers first (distributed optimizer), then every
     # module parameter/buffer (separate tensors otherwise, and anything outside DDP).
