@@ -8,8 +8,7 @@ micro-batch's *contribution* to the global loss, and
     sum over micro-batches and DP ranks of aggregate_loss(...) == the global loss,
 
 whatever the micro-batch size, packing, padding or DP size.  Gradients accumulate by summation
-across micro-batches; across DP ranks they must be *summed*.  A data-parallel wrapper that
-averages gradients (Megatron DDP divides by the DP size) needs ``grad_reduce_scale=dp_size``.
+across micro-batches and must be *summed* across DP ranks (:func:`aggregate_loss`).
 
 Modes (``L`` the token loss matrix, ``m`` the loss mask, ``i`` a sequence, ``t`` a token,
 sums over the local rows; ``N`` the global normaliser):
@@ -19,13 +18,9 @@ sums over the local rows; ``N`` the global normaliser):
                                N = global number of sequences with at least one masked-in token
 - ``seq-mean-token-sum``:      sum_i sum_t m_it L_it / N,   N = same sequence count
 - ``seq-mean-token-sum-norm``: sum_i sum_t m_it L_it / N,   N = sequence count * a constant
-                               length (Dr. GRPO, Liu et al. 2025 "Understanding R1-Zero-like
-                               training": the per-sequence length normaliser |o_i| is replaced by
-                               a constant such as the generation budget, removing length bias)
+                               length (Dr. GRPO, Liu et al. 2025; :func:`global_normaliser`)
 
-The mode names follow verl's ``agg_loss`` (``verl/trainer/ppo/core_algos.py``).  Unlike verl's
-``seq-mean-token-sum-norm`` default (the padded width of the local tensor) the constant here is
-explicit, so padding cannot change the loss.
+The mode names follow verl's ``agg_loss`` (``verl/trainer/ppo/core_algos.py``).
 """
 
 from __future__ import annotations
@@ -93,6 +88,10 @@ def global_normaliser(
         mode: an aggregation mode (see module docstring).
         norm_constant: the constant length of ``seq-mean-token-sum-norm`` (e.g. the maximum
             response length of the sampling config); required for that mode, refused otherwise.
+            Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-like training") replaces the
+            per-sequence length normaliser |o_i| by a constant such as the generation budget,
+            removing length bias.  Unlike verl's default for that mode (the padded width of the local
+            tensor) the constant is explicit, so padding cannot change the loss.
         dp_group: the data-parallel group to all-reduce (SUM) the counts over; ``None`` when
             this rank sees the whole global batch.  (gloo has no ``ReduceOp.AVG``; only SUM is used.)
 
@@ -145,7 +144,8 @@ def aggregate_loss(
         mode: one of ``AGG_MODES``; must equal ``global_normaliser.mode``.
         global_normaliser: from :func:`global_normaliser` over the whole optimizer step.
         grad_reduce_scale: multiply the result by this; ``dp_size`` when the DP gradient
-            reduction averages instead of sums.
+            reduction averages instead of sums (Megatron DDP divides by the DP size), since
+            gradients must be *summed* across DP ranks.
 
     Returns:
         A 0-dim tensor.

@@ -1,22 +1,8 @@
 """Training-position checkpoints: everything needed to continue the same run, published atomically.
 
 A checkpoint is taken at ACTOR_COMMITTED(v), the boundary where no sealed experience is waiting
-to be consumed (so ``unconsumed_experience`` records that explicitly).  Layout of
-``<run_dir>/checkpoints/iter_<k>/``:
-
-    actor/            megarl megatron checkpoint of the actor (dist_checkpointing; loadable at any
-                      TP/PP, also usable as ``model.path``)
-    actor_optim/      the actor's optimizer state (dist_checkpointing, sharded like the model)
-    actor_grad_scaler.json     the loss scaler of each of the actor's optimizers, per rank (fp16:
-                      scale and the growth / hysteresis trackers), restored explicitly at load
-    critic/, critic_optim/     PPO
-    reference/        only when the reference was refreshed away from its starting weights
-    rng/rank_<r>.safetensors + rng/rank_<r>.json   torch / numpy / python (and CUDA) RNG states
-    state.json        committed iteration and policy version, sampler cursor, KL controller,
-                      schedulers, counters, versions of reference / critic / scorer, config hashes,
-                      the parallel layout, and the unconsumed-experience record
-    digests.json      sha256 of every logical tensor (weights and optimizer state) per role
-    MANIFEST.json     sha256 of every file above; written last
+to be consumed (so ``unconsumed_experience`` records that explicitly), into
+``<run_dir>/checkpoints/iter_<k>/``; its files, one by one: docs/design.md, "Checkpoints".
 
 Publishing: everything is written into ``.tmp-iter_<k>-<nonce>/``, fsynced, renamed to
 ``iter_<k>``, and only then does ``latest`` (a one-line file, replaced atomically) point at it.

@@ -20,9 +20,8 @@ metrics.jsonl but no checkpoint        refused: nothing to resume      start ove
 ``launch/multinode.sh`` relies on ``DONE`` (a finished job is not requeued) and on resume=auto
 continuing from ``checkpoints/latest`` (a requeued job); both stay as they were.
 
-:func:`resume_command` prints the exact command that continues a stopped run: this process's
-own command line with ``trainer.run_dir=<the directory>``, so a default timestamped directory
-is named, not generated anew.
+:func:`resume_command` prints the exact command that continues a stopped run (its docstring
+says how it is built).
 """
 
 from __future__ import annotations
@@ -145,7 +144,8 @@ def start_decision(cfg, state: RunDirState, dry: bool = False) -> Optional[str]:
 
 def resume_command(run_dir: str, argv: Optional[list] = None, env: Optional[dict] = None) -> str:
     """The command that continues this run: the launcher, the config and the overrides of this
-    process, with ``trainer.run_dir=<run_dir>`` replacing any given one."""
+    process, with ``trainer.run_dir=<run_dir>`` replacing any given one, so a default timestamped
+    directory is named, not generated anew."""
     argv = list(sys.argv if argv is None else argv)
     env = os.environ if env is None else env
     args = [a for a in argv[1:] if not a.startswith("trainer.run_dir=")]

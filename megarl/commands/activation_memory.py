@@ -2,29 +2,10 @@
 
 After Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
 arXiv 2205.05198), for the layers megarl builds on CUDA (transformer-engine: flash attention, so no
-``s x s`` score tensor is kept; RMSNorm; SwiGLU MLPs; bf16 activations, 2 bytes).  Per decoder
-layer and micro-batch of ``T`` tokens, what the backward keeps:
-
-* attention: the norm's input and output (``2h``), Q, K, V (``q + 2 kv``), the attention output
-  (``q``), then the MLP's norm input and output (``2h``);
-* MLP: gate and up outputs and the SwiGLU output (``3f``); an MoE layer instead keeps ``top_k`` of
-  its experts' (``3 f_moe`` each, over expert TP) and the shared expert's, and the router's fp32
-  logits (``4 E`` bytes);
-
-``2 T (4h + 2q + 2kv + 3f)`` bytes, where TP splits ``q``, ``kv`` and ``f`` and sequence parallelism
-also the ``h`` terms (megatron saves the sequence-parallel shard and gathers it again in the
-backward).  Recomputation keeps less: ``full`` only each recomputed chunk's input (``2 T h``, /tp
-under SP) plus one chunk's activations while it is recomputed; ``selective`` drops the named parts
-(``mlp``: its inner ``3f``; ``layernorm``: the norms' outputs; ``moe`` / ``moe_act``: the experts'
-inner tensors; ``core_attn`` nothing more with flash attention, which keeps no scores).  Under
-1F1B the first pipeline stage holds ``min(pp, micro-batches)`` micro-batches in flight; with
-``parallel.vpp`` virtual stages (interleaved 1F1B, Narayanan et al. 2021, arXiv 2104.04473) it
-holds ``vpp pp + pp - 1`` chunk forwards of ``1/vpp`` of its layers each (megatron's warm-up on
-rank 0 plus one), that is ``pp + (pp - 1) / vpp`` micro-batches' worth.  The last
-stage adds the logits (``2 T V/tp``), their gradient (the same) and, without
-``algo.log_prob_chunk``, the fp32 softmax megatron's cross-entropy keeps (``4 T V/tp``).  Context
-parallelism (``parallel.cp``) gives each rank ``T / cp`` of a micro-batch's tokens: every term
-above is per rank's tokens.
+``s x s`` score tensor is kept; RMSNorm; SwiGLU MLPs; bf16 activations, 2 bytes).  What one
+decoder layer keeps for its backward, per micro-batch of ``T`` tokens and with each recomputation
+setting: :func:`_layer_bytes`; the pipeline's micro-batches in flight, the last stage's logits
+and context parallelism: :func:`activation_lines`.
 """
 
 from __future__ import annotations
@@ -47,8 +28,24 @@ def micro_batch_tokens(cfg, dp: int) -> tuple:
 
 
 def _layer_bytes(spec, i: int, T: int, tp: int, etp: int, sp: bool, drop: set) -> float:
-    """Bytes one decoder layer keeps for its backward (module doc), without recomputation but
-    for the selectively recomputed parts in ``drop``."""
+    """Bytes one decoder layer keeps for its backward, without recomputation but for the
+    selectively recomputed parts in ``drop``.
+
+    Per decoder layer and micro-batch of ``T`` tokens, what the backward keeps:
+
+    * attention: the norm's input and output (``2h``), Q, K, V (``q + 2 kv``), the attention output
+      (``q``), then the MLP's norm input and output (``2h``);
+    * MLP: gate and up outputs and the SwiGLU output (``3f``); an MoE layer instead keeps ``top_k`` of
+      its experts' (``3 f_moe`` each, over expert TP) and the shared expert's, and the router's fp32
+      logits (``4 E`` bytes);
+
+    ``2 T (4h + 2q + 2kv + 3f)`` bytes, where TP splits ``q``, ``kv`` and ``f`` and sequence parallelism
+    also the ``h`` terms (megatron saves the sequence-parallel shard and gathers it again in the
+    backward).  Recomputation keeps less: ``full`` only each recomputed chunk's input (``2 T h``, /tp
+    under SP) plus one chunk's activations while it is recomputed; ``selective`` drops the named parts
+    (``mlp``: its inner ``3f``; ``layernorm``: the norms' outputs; ``moe`` / ``moe_act``: the experts'
+    inner tensors; ``core_attn`` nothing more with flash attention, which keeps no scores).
+    """
     h, d = spec.hidden_size, spec.head_dim
     q, kv = spec.num_attention_heads * d, spec.num_query_groups * d
     seq = tp if sp else 1
@@ -66,7 +63,17 @@ def _layer_bytes(spec, i: int, T: int, tp: int, etp: int, sp: bool, drop: set) -
 
 
 def activation_lines(cfg, spec, dp: int) -> List[str]:
-    """The dry run's lines on the update's activation memory (module doc)."""
+    """The dry run's lines on the update's activation memory (per layer: :func:`_layer_bytes`).
+
+    Under 1F1B the first pipeline stage holds ``min(pp, micro-batches)`` micro-batches in flight; with
+    ``parallel.vpp`` virtual stages (interleaved 1F1B, Narayanan et al. 2021, arXiv 2104.04473) it
+    holds ``vpp pp + pp - 1`` chunk forwards of ``1/vpp`` of its layers each (megatron's warm-up on
+    rank 0 plus one), that is ``pp + (pp - 1) / vpp`` micro-batches' worth.  The last
+    stage adds the logits (``2 T V/tp``), their gradient (the same) and, without
+    ``algo.log_prob_chunk``, the fp32 softmax megatron's cross-entropy keeps (``4 T V/tp``).  Context
+    parallelism (``parallel.cp``) gives each rank ``T / cp`` of a micro-batch's tokens: every term
+    above is per rank's tokens.
+    """
     p, a = cfg.parallel, cfg.algo
     tokens, how = micro_batch_tokens(cfg, dp)
     T = -(-tokens // p.cp)  # this context-parallel rank's share of them

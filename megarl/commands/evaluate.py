@@ -13,20 +13,8 @@ data fields, the chat template, the reward and the ``eval`` settings; ``--reward
 ``reward.fn`` (its kwargs and components reset; a recipe's agent is turned off: single-turn).  The rows are checked against the reward first,
 like training does (``data.on_missing_fields``).
 
-``--env`` (``rollout.agent.env``: a built-in environment or ``pkg.mod:Class``; its arguments as
-``rollout.agent.env_args.KEY=VALUE`` overrides) evaluates with the environment: every candidate
-is a multi-turn session (the tool available), scored by the environment's reward, through the
-same session code as training's agent rollouts and its held-out evaluation.  Reported besides the
-accuracy: mean turns, the tool-call rate, and the accuracy with and without a tool call; the
-per-row results carry each candidate's turns and tool calls.
-
-Reported: the greedy accuracy (temperature 0, one candidate per prompt, over the scored prompts)
-and, with ``--n``/``eval.samples_per_prompt`` N > 1, N samples per prompt at ``eval.temperature``:
-pass@k (Chen et al. 2021) and maj@k for each k of ``--k``/``eval.k`` (default 1 and N), see
-megarl/evaluation/estimators.py; per source when the rows carry ``eval.source_field``.  Greedy
-decoding goes through the same engine (the hf rollout backend), request batching and scorer as
-training's held-out evaluation, so an export evaluated on the same prompts reproduces the
-training's accuracy exactly (``--limit eval.n`` and a batch that holds them all).
+``--env`` evaluates with an environment (multi-turn sessions, the tool available).  What is
+reported, and why it reproduces training's held-out accuracy: :func:`evaluate_model`.
 """
 
 from __future__ import annotations
@@ -129,7 +117,23 @@ def _chunks(n: int, size: int):
 def evaluate_model(cfg, model_dir: str, tokenizer_dir: str, data_path: str, *, limit: int | None = None,
                    batch_size: int = 256, device: str = "cpu", out: str | None = None, log=print) -> dict:
     """Evaluate ``model_dir`` on ``data_path`` under ``cfg`` (a :class:`~megarl.config.TrainConfig`);
-    returns the metrics and writes the per-row results to ``out`` (JSONL) when given."""
+    returns the metrics and writes the per-row results to ``out`` (JSONL) when given.
+
+    ``--env`` (``rollout.agent.env``: a built-in environment or ``pkg.mod:Class``; its arguments as
+    ``rollout.agent.env_args.KEY=VALUE`` overrides) evaluates with the environment: every candidate
+    is a multi-turn session (the tool available), scored by the environment's reward, through the
+    same session code as training's agent rollouts and its held-out evaluation.  Reported besides the
+    accuracy: mean turns, the tool-call rate, and the accuracy with and without a tool call; the
+    per-row results carry each candidate's turns and tool calls.
+
+    Reported: the greedy accuracy (temperature 0, one candidate per prompt, over the scored prompts)
+    and, with ``--n``/``eval.samples_per_prompt`` N > 1, N samples per prompt at ``eval.temperature``:
+    pass@k (Chen et al. 2021) and maj@k for each k of ``--k``/``eval.k`` (default 1 and N), see
+    megarl/evaluation/estimators.py; per source when the rows carry ``eval.source_field``.  Greedy
+    decoding goes through the same engine (the hf rollout backend), request batching and scorer as
+    training's held-out evaluation, so an export evaluated on the same prompts reproduces the
+    training's accuracy exactly (``--limit eval.n`` and a batch that holds them all).
+    """
     from megarl.control.assembly import evaluation_scorer
     from megarl.control.placement import Placement
     from megarl.data.prompts import load_configured_dataset

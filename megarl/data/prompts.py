@@ -14,16 +14,9 @@ A row carries either a plain-text prompt (``prompt_field``, default ``"prompt"``
 * Prompts longer than ``max_prompt_tokens`` are dropped (never cut) and counted in
   ``stats["dropped_overlong"]``.
 
-Sources (:func:`iter_rows`, the one row reader the loader and the start-up data check share):
-a ``.jsonl``/``.json`` or ``.parquet`` file (``where`` = ``file:line``); a directory of such
-files, read in name order (``file:line``); a ``datasets`` directory written by
-``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk`` (``split`` picks the split;
-``where`` = ``dir[split]#index``); a Hub dataset, ``org/name`` or ``hf://datasets/name``, read
-with ``datasets.load_dataset(name, subset, split=split)``, which honours ``HF_HUB_OFFLINE`` /
-``HF_DATASETS_OFFLINE`` (``where`` = ``hf://datasets/name[subset/split]#index``).  The last two
-need the optional ``datasets`` package.  ``stats["sha256"]`` is the file's bytes for a file,
-every file's name and bytes for a directory of files, and the rows themselves (canonical JSON,
-in order) for a ``datasets`` source: the same rows give the same hash.
+Sources: a ``.jsonl``/``.json`` or ``.parquet`` file, a directory of them, a ``datasets``
+directory or a Hub dataset; :func:`iter_rows`, the one row reader the loader and the start-up
+data check share, says how each is read, named and hashed (``stats["sha256"]``).
 
 :class:`PromptSampler` draws dataset indices epoch by epoch; epoch ``e`` is the permutation
 ``numpy.random.default_rng([seed, e]).permutation(n)``, so the order depends only on
@@ -312,7 +305,18 @@ def iter_rows(path: str | os.PathLike, *, split: str | None = None, subset: str 
     (``file:line``, or ``name[split]#index`` for a ``datasets`` source).  ``split`` / ``subset``
     apply to ``datasets`` directories and Hub datasets.  Raises :class:`PromptDatasetError` for
     a missing path, an unknown format, a row that is not a JSON object, or a missing
-    ``datasets`` package."""
+    ``datasets`` package.
+
+    Sources: a ``.jsonl``/``.json`` or ``.parquet`` file (``where`` = ``file:line``); a directory of such
+    files, read in name order (``file:line``); a ``datasets`` directory written by
+    ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk`` (``split`` picks the split;
+    ``where`` = ``dir[split]#index``); a Hub dataset, ``org/name`` or ``hf://datasets/name``, read
+    with ``datasets.load_dataset(name, subset, split=split)``, which honours ``HF_HUB_OFFLINE`` /
+    ``HF_DATASETS_OFFLINE`` (``where`` = ``hf://datasets/name[subset/split]#index``).  The last two
+    need the optional ``datasets`` package.  ``stats["sha256"]`` is the file's bytes for a file,
+    every file's name and bytes for a directory of files, and the rows themselves (canonical JSON,
+    in order) for a ``datasets`` source: the same rows give the same hash.
+    """
     hasher = hasher if hasher is not None else hashlib.sha256()
     try:
         for where, _, row in _source_rows(os.fspath(path), hasher, split, subset):

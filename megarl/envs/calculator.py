@@ -5,12 +5,8 @@ default here: :func:`make_rows`): ``{"prompt": "what is 12345 plus 678 ?", "answ
 
 **Tool syntax.**  A policy turn *calls the calculator* by writing an expression in square
 brackets, ``[ 12345 + 678 ]``; several calls in one turn are parallel calls.  The expression is
-integers with ``+``, ``-``, ``*`` and parentheses; whitespace inside is ignored, because the tiny
-tokenizer has one token per digit and decodes them with spaces between (``[ 1 2 3 4 5 + 6 7 8 ]``).
-Every character of the syntax is one token of the tiny vocabulary (``[``, ``]``, digits,
-``+ - * ( )``; see :mod:`megarl.builtin.tiny_tokenizer`), so it encodes without ``<unk>`` (but write
-two brackets apart: the tiny pre-tokenizer groups adjacent punctuation, and ``((`` or ``][`` is
-one unknown piece).  The step answers each call with one ``tool`` message holding the integer
+integers with ``+``, ``-``, ``*`` and parentheses, whitespace ignored (:func:`find_calls` says
+why, and how it suits the tiny vocabulary).  The step answers each call with one ``tool`` message holding the integer
 (``13023``), or ``not a number`` for an expression it cannot evaluate.
 
 **Final answer.**  A turn without a call is the answer and ends the episode (terminated) with
@@ -45,7 +41,14 @@ _PROBLEM = re.compile(r"(\d+)\s+(plus|minus|times)\s+(\d+)")
 
 def find_calls(text: str) -> list[str]:
     """The bracketed expressions of a policy turn, in order (``"[ 1 2 + 3 ] [ 4 * 5 ]"`` ->
-    ``["1 2 + 3", "4 * 5"]``)."""
+    ``["1 2 + 3", "4 * 5"]``).
+
+    Whitespace inside is ignored because the tiny tokenizer has one token per digit and decodes
+    them with spaces between (``[ 1 2 3 4 5 + 6 7 8 ]``).  Every character of the syntax is one
+    token of the tiny vocabulary (``[``, ``]``, digits, ``+ - * ( )``; see
+    :mod:`megarl.builtin.tiny_tokenizer`), so it encodes without ``<unk>`` (but write two brackets
+    apart: the tiny pre-tokenizer groups adjacent punctuation, and ``((`` or ``][`` is one unknown
+    piece)."""
     return _CALL.findall(text)
 
 

@@ -5,30 +5,8 @@ turn's sampled ids exactly as generated, then the environment's messages rendere
 :class:`EnvTurnRenderer` -- never by decoding the trajectory, re-templating the conversation and
 re-encoding it (the re-tokenization bug, TRL #5224).
 
-**How a render is made.**  The template is asked once per environment step for a fixed probe
-conversation ``[user: PROBE_Q, assistant: PROBE_A]`` followed by the new messages, all of them in
-*one* call (parallel tool messages are templated together, slime #2263), with the generation
-prompt of the next assistant turn.  The ids to append are the encoding of that text after the
-probe assistant's end-of-turn token (the first special token the template writes after an
-assistant message's content: ``<|end|>`` for the tiny template, ``<|im_end|>`` for Qwen's).
-What the template writes after that token (Qwen's ``\\n``) belongs to the environment's render,
-since the policy stops at the end-of-turn token.  The render does not depend on the real
-conversation, so earlier turns are never re-rendered.
-
-**Checks.**  :func:`check_template` runs a synthetic agent conversation (tool calls, parallel
-tool results, a user feedback message, ``<think>`` blocks) and reports:
-
-- ``prefix_stable``: the session's ids (prompt ids + policy ids + renders) equal the template's
-  encoding of the whole conversation (:func:`session_matches_template`);
-- ``rewrites_earlier_turns``: the template renders an earlier assistant turn differently once
-  more messages follow (Qwen3 drops ``<think>`` blocks of turns before the last user message,
-  NeMo-RL #2821).  The session's rule is then: keep the generated tokens, never re-render past
-  turns; the difference from the template's rendering is reported, not "fixed";
-- ``parallel_tool_messages``: several tool messages rendered in one call equal the template's
-  rendering of them in the conversation; ``one_at_a_time_differs`` says whether templating them
-  one by one would have been wrong for this template;
-- ``unknown_token_roles``: environment roles whose rendering contains the unknown token (the
-  tiny vocabulary has no ``<|tool|>``).
+How a render is made: :class:`EnvTurnRenderer`; the checks of the template itself:
+:func:`check_template`.
 """
 
 from __future__ import annotations
@@ -60,6 +38,16 @@ class EnvTurnRenderer:
     ``assistant_end_ids``: the ids that end a policy turn (generation stop tokens): the
     template's end-of-turn token, then EOS when it is another token.  ``end_of_turn_id`` is the
     first of them, the one the template itself writes.
+
+    **How a render is made.**  The template is asked once per environment step for a fixed probe
+    conversation ``[user: PROBE_Q, assistant: PROBE_A]`` followed by the new messages, all of them in
+    *one* call (parallel tool messages are templated together, slime #2263), with the generation
+    prompt of the next assistant turn.  The ids to append are the encoding of that text after the
+    probe assistant's end-of-turn token (the first special token the template writes after an
+    assistant message's content: ``<|end|>`` for the tiny template, ``<|im_end|>`` for Qwen's).
+    What the template writes after that token (Qwen's ``\\n``) belongs to the environment's render,
+    since the policy stops at the end-of-turn token.  The render does not depend on the real
+    conversation, so earlier turns are never re-rendered.
     """
 
     def __init__(self, contract):
@@ -273,7 +261,23 @@ def session_matches_template(contract, prompt_messages: Sequence[Message],
 
 @dataclass(frozen=True)
 class TemplateReport:
-    """What :func:`check_template` found (module docstring); ``details`` says it in words."""
+    """What :func:`check_template` found (below); ``details`` says it in words.
+
+    **Checks.**  :func:`check_template` runs a synthetic agent conversation (tool calls, parallel
+    tool results, a user feedback message, ``<think>`` blocks) and reports:
+
+    - ``prefix_stable``: the session's ids (prompt ids + policy ids + renders) equal the template's
+      encoding of the whole conversation (:func:`session_matches_template`);
+    - ``rewrites_earlier_turns``: the template renders an earlier assistant turn differently once
+      more messages follow (Qwen3 drops ``<think>`` blocks of turns before the last user message,
+      NeMo-RL #2821).  The session's rule is then: keep the generated tokens, never re-render past
+      turns; the difference from the template's rendering is reported, not "fixed";
+    - ``parallel_tool_messages``: several tool messages rendered in one call equal the template's
+      rendering of them in the conversation; ``one_at_a_time_differs`` says whether templating them
+      one by one would have been wrong for this template;
+    - ``unknown_token_roles``: environment roles whose rendering contains the unknown token (the
+      tiny vocabulary has no ``<|tool|>``).
+    """
 
     prefix_stable: bool
     rewrites_earlier_turns: bool
@@ -305,7 +309,7 @@ def _synthetic():
 
 
 def check_template(contract) -> TemplateReport:
-    """Check the contract's chat template for agent use (module docstring); run at start-up by
+    """Check the contract's chat template for agent use (:class:`TemplateReport`); run at start-up by
     any agent rollout.  Raises :class:`TokenizerMismatchError` when the template cannot be used
     at all (no template, no end-of-turn token)."""
     r = EnvTurnRenderer(contract)

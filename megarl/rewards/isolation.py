@@ -5,25 +5,8 @@ power tower inside sympy: ``9**(9**9)`` is one bigint call lasting minutes) free
 thread of the trainer, its timeout included.  :class:`ProcessPool` runs the reward function in
 ``size`` worker processes instead; :class:`~megarl.rewards.runner.RewardRunner` drives it with
 the same contract as its thread pool (``submit`` / ``abandon`` / ``close``), so statuses,
-retries and counters do not change:
-
-* the workers come from the ``forkserver`` context (never a fork of the trainer, which holds
-  threads, gloo sockets and CUDA state); each builds its own reward function from a *spec*
-  (``build_reward_function(**spec)``), so plug-ins are imported in the worker;
-* a call starts when it is sent to an idle, ready worker; an overdue call's worker is killed
-  (SIGTERM, SIGKILL after ``kill_grace_s``) and replaced -- the runner has already recorded
-  ``timeout`` at ``timeout_s``, it never waits for the kill;
-* a worker that dies while scoring (segfault, OOM kill, ``os._exit``, SIGXCPU) fails that call
-  alone with status ``error`` naming the signal or exit code, and is replaced;
-* per-worker limits: ``max_memory_mb`` (RLIMIT_AS, the whole address space of the worker,
-  interpreter and torch included: a MemoryError in the scorer is an ``error``) and
-  ``cpu_time_s`` (RLIMIT_CPU, re-armed before every call so it is a per-call limit; exceeding it
-  is a SIGXCPU death, an ``error``);
-* a return value that cannot be pickled is an ``error`` naming the reward function;
-* no orphans: each worker asks the kernel for SIGKILL when its parent dies
-  (``PR_SET_PDEATHSIG``), watches the trainer's pid from a thread and exits on EOF of its pipe;
-  the forkserver exits when the trainer does; :meth:`ProcessPool.close` (from ``runner.close()``
-  or at interpreter exit) stops them.
+retries and counters do not change.  How workers are started, limited, killed and replaced, and
+why none is left behind: :class:`ProcessPool`.
 
 :func:`resolve_isolation` decides ``auto``: threads for the cheap rule builtins
 (:data:`THREAD_SAFE_BUILTINS`) and the batched remote service (:data:`SELF_LIMITED_BUILTINS`),
@@ -257,8 +240,27 @@ class _Worker:
 
 
 class ProcessPool:
-    """``size`` worker processes scoring with ``build_reward_function(**spec)``; see the module
-    docstring.  ``restarts`` counts replaced workers (killed for a timeout or dead)."""
+    """``size`` worker processes scoring with ``build_reward_function(**spec)``.  ``restarts``
+    counts replaced workers (killed for a timeout or dead).
+
+    * the workers come from the ``forkserver`` context (never a fork of the trainer, which holds
+      threads, gloo sockets and CUDA state); each builds its own reward function from a *spec*
+      (``build_reward_function(**spec)``), so plug-ins are imported in the worker;
+    * a call starts when it is sent to an idle, ready worker; an overdue call's worker is killed
+      (SIGTERM, SIGKILL after ``kill_grace_s``) and replaced -- the runner has already recorded
+      ``timeout`` at ``timeout_s``, it never waits for the kill;
+    * a worker that dies while scoring (segfault, OOM kill, ``os._exit``, SIGXCPU) fails that call
+      alone with status ``error`` naming the signal or exit code, and is replaced;
+    * per-worker limits: ``max_memory_mb`` (RLIMIT_AS, the whole address space of the worker,
+      interpreter and torch included: a MemoryError in the scorer is an ``error``) and
+      ``cpu_time_s`` (RLIMIT_CPU, re-armed before every call so it is a per-call limit; exceeding it
+      is a SIGXCPU death, an ``error``);
+    * a return value that cannot be pickled is an ``error`` naming the reward function;
+    * no orphans: each worker asks the kernel for SIGKILL when its parent dies
+      (``PR_SET_PDEATHSIG``), watches the trainer's pid from a thread and exits on EOF of its pipe;
+      the forkserver exits when the trainer does; :meth:`ProcessPool.close` (from ``runner.close()``
+      or at interpreter exit) stops them.
+    """
 
     def __init__(self, size: int, spec: Mapping[str, Any], name: str, *, kill_grace_s: float = 0.5,
                  max_memory_mb: int | None = None, cpu_time_s: float | None = None):

@@ -18,11 +18,10 @@ impossible by construction:
   trajectory so far): the hf engine teacher-forces them, SGLang takes them as ``input_ids`` and
   reuses its prefix cache.
 
-Turns of all active trajectories are generated in one batched engine call; environments step
-concurrently (:class:`megarl.envs.runner.EnvironmentPool`, per-step timeout).  An environment
-that fails is a status on the trajectory (never a reward).  Seeds: turn t of candidate c of
-request r samples from ``candidate_seed(seed, f"{r}/c{c}/t{t}", 0)``, so a trajectory does not
-depend on what else is in the batch.
+Turns of all active trajectories are generated in batched engine calls (:func:`_policy_turn`
+says how they are seeded); environments step concurrently
+(:class:`megarl.envs.runner.EnvironmentPool`, per-step timeout).  An environment that fails is a
+status on the trajectory (never a reward).
 """
 
 from __future__ import annotations
@@ -254,7 +253,11 @@ def _reset(pool, trajs, env_rows, prompt_of, prompt_messages, encode_prompt) -> 
 def _policy_turn(engine, active: List[Trajectory], sampling: SamplingParams, stops, limits: AgentLimits
                  ) -> Dict[int, GenerationResult]:
     """One policy turn of every active trajectory, by ``id(trajectory)``; a trajectory the
-    engine did not answer is absent."""
+    engine did not answer is absent.
+
+    Seeds: turn t of candidate c of request r samples from ``candidate_seed(seed,
+    f"{r}/c{c}/t{t}", 0)`` (its own request id, candidate 0), so a trajectory does not depend on
+    what else is in the batch."""
     budget = {id(t): limits.max_total_tokens - len(t.response_ids) for t in active}
     # one engine call per distinct per-turn limit (a trajectory near its budget samples less)
     by_limit: Dict[int, List[Trajectory]] = {}

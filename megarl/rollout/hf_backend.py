@@ -6,26 +6,12 @@ load_weights() writes into the standby and verifies the manifest; activate() swa
 pointers under a lock (write, synchronise, verify the manifest, and only then switch the
 active version atomically).  A bad stream therefore never touches what is being served: the
 engine stays on v.  The standby's tensors are looked up by their checkpoint names
-(``weight_stream.hf_logical_tensors``): a mixture-of-experts layer's routed experts, which
-transformers 5 holds fused, are per-expert views into the fused tensors, so the megatron stream
-(one tensor per expert, from whichever EP rank holds it) lands in place and is checksummed there.
+(:meth:`_Slot.targets`).
 
-Generation reuses transformers ``generate`` (KV cache, EOS bookkeeping, padding) -- or, with
-``retire_finished``, megarl/rollout/hf_retiring.py's decode loop, where a finished row leaves the
-batch and its KV cache -- and transformers' own
-logits warpers (Temperature/TopK/TopP); megarl only adds two logits processors around them: one
-records the raw logits' normaliser, the last one draws the token with a per-candidate
-``torch.Generator`` (inverse-CDF sampling, exact for the processed distribution) and
-records its processed log-prob, then hands transformers a one-hot score so its greedy argmax
-takes that token.  Per-candidate generators make a candidate's tokens independent of what else
-is in the batch; recording inside the processors avoids keeping (steps x batch x vocab) scores.
-
-Routed experts (MoE, ``SamplingParams.return_routed_experts``): a forward pre-hook on every MoE
-layer's experts module (``model.layers.<i>.mlp.experts`` in Qwen2-MoE, Qwen3-MoE and Mixtral:
-``experts(hidden_states, top_k_index, top_k_weights)``) records ``top_k_index`` as it is handed to
-the experts, so what is recorded is what was dispatched, whatever the router's softmax / top-k
-order and ties.  With the KV cache the prefill call gives the prompt's routing and each decode
-call one token's; the last sampled token is never fed, so it has none (as in SGLang).
+Generation reuses transformers ``generate`` (or, with ``retire_finished``, the decode loop of
+megarl/rollout/hf_retiring.py) and its logits warpers; megarl adds two logits processors around
+them (:func:`_logits_processors` says which and why).  Routed experts (MoE) are recorded as they
+are dispatched (:class:`_RoutingRecorder`).
 """
 
 from __future__ import annotations
@@ -73,7 +59,13 @@ class _Slot:
     _targets: dict[str, torch.Tensor] | None = None
 
     def targets(self) -> dict[str, torch.Tensor]:
-        """The model's logical tensors by HF name (the parameters themselves, looked up once)."""
+        """The model's logical tensors by HF name (the parameters themselves, looked up once).
+
+        The standby's tensors are looked up by their checkpoint names
+        (``weight_stream.hf_logical_tensors``): a mixture-of-experts layer's routed experts, which
+        transformers 5 holds fused, are per-expert views into the fused tensors, so the megatron stream
+        (one tensor per expert, from whichever EP rank holds it) lands in place and is checksummed there.
+        """
         if self._targets is None:
             from megarl.rollout.weight_stream import hf_logical_tensors
 
@@ -179,7 +171,15 @@ def moe_experts_modules(model: torch.nn.Module) -> list[tuple[int, torch.nn.Modu
 
 
 class _RoutingRecorder:
-    """Forward pre-hooks on the experts modules: the ``top_k_index`` of every call, per layer."""
+    """Forward pre-hooks on the experts modules: the ``top_k_index`` of every call, per layer.
+
+    Routed experts (MoE, ``SamplingParams.return_routed_experts``): a forward pre-hook on every MoE
+    layer's experts module (``model.layers.<i>.mlp.experts`` in Qwen2-MoE, Qwen3-MoE and Mixtral:
+    ``experts(hidden_states, top_k_index, top_k_weights)``) records ``top_k_index`` as it is handed to
+    the experts, so what is recorded is what was dispatched, whatever the router's softmax / top-k
+    order and ties.  With the KV cache the prefill call gives the prompt's routing and each decode
+    call one token's; the last sampled token is never fed, so it has none (as in SGLang).
+    """
 
     def __init__(self, layers: list[tuple[int, torch.nn.Module]]):
         self.layers = layers
@@ -219,7 +219,18 @@ class _RoutingRecorder:
 
 def _logits_processors(sampling: SamplingParams, seeds, n_rows: int):
     """``(processors, chooser)``: the raw log-prob recorder, transformers' warpers for
-    ``sampling`` (none when greedy), then the per-candidate seeded chooser, last."""
+    ``sampling`` (none when greedy), then the per-candidate seeded chooser, last.
+
+    Generation reuses transformers ``generate`` (KV cache, EOS bookkeeping, padding) -- or, with
+    ``retire_finished``, megarl/rollout/hf_retiring.py's decode loop, where a finished row leaves the
+    batch and its KV cache -- and transformers' own
+    logits warpers (Temperature/TopK/TopP); megarl only adds two logits processors around them: one
+    records the raw logits' normaliser, the last one draws the token with a per-candidate
+    ``torch.Generator`` (inverse-CDF sampling, exact for the processed distribution) and
+    records its processed log-prob, then hands transformers a one-hot score so its greedy argmax
+    takes that token.  Per-candidate generators make a candidate's tokens independent of what else
+    is in the batch; recording inside the processors avoids keeping (steps x batch x vocab) scores.
+    """
     from transformers.generation import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     recorder = _RawLogProbRecorder()

@@ -14,16 +14,13 @@ one served.
 
 :class:`RemoteEngine` (trainer rank 0) meets :class:`~megarl.rollout.protocol.RolloutEngine`, so
 publication, production and evaluation drive the rollout ranks exactly as they drive a local
-engine, and adds ``submit`` / ``collect``: requests that generate while the trainer trains.
-``load_weights`` ships every bucket to every rollout rank (a broadcast over the bridge group,
-flattened per dtype) and returns only when each engine verified what landed; a refusal is the
-engine's :class:`~megarl.rollout.weight_stream.ManifestMismatchError`, so the publisher's retry
-path is unchanged.  Every wait is bounded: by the other side's heartbeat (a lost process is a
+engine (:meth:`RemoteEngine.load_weights` included), and adds ``submit`` / ``collect``: requests
+that generate while the trainer trains.  Every wait is bounded: by the other side's heartbeat (a lost process is a
 :class:`~megarl.runtime.split.PeerLostError`, never a hang) and, for the bridge collectives, by
 ``placement.timeout_s``.
 
-Run on CPU (gloo) with the hf engine and with SGLang's CPU engine on the rollout rank; the NCCL
-bridge and SGLang on a GPU are written for the same protocol and have never run (no GPU was lent).
+What has run (CPU, gloo: hf and SGLang's CPU engine) and what has not (the NCCL bridge, SGLang
+on a GPU): docs/async.md.
 """
 
 from __future__ import annotations
@@ -145,8 +142,10 @@ class RemoteEngine:
         return None  # the staging tensors are in another process
 
     def load_weights(self, version: PolicyVersion, named_tensor_buckets, expected_manifest: TensorManifest) -> LoadReport:
-        """Ship ``version``'s buckets to every rollout rank; return when each engine staged and
-        verified them (raises the engine's ManifestMismatchError otherwise)."""
+        """Ship ``version``'s buckets to every rollout rank (a broadcast over the bridge group,
+        flattened per dtype); return only when each engine staged and verified what landed.  A
+        refusal raises the engine's ManifestMismatchError, so the publisher's retry path is the
+        one it takes for a local engine."""
         t0 = time.perf_counter()
         for box in self.to:
             box.send(("load", version, expected_manifest.to_dict()))

@@ -5,27 +5,10 @@ collective.  If the link went down with it, gloo and NCCL wait out the process g
 (30 minutes); if the dead process's sockets closed, the error names a socket address, not a rank.
 Neither tells the operator, or the scheduler, what happened in time to act on it.
 
-:class:`PeerWatch` gives every rank a heartbeat in the job's c10d store and a daemon thread that,
-each ``period_s``, beats and reads its ring neighbour's counter (rank r watches r + 1 mod world:
-a constant number of store operations per rank, whatever the world's size).  A neighbour whose
-counter has not moved for ``parallel.peer_timeout_s`` seconds is declared lost, and the reason is
-posted in the store, where every rank's watcher reads it at its next look: each prints which rank
-was lost, on which host, and ends its process with :data:`EXIT_PEER_LOST` (75, EX_TEMPFAIL: try
-again).  The launcher sees failed workers, and the job is restarted (``launch/multinode.sh``'s
-requeue, or Slurm's own after a node failure) from its last checkpoint; nothing committed is lost,
-as a checkpoint is published atomically.  A store that stops answering (its host is the lost node)
-is reported the same way, bounded by the same time-out (a guard thread times each look: the c10d
-client's own time-out bounds waits for keys, not a reply that never comes).  A rank that ends its run says so first
-(:meth:`PeerWatch.stop`), so a finished rank is never taken for a lost one.
-
-The thread runs whatever the main thread is blocked in: a C++ collective releases the GIL.  Where
-a collective fails at once instead (the dead process's connection closed), :meth:`PeerWatch.explain`
-holds the failure until the watcher has named the rank, so the log says which one, not only
-"connection closed by peer".
-
-The store connection is the watcher's own (a client of the job's store at ``MASTER_ADDR:MASTER_PORT``,
-torchrun's agent's or rank 0's), with the time-out as its operation limit, so an unreachable store
-cannot block it longer than that.  Keys are namespaced by torchrun's restart count.  Split placement
+:class:`PeerWatch` gives every rank a heartbeat in the job's c10d store, watched by its ring
+neighbour: a neighbour silent for ``parallel.peer_timeout_s`` is declared lost, and every rank
+names it and ends with :data:`EXIT_PEER_LOST` (75, EX_TEMPFAIL), so the job is restarted from
+its last checkpoint.  How, and why each part is bounded: :class:`PeerWatch`.  Split placement
 has its own heartbeats between its two sides (:mod:`megarl.runtime.split`).
 """
 
@@ -64,10 +47,32 @@ def _exit_peer_lost(message: str) -> None:
 
 
 class PeerWatch:
-    """Beat this rank's counter and watch the ring neighbour's (see the module docstring).
+    """Beat this rank's counter and watch the ring neighbour's.
 
     ``store`` is any c10d store (``add``, ``set``, ``get``, ``check``); ``on_lost`` is what is done
     with the reason once a peer is lost (default: print it and exit with :data:`EXIT_PEER_LOST`).
+
+    It gives every rank a heartbeat in the job's c10d store and a daemon thread that,
+    each ``period_s``, beats and reads its ring neighbour's counter (rank r watches r + 1 mod world:
+    a constant number of store operations per rank, whatever the world's size).  A neighbour whose
+    counter has not moved for ``parallel.peer_timeout_s`` seconds is declared lost, and the reason is
+    posted in the store, where every rank's watcher reads it at its next look: each prints which rank
+    was lost, on which host, and ends its process with :data:`EXIT_PEER_LOST` (75, EX_TEMPFAIL: try
+    again).  The launcher sees failed workers, and the job is restarted (``launch/multinode.sh``'s
+    requeue, or Slurm's own after a node failure) from its last checkpoint; nothing committed is lost,
+    as a checkpoint is published atomically.  A store that stops answering (its host is the lost node)
+    is reported the same way, bounded by the same time-out (a guard thread times each look: the c10d
+    client's own time-out bounds waits for keys, not a reply that never comes).  A rank that ends its run says so first
+    (:meth:`PeerWatch.stop`), so a finished rank is never taken for a lost one.
+
+    The thread runs whatever the main thread is blocked in: a C++ collective releases the GIL.  Where
+    a collective fails at once instead (the dead process's connection closed), :meth:`PeerWatch.explain`
+    holds the failure until the watcher has named the rank, so the log says which one, not only
+    "connection closed by peer".
+
+    The store connection is the watcher's own (a client of the job's store at ``MASTER_ADDR:MASTER_PORT``,
+    torchrun's agent's or rank 0's), with the time-out as its operation limit, so an unreachable store
+    cannot block it longer than that.  Keys are namespaced by torchrun's restart count.
     """
 
     def __init__(self, store, rank: int, world_size: int, timeout_s: float, period_s: float = 1.0,
