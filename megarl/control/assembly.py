@@ -272,7 +272,7 @@ def _production_variants(cfg: TrainConfig) -> dict:
     and observers (the agent episodes' metrics), as the config asks."""
     admission = None
     if cfg.async_rl.max_staleness > 0 and not cfg.async_rl.partial_rollouts:  # generation runs ahead, within the bound
-        admission = AheadAdmission(cfg)
+        admission = AheadAdmission(cfg.trainer, cfg.rollout, cfg.async_rl, routing_replay=cfg.algo.routing_replay)
     observers = []
     if cfg.rollout.agent.env:
         observers.append(AgentEpisodeMetrics())

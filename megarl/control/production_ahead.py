@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
+from megarl.config.schema import AsyncConfig, RolloutConfig, TrainerConfig
 from megarl.control.interfaces import ProducedRollout, Sample
 from megarl.control.production import GroupRolloutProducer, training_sampling
 from megarl.versions import PolicyVersion
@@ -46,10 +47,13 @@ class AheadAdmission:
     that adds ``async/*`` metrics: queue depth, the trainer's and the rollout ranks' idle shares,
     in-flight activations, the share of responses that spanned versions."""
 
-    def __init__(self, cfg):
-        self.cfg = cfg
-        self.max_staleness = cfg.async_rl.max_staleness
-        self.last_iteration = cfg.trainer.iterations - 1
+    def __init__(self, trainer: TrainerConfig, rollout: RolloutConfig, async_rl: AsyncConfig, *,
+                 routing_replay: str):
+        """The config sections it reads: ``trainer`` (iterations, B, seed), ``rollout`` (the
+        sampling), ``async_rl`` (eta), and ``algo.routing_replay`` (record the routed experts)."""
+        self.trainer, self.rollout, self.routing_replay = trainer, rollout, routing_replay
+        self.max_staleness = async_rl.max_staleness
+        self.last_iteration = trainer.iterations - 1
         self.ahead: Dict[int, _Ahead] = {}
         self._returned_counted = False
         self._last_produce = None
@@ -63,14 +67,14 @@ class AheadAdmission:
 
     def _admit(self, k: int, v: str) -> None:
         """Submit every iteration up to ``k + eta`` (never past the run's last) not yet submitted."""
-        cfg, p = self.cfg, self.producer
-        B = cfg.trainer.prompts_per_iteration
+        p = self.producer
+        B = self.trainer.prompts_per_iteration
         first = max(self.ahead, default=k - 1) + 1
         for t in range(max(first, k), min(k + self.max_staleness, self.last_iteration) + 1):
             indices = p.sampler.next_indices(B)
             requests = p._requests(t, 0, [p.train_data.records[i] for i in indices])
-            sampling = training_sampling(cfg.rollout, cfg.trainer.seed, t, 0,
-                                         return_routed_experts=cfg.algo.routing_replay != "none")
+            sampling = training_sampling(self.rollout, self.trainer.seed, t, 0,
+                                         return_routed_experts=self.routing_replay != "none")
             ticket = p.engine.submit(requests, sampling) if p.placement.holds_engine else None
             self.ahead[t] = _Ahead(v, indices, ticket)
 
