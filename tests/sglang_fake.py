@@ -441,7 +441,7 @@ class FakeEngine:
     def _routing(self, prompt, tokens, digest):
         """Top-k ids of tokens [0, seqlen - 1) for every decoder layer (zeros in dense layers), int32,
         encoded as the release's tokenizer manager hands it over with skip_tokenizer_init."""
-        from megarl.rollout.sglang_backend import moe_layout_from_config
+        from megarl.rollout.sglang_outputs import moe_layout_from_config
 
         spec = self._fake.desc["routed_experts"]
         layout = moe_layout_from_config(self.config)

@@ -12,7 +12,7 @@ from megarl.experience.schema import routing_token_mask
 from megarl.control.batch import collate
 from megarl.rollout.hf_backend import HFRolloutEngine, _RoutingRecorder, moe_experts_modules
 from megarl.rollout.protocol import GenerationRequest, InvalidRequestError, SamplingParams
-from megarl.rollout.sglang_backend import moe_layout_from_config
+from megarl.rollout.sglang_outputs import moe_layout_from_config
 from megarl.rollout.weight_stream import iter_buckets
 from megarl.builtin.hf_actor import HFActorStandIn, tiny_llama_config, tiny_moe_config
 

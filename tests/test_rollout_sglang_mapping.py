@@ -9,13 +9,9 @@ import torch
 
 from megarl.rollout import create_rollout_engine
 from megarl.rollout.protocol import FinishReason, GenerationRequest, SamplingParams
-from megarl.rollout.sglang_backend import (
-    BackendUnavailableError,
-    model_dir_eos_token_ids,
-    result_from_sglang_output,
-    sglang_sampling_params,
-    stop_token_ids_sent,
-)
+from megarl.models.safetensors_io import model_dir_eos_token_ids
+from megarl.rollout.sglang_outputs import result_from_sglang_output, sglang_sampling_params, stop_token_ids_sent
+from megarl.rollout.sglang_release import BackendUnavailableError
 from megarl.rollout.protocol import RolloutError
 
 REQ = GenerationRequest("r1", (2, 5, 6))

@@ -32,15 +32,14 @@ from megarl.rollout.protocol import (
     SamplingParams,
     candidate_seed,
 )
-from megarl.rollout.sglang_backend import (
+from megarl.rollout.sglang_backend import SGLangRolloutEngine
+from megarl.rollout.sglang_outputs import result_from_sglang_output, sglang_sampling_params
+from megarl.rollout.sglang_release import (
     KV_CACHE,
     LOG_PROB_ENV_VARS,
     TRAINER_ENV_VARS,
     WEIGHTS,
-    SGLangRolloutEngine,
     WeightUpdateRejectedError,
-    result_from_sglang_output,
-    sglang_sampling_params,
 )
 from megarl.rollout.weight_stream import ManifestMismatchError, iter_buckets
 from megarl.builtin.hf_actor import HFActorStandIn, tiny_llama_config
@@ -507,7 +506,7 @@ def model_dir_dense(moe_dir):
 def test_routed_experts_parser_reads_both_encodings_and_refuses_the_rest():
     import base64
 
-    from megarl.rollout.sglang_backend import MoELayout, routed_experts_from_sglang_output
+    from megarl.rollout.sglang_outputs import MoELayout, routed_experts_from_sglang_output
 
     layout = MoELayout(num_hidden_layers=3, num_experts=4, top_k=2, moe_layers=(0, 2))
     ids = torch.tensor([[[0, 1], [0, 0], [2, 3]], [[3, 2], [0, 0], [1, 0]]], dtype=torch.int32)

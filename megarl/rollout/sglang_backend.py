@@ -14,9 +14,10 @@ handed over (a corrupted tensor is never loaded), generate() is refused from the
 until activate(), and a failed load leaves the engine with no active version (the control plane
 must reload one) unless nothing had been handed over yet, in which case it stays on v.
 
-What each SGLang call relies on, release by release (paths, sessions, memory tags, EOS, seeds,
-weight checks, routed experts, environment variables): docs/gpu.md, "SGLang calls, release by
-release".
+Beside it: :mod:`megarl.rollout.sglang_release` (what each release offers and answers),
+:mod:`megarl.rollout.sglang_outputs` (generate() inputs and outputs, pure functions) and
+:mod:`megarl.rollout.sglang_group` (the collectives of an inference group).  What each SGLang call
+relies on, release by release: docs/gpu.md, "SGLang calls, release by release".
 """
 
 from __future__ import annotations
@@ -43,8 +44,32 @@ from megarl.rollout.protocol import (
 )
 from megarl.rollout.lifecycle import VersionLifecycle
 from megarl.rollout.manifest_receiver import ManifestReceiver
-from megarl.experience.schema import SampleRouting, compact_expert_dtype
 from megarl.models.safetensors_io import model_dir_eos_token_ids
+from megarl.rollout.sglang_group import InferenceGroup
+from megarl.rollout.sglang_outputs import (
+    MoELayout,
+    moe_layout_from_config,
+    result_from_sglang_output,
+    routed_experts_from_sglang_output,
+    sglang_sampling_params,
+)
+from megarl.rollout.sglang_release import (
+    KV_CACHE,
+    LOG_PROB_ENV_VARS,
+    TRAINER_ENV_VARS,
+    WEIGHTS,
+    call_success,
+    captures_logical_ids,
+    generate_accepts,
+    import_sglang,
+    patch_torch_reductions,
+    refuse_dropped_layers,
+    refuse_unnamed_architecture,
+    restore_env,
+    sglang_serializer,
+    supports_sampling_seed,
+    weight_checker_request,
+)
 from megarl.rollout.weight_stream import (
     ManifestMismatchError,
     TensorManifest,
@@ -53,33 +78,11 @@ from megarl.rollout.weight_stream import (
 )
 from megarl.versions import PolicyVersion
 
-__all__ = [
-    "SGLangRolloutEngine",
-    "BackendUnavailableError",
-    "WeightUpdateRejectedError",
-    "import_sglang",
-    "sglang_sampling_params",
-    "stop_token_ids_sent",
-    "result_from_sglang_output",
-    "routed_experts_from_sglang_output",
-    "moe_layout_from_config",
-    "MoELayout",
-    "model_dir_eos_token_ids",
-    "TRAINER_ENV_VARS",
-]
+__all__ = ["SGLangRolloutEngine", "WeightsNotWrittenError", "VERIFY_WRITES", "create_engine"]
 
-LOG_PROB_ENV_VARS = ("SGLANG_RETURN_ORIGINAL_LOGPROB", "RETURN_ORIGINAL_LOGPROB")
-#: variables ``Engine()`` overwrites in the calling (trainer) process; restored after it started
-TRAINER_ENV_VARS = ("CUDA_DEVICE_MAX_CONNECTIONS", "NCCL_CUMEM_ENABLE", "NCCL_NVLS_ENABLE",
-                    "NCCL_GRAPH_MIXING_SUPPORT")
-#: memory-saver tags (``constants.py`` GPU_MEMORY_TYPE_KV_CACHE / GPU_MEMORY_TYPE_WEIGHTS)
-KV_CACHE, WEIGHTS = "kv_cache", "weights"
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
            "float32": torch.float32, "float": torch.float32}
 
-
-class BackendUnavailableError(RolloutError, ImportError):
-    """A rollout backend's package is not installed."""
 
 
 class WeightsNotWrittenError(RolloutError):
@@ -88,274 +91,6 @@ class WeightsNotWrittenError(RolloutError):
 
 #: when a load proves every engine parameter was written (SGLangRolloutEngine ``verify_writes``)
 VERIFY_WRITES = ("first", "every", "never")
-
-
-def weight_checker_request():
-    """SGLang's ``CheckWeightsReqInput`` (None for a release without the weight checker)."""
-    try:
-        from sglang.srt.managers.io_struct import CheckWeightsReqInput
-    except ImportError:
-        return None
-    return CheckWeightsReqInput
-
-
-class WeightUpdateRejectedError(RolloutError):
-    """The engine answered a weight-update call with ``success=False``: the load failed."""
-
-
-def import_sglang():
-    """Import sglang lazily, with an error that says what to install."""
-    try:
-        import sglang  # noqa: F401
-        import sglang.srt.entrypoints.engine  # noqa: F401
-    except ImportError as e:
-        raise BackendUnavailableError(
-            "rollout backend 'sglang' needs the Python package 'sglang', which is not importable "
-            f"here ({e}); install the GPU extra: pip install -e \".[gpu]\" (or use the Dockerfile)"
-        ) from e
-    return sglang
-
-
-def _serializer():
-    from sglang.srt.utils import MultiprocessingSerializer
-
-    return MultiprocessingSerializer
-
-
-def _monkey_patch_torch_reductions():
-    # location moved between releases (slime backends/megatron_utils/sglang.py)
-    try:
-        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-    except ImportError:
-        from sglang.srt.patch_torch import monkey_patch_torch_reductions
-    monkey_patch_torch_reductions()
-
-
-def _supports_sampling_seed() -> bool:
-    try:
-        from sglang.srt.sampling.sampling_params import SamplingParams as SglSP
-    except ImportError:
-        return False
-    fields = getattr(SglSP, "__struct_fields__", None)  # msgspec.Struct (recent releases)
-    if fields is None:
-        import inspect
-
-        fields = tuple(inspect.signature(SglSP.__init__).parameters)
-    return "sampling_seed" in fields
-
-
-def _generate_accepts(option: str) -> bool:
-    """The installed release's ``Engine.generate`` takes ``option`` (``return_routed_experts``: 0.5.7+)."""
-    import inspect
-
-    from sglang.srt.entrypoints.engine import Engine
-
-    return option in inspect.signature(Engine.generate).parameters
-
-
-def _captures_logical_ids() -> bool:
-    """Whether routed-expert ids are captured before the logical -> physical map (0.5.23:
-    ``sglang.srt.state_capturer``; 0.5.7 captures after it, in ``layers/moe/topk.py``)."""
-    import importlib
-
-    try:
-        importlib.import_module("sglang.srt.state_capturer.routed_experts")
-    except ImportError:
-        return False
-    return True
-
-
-def _success(out, call: str) -> tuple[bool, str]:
-    """``(success, message)`` of a weight-update call; any other shape is an API change."""
-    if isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[0], bool):
-        return out[0], str(out[1])
-    if hasattr(out, "success"):  # a *ReqOutput struct
-        return bool(out.success), str(getattr(out, "message", ""))
-    raise RolloutError(f"SGLang {call} returned {out!r}; expected (success: bool, message: str) — "
-                       "has the API changed? (docker/sglang_api/record.py records it)")
-
-
-# ---- pure mapping functions (CPU-testable) -----------------------------------------------------
-
-
-def stop_token_ids_sent(sampling: SamplingParams, eos_token_ids: Sequence[int]) -> tuple[int, ...]:
-    """The ``stop_token_ids`` one request sends: the eos ids, then the contract's stop ids."""
-    return tuple(dict.fromkeys([*(int(t) for t in eos_token_ids), *sampling.stop_token_ids]))
-
-
-def sglang_sampling_params(sampling: SamplingParams, seed: int | None, with_seed: bool,
-                           eos_token_ids: Sequence[int] = ()) -> dict:
-    """Our sampling contract as an SGLang ``sampling_params`` dict for one candidate (n=1: we
-    expand candidates ourselves so each gets its own seed, like the hf backend).
-
-    ``with_seed``: the engine honours ``sampling_seed`` (deterministic inference is on)."""
-    stop = stop_token_ids_sent(sampling, eos_token_ids)
-    params = {
-        "temperature": sampling.temperature,  # 0 -> greedy in SGLang (top_k=1)
-        "top_p": sampling.top_p,
-        "top_k": sampling.top_k,  # -1 = off, same convention as SGLang
-        "max_new_tokens": sampling.max_new_tokens,
-        "stop_token_ids": list(stop) or None,
-        "n": 1,
-        "ignore_eos": False,
-        "skip_special_tokens": False,
-        "no_stop_trim": True,  # the stop token stays in output_ids: the response boundary
-    }
-    if with_seed and seed is not None and not sampling.greedy:
-        params["sampling_seed"] = int(seed)
-    return params
-
-
-def result_from_sglang_output(
-    out: dict,
-    request: GenerationRequest,
-    candidate_index: int,
-    sampling: SamplingParams,
-    eos_token_ids: Sequence[int],
-    version_id: str,
-    seed: int | None,
-) -> GenerationResult:
-    """Map one SGLang generate() output (``output_ids`` + ``meta_info``) to a GenerationResult.
-
-    ``meta_info["output_token_logprobs"]`` is a list of ``(logprob, token_id, text_or_None)``,
-    one per generated token; ``meta_info["finish_reason"]`` is ``{"type": "stop"|"length"|
-    "abort", "matched": token id or str or None, ...}`` (``managers/schedule_batch.py``
-    ``FINISH_*.to_json``).  A stop must be on an id that was sent
-    (:func:`stop_token_ids_sent` of ``sampling`` and ``eos_token_ids``): an eos id is EOS, a
-    stop id STOP.
-    """
-    meta = out["meta_info"]
-    entries = meta.get("output_token_logprobs")
-    if entries is None:
-        raise RolloutError(f"{request.request_id}: SGLang output has no output_token_logprobs (return_logprob not set?)")
-    tokens = [int(e[1]) for e in entries]
-    output_ids = out.get("output_ids")
-    if output_ids is not None and list(output_ids) != tokens:
-        raise RolloutError(
-            f"{request.request_id}/{candidate_index}: SGLang output_ids {list(output_ids)[:8]}... disagree "
-            f"with the tokens of output_token_logprobs {tokens[:8]}..."
-        )
-    fr = meta.get("finish_reason") or {}
-    kind = fr.get("type") if isinstance(fr, dict) else str(fr)
-    matched = fr.get("matched") if isinstance(fr, dict) else None
-    if kind == "length":
-        reason = FinishReason.LENGTH
-    elif kind == "abort":
-        reason = FinishReason.ABORT
-    elif kind == "stop":
-        sent = stop_token_ids_sent(sampling, eos_token_ids)
-        last = matched if isinstance(matched, int) else None
-        if last is None or last not in sent:
-            raise RolloutError(
-                f"{request.request_id}: SGLang stopped on {matched!r}, which is not one of the stop ids "
-                f"sent ({list(sent)}: eos {list(eos_token_ids)}, stop {list(sampling.stop_token_ids)})"
-            )
-        reason = FinishReason.EOS if last in set(eos_token_ids) else FinishReason.STOP
-        if not tokens or tokens[-1] != last:
-            raise RolloutError(
-                f"{request.request_id}: SGLang finished on {last} but the response does not end with it "
-                f"({tokens[-3:]}); the response boundary would be wrong"
-            )
-    else:
-        raise RolloutError(f"{request.request_id}: unknown SGLang finish_reason {fr!r}")
-    raw = torch.tensor([float(e[0]) for e in entries], dtype=torch.float32)
-    return GenerationResult(
-        request_id=request.request_id,
-        candidate_index=candidate_index,
-        prompt_ids=request.prompt_ids,
-        response_ids=tuple(tokens),
-        finish_reason=reason,
-        raw_log_probs=raw,
-        processed_log_probs=None,
-        policy_version=version_id,
-        seed=seed,
-        attempt=request.attempt,
-        latency_s=_latency(out.get("meta_info") or {}),
-        cached_prompt_tokens=_meta_int(out.get("meta_info") or {}, "cached_tokens"),
-        preemptions=_meta_int(out.get("meta_info") or {}, "num_retractions"),
-    )
-
-
-def _meta_int(meta: dict, key: str):
-    """A count SGLang's meta_info reports where it does: ``cached_tokens`` (prompt tokens served
-    from its radix cache), ``num_retractions`` (times the scheduler retracted the request when
-    the KV pool ran out, to recompute it later: a preemption)."""
-    v = meta.get(key)
-    return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
-
-
-def _latency(meta: dict):
-    """The request's end-to-end seconds where SGLang's meta_info reports them (``e2e_latency``)."""
-    v = meta.get("e2e_latency")
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-
-
-class MoELayout:
-    """What the routing output of one model looks like: ``num_hidden_layers`` columns (SGLang's),
-    of which ``moe_layers`` are MoE, ``top_k`` ids each among ``num_experts``."""
-
-    def __init__(self, num_hidden_layers: int, num_experts: int, top_k: int, moe_layers: tuple[int, ...]):
-        self.num_hidden_layers, self.num_experts, self.top_k = num_hidden_layers, num_experts, top_k
-        self.moe_layers = tuple(moe_layers)
-
-    def __repr__(self):
-        return (f"MoELayout(layers={self.num_hidden_layers}, experts={self.num_experts}, top_k={self.top_k}, "
-                f"moe_layers={self.moe_layers})")
-
-
-def moe_layout_from_config(config: dict) -> MoELayout | None:
-    """The MoE layout of an HF ``config.json`` (None for a dense model): Mixtral (every layer),
-    Qwen2-MoE / Qwen3-MoE (``mlp_only_layers``, ``decoder_sparse_step``), DeepSeek-style
-    (``first_k_dense_replace``, ``moe_layer_freq``)."""
-    text = config.get("text_config") or config
-    n_layers = int(text["num_hidden_layers"])
-    experts = text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts")
-    if not experts:
-        return None
-    top_k = int(text["num_experts_per_tok"])
-    if "first_k_dense_replace" in text or "moe_layer_freq" in text:  # DeepSeek-style
-        first, freq = int(text.get("first_k_dense_replace", 0)), int(text.get("moe_layer_freq", 1))
-        layers = tuple(i for i in range(n_layers) if i >= first and i % freq == 0)
-    elif "mlp_only_layers" not in text and "decoder_sparse_step" not in text:  # Mixtral: every layer
-        layers = tuple(range(n_layers))
-    else:  # Qwen2-MoE / Qwen3-MoE (transformers 5 writes their num_experts as num_local_experts)
-        only = set(text.get("mlp_only_layers") or ())
-        step = int(text.get("decoder_sparse_step", 1))
-        layers = tuple(i for i in range(n_layers) if i not in only and (i + 1) % step == 0)
-    return MoELayout(n_layers, int(experts), top_k, layers)
-
-
-def routed_experts_from_sglang_output(meta: dict, rows: int, layout: MoELayout, where: str) -> SampleRouting:
-    """``meta_info["routed_experts"]`` -> the sample's routing on its MoE layers.
-
-    The value is base64 of int32 bytes (0.5.23) or the int32 tensor itself (0.5.7), laid out
-    ``(rows, num_hidden_layers, top_k)`` with ``rows = prompt + output tokens - 1``.  Anything
-    else (absent, another size, ids outside the experts) is an error naming the request.
-    """
-    import base64
-
-    import numpy as np
-
-    value = meta.get("routed_experts")
-    if value is None:
-        raise RolloutError(f"{where}: SGLang output has no meta_info['routed_experts'] (engine started without "
-                           "enable_return_routed_experts, or a model SGLang does not capture?)")
-    if isinstance(value, str):
-        flat = torch.from_numpy(np.frombuffer(base64.b64decode(value), dtype=np.int32).copy())
-    elif isinstance(value, torch.Tensor):
-        flat = value.detach().to("cpu", torch.int32).reshape(-1)
-    else:
-        flat = torch.as_tensor(np.asarray(value, dtype=np.int32)).reshape(-1)
-    want = rows * layout.num_hidden_layers * layout.top_k
-    if flat.numel() != want:
-        raise RolloutError(f"{where}: SGLang routed_experts has {flat.numel()} ids, expected {rows} tokens x "
-                           f"{layout.num_hidden_layers} layers x top-{layout.top_k} = {want}")
-    ids = flat.reshape(rows, layout.num_hidden_layers, layout.top_k)[:, list(layout.moe_layers)]
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= layout.num_experts):
-        raise RolloutError(f"{where}: SGLang routed_experts ids outside [0, {layout.num_experts}) "
-                           f"(physical ids of redundant experts?)")
-    return SampleRouting(ids.to(compact_expert_dtype(layout.num_experts)), layout.num_experts, layout.moe_layers,
-                         "sglang")
 
 
 def _torch_dtype(dtype) -> torch.dtype:
@@ -367,34 +102,8 @@ def _torch_dtype(dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+
 # ---- the engine ---------------------------------------------------------------------------------
-
-
-def _refuse_unnamed_architecture(config: dict, where: str) -> None:
-    """SGLang picks the model class from config.json's ``architectures``; without it 0.5.23 fails
-    inside its model registry with a bare ``TypeError`` (megarl's exports always write it; a config
-    saved from a bare transformers config object may not)."""
-    archs = config.get("architectures")
-    if not (isinstance(archs, list) and archs and all(isinstance(a, str) for a in archs)):
-        raise RolloutError(f"sglang backend: {where} has architectures={archs!r}; SGLang picks its model class from "
-                           "it: set it to the model's class, e.g. [\"LlamaForCausalLM\"] (megarl's HF exports write it)")
-
-
-def _refuse_dropped_layers(config: dict, where: str) -> None:
-    """Refuse a model SGLang would load only in part: its Qwen3-MoE treats every decoder layer as
-    sparse (0.5.23 ``models/qwen3_moe.py``), so the dense MLP of a layer that
-    :func:`moe_layout_from_config` finds dense (``mlp_only_layers``, ``decoder_sparse_step``) has
-    nowhere to go and is skipped in silence."""
-    layout = moe_layout_from_config(config)
-    text = config.get("text_config") or config
-    if text.get("model_type", config.get("model_type")) != "qwen3_moe" or layout is None:
-        return
-    if len(layout.moe_layers) < layout.num_hidden_layers:
-        keys = " and ".join(f"{k}={text[k]}" for k in ("mlp_only_layers", "decoder_sparse_step") if k in text)
-        raise RolloutError(f"sglang backend: {where} sets {keys}, leaving layers "
-                           f"{sorted(set(range(layout.num_hidden_layers)) - set(layout.moe_layers))} dense, but "
-                           "SGLang's Qwen3-MoE treats every layer as sparse and would drop their dense MLP weights in "
-                           "silence; use the hf backend, or a model whose every layer is a mixture-of-experts layer")
 
 
 def create_engine(model_dir, **kwargs) -> "SGLangRolloutEngine":
@@ -404,7 +113,7 @@ def create_engine(model_dir, **kwargs) -> "SGLangRolloutEngine":
     return SGLangRolloutEngine(model_dir, **kwargs)
 
 
-class SGLangRolloutEngine:
+class SGLangRolloutEngine(InferenceGroup):
     """One SGLang engine per inference group; every rank of the group constructs this object and
     calls every method (SPMD), the group's first rank owns ``sglang.Engine``.
 
@@ -483,16 +192,16 @@ class SGLangRolloutEngine:
         config_path = os.path.join(os.fspath(model_path), "config.json")
         with open(config_path, encoding="utf-8") as f:
             model_config = json.load(f)
-        _refuse_unnamed_architecture(model_config, config_path)
-        _refuse_dropped_layers(model_config, config_path)
+        refuse_unnamed_architecture(model_config, config_path)
+        refuse_dropped_layers(model_config, config_path)
         if return_routed_experts:
-            if not _generate_accepts("return_routed_experts"):
+            if not generate_accepts("return_routed_experts"):
                 raise RolloutError(f"sglang backend: return_routed_experts needs SGLang >= 0.5.7 (Engine.generate "
                                    f"takes return_routed_experts); installed: {getattr(sglang, '__version__', '?')}")
             self.moe_layout = moe_layout_from_config(model_config)
             if self.moe_layout is None:
                 raise RolloutError(f"sglang backend: return_routed_experts, but {model_path} is a dense model")
-            if kwargs.get("ep_num_redundant_experts") and not _captures_logical_ids():
+            if kwargs.get("ep_num_redundant_experts") and not captures_logical_ids():
                 raise RolloutError("sglang backend: this SGLang release records physical expert ids; with "
                                    "ep_num_redundant_experts they are not the model's experts")
             kwargs["enable_return_routed_experts"] = True
@@ -508,7 +217,7 @@ class SGLangRolloutEngine:
             except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks know
                 error, status = e, (False, f"{type(e).__name__}: {e}", False, None)
             finally:
-                _restore_env(saved)
+                restore_env(saved)
         ok, message, self._has_session, checker_problem = self._broadcast(status)
         if error is not None:
             raise error
@@ -521,42 +230,12 @@ class SGLangRolloutEngine:
                                f"action='checksum')), SGLang 0.5.23); installed: {getattr(sglang, '__version__', '?')}: "
                                f"{checker_problem}. Set rollout.verify_engine_weights=never to load without proving "
                                "every parameter was written")
-        self._with_seed = self.deterministic and _supports_sampling_seed()
+        self._with_seed = self.deterministic and supports_sampling_seed()
         self._versions = VersionLifecycle()
         self._staged_manifest: TensorManifest | None = None
         self._released: tuple[str, ...] = ()  # memory-saver tags released by sleep(), resumed by wake()
         self.last_load_error: str | None = None  # why the last load failed (None: it did not)
         self._barrier()
-
-    # ---- collectives within the inference group ----
-
-    def _barrier(self):
-        if self.group is not None:
-            import torch.distributed as dist
-
-            dist.barrier(group=self.group)
-
-    def _all_ok(self, ok: bool) -> bool:
-        if self.group is None:
-            return ok
-        import torch.distributed as dist
-
-        flag = torch.tensor([1 if ok else 0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(flag.item())
-
-    def _broadcast(self, obj):
-        if self.group is None:
-            return obj
-        import torch.distributed as dist
-
-        box = [obj]
-        dist.broadcast_object_list(box, src=self.src_global_rank, group=self.group)
-        return box[0]
-
-    def _synchronize(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     # ---- versions ----
 
@@ -573,19 +252,6 @@ class SGLangRolloutEngine:
         over CUDA IPC), never built in the engine's parameters by the producer."""
         return None
 
-    def _leader_call(self, what: str, fn, error: type[RolloutError] = WeightUpdateRejectedError) -> None:
-        """Run ``fn() -> (ok, message)`` on the group's first rank; every rank raises ``error`` if
-        it failed (one broadcast: also the sync point, so no rank is left waiting)."""
-        status = (True, "")
-        if self.rank_in_group == 0:
-            try:
-                status = fn()
-            except Exception as e:  # noqa: BLE001 - an engine exception must not strand the other ranks
-                status = (False, f"{type(e).__name__}: {e}")
-        ok, message = self._broadcast(status)
-        if not ok:
-            raise error(f"SGLang {what} failed: {message}")
-
     def load_weights(
         self,
         version: PolicyVersion,
@@ -597,8 +263,8 @@ class SGLangRolloutEngine:
             raise EngineAsleepError(f"load_weights({version.short_id}): engine is asleep; wake() first")
         self._versions.refuse_second_load(version)
         if self.device.type == "cuda":  # it rewrites CUDA IPC handles' device index; a CPU tensor has none
-            _monkey_patch_torch_reductions()
-        serializer = _serializer()
+            patch_torch_reductions()
+        serializer = sglang_serializer()
         bucket_cls = get_flattened_tensor_bucket_class()  # SGLang's own, never megarl's (weight_stream)
         self._versions.begin_load(version)
         self._staged_manifest = None
@@ -630,7 +296,7 @@ class SGLangRolloutEngine:
                     self._leader_call("check_weights(reset_tensors, checksum)", reset, RolloutError)
                 if not session and self._has_session:
                     session = True  # end_weight_update is owed even if begin fails half-way
-                    self._leader_call("begin_weight_update()", lambda: _success(
+                    self._leader_call("begin_weight_update()", lambda: call_success(
                         self._engine.begin_weight_update(), "begin_weight_update"))
                 # every rank keeps its flattened tensors alive until this returned (slime)
                 self._leader_call(f"update_weights_from_tensor (bucket {rx.n_buckets})",
@@ -640,7 +306,7 @@ class SGLangRolloutEngine:
                     torch.cuda.ipc_collect()
             if session:
                 session = False
-                self._leader_call("end_weight_update()", lambda: _success(
+                self._leader_call("end_weight_update()", lambda: call_success(
                     self._engine.end_weight_update(), "end_weight_update"))
             diff = rx.compare()
             if not diff.ok:
@@ -699,7 +365,7 @@ class SGLangRolloutEngine:
         if len(counts) != 1:
             return False, f"TP ranks sent different numbers of dtype buckets: {counts}"
         for i in range(counts.pop()):
-            ok, message = _success(self._engine.update_weights_from_tensor(
+            ok, message = call_success(self._engine.update_weights_from_tensor(
                 named_tensors=[per_rank[i] for per_rank in gathered],
                 load_format="flattened_bucket",
                 flush_cache=False,
@@ -855,11 +521,3 @@ class SGLangRolloutEngine:
         if failure is not None:
             raise RolloutError(f"generate failed on the inference group's first rank: {failure}")
         return results or []
-
-
-def _restore_env(saved: dict) -> None:
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value

@@ -367,7 +367,7 @@ def check_new_weights(ctx):
 
     from megarl.models.weights import export_hf
     from megarl.rollout.protocol import SamplingParams
-    from megarl.rollout.sglang_backend import result_from_sglang_output, sglang_sampling_params
+    from megarl.rollout.sglang_outputs import result_from_sglang_output, sglang_sampling_params
 
     ctx.v1, ctx.m1, report, seconds = sync(ctx, ctx.engine, ctx.ddp, 1)
     g1 = greedy(ctx.engine, ctx)
