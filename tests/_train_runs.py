@@ -16,10 +16,14 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
+import pytest
 import torch
 
+from megarl.evaluation.estimators import pass_at_k
 from tests._dist import ROOT, free_port, subprocess_env
+from tests._tolerance import NET_FP32_LOGPROB, within
 
 GRPO = os.path.join(ROOT, "configs", "grpo_arith_tiny.yaml")
 PPO = os.path.join(ROOT, "configs", "ppo_arith_tiny.yaml")
@@ -239,3 +243,146 @@ def rewrite_checkpoint_state(ckpt_dir: str, change) -> None:
     manifest["files"]["state.json"] = file_sha256(state_path)
     json.dump(manifest, open(os.path.join(ckpt_dir, "MANIFEST.json"), "w"))
 
+
+# ---- stopping a run at a known point ----------------------------------------------------------------
+
+
+def latest_checkpoint(run_dir):
+    p = os.path.join(run_dir, "checkpoints", "latest")
+    if not os.path.isfile(p):
+        return -1
+    return int(open(p).read().strip().split("_")[1])
+
+
+def start_and_hold(cmd, log, k, env=None):
+    """Start ``cmd`` (with ``faults.hold_after_iteration`` naming ``k``) in its own session and wait
+    until it holds after iteration ``k``: its metrics row written, its checkpoint not yet.  The
+    stop or kill that follows lands there, whatever the machine's speed."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env or subprocess_env(),
+                                start_new_session=True)
+    marker = f"faults: holding after iteration {k} "
+    t0 = time.time()
+    while marker not in open(log).read():
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (rc={proc.returncode}) before holding after iteration {k}: "
+                                 f"{open(log).read()[-4000:]}")
+        if time.time() - t0 > 600:
+            kill_tree(proc.pid)
+            raise AssertionError(f"no hold after iteration {k} within 600 s: {open(log).read()[-4000:]}")
+        time.sleep(0.05)
+    return proc
+
+
+def kill_while_holding(cmd, log, k):
+    """SIGKILL the run's whole process tree while it holds after iteration ``k``: checkpoint ``k``
+    (written after iteration ``k - 1``) is the latest, iteration ``k``'s metrics row is already
+    written and must be written again, once, by the resumed run."""
+    proc = start_and_hold(cmd + [f"faults.hold_after_iteration=[{k}]"], log, k)
+    kill_tree(proc.pid)
+    proc.wait()
+
+
+# ---- audits of what a run trained on ------------------------------------------------------------------
+
+
+def token_steps(origins) -> torch.Tensor:
+    """The optimizer step of the version that sampled each token, from a batch's token origins."""
+    from megarl.versions import step_of_short_id
+
+    return torch.tensor([step_of_short_id(v) for v in origins.versions])[origins.version_index.long().clamp(min=0)]
+
+
+def staleness_audit(run_dir, eta):
+    """Every policy token of every sealed batch: its age (trained step - generating step) is in
+    [0, eta]; returns the per-iteration histograms of sample ages {age: share}."""
+    from megarl.versions import step_of_short_id
+
+    hists = {}
+    for b in batches(run_dir):
+        f = b.facts
+        k = f.iteration
+        trained = step_of_short_id(f.old_log_probs.producer.version)
+        assert trained == k  # no update was skipped in these runs
+        mask = f.response_mask != 0
+        o = f.token_origins
+        if o is None:
+            steps = torch.tensor([step_of_short_id(v) for v in f.policy_version])[:, None].expand_as(mask)
+        else:  # a response that spans versions: each token's own
+            steps = token_steps(o)
+        token_ages = torch.where(mask, trained - steps, torch.full_like(steps, -1))
+        ages = token_ages[mask]
+        assert int((ages > eta).sum()) == 0 and int((ages < 0).sum()) == 0, (k, ages.unique())
+        per_sample = token_ages.max(dim=1).values.tolist()  # a sample is as old as its oldest token
+        hists[k] = {a: per_sample.count(a) / len(per_sample) for a in set(per_sample)}
+    return hists
+
+
+def audit_labels(run_dir):
+    """Every policy token of a response that spans versions was sampled by the version it is
+    labelled with: its rollout log-prob equals the teacher-forced log-prob under that version's
+    export (``export/iter_<step>``), and versions never go backwards along a response.  Returns
+    how many such responses there were."""
+    mixed = 0
+    for b in batches(run_dir):
+        f, o = b.facts, b.facts.token_origins
+        if o is None:
+            continue
+        steps = token_steps(o)
+        pol = o.policy_mask()
+        for row in range(f.batch_size):
+            s = steps[row][pol[row]]
+            assert bool((s[1:] >= s[:-1]).all()), (f.sample_id[row], s.tolist())
+            mixed += int(len(set(s.tolist())) > 1)
+        for step in sorted(set(steps[pol].tolist())):
+            _, (tf, _) = hf_response_log_probs(os.path.join(run_dir, "export", f"iter_{step}"), f)
+            on = pol & (steps == step)
+            # fp32, each version's export through transformers vs the engine's sampling pass
+            err = (tf - f.rollout_log_probs.values).abs()[on]
+            assert within(err.max(), NET_FP32_LOGPROB, "split_async/token_version_log_probs"), \
+                (f.iteration, step, float(err.max()))
+    return mixed
+
+
+def check_eval_reproduces_training(run_dir, heldout, reward, tmp_path):
+    """``python -m megarl.eval`` with the run's own config on ``export/iter_0`` and on the final
+    export: each greedy evaluation is the training's own evaluation of that version exactly
+    (accuracy, reward mean, every response, reward and status of ``<run_dir>/eval/iter_<k>.jsonl``;
+    the two versions answer differently, so the command evaluates the model it is given); with
+    ``--n 4`` its pass@k / maj@k are those of its own per-row results."""
+    from megarl.evaluation.estimators import maj_at_k
+
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows_m = [json.loads(x) for x in f]
+    final = len(rows_m)  # the last row carries the final evaluation, of export/iter_<iterations>
+    responses = {}
+    for k, m_train in ((0, rows_m[0]), (final, rows_m[-1])):
+        assert m_train["eval/policy_version_step"] == k
+        train_rows = [json.loads(x) for x in open(os.path.join(run_dir, "eval", f"iter_{k}.jsonl"))]
+        out, mout = str(tmp_path / f"eval_rows_{k}.jsonl"), str(tmp_path / f"eval_metrics_{k}.json")
+        sampled = ["eval.temperature=1.0", "--n", "4", "--k", "1", "2", "4"] if k else []
+        # (the scorer on threads: the same scores as training's worker processes, without their start-up)
+        cmd = [sys.executable, "-m", "megarl.eval", "--model", os.path.join(run_dir, "export", f"iter_{k}"),
+               "--data", heldout, "--config", os.path.join(run_dir, "config.yaml"), "--reward", reward,
+               "--limit", str(m_train["eval/n"]), "--out", out, "--metrics-out", mout, "reward.isolation=thread",
+               *sampled]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        m = json.load(open(mout))
+        for key in ("eval/accuracy", "eval/reward_mean", "eval/n", "eval/scored", "eval/response_len_mean"):
+            assert m[key] == m_train[key], (k, key, m[key], m_train[key])
+        rows = [json.loads(x) for x in open(out)]
+        assert [r["prompt_id"] for r in rows] == [r["prompt_id"] for r in train_rows]
+        for key in ("prompt", "responses", "rewards", "statuses", "correct", "finish_reasons"):
+            assert [r[key] for r in rows] == [r[key] for r in train_rows], (k, key)
+        responses[k] = [r["responses"] for r in rows]
+    assert responses[0] != responses[final]
+    # the sampled pass: 4 scored samples per prompt, pass@k / maj@k from the rows' own flags
+    flags = [r["samples"]["correct"] for r in rows]
+    assert all(len(f) == 4 and None not in f for f in flags)
+    for k in (1, 2, 4):
+        want = sum(pass_at_k(4, sum(f), k) for f in flags) / len(flags)
+        assert m[f"eval/pass@{k}"] == pytest.approx(want, abs=1e-12)
+        votes = sum(maj_at_k(r["samples"]["answers"], r["samples"]["correct"], k) for r in rows) / len(rows)
+        assert m[f"eval/maj@{k}"] == pytest.approx(votes, abs=1e-12)
+    assert m["eval/pass@4"] >= m["eval/pass@1"]

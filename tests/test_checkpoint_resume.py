@@ -6,9 +6,7 @@ import os
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
-import time
 
 import pytest
 
@@ -23,47 +21,14 @@ from tests._train_runs import (
     check_same_run,
     checkpointed_run_cmd,
     kill_tree,
+    kill_while_holding,
+    latest_checkpoint,
     metrics,
     rewrite_checkpoint_state,
     run_to_exit,
+    start_and_hold,
     uninterrupted,
 )
-
-
-def _latest(run_dir):
-    p = os.path.join(run_dir, "checkpoints", "latest")
-    if not os.path.isfile(p):
-        return -1
-    return int(open(p).read().strip().split("_")[1])
-
-
-def _start_and_hold(cmd, log, k, env=None):
-    """Start ``cmd`` (with ``faults.hold_after_iteration`` naming ``k``) in its own session and wait
-    until it holds after iteration ``k``: its metrics row written, its checkpoint not yet.  The
-    stop or kill that follows lands there, whatever the machine's speed."""
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env or subprocess_env(),
-                                start_new_session=True)
-    marker = f"faults: holding after iteration {k} "
-    t0 = time.time()
-    while marker not in open(log).read():
-        if proc.poll() is not None:
-            raise AssertionError(f"the run ended (rc={proc.returncode}) before holding after iteration {k}: "
-                                 f"{open(log).read()[-4000:]}")
-        if time.time() - t0 > 600:
-            kill_tree(proc.pid)
-            raise AssertionError(f"no hold after iteration {k} within 600 s: {open(log).read()[-4000:]}")
-        time.sleep(0.05)
-    return proc
-
-
-def _kill_while_holding(cmd, log, k):
-    """SIGKILL the run's whole process tree while it holds after iteration ``k``: checkpoint ``k``
-    (written after iteration ``k - 1``) is the latest, iteration ``k``'s metrics row is already
-    written and must be written again, once, by the resumed run."""
-    proc = _start_and_hold(cmd + [f"faults.hold_after_iteration=[{k}]"], log, k)
-    kill_tree(proc.pid)
-    proc.wait()
 
 
 PPO_EXTRA = ["critic.micro_batch_size=2", "critic.warmup_iters=1", "trainer.save_experience=true"]
@@ -83,8 +48,8 @@ def test_exact_resume_after_kill(assets, tmp_path, tmp_path_factory, recipe, npr
     reference refreshed after iteration 1: it is restored bitwise (hashed against what was saved
     at load, and the reference KL of every later iteration is the uninterrupted run's)."""
     a_dir, b_dir = uninterrupted(assets, tmp_path_factory, recipe, nproc, extra), str(tmp_path / "b")
-    _kill_while_holding(checkpointed_run_cmd(assets, b_dir, recipe, nproc, extra), str(tmp_path / "killed.log"), 2)
-    killed_at = _latest(b_dir)
+    kill_while_holding(checkpointed_run_cmd(assets, b_dir, recipe, nproc, extra), str(tmp_path / "killed.log"), 2)
+    killed_at = latest_checkpoint(b_dir)
     assert killed_at == 2 and [m["iteration"] for m in metrics(b_dir)] == [0, 1, 2], killed_at
     if recipe == GRPO and nproc == 1:
         # negative control: the same kill resumed from a checkpoint whose prompt cursor is one
@@ -138,7 +103,7 @@ def test_crash_mid_checkpoint_keeps_previous_and_a_changed_contract_is_refused(a
     d = str(tmp_path / "crash")
     base = checkpointed_run_cmd(assets, d, GRPO, 1, ["trainer.save_experience=true"])
     run_to_exit(base + ["faults.crash_during_checkpoint_at=3"], expect=86)
-    assert _latest(d) == 2
+    assert latest_checkpoint(d) == 2
     leftovers = [x for x in os.listdir(os.path.join(d, "checkpoints")) if x.startswith(".tmp-")]
     assert leftovers, "the half-written checkpoint should still be there (never published)"
     rows_before = open(os.path.join(d, "metrics.jsonl")).read()
@@ -160,7 +125,7 @@ def test_crash_mid_checkpoint_keeps_previous_and_a_changed_contract_is_refused(a
     out = run_to_exit(base)
     assert "resumed from" in out.stdout and "iter_000002" in out.stdout
     assert not [x for x in os.listdir(os.path.join(d, "checkpoints")) if x.startswith(".tmp-")]
-    assert _latest(d) == ITERS
+    assert latest_checkpoint(d) == ITERS
     # the trained export as the KL anchor, or as the model (the same architecture, other weights):
     # each refused on one error line naming the key and both weight identities (was: resumed
     # without a word, and the reference KL read 0.0000)
@@ -180,7 +145,7 @@ def test_crash_mid_checkpoint_keeps_previous_and_a_changed_contract_is_refused(a
     assert "resumed from" in ok.stdout
     assert batches(d)[-1].facts.run_id == f"resume-test-forced{ITERS}"
     # one flipped byte in a checkpoint file: refused, naming the file
-    latest = os.path.join(d, "checkpoints", f"iter_{_latest(d):06d}")
+    latest = os.path.join(d, "checkpoints", f"iter_{latest_checkpoint(d):06d}")
     victim = next(os.path.join(r, f) for r, _, fs in os.walk(os.path.join(latest, "actor_optim")) for f in fs
                   if f.endswith(".distcp"))
     data = bytearray(open(victim, "rb").read())
@@ -201,13 +166,13 @@ def test_resume_at_another_layout(assets, tmp_path, tmp_path_factory):
     for extra in ([], DISTOPT):  # the plain optimizer, and the distributed one's state resliced
         d = str(tmp_path / f"run{len(extra)}")
         shutil.copytree(uninterrupted(assets, tmp_path_factory, GRPO, 2, extra), d)  # the exact-resume test's run
-        k = _latest(d)
+        k = latest_checkpoint(d)
         if extra:  # the other optimizer's state does not load: refused, naming the key
             bad = run_to_exit(checkpointed_run_cmd(assets, d, GRPO, 1, [f"trainer.iterations={k + 1}"]), expect=2)
             assert "parallel.distributed_optimizer=True" in bad.stderr, bad.stderr[-2000:]
         out = run_to_exit(checkpointed_run_cmd(assets, d, GRPO, 1, [*extra, f"trainer.iterations={k + 1}"]))
         assert "at a different layout" in out.stdout and f"iter_{k:06d}" in out.stdout, out.stdout[-2000:]
-        assert _latest(d) == k + 1
+        assert latest_checkpoint(d) == k + 1
         state = json.load(open(os.path.join(d, "checkpoints", f"iter_{k + 1:06d}", "state.json")))
         assert state["layout"]["world"] == 1 and state["policy_version"]["optimizer_step"] == k + 1
         assert state["layout"]["distributed_optimizer"] is bool(extra)
@@ -235,7 +200,7 @@ def test_every_way_a_run_is_stopped_checkpoints_and_resumes_the_same_run(assets,
     first_trackers = None
     for k, how in enumerate(("stop_file", "sigterm", "sigusr1")):
         log = tmp_path / f"{how}.log"
-        proc = _start_and_hold(cmd, str(log), k, env=env)
+        proc = start_and_hold(cmd, str(log), k, env=env)
         try:
             if how == "stop_file":
                 open(os.path.join(d, "STOP"), "w").close()
@@ -246,7 +211,7 @@ def test_every_way_a_run_is_stopped_checkpoints_and_resumes_the_same_run(assets,
             kill_tree(proc.pid)
         text = log.read_text()
         assert rc == 0 and f"stopping after {k + 1} iterations on a signal" in text, text[-2000:]
-        assert _latest(d) == k + 1 and not os.path.exists(os.path.join(d, "DONE"))
+        assert latest_checkpoint(d) == k + 1 and not os.path.exists(os.path.join(d, "DONE"))
         assert ("resumed from" in text) == (k > 0)
         if k == 0:
             assert "sample it0 p000/c00 | reward" in text, text[-2000:]  # trainer.log_samples_console
@@ -255,7 +220,7 @@ def test_every_way_a_run_is_stopped_checkpoints_and_resumes_the_same_run(assets,
     # trainer.max_wall_minutes: past the limit after iteration 3, it checkpoints and stops
     wall = run_to_exit(cmd + ["trainer.max_wall_minutes=1e-6"])
     assert "stopping after 4 iterations: trainer.max_wall_minutes reached" in wall.stdout, wall.stdout[-2000:]
-    assert _latest(d) == 4 and not os.path.exists(os.path.join(d, "DONE"))
+    assert latest_checkpoint(d) == 4 and not os.path.exists(os.path.join(d, "DONE"))
     # the stop line prints the exact command that continues the run (trainer.run_dir named last)
     printed = wall.stdout.split("resume with: ", 1)[1].splitlines()[0]
     args = shlex.split(printed)

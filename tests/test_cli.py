@@ -279,7 +279,7 @@ def _recipes(tmp_path):
     llama = _fake_hf(tmp_path / "llama3_8b", LLAMA3_8B)
     rm_config = dict(LLAMA3_8B, architectures=["LlamaForTokenClassification"], num_labels=1)
     rm = _fake_hf(tmp_path / "llama3_8b_rm", rm_config)
-    from tests.test_moe_models import QWEN3_30B_A3B
+    from tests._moe import QWEN3_30B_A3B
 
     qwen3_moe = _fake_hf(tmp_path / "qwen3_30b_a3b", QWEN3_30B_A3B)
     out = {"grpo_arith_tiny.yaml": (1, []), "ppo_arith_tiny.yaml": (1, []), "grpo_moe_tiny.yaml": (1, []),

@@ -452,3 +452,43 @@ def test_the_one_place_check_sees_a_second_copy(tmp_path):
                                   "from x import get_forward_backward_func\n"
                                   "def step():\n    get_forward_backward_func()(forward_only=False)\n")
     assert _callers(tmp_path, "get_forward_backward_func") == ["megarl/models/micro_batches.py", "megarl/models/optim.py"]
+
+
+def _imports_of(path: Path) -> list:
+    tree = ast.parse(path.read_text())
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.append(node.module)
+        elif isinstance(node, ast.Import):
+            names.extend(a.name for a in node.names)
+    return names
+
+
+def _test_module_imports(root: Path) -> list:
+    """Test modules (``test_*.py``) imported by any file under tests/, bench/ or tools/, and any
+    tests module bench/ or tools/ import: shared helpers live in the tests' support modules."""
+    out = []
+    for folder in ("tests", "bench", "tools"):
+        for path in sorted((root / folder).rglob("*.py")) if (root / folder).is_dir() else []:
+            for name in _imports_of(path):
+                last = name.split(".")[-1]
+                if name.startswith("tests.") and (last.startswith("test_") or folder != "tests"):
+                    out.append(f"{path.relative_to(root)}: {name}")
+    return sorted(out)
+
+
+def test_no_test_module_imports_another_and_bench_imports_no_test():
+    bad = _test_module_imports(ROOT)
+    assert not bad, "\n".join(bad)
+
+
+def test_the_test_import_check_sees_one(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "tests" / "test_a.py").write_text("from tests._support import x\n")
+    (tmp_path / "bench" / "b.py").write_text("import json\n")
+    assert _test_module_imports(tmp_path) == []
+    (tmp_path / "tests" / "test_c.py").write_text("def f():\n    from tests.test_a import y\n")
+    (tmp_path / "bench" / "b.py").write_text("from tests._support import x\n")
+    assert _test_module_imports(tmp_path) == ["bench/b.py: tests._support", "tests/test_c.py: tests.test_a"]

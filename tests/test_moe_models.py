@@ -22,6 +22,7 @@ from tests._dist import torchrun
 from tests._hf_tensors import assert_bitwise, load_all
 from tests._routing import forced_routing, moe_layer_indices
 from tests._tolerance import LAYOUT_FP32_LOGPROB, NET_FP32_LOGPROB, within
+from tests._moe import QWEN3_30B_A3B
 
 #: tiny shapes: hidden 32, 2 layers, 4 experts, top-2; one vocabulary needing padding, one tied
 OVERRIDES = {
@@ -281,20 +282,6 @@ def test_parallel_ep_keys_are_validated_by_name():
         validate_model_fit(load_config(recipe, ["parallel.tp=2"]), spec_from_hf_config(_cfg("qwen3_moe")), "q")
     validate_model_fit(load_config(recipe, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
                        spec_from_hf_config(_cfg("qwen3_moe")), "q")  # with it, MoE trains at tp > 1
-
-
-#: Qwen3-30B-A3B's config.json (the published model: 30.5 B parameters)
-QWEN3_30B_A3B = {
-    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48,
-    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
-    "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
-    "vocab_size": 151936, "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": False, "hidden_act": "silu",
-    "attention_bias": False, "use_sliding_window": False, "sliding_window": None, "max_window_layers": 48,
-    "router_aux_loss_coef": 0.001, "output_router_logits": False, "torch_dtype": "bfloat16", "bos_token_id": 151643,
-    "eos_token_id": 151645, "initializer_range": 0.02, "attention_dropout": 0.0, "use_cache": True,
-    "transformers_version": "4.51.0",
-}
 
 
 def test_param_count_of_a_real_moe_config():

@@ -24,10 +24,9 @@ import shutil
 
 import pytest
 
-from tests._train_runs import (GRPO, ITERS, batches, check_same_run, checkpointed_run_cmd, metrics,
-                               rewrite_checkpoint_state, run_to_exit, uninterrupted)
-from tests.test_checkpoint_resume import _kill_while_holding, _latest
-from tests.test_split_async import _audit, _audit_labels
+from tests._train_runs import (GRPO, ITERS, audit_labels, batches, check_same_run, checkpointed_run_cmd,
+                               kill_while_holding, latest_checkpoint, metrics, rewrite_checkpoint_state, run_to_exit,
+                               staleness_audit, uninterrupted)
 
 #: B = 4 prompts (checkpointed_run_cmd), 2 more kept open; one token per segment
 PARTIAL = ["async_rl.partial_rollouts=true", "async_rl.segment_tokens=1", "async_rl.extra_groups=2"]
@@ -68,8 +67,8 @@ def test_partial_rollouts_eta2_dp2_bound_whole_groups_and_dropped_at_checkpoint(
     eta = 2
     d = str(tmp_path / "eta2")
     run_to_exit(checkpointed_run_cmd(assets, d, GRPO, 2, ETA2))
-    hists = _audit(d, eta)
-    assert _audit_labels(d) > 0  # some responses were finished by a later version than the one they started on
+    hists = staleness_audit(d, eta)
+    assert audit_labels(d) > 0  # some responses were finished by a later version than the one they started on
     ms = metrics(d)
     assert sorted(hists) == list(range(ITERS))
     for k, m in enumerate(ms):
@@ -91,7 +90,7 @@ def test_partial_rollouts_eta2_dp2_bound_whole_groups_and_dropped_at_checkpoint(
 
 def test_partial_rollouts_eta0_on_policy_and_exact_resume_after_kill(assets, tmp_path, tmp_path_factory):
     a = uninterrupted(assets, tmp_path_factory, GRPO, 1, ETA0)
-    hists = _audit(a, 0)
+    hists = staleness_audit(a, 0)
     assert all(h == {0: 1.0} for h in hists.values())  # every trained token is the trained version's
     ms = metrics(a)
     assert sum(m.get("rollout/partial_tokens_dropped", 0) for m in ms) > 0  # over-sampled work was dropped
@@ -101,8 +100,8 @@ def test_partial_rollouts_eta0_on_policy_and_exact_resume_after_kill(assets, tmp
     assert len(state["carried_over"]) == 2 and "in_flight_dropped" not in state and "returned" not in state["sampler"]
 
     b = str(tmp_path / "b")
-    _kill_while_holding(checkpointed_run_cmd(assets, b, GRPO, 1, ETA0), str(tmp_path / "killed.log"), 2)
-    assert _latest(b) == 2
+    kill_while_holding(checkpointed_run_cmd(assets, b, GRPO, 1, ETA0), str(tmp_path / "killed.log"), 2)
+    assert latest_checkpoint(b) == 2
     c = str(tmp_path / "c")
     shutil.copytree(b, c)  # the same kill, for the negative control below
     run_to_exit(checkpointed_run_cmd(assets, b, GRPO, 1, ETA0))

@@ -28,28 +28,14 @@ from megarl.rollout.protocol import (
 )
 from megarl.rollout.weight_stream import ManifestMismatchError, TensorManifest, iter_buckets
 from megarl.builtin.hf_actor import HFActorStandIn, tiny_llama_config
+from tests._hf_engine import BUCKET, make_actor, sync
 from tests._tolerance import NET_FP32_LOGPROB, max_abs_diff, within
 
-BUCKET = 40_000  # bytes: several buckets for the tiny model
 PROMPTS = [
     GenerationRequest("p0", (2, 5, 17, 40, 9)),
     GenerationRequest("p1", (2, 33)),
     GenerationRequest("p2", (2, 7, 7, 101, 250, 64, 12)),
 ]
-
-
-def make_actor(**cfg):
-    # a larger init spread than the default 0.02 gives peaked, input-dependent distributions,
-    # so greedy outputs and top-p sets actually depend on the weights
-    return HFActorStandIn.create(tiny_llama_config(initializer_range=0.3, **cfg), seed=0)
-
-
-def sync(engine, actor, step, buckets=None):
-    version, manifest = actor.commit(step)
-    stream = buckets if buckets is not None else iter_buckets(actor.named_tensors(), BUCKET)
-    engine.load_weights(version, stream, manifest)
-    engine.activate(version)
-    return version, manifest
 
 
 def greedy(engine, max_new_tokens=12):

@@ -10,7 +10,7 @@ import pytest
 from megarl.rollout.hf_backend import HFRolloutEngine
 from megarl.rollout.protocol import GenerationRequest, InvalidRequestError, SamplingParams
 from tests._tolerance import NET_FP32_LOGPROB, max_abs_diff, within
-from tests.test_rollout_hf_backend import make_actor, sync
+from tests._hf_engine import make_actor, sync
 
 PROMPTS = [GenerationRequest(f"p{i}", tuple([2] + [(7 * i + 13 * j) % 250 + 3 for j in range(1 + 3 * i)]))
            for i in range(5)]

@@ -35,10 +35,12 @@ from tests._train_runs import (
     GRPO,
     ITERS,
     _comparable,
+    audit_labels,
     batches,
     checkpointed_run_cmd,
     metrics,
     run_to_exit,
+    staleness_audit,
     uninterrupted,
 )
 
@@ -68,66 +70,6 @@ def test_split_eta0_is_the_synchronous_loop(assets, tmp_path_factory, tmp_path):
         assert set(wa) == set(wb) and all(torch.equal(wa[k], wb[k]) for k in wa), f"export iter_{it} differs"
 
 
-def token_steps(origins) -> torch.Tensor:
-    """The optimizer step of the version that sampled each token, from a batch's token origins."""
-    from megarl.versions import step_of_short_id
-
-    return torch.tensor([step_of_short_id(v) for v in origins.versions])[origins.version_index.long().clamp(min=0)]
-
-
-def _audit(run_dir, eta):
-    """Every policy token of every sealed batch: its age (trained step - generating step) is in
-    [0, eta]; returns the per-iteration histograms of sample ages {age: share}."""
-    from megarl.versions import step_of_short_id
-
-    hists = {}
-    for b in batches(run_dir):
-        f = b.facts
-        k = f.iteration
-        trained = step_of_short_id(f.old_log_probs.producer.version)
-        assert trained == k  # no update was skipped in these runs
-        mask = f.response_mask != 0
-        o = f.token_origins
-        if o is None:
-            steps = torch.tensor([step_of_short_id(v) for v in f.policy_version])[:, None].expand_as(mask)
-        else:  # a response that spans versions: each token's own
-            steps = token_steps(o)
-        token_ages = torch.where(mask, trained - steps, torch.full_like(steps, -1))
-        ages = token_ages[mask]
-        assert int((ages > eta).sum()) == 0 and int((ages < 0).sum()) == 0, (k, ages.unique())
-        per_sample = token_ages.max(dim=1).values.tolist()  # a sample is as old as its oldest token
-        hists[k] = {a: per_sample.count(a) / len(per_sample) for a in set(per_sample)}
-    return hists
-
-
-def _audit_labels(run_dir):
-    """Every policy token of a response that spans versions was sampled by the version it is
-    labelled with: its rollout log-prob equals the teacher-forced log-prob under that version's
-    export (``export/iter_<step>``), and versions never go backwards along a response.  Returns
-    how many such responses there were."""
-    from tests._train_runs import hf_response_log_probs
-
-    mixed = 0
-    for b in batches(run_dir):
-        f, o = b.facts, b.facts.token_origins
-        if o is None:
-            continue
-        steps = token_steps(o)
-        pol = o.policy_mask()
-        for row in range(f.batch_size):
-            s = steps[row][pol[row]]
-            assert bool((s[1:] >= s[:-1]).all()), (f.sample_id[row], s.tolist())
-            mixed += int(len(set(s.tolist())) > 1)
-        for step in sorted(set(steps[pol].tolist())):
-            _, (tf, _) = hf_response_log_probs(os.path.join(run_dir, "export", f"iter_{step}"), f)
-            on = pol & (steps == step)
-            # fp32, each version's export through transformers vs the engine's sampling pass
-            err = (tf - f.rollout_log_probs.values).abs()[on]
-            assert within(err.max(), NET_FP32_LOGPROB, "split_async/token_version_log_probs"), \
-                (f.iteration, step, float(err.max()))
-    return mixed
-
-
 def _launch_plain(cmd_tail, port, log_dir):
     """The two processes of a split world started by hand (no torchrun agent to kill a survivor):
     global rank 0 hosts the job's store."""
@@ -146,8 +88,8 @@ def test_async_eta2_bound_and_killed_rollout_rank_resumes(assets, tmp_path):
     # an uninterrupted asynchronous run: the per-token audit and the histogram it wrote
     d = str(tmp_path / "async")  # 2 trainer ranks (DP=2) + 1 rollout rank
     run_to_exit(checkpointed_run_cmd(assets, d, GRPO, 3, ASYNC2))
-    hists = _audit(d, eta)
-    assert _audit_labels(d) > 0  # some responses were finished by a version published mid-way
+    hists = staleness_audit(d, eta)
+    assert audit_labels(d) > 0  # some responses were finished by a version published mid-way
     ms = metrics(d)
     assert sorted(hists) == list(range(ITERS))
     for k, m in enumerate(ms):
@@ -198,7 +140,7 @@ def test_async_eta2_bound_and_killed_rollout_rank_resumes(assets, tmp_path):
     assert [m["iteration"] for m in mk] == list(range(ITERS))
     assert mk[-1]["e2e/count/in_flight_prompts_returned"] == 8  # iterations 3 and 4, given back by the checkpoint
     assert mk[-1]["e2e/count/resumes"] == 1
-    hk = _audit(k, eta)
+    hk = staleness_audit(k, eta)
     assert hk[3] == {0: 1.0}  # after the resume: generated on the resumed version
     assert hk[4] == {1: 1.0}
 
@@ -219,7 +161,7 @@ def test_async_eta1_proximal_log_probs_teacher_forced_by_the_rollout_engine(asse
                      "rollout.log_prob_parity_every=1"]
     d = str(tmp_path / "engine_proximal")
     run_to_exit(checkpointed_run_cmd(assets, d, GRPO, 2, extra))
-    hists = _audit(d, eta)
+    hists = staleness_audit(d, eta)
     assert [hists[k] for k in range(ITERS)] == [{min(k, eta): 1.0} for k in range(ITERS)]
     for k, b in enumerate(batches(d)):
         f = b.facts

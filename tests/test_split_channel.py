@@ -348,7 +348,7 @@ def test_an_agent_session_takes_the_version_published_between_its_turns(assets, 
     results, so nothing can rescue it) runs the second turn on the old version: the sessions
     never span versions, the defect the end-to-end audit of
     tests/test_agent_training.py::test_calculator_agent_split_inflight_updates_between_turns
-    (``_audit_labels > 0``) catches."""
+    (``audit_labels > 0``) catches."""
     from transformers import AutoModelForCausalLM
 
     from megarl.control.assembly import eos_and_pad

@@ -196,7 +196,7 @@ def test_grpo_single_process(assets, tmp_path):
     """Also: ``python -m megarl.eval`` on export/iter_0 and the final export reproduces the run's
     own held-out evaluations of those versions exactly (tests/test_eval.py); the run's metrics
     (check_run_metrics) and its drift plot."""
-    from tests.test_eval import check_eval_reproduces_training
+    from tests._train_runs import check_eval_reproduces_training
 
     run_dir = str(tmp_path / "grpo1")
     run_train(assets, run_dir, GRPO, extra=[*DENSE, "eval.save_results=true", "trainer.checkpoint_every=1",

@@ -21,8 +21,8 @@ from __future__ import annotations
 import os
 
 from tests._tolerance import NET_FP32_LOGPROB
-from tests._train_runs import GRPO, ITERS, batches, checkpointed_run_cmd, hf_response_log_probs, metrics, run_to_exit
-from tests.test_split_async import _audit, _audit_labels, token_steps
+from tests._train_runs import (GRPO, ITERS, audit_labels, batches, checkpointed_run_cmd, hf_response_log_probs, metrics,
+                               run_to_exit, staleness_audit, token_steps)
 
 ETA = 1
 ASYNC = ["placement.mode=split", "rollout.backend=sglang", "rollout.enable_memory_saver=false",
@@ -62,10 +62,10 @@ def test_sglang_on_the_rollout_rank_takes_inflight_updates_between_segments(asse
     assert os.path.isfile(os.path.join(d, "DONE"))
     ms = metrics(d)
     assert [m["iteration"] for m in ms] == list(range(ITERS))
-    hists = _audit(d, ETA)  # every policy token's age within [0, eta]
+    hists = staleness_audit(d, ETA)  # every policy token's age within [0, eta]
     for k in range(ITERS):
         assert hists[k] == {min(k, ETA): 1.0}, (k, hists[k])  # exact admission
     assert sum(m.get("async/inflight_activations", 0.0) for m in ms) > 0
     # the labels: every token's log-prob is its own version's (1e-4), some responses span versions
-    assert _audit_labels(d) > 0
+    assert audit_labels(d) > 0
     assert _spanning_tokens_against_their_start(d) > 100 * NET_FP32_LOGPROB

@@ -17,7 +17,7 @@ import sys
 
 from tests._dist import subprocess_env
 from tests._train_runs import batches
-from tests.test_agent_training import B, CALC, G, calc_assets, check_agent_run  # noqa: F401 - a fixture
+from tests._agent_runs import B, CALC, G, calc_assets, check_agent_run  # noqa: F401 - a fixture
 
 
 def test_calculator_recipe_trains_on_sessions_the_real_engine_ran(calc_assets, tmp_path):  # noqa: F811

@@ -24,7 +24,7 @@ import sys
 from tests._dist import ROOT, subprocess_env
 from tests._tolerance import NET_FP32_LOGPROB, max_abs_diff, within
 from tests._train_runs import batches, hf_response_log_probs, metrics
-from tests.test_moe_recipe import SHRUNK, assert_routing_is_the_exports
+from tests._moe import SHRUNK, assert_routing_is_the_exports
 
 RECIPE = os.path.join(ROOT, "configs", "grpo_moe_tiny.yaml")
 ITERS = 3
