@@ -9,7 +9,7 @@ the two command-line contracts that need a process:
   file, the line (JSONL) / row (Parquet) and the field -- ``python -m megarl.train`` exits 2 before
   any model loads -- or, with ``data.on_missing_fields=skip``, its rows are dropped and counted;
 * ``python -m megarl.eval`` on an export reproduces the training's own held-out evaluation
-  (:func:`check_eval_reproduces_training`, called by tests/test_train_e2e.py on its GRPO run).
+  (:func:`tests._train_runs.check_eval_reproduces_training`, called by tests/test_train_e2e.py on its GRPO run).
 """
 
 from __future__ import annotations
