@@ -29,8 +29,10 @@ ASYNC = ["placement.mode=split", "rollout.backend=sglang", "rollout.enable_memor
          f"async_rl.max_staleness={ETA}",
          "async_rl.correction=tis", "rollout.reuse_rollout_log_probs=false", "trainer.save_experience=true",
          "trainer.export_every=1", "actor.optim.lr=1.0e-2",
-         # in-flight weight updates, made certain by a straggling rollout rank
-         "async_rl.segment_tokens=2", "faults.rollout_segment_delay_s=0.5"]
+         # in-flight weight updates, made certain: each job's first segment boundary waits for the
+         # trainer's next command (a publication), whatever the machine's load (a fixed straggle of
+         # the rollout rank was not: under load no update landed mid-response)
+         "async_rl.segment_tokens=2", "faults.rollout_segment_await_s=60"]
 
 
 def _spanning_tokens_against_their_start(run_dir) -> float:
