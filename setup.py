@@ -41,7 +41,7 @@ setup(
         "bench": ["trl>=1.16,<2"],
         # sglang: 0.5.3 is the first release with everything the backend uses (the raw log-prob
         # switch, torch_memory_saver as a dependency, sampling_seed); 0.5.23 the newest it is
-        # written and contract-tested against (docker/sglang_api/, tests/test_sglang_api_contract.py).
+        # written and contract-tested against (docker/sglang_api/, tests/unit/rollout/test_sglang_api_contract.py).
         # Each sglang release pins its own torch; docker/requirements-gpu.txt pins a working set.
         "gpu": ["sglang>=0.5.3,<0.5.24", "transformer-engine[pytorch]>=2.0"],
     },

@@ -10,10 +10,10 @@ Every hash megarl stores is spelled ``"sha256:<64 hex>"``.  Two kinds:
 
 The bytes hashed are part of what is stored: changing :func:`canonical_json` (separators, key
 order, escaping, the ``default`` fallback) changes every stored hash, and a resumed run refuses
-a checkpoint whose hashes no longer match.  tests/test_hashing.py pins them.
+a checkpoint whose hashes no longer match.  tests/unit/project/test_hashing.py pins them.
 
 A leaf module (standard library only), so leaf modules such as ``megarl/versions.py`` may use it
-(tests/test_layering.py).
+(tests/unit/project/test_layering.py).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Samples carry only the short id (``v42.1-1a2b3c4d``); the full record lives in t
 
 A leaf module (it imports nothing from megarl but the leaf ``megarl.hashing``): rollout backends,
 experience records and the control loop all share these types without depending on one another
-(tests/test_layering.py enforces it).  A version's identity hash is
+(tests/unit/project/test_layering.py enforces it).  A version's identity hash is
 :func:`megarl.hashing.json_sha256` of its fields.
 """
 

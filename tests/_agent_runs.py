@@ -1,4 +1,4 @@
-"""The calculator agent's runs, shared by tests/test_agent_training.py and the SGLang tier: a tiny
+"""The calculator agent's runs, shared by tests/e2e/test_agent_training.py and the SGLang tier: a tiny
 tool-using model built once per module, and the per-sample audit of a run's sealed iterations."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def check_agent_run(run_dir, eta=0, inflight=False, iterations=2):
     ``eta``: the run's staleness bound (split placement, sessions on the rollout rank): iteration
     k trains trajectories generated whole on the version of step max(k - eta, 0) -- or, with
     ``inflight`` weight updates between turns, started on it, every policy token at most eta
-    steps old (the per-token audit of tests/test_split_async.py)."""
+    steps old (the per-token audit of tests/e2e/test_split_async.py)."""
     from megarl.versions import step_of_short_id
 
     ms = metrics(run_dir)

@@ -62,7 +62,7 @@ def formula_tol(dtype: torch.dtype, ops: int, scale: float) -> float:
 #: docstring, third kind).  Rounding of one pass: u * 30 ~ 1.8e-6 per layer; 4 layers, two
 #: implementations: ~1.5e-5; the tolerance is ~7x that.  Measured (the whole suite with
 #: MEGARL_TOLERANCE_LOG, AMD EPYC with AVX-512, at 1 and at 2 threads): at most 1.19e-5 (the
-#: wide-init MoE of tests/test_routing_replay.py at 2 threads; 1.05e-5 at 1, and an AVX-512 Xeon
+#: wide-init MoE of tests/unit/models/test_routing_replay.py at 2 threads; 1.05e-5 at 1, and an AVX-512 Xeon
 #: gave 1.049e-5 for it), 1.03e-5 for top-p renormalised log-probs, otherwise <= 8e-6.  A wrong
 #: expert, a token shifted by one or stale weights move a log-prob by > 1e-2 (the negative
 #: controls measure it).

@@ -1,6 +1,6 @@
 """Reading back what the experiment trackers wrote (wandb's offline records, mlflow's file store,
 TensorBoard's events) and checking it against ``metrics.jsonl`` and the sealed experience, for
-a run that was stopped and resumed any number of times (tests/test_checkpoint_resume.py)."""
+a run that was stopped and resumed any number of times (tests/e2e/test_checkpoint_resume.py)."""
 
 from __future__ import annotations
 

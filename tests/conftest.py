@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +11,20 @@ if ROOT not in sys.path:
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from tests._dist import subprocess_env  # noqa: E402  (needs ROOT on sys.path)
+
+#: the tiers, one folder each: tests/unit/<package>/ (in-process, the fast tier a newcomer runs
+#: first), tests/multiproc/ (torchrun workers, subprocesses of megatron or of the tools),
+#: tests/e2e/ (real runs of python -m megarl.train and the launchers)
+TIERS = ("unit", "multiproc", "e2e")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test carries its folder's tier as a marker (``-m unit`` selects the fast tier)."""
+    tests = Path(__file__).resolve().parent
+    for item in items:
+        parts = Path(str(item.path)).resolve().relative_to(tests).parts
+        if parts[0] in TIERS:
+            item.add_marker(parts[0])
 
 
 @pytest.fixture(scope="session")

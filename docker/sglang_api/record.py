@@ -5,7 +5,7 @@
 
 writes ``docker/sglang_api/sglang-<version>.json``.  Nothing is imported from SGLang (importing it
 needs its CUDA stack): every entry is read from the source text with ``ast``, and every entry
-names the file it came from, so a reader can check it.  ``tests/test_sglang_api_contract.py``
+names the file it came from, so a reader can check it.  ``tests/unit/rollout/test_sglang_api_contract.py``
 builds a fake engine from these files and drives ``SGLangRolloutEngine`` against it; bumping
 SGLang means recording the new release and letting that test say what changed.
 

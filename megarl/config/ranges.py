@@ -5,7 +5,7 @@ Each int / float key of :mod:`megarl.config.schema` declares its range beside it
 :func:`megarl.config.validate` checks each one here (``_validate_ranges``) before the checks
 that combine keys, so a value out of range is refused naming its key instead of surfacing later
 as a division by zero or a silently odd run (``eval.every=-1`` evaluating every iteration).
-``tests/test_cli.py`` enumerates every int / float field of the schema and fails when one
+``tests/e2e/test_cli.py`` enumerates every int / float field of the schema and fails when one
 declares no range, so a new numeric key cannot be added without saying what it accepts.
 
 Every value must also be finite (``nan`` / ``inf`` are refused everywhere; ``null`` is the way

@@ -1,7 +1,7 @@
 """What the phase components hand each other, and the one interface a rollout producer meets.
 
 The driver (:mod:`megarl.control.trainer`) passes these between the components; a component
-never imports another component, only this module (``tests/test_layering.py`` checks it).
+never imports another component, only this module (``tests/unit/project/test_layering.py`` checks it).
 """
 
 from __future__ import annotations

@@ -264,7 +264,7 @@ def _ensure_tp_attributes(model) -> None:
     megatron-core sets ``tensor_model_parallel`` / ``partition_dim`` on linear and embedding
     weights only inside its weight initialisers, so with ``perform_initialization=False`` the
     sharded weights look replicated and the optimizer's grad norm counts them on TP rank 0
-    only (tests/test_optim_step.py catches exactly that).
+    only (tests/multiproc/test_optim_step.py catches exactly that).
     """
     from megatron.core.tensor_parallel import layers as tpl
 

@@ -11,7 +11,7 @@ classes themselves are not touched.  Every other call is megatron's own code.
 ``models/builder.py`` uses it where ``cpu_compat.use_local_layer_stand_ins()`` says so: on CPU.
 On CUDA the local spec stays megatron's own (no packed sequences, context or sequence
 parallelism without transformer-engine), and with TE the TE spec is used.
-``tests/test_cpu_compat.py`` fails loudly when megatron changes the surface overridden here.
+``tests/multiproc/test_cpu_compat.py`` fails loudly when megatron changes the surface overridden here.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ ranks is
 i.e. the coefficient multiplies the mean over micro-batches and ranks, the scaling megatron
 documents as the intended one ("1/(num_micro_batches * dp_size)").
 
-Why megarl has to intervene, and how: :func:`step_scope`.  ``tests/test_moe_losses.py`` checks
+Why megarl has to intervene, and how: :func:`step_scope`.  ``tests/unit/models/test_moe_losses.py`` checks
 the gradient against a hand computation of the formulas above.
 """
 

@@ -4,7 +4,7 @@ their physical home").
 While the rollout engine generates, the actor's parameters, gradients and optimizer state sit
 in (pinned) host memory and their device memory is returned; the reference model lives on the
 host between its forwards.  Physical tricks never change the logical contract: a step after
-``offload()``/``onload()`` is bitwise the step without them (``tests/test_offload.py``).
+``offload()``/``onload()`` is bitwise the step without them (``tests/multiproc/test_offload.py``).
 
 Everything is moved at the level of *storages*, not tensors (:class:`_StorageGroup` says how
 and why); :func:`training_state_claims` says which storages belong to which kind.

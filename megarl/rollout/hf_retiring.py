@@ -13,7 +13,7 @@ processors (megarl's recorder, transformers' warpers, megarl's seeded chooser). 
 uniforms depend on a row's seed and the step only (``counter_uniforms``), never on which rows
 share the batch, so a candidate draws the same numbers either way; its logits may differ in the
 last bits, because a matmul over fewer rows may round otherwise.  With no row finishing early the
-steps are generate's, bitwise (``tests/test_rollout_hf_backend.py``).
+steps are generate's, bitwise (``tests/unit/rollout/test_rollout_hf_backend.py``).
 
 Not for MoE routing capture (``return_routed_experts``): the engine refuses the combination.
 """

@@ -314,7 +314,7 @@ class RolloutService:
     weights of that optimizer step."""
 
     #: after an in-flight load, wait for its activation before the next segment or turn.  False
-    #: only in the negative control of tests/test_split_channel.py, whose next turn then runs on
+    #: only in the negative control of tests/unit/control/test_split_channel.py, whose next turn then runs on
     #: the old version (and on no version at all with an engine that loads in place)
     waits_for_activation = True
 

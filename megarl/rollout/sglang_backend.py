@@ -3,7 +3,7 @@
 Written against SGLang 0.5.3 .. 0.5.23 (``setup.py`` extra ``gpu``; the Docker image pins 0.5.23).
 What each call relies on is recorded, per release, in ``docker/sglang_api/sglang-<v>.json`` (read
 from the release's source by ``docker/sglang_api/record.py``), and
-``tests/test_sglang_api_contract.py`` drives this class against a fake engine built from those
+``tests/unit/rollout/test_sglang_api_contract.py`` drives this class against a fake engine built from those
 records.  Every rank of the group constructs :class:`SGLangRolloutEngine` and calls every method;
 the group's first rank owns the engine.  Log-probs are **raw** (``processed_log_probs`` is None).
 

@@ -1,6 +1,6 @@
 """SGLang's generate() inputs and outputs, mapped to and from megarl's rollout contract.
 
-Pure functions, CPU-testable (``tests/test_rollout_sglang_mapping.py``): our sampling contract as
+Pure functions, CPU-testable (``tests/unit/rollout/test_rollout_sglang_mapping.py``): our sampling contract as
 SGLang's ``sampling_params``, one generate() output as a :class:`GenerationResult` (tokens, raw
 log-probs, the finish reason checked against the stop ids sent), and the routed experts of a
 mixture-of-experts model from ``meta_info``.

@@ -2,7 +2,7 @@
 
 Everything here names the release it was read from (docs/gpu.md, "SGLang calls, release by
 release"); ``docker/sglang_api/sglang-<v>.json`` records the surface per release and
-``tests/test_sglang_api_contract.py`` drives the backend against a fake built from those records.
+``tests/unit/rollout/test_sglang_api_contract.py`` drives the backend against a fake built from those records.
 The engine (:mod:`megarl.rollout.sglang_backend`) asks these functions, never SGLang's modules
 directly, what the installed release can do.
 """

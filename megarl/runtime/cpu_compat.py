@@ -10,7 +10,7 @@ and every function here returns the CUDA behaviour; callers call each unconditio
 What is patched and why, and what megarl asks of megatron differently on CPU:
 docs/cpu.md.  The runtime's choice of process-group backend and compute device (gloo and the
 CPU without CUDA) is :mod:`megarl.runtime.distributed`'s, by :func:`on_cpu`.
-``tests/test_cpu_compat.py`` fails loudly when a megatron-core upgrade changes the surface
+``tests/multiproc/test_cpu_compat.py`` fails loudly when a megatron-core upgrade changes the surface
 patched here.
 """
 
@@ -501,5 +501,5 @@ def check_megatron_version() -> None:
         raise RuntimeError(
             f"megatron-core {v} is installed, but megarl's CPU accommodations "
             f"(megarl/runtime/cpu_compat.py) were verified on {VERIFIED_MEGATRON_CORE}; "
-            "re-verify them (tests/test_cpu_compat.py) before running on CPU"
+            "re-verify them (tests/multiproc/test_cpu_compat.py) before running on CPU"
         )

@@ -13,7 +13,7 @@ TE's ``TEDotProductAttention`` exchanging K/V chunks ring-wise, ``cp_comm_type``
    global normaliser): CP=2 equals CP=1 to bf16 tolerance (a gradient summed over CP ranks would
    show as 2x).
 
-On CPU the same plumbing runs with ``cpu_compat``'s stand-in attention (tests/test_context_parallel.py).
+On CPU the same plumbing runs with ``cpu_compat``'s stand-in attention (tests/multiproc/test_context_parallel.py).
 """
 
 from __future__ import annotations
