@@ -127,8 +127,8 @@ def test_rewards_declare_the_fields_they_read():
             {"name": "fmt", "fn": "regex", "kwargs": {"pattern": "x"}},
             {"name": "again", "fn": "arithmetic", "kwargs": {"answer_key": "gold"}}]
     assert fields("composite", components=comp) == ("gold",)
-    assert fields("tests.test_eval:PluginWithFields") == ("question_id", ("tests", "asserts"))
-    assert fields("tests.test_eval:plugin_fn", {"scale": 2.0}) == ("label",)
+    assert fields("tests.e2e.test_eval:PluginWithFields") == ("question_id", ("tests", "asserts"))
+    assert fields("tests.e2e.test_eval:plugin_fn", {"scale": 2.0}) == ("label",)
     assert fields("tests.plugins.faulty_rewards:digit_count") is None  # declares nothing
 
 
