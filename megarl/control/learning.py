@@ -29,7 +29,7 @@ from megarl.control.batch import plan_mini_batches
 from megarl.control.state_machine import IterationStateMachine
 from megarl.errors import MegarlError
 from megarl.experience.schema import ExperienceBatch
-from megarl.models.micro_batches import padded_micro_batches, token_micro_batches
+from megarl.models.micro_batches import padded_micro_batches, rank_rows, token_micro_batches
 from megarl.models.flops import train_flops
 from megarl.models.router_replay import record_to_rows
 from megarl.models.weights import unwrap
@@ -179,9 +179,9 @@ class Learner:
                     actor_mbs, critic_mbs = mbs, mbs
                 else:
                     rows, is_pad = plan.rank_rows(dp_rank(), self.dp)
-                    actor_mbs = padded_micro_batches(columns, rows, is_pad, a.micro_batch_size)
-                    critic_mbs = (padded_micro_batches(columns, rows, is_pad, cfg.critic.micro_batch_size)
-                                  if self.critic else None)
+                    local = rank_rows(columns, rows, is_pad)
+                    actor_mbs = padded_micro_batches(local, a.micro_batch_size)
+                    critic_mbs = padded_micro_batches(local, cfg.critic.micro_batch_size) if self.critic else None
                 if train_actor:
                     self._actor_step(batch, version, actor_mbs, norm, kl_beta, replay_layers, log)
                 if self.critic is not None:

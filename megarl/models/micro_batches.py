@@ -12,7 +12,7 @@ What a micro-batch must be for megatron is decided once:
 * virtual pipeline stages: fillers up to a multiple of pp (:func:`run_schedule`);
 * the model call (:func:`call_model`) and the schedule call (:func:`run_schedule`), one each.
 
-The update's micro-batches of a mini-batch are cut here too (:func:`padded_micro_batches`,
+The update's micro-batches of a mini-batch are cut here too (:func:`rank_rows` and :func:`padded_micro_batches`,
 :func:`token_micro_batches`) and made what the layout needs (:func:`update_inputs`); their outputs
 go back to rows by :func:`next_token_terms` and :func:`token_terms`.
 """
@@ -348,13 +348,17 @@ def run_schedule(chunks: List[Any], items: List[Any], step: Callable, *, forward
         config.variable_seq_lengths = was
 
 
-def padded_micro_batches(columns: Dict[str, torch.Tensor], rows: torch.Tensor, is_pad: torch.Tensor,
-                         size: int) -> List[Dict[str, torch.Tensor]]:
+def rank_rows(columns: Dict[str, torch.Tensor], rows: torch.Tensor, is_pad: torch.Tensor) -> Dict[str, torch.Tensor]:
     """This rank's rows of a mini-batch (``rows``; ``is_pad``: repeated rows that even out the DP
-    ranks, their loss mask 0) cut into micro-batches of ``size`` rows (0: all at once)."""
+    ranks, their loss mask 0), copied once for every role that steps on them."""
     local = {name: t[rows].clone() for name, t in columns.items()}
     local["loss_mask"][is_pad] = 0
-    n = rows.numel()
+    return local
+
+
+def padded_micro_batches(local: Dict[str, torch.Tensor], size: int) -> List[Dict[str, torch.Tensor]]:
+    """:func:`rank_rows`' rows cut into micro-batches of ``size`` rows (0: all at once)."""
+    n = local["tokens"].shape[0]
     step = size or n
     return [{name: t[i:i + step] for name, t in local.items()} for i in range(0, n, step)]
 
