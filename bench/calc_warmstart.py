@@ -3,8 +3,8 @@
     python bench/calc_warmstart.py [--out /tmp/calc_model --tool-demos 0.15 --tool-only-steps 900 --steps 1000 ...]
     python bench/calc_warmstart.py --model DIR            # measure a built model, build nothing
 
-Builds the tiny model with ``python -m megarl.tinymodel --tool-demos ...`` (the command
-``megarl.train`` runs for a recipe with ``model.tiny.tool_demos > 0``; timed), loads it in the hf
+Builds the tiny model with ``python -m megarl.tinymodel --task calculator ...`` (the command
+``megarl.train`` runs for a recipe with ``data.task.name: calculator``; timed), loads it in the hf
 rollout engine and runs :func:`megarl.rollout.agent.run_agent_rollouts` with the calculator
 environment and :class:`megarl.envs.render.EnvTurnRenderer` on held-out 4-6-digit addition
 (``calculator.make_rows("heldout", seed, n)``).  Prints:
@@ -40,11 +40,11 @@ if ROOT not in sys.path:
 def build(out: str, args) -> float:
     """Build the calculator tiny model into ``out`` with the tinymodel CLI; return its seconds."""
     cmd = [sys.executable, "-m", "megarl.tinymodel", "--out", out, "--steps", str(args.steps), "--lr", str(args.lr),
-           "--batch", str(args.batch), "--seed", str(args.seed), "--tool-demos", str(args.tool_demos),
-           "--tool-min-digits", str(args.digits[0]), "--tool-max-digits", str(args.digits[1]),
-           "--tool-role", args.tool_role, "--tool-only-steps", str(args.tool_only_steps),
-           "--target-accuracy", str(args.target_accuracy), "--tool-mixture-steps", str(args.tool_mixture_steps),
-           "--overwrite"]
+           "--batch", str(args.batch), "--seed", str(args.seed), "--task", "calculator",
+           "--task-arg", f"demos={args.tool_demos}", "--task-arg", f"min_digits={args.digits[0]}",
+           "--task-arg", f"max_digits={args.digits[1]}", "--task-arg", f"tool_role={args.tool_role}",
+           "--task-arg", f"only_steps={args.tool_only_steps}", "--target-accuracy", str(args.target_accuracy),
+           "--task-arg", f"mixture_steps={args.tool_mixture_steps}", "--overwrite"]
     for flag in ("hidden_size", "num_layers", "intermediate_size"):
         if getattr(args, flag) is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]

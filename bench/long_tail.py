@@ -26,7 +26,7 @@ batch (the recipe's B prompts x G samples), lengths, lr and iterations; a seed s
    (``vs_trl.trl_trainer``) with this recipe's start model, train split, scorer, B x G, new
    tokens, lr and KL coefficient, ``seed`` as its seed.  Its weights are saved every
    ``--eval-every`` steps (the saves are not charged) and scored afterwards, outside every clock,
-   by the warm start's greedy evaluation (``warmstart_running_sum.greedy_answers``: the same
+   by the warm start's greedy evaluation (``megarl.builtin.tasks.running_sum.greedy_answers``: the same
    held-out rows, chat template, scorer and new-token limit as megarl's in-run evaluation).
 
 The clock, the target rule and the curves are ``bench/async.py``'s (evaluation and start-up are
@@ -135,7 +135,7 @@ def greedy_accuracy(model_dir: str) -> float:
     first ``eval.n`` held-out rows, the recipe's new-token limit), with transformers."""
     import torch
 
-    from megarl.builtin.warmstart_running_sum import greedy_answers
+    from megarl.builtin.tasks.running_sum import greedy_answers
 
     torch.set_num_threads(1)
     task = trl_task(0)

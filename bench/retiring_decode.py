@@ -3,7 +3,7 @@
 until the batch's longest ends) against the decode that retires finished rows
 (``rollout.retire_finished``, megarl/rollout/hf_retiring.py).
 
-    python -m megarl.builtin.warmstart_running_sum --out .cache/megarl/tiny_rsum_llama   # once
+    python -m megarl.tinymodel --task running_sum --out .cache/megarl/tiny_rsum_llama   # once
     python bench/retiring_decode.py --model .cache/megarl/tiny_rsum_llama [--prompts 64 --n 4 --repeats 3]
 
 The batch is a training rollout's: ``--prompts`` held-out running-sum problems (the task's
@@ -30,7 +30,7 @@ sys.path.insert(0, ROOT)
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, help="a running-sum tiny model (megarl.builtin.warmstart_running_sum)")
+    p.add_argument("--model", required=True, help="a running-sum tiny model (python -m megarl.tinymodel --task running_sum)")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--n", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=320)

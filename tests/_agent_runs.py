@@ -24,8 +24,9 @@ def calc_assets(tmp_path_factory):
     d = tmp_path_factory.mktemp("calc_assets")
     model = d / "tiny_calc"
     subprocess.run([sys.executable, "-m", "megarl.tinymodel", "--out", str(model), "--steps", "60",
-                    "--hidden-size", "64", "--num-layers", "2", "--intermediate-size", "128", "--tool-demos", "0.5",
-                    "--tool-min-digits", "4", "--tool-max-digits", "5"],
+                    "--hidden-size", "64", "--num-layers", "2", "--intermediate-size", "128", "--task", "calculator",
+                    "--task-arg", "demos=0.5", "--task-arg", "only_steps=0", "--task-arg", "min_digits=4",
+                    "--task-arg", "max_digits=5"],
                    check=True, env=subprocess_env(), capture_output=True, timeout=600)
     for split, seed, n in (("train", 0, 200), ("heldout", 1, 8)):
         subprocess.run([sys.executable, "-m", "megarl.data.tasks.arithmetic", "--split", split, "--seed", str(seed),

@@ -25,7 +25,7 @@ SHRUNK = ["model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.nu
           "model.tiny.num_kv_heads=1", "model.tiny.num_experts=4", "model.tiny.top_k=2",
           "model.tiny.moe_intermediate_size=32", "model.tiny.warmstart_steps=20",
           "model.tiny.warmstart_target_accuracy=null",
-          "data.arithmetic_train_n=200", "data.arithmetic_heldout_n=16", "eval.n=16", "eval.every=0"]
+          "data.task.train_n=200", "data.task.heldout_n=16", "eval.n=16", "eval.every=0"]
 
 
 def assert_routing_is_the_exports(hf_model, facts, k):

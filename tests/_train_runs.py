@@ -88,7 +88,7 @@ def checkpointed_run_cmd(assets, run_dir, recipe, nproc, extra):
     """The command of an ``ITERS``-iteration run (run id ``resume-test``) that checkpoints every
     iteration: one process, or torchrun with ``nproc``."""
     overrides = [f"model.path={assets['model']}", "model.build_tiny=false", f"data.train_path={assets['train']}",
-                 f"data.heldout_path={assets['heldout']}", "data.build_arithmetic=false",
+                 f"data.heldout_path={assets['heldout']}", "data.task.build=false",
                  f"trainer.run_dir={run_dir}", "trainer.run_id=resume-test", f"trainer.iterations={ITERS}",
                  "trainer.prompts_per_iteration=4", "rollout.n=4", "algo.num_mini_batches=2",
                  "algo.micro_batch_size=2", "algo.forward_micro_batch_size=8", "eval.n=8", "eval.every=2",

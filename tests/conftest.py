@@ -43,7 +43,7 @@ def assets(tmp_path_factory):
     model = d / "tiny"
     subprocess.run([sys.executable, "-m", "megarl.tinymodel", "--out", str(model), "--steps", "40",
                     "--target-accuracy", "0",
-                    "--hidden-size", "64", "--num-layers", "2", "--intermediate-size", "128", "--max-digits", "2"],
+                    "--hidden-size", "64", "--num-layers", "2", "--intermediate-size", "128", "--task-arg", "max_digits=2"],
                    check=True, env=subprocess_env(), capture_output=True, timeout=600)
     for split, seed, n in (("train", 0, 400), ("heldout", 1, 16)):
         subprocess.run([sys.executable, "-m", "megarl.data.tasks.arithmetic", "--split", split, "--seed", str(seed),

@@ -24,13 +24,32 @@ finished run started again says so and exits 0.
 """
 
 
+def task_args_help() -> str:
+    """``data.task.args`` of each built-in task (megarl/builtin/tasks): key, type, default, what it accepts."""
+    import dataclasses
+    import typing
+
+    from megarl.builtin.tasks import TASKS, get_task
+
+    lines = ["data.task.args, by data.task.name (each task's own settings; docs/tiny-model.md):"]
+    for name in TASKS:
+        settings = get_task(name).Settings
+        hints = typing.get_type_hints(settings)
+        lines.append(f"  {name}:")
+        for f in dataclasses.fields(settings):
+            rule, choices = f.metadata.get("range"), f.metadata.get("choices")
+            accepts = f" [{rule.describe()}]" if rule else (f" [{' | '.join(choices)}]" if choices else "")
+            lines.append(f"    {f.name:<16}{hints[f.name].__name__:<7}{f.default!s:<10}{accepts}".rstrip())
+    return "\n".join(lines)
+
+
 def build_parser(description: str = "") -> argparse.ArgumentParser:
     """The parser of ``python -m megarl.train``; ``description`` is the entry point's usage text."""
     from megarl.config.help import sections_help
 
     p = argparse.ArgumentParser(
         prog="python -m megarl.train", description=description.strip(), formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=USAGE_EXAMPLES + "\n" + sections_help())
+        epilog=USAGE_EXAMPLES + "\n" + sections_help() + "\n\n" + task_args_help())
     p.add_argument("--config", required=True, metavar="RECIPE.yaml", help="a YAML recipe (configs/*.yaml)")
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved config (the recipe, the overrides, the defaults) as YAML and exit")

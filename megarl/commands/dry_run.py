@@ -292,9 +292,9 @@ def dry_run(cfg, world_size: Optional[int] = None) -> dict:
 
     builds = []
     if cfg.model.build_tiny and not is_built(cfg.model.path):
-        builds.append(f"would build the built-in tiny model at model.path={cfg.model.path} (model.tiny.*)")
-    if cfg.data.build_arithmetic or cfg.data.build_running_sum:
-        task = "arithmetic" if cfg.data.build_arithmetic else "running-sum"
+        builds.append(f"would build the built-in tiny model at model.path={cfg.model.path} (model.tiny.*, on data.task.name={cfg.data.task.name})")
+    if cfg.data.task.name is not None and cfg.data.task.build:
+        task = cfg.data.task.name
         paths = (("data.train_path", cfg.data.train_path), ("data.heldout_path", cfg.data.heldout_path))
         builds += [f"would build the {task} task file {key}={path}" for key, path in paths
                    if path and not os.path.exists(path)]

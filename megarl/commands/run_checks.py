@@ -11,6 +11,7 @@ model's fit to the layout, which needs its ``config.json``, is :func:`megarl.mod
 from __future__ import annotations
 
 from megarl.algo.config_checks import check_algorithm_names, check_estimator_needs
+from megarl.builtin.tasks.config_checks import check_builtin_task
 from megarl.config.validation import validate, validate_agent_args, validate_agent_settings, validate_eval_settings
 from megarl.envs.config_checks import check_environment
 from megarl.models.fit import check_packing
@@ -23,7 +24,7 @@ __all__ = ["check_run", "check_evaluation", "FEATURE_CHECKS"]
 #: (:data:`megarl.config.validation.SECTIONS`)
 FEATURE_CHECKS = {
     "agent": (check_environment,),
-    "choices": (check_algorithm_names,),
+    "choices": (check_algorithm_names, check_builtin_task),
     "eval": (check_required_fields,),
     "trackers": (check_reward_isolation, check_loggers),
     "algorithm": (check_estimator_needs,),
@@ -41,6 +42,7 @@ def check_evaluation(cfg) -> None:
     data-vs-reward keys and the environment."""
     check_required_fields(cfg)
     validate_eval_settings(cfg)
+    check_builtin_task(cfg)
     validate_agent_args(cfg)
     check_environment(cfg)
     validate_agent_settings(cfg)

@@ -28,59 +28,66 @@ def _wait_for(path: str, what: str, timeout_s: float = 3600.0) -> None:
 
 
 def ensure_builtin_task(cfg) -> None:
-    """Write the recipe's built-in task files if they are missing (rank 0 writes, the other ranks
-    wait for them): the arithmetic task (``data.build_arithmetic``) or the running-sum task
-    (``data.build_running_sum``, megarl/commands/running_sum_assets.py).  The held-out file holds
-    distinct problems (an evaluation set).  A file already there must hold exactly what these
-    settings write -- a cache made by other ``data.*`` settings or an older megarl is refused,
-    naming the file, never used in silence."""
-    rank = int(os.environ.get("RANK", "0"))
-    d = cfg.data
-    if d.build_arithmetic:
-        from megarl.data.tasks.arithmetic import make_problems
-
-        digits = (d.arithmetic_min_digits, d.arithmetic_max_digits)
-        key, name, want = "data.build_arithmetic", "arithmetic", [(d.train_path, "train", lambda: make_problems(
-            "train", 0, d.arithmetic_train_n, digits=digits))]
-        if d.heldout_path:
-            want.append((d.heldout_path, "heldout", lambda: make_problems(
-                "heldout", 1, d.arithmetic_heldout_n, digits=digits, distinct=True)))
-    elif d.build_running_sum:
-        from megarl.commands.running_sum_assets import task_splits
-
-        key, name, want = "data.build_running_sum", "running-sum", task_splits(d)
-    else:
-        return
+    """Write the recipe's built-in task files (``data.task``, megarl/builtin/tasks) if they are
+    missing: rank 0 writes, the other ranks wait for them.  The held-out file holds distinct
+    problems (an evaluation set).  A file already there must hold exactly what these settings
+    write -- a cache made by other ``data.task`` settings or an older megarl is refused, naming
+    the file, never used in silence."""
+    from megarl.builtin.tasks import get_task, task_settings
     from megarl.data.tasks.arithmetic import write_jsonl
 
-    for path, split, make_rows in want:
+    rank = int(os.environ.get("RANK", "0"))
+    d, task = cfg.data, cfg.data.task
+    if task.name is None or not task.build:
+        return
+    splits = get_task(task.name).splits(task_settings(task.name, task.args), task.train_n, task.heldout_n)
+    want = [(d.train_path, "train")] + ([(d.heldout_path, "heldout")] if d.heldout_path else [])
+    for path, split in want:
         if rank != 0:
             if not os.path.exists(path):
-                _wait_for(path, f"the {name} {split} split")
+                _wait_for(path, f"the {task.name} {split} split")
             continue
-        rows = make_rows()
+        rows = splits[split]()
         if os.path.exists(path):
-            _check_cached_task(path, rows, split, key)
+            _check_cached_task(path, rows, split)
             continue
         write_jsonl(path, rows)
-        print(f"wrote the built-in {name} {split} split: {path} ({len(rows)} problems)", flush=True)
+        print(f"wrote the built-in {task.name} {split} split: {path} ({len(rows)} problems)", flush=True)
 
 
-def _check_cached_task(path: str, rows, split: str, key: str) -> None:
+def _check_cached_task(path: str, rows, split: str) -> None:
     import json
 
     try:
         with open(path, encoding="utf-8") as f:
             cached = [json.loads(line) for line in f if line.strip()]
     except (OSError, ValueError) as e:
-        raise MegarlError(f"{key}: {path} exists but cannot be read as the built-in {split} "
+        raise MegarlError(f"data.task: {path} exists but cannot be read as the built-in {split} "
                           f"split ({type(e).__name__}: {e}); delete it to have it written again") from None
     if cached != rows:
-        settings = key.replace("data.build_", "data.") + "_*"
-        raise MegarlError(f"{key}: {path} holds another {split} split than these settings write "
-                          f"(other {settings} values, or a cache from an older megarl); delete it to have it "
-                          f"written again, point MEGARL_CACHE elsewhere, or set {key}=false to use "
+        raise MegarlError(f"data.task: {path} holds another {split} split than these settings write "
+                          "(other data.task values, or a cache from an older megarl); delete it to have it "
+                          "written again, point MEGARL_CACHE elsewhere, or set data.task.build=false to use "
                           "the file as it is")
+
+
+def build_command(cfg) -> list[str]:
+    """``python -m megarl.tinymodel ...`` for the tiny model of ``model.tiny.*`` on ``data.task``."""
+    from megarl.builtin.tasks import settings_dict, task_settings
+
+    t, task = cfg.model.tiny, cfg.data.task
+    cmd = [sys.executable, "-m", "megarl.tinymodel", "--out", cfg.model.path, "--task", task.name,
+           "--hidden-size", str(t.hidden_size), "--num-layers", str(t.num_layers), "--num-heads", str(t.num_heads),
+           "--num-kv-heads", str(t.num_kv_heads), "--intermediate-size", str(t.intermediate_size),
+           "--steps", str(t.warmstart_steps), "--lr", str(t.warmstart_lr), "--batch", str(t.warmstart_batch),
+           "--adam-beta2", str(t.warmstart_adam_beta2), "--target-accuracy", str(t.warmstart_target_accuracy or 0),
+           "--heldout-n", str(task.heldout_n), "--seed", str(t.seed), "--overwrite"]
+    if t.family != "llama":
+        cmd += ["--family", t.family, "--num-experts", str(t.num_experts), "--top-k", str(t.top_k),
+                "--moe-intermediate-size", str(t.moe_intermediate_size)]
+    for k, v in settings_dict(task_settings(task.name, task.args)).items():
+        cmd += ["--task-arg", f"{k}={json.dumps(v) if not isinstance(v, str) else v}"]
+    return cmd
 
 
 def ensure_builtin_model(cfg) -> None:
@@ -90,38 +97,12 @@ def ensure_builtin_model(cfg) -> None:
     from megarl.builtin.warmstart import MARKER, is_built
 
     rank = int(os.environ.get("RANK", "0"))
-    d, m = cfg.data, cfg.model
+    m = cfg.model
     if m.build_tiny and is_built(m.path):
         _check_cached_model(cfg)
     if m.build_tiny and not is_built(m.path):
-        if rank == 0 and m.tiny.task == "running_sum":
-            from megarl.commands.running_sum_assets import build_command
-
+        if rank == 0:
             _run_build(build_command(cfg), m.path)
-        elif rank == 0:
-            t = m.tiny
-            cmd = [sys.executable, "-m", "megarl.tinymodel", "--out", m.path, "--hidden-size", str(t.hidden_size),
-                   "--num-layers", str(t.num_layers), "--num-heads", str(t.num_heads),
-                   "--num-kv-heads", str(t.num_kv_heads), "--intermediate-size", str(t.intermediate_size),
-                   "--steps", str(t.warmstart_steps), "--lr", str(t.warmstart_lr), "--batch", str(t.warmstart_batch),
-                   "--target-accuracy", str(t.warmstart_target_accuracy or 0),
-                   "--heldout-n", str(d.arithmetic_heldout_n),
-                   "--seed", str(t.seed), "--min-digits", str(d.arithmetic_min_digits),
-                   "--max-digits", str(d.arithmetic_max_digits), "--overwrite"]
-            if t.warmstart_adam_beta2 != 0.999 or t.warmstart_validation != "heldout":  # the default's stays
-                cmd += ["--adam-beta2", str(t.warmstart_adam_beta2), "--validation", t.warmstart_validation]
-            if t.family != "llama":  # the dense build's command stays what it was
-                cmd += ["--family", t.family, "--num-experts", str(t.num_experts), "--top-k", str(t.top_k),
-                        "--moe-intermediate-size", str(t.moe_intermediate_size)]
-            if t.tool_demos > 0:  # the calculator build; without it the command stays what it was
-                cmd += ["--tool-demos", str(t.tool_demos), "--tool-only-steps", str(t.tool_only_steps),
-                        "--tool-min-digits", str(t.tool_min_digits), "--tool-max-digits", str(t.tool_max_digits),
-                        "--tool-role", t.tool_role]
-                if t.warmstart_target_accuracy:  # its onset phase stops on the target; the tail ends in the mixture
-                    cmd += ["--tool-mixture-steps", str(t.tool_mixture_steps)]
-            if t.two_turn_demos > 0:  # the two-turn build
-                cmd += ["--two-turn-demos", str(t.two_turn_demos)]
-            _run_build(cmd, m.path)
         else:
             _wait_for(os.path.join(m.path, MARKER), "the tiny model")
 
@@ -134,45 +115,43 @@ def _run_build(cmd: list[str], path: str) -> None:
         raise MegarlError(f"model.build_tiny: building the tiny model into {path} failed (see above)")
 
 
-def _tiny_settings(cfg) -> dict:
-    """What ``tiny_model.json`` records of a build made with these ``model.tiny.*`` settings."""
-    t, d = cfg.model.tiny, cfg.data
-    if t.task == "running_sum":
-        from megarl.commands.running_sum_assets import tiny_settings
+#: the config key behind each ``tiny_model.json`` entry the cache check compares
+_CONFIG_KEYS = {"warmstart.max_steps": "model.tiny.warmstart_steps", "warmstart.lr": "model.tiny.warmstart_lr",
+                "warmstart.batch": "model.tiny.warmstart_batch", "warmstart.seed": "model.tiny.seed",
+                "warmstart.adam_beta2": "model.tiny.warmstart_adam_beta2",
+                "warmstart.target_accuracy": "model.tiny.warmstart_target_accuracy",
+                "warmstart.heldout_n": "data.task.heldout_n", "task.name": "data.task.name",
+                "moe": "model.tiny.num_experts / top_k / moe_intermediate_size"}
 
-        return tiny_settings(cfg)
+
+def _tiny_settings(cfg) -> dict:
+    """What ``tiny_model.json`` records of a build made with these settings (dotted keys)."""
+    from megarl.builtin.tasks import get_task, task_settings
+
+    t, task = cfg.model.tiny, cfg.data.task
     want = {"family": t.family, "hidden_size": t.hidden_size, "num_layers": t.num_layers,
             "num_heads": t.num_heads, "num_kv_heads": t.num_kv_heads,
             "warmstart.max_steps": t.warmstart_steps, "warmstart.lr": t.warmstart_lr,
             "warmstart.batch": t.warmstart_batch, "warmstart.seed": t.seed,
             "warmstart.target_accuracy": t.warmstart_target_accuracy or None,
-            "warmstart.heldout_n": d.arithmetic_heldout_n}
+            "warmstart.heldout_n": task.heldout_n}
     if t.warmstart_adam_beta2 != 0.999:  # (a build by an older megarl records none: the default)
         want["warmstart.adam_beta2"] = t.warmstart_adam_beta2
-    if t.warmstart_validation != "heldout" and t.warmstart_target_accuracy and not t.tool_demos and not t.two_turn_demos:
-        want["warmstart.validation"] = t.warmstart_validation
     if t.family == "llama":
         want["intermediate_size"] = t.intermediate_size
     else:
         want["moe"] = {"num_experts": t.num_experts, "top_k": t.top_k, "moe_intermediate_size": t.moe_intermediate_size}
-    if t.tool_demos > 0:
-        want["tool"] = {"demos": t.tool_demos, "digits": [t.tool_min_digits, t.tool_max_digits], "role": t.tool_role,
-                        "only_steps": t.tool_only_steps}
-        if t.warmstart_target_accuracy:
-            want["tool"]["mixture_steps"] = t.tool_mixture_steps
-    else:
-        want["task.digits"] = [d.arithmetic_min_digits, d.arithmetic_max_digits]
-    if t.two_turn_demos > 0:
-        want["two_turn_demos"] = t.two_turn_demos
+    want.update(get_task(task.name).recorded(task_settings(task.name, task.args), bool(t.warmstart_target_accuracy)))
     return want
 
 
 def _check_cached_model(cfg) -> None:
-    """A tiny model already at ``model.path`` must be the build of these ``model.tiny.*``
-    settings: one made by other settings, or by an older megarl, is refused naming the first
-    setting that differs -- never trained on in silence."""
+    """A tiny model already at ``model.path`` must be the build of these ``model.tiny.*`` and
+    ``data.task`` settings: one made by other settings, or by an older megarl, is refused naming
+    the first setting that differs -- never trained on in silence."""
     import json
 
+    from megarl.builtin.tasks import get_task
     from megarl.builtin.warmstart import MARKER
 
     path = os.path.join(cfg.model.path, MARKER)
@@ -183,20 +162,7 @@ def _check_cached_model(cfg) -> None:
         for part in key.split("."):
             node = node.get(part) if isinstance(node, dict) else None
         if node != want:
-            config_key = {"warmstart.max_steps": "model.tiny.warmstart_steps", "warmstart.lr": "model.tiny.warmstart_lr",
-                          "warmstart.batch": "model.tiny.warmstart_batch", "warmstart.seed": "model.tiny.seed",
-                          "warmstart.adam_beta2": "model.tiny.warmstart_adam_beta2",
-                          "warmstart.validation": "model.tiny.warmstart_validation",
-                          "warmstart.target_accuracy": "model.tiny.warmstart_target_accuracy",
-                          "warmstart.heldout_n": "data.arithmetic_heldout_n",
-                          "task.digits": "data.arithmetic_min_digits / data.arithmetic_max_digits",
-                          "moe": "model.tiny.num_experts / top_k / moe_intermediate_size",
-                          "tool": "model.tiny.tool_*"}
-            if cfg.model.tiny.task == "running_sum":
-                from megarl.commands.running_sum_assets import CONFIG_KEYS
-
-                config_key.update(CONFIG_KEYS)
-            config_key = config_key.get(key, f"model.tiny.{key}")
+            config_key = {**_CONFIG_KEYS, **get_task(cfg.data.task.name).CONFIG_KEYS}.get(key, f"model.tiny.{key}")
             raise MegarlError(
                 f"model.build_tiny: {cfg.model.path} holds a tiny model built with other settings ({config_key}: "
                 f"the cached build has {node!r}, the config {want!r}; a build by an older megarl records no "
@@ -273,7 +239,7 @@ def check_start_paths(cfg) -> None:
     check_writable("trainer.run_dir", run_dir if run_dir else "runs")
     if cfg.model.build_tiny and not is_built(cfg.model.path):
         check_writable("model.path", cfg.model.path)
-    if cfg.data.build_arithmetic or cfg.data.build_running_sum:
+    if cfg.data.task.name is not None and cfg.data.task.build:
         for key in ("data.train_path", "data.heldout_path"):
             path = getattr(cfg.data, key.split(".")[1])
             if path and not os.path.exists(path):

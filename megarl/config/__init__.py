@@ -20,7 +20,7 @@ from megarl.config.loading import (  # noqa: F401
     merge_config, load_config, to_dict, config_hash, section_hash, default_run_dir,
 )
 from megarl.config.schema import (  # noqa: F401
-    ALGORITHMS, ROUTING_REPLAY, TINY_FAMILIES, TINY_VALIDATIONS, PLACEMENTS, ASYNC_CORRECTIONS, TinyModelConfig,
+    ALGORITHMS, ROUTING_REPLAY, TINY_FAMILIES, PLACEMENTS, ASYNC_CORRECTIONS, TinyModelConfig, TaskConfig,
     ModelConfig, ParallelConfig, DataConfig, AgentConfig, RolloutConfig, KLSettings, DynamicSampling,
     RolloutCorrectionSettings, AlgoConfig, OptimSettings, ActorConfig, ReferenceConfig, CriticConfig,
     RewardModelConfig, RewardConfig, EvalConfig, PhaseTimeoutsConfig, WandbSettings, MlflowSettings,

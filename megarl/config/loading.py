@@ -37,6 +37,27 @@ def _closest_key(key: str) -> str:
     return ""
 
 
+#: keys that moved: old dotted key -> where it lives now
+MOVED = {
+    "data.build_arithmetic": "data.task.name=arithmetic (data.task.build=false: use the files as they are)",
+    "data.build_running_sum": "data.task.name=running_sum",
+    "data.arithmetic_train_n": "data.task.train_n", "data.arithmetic_heldout_n": "data.task.heldout_n",
+    "data.arithmetic_min_digits": "data.task.args.min_digits", "data.arithmetic_max_digits": "data.task.args.max_digits",
+    "data.running_sum_train_n": "data.task.train_n", "data.running_sum_heldout_n": "data.task.heldout_n",
+    "data.running_sum_min_terms": "data.task.args.min_terms", "data.running_sum_max_terms": "data.task.args.max_terms",
+    "data.running_sum_alpha": "data.task.args.alpha",
+    "model.tiny.task": "data.task.name",
+    "model.tiny.warmstart_validation": "data.task.args.validation (the arithmetic task's)",
+    "model.tiny.tool_demos": "data.task.name=calculator with data.task.args.demos",
+    "model.tiny.tool_only_steps": "data.task.args.only_steps (the calculator task's)",
+    "model.tiny.tool_mixture_steps": "data.task.args.mixture_steps (the calculator task's)",
+    "model.tiny.tool_min_digits": "data.task.args.min_digits (the calculator task's)",
+    "model.tiny.tool_max_digits": "data.task.args.max_digits (the calculator task's)",
+    "model.tiny.tool_role": "data.task.args.tool_role (the calculator task's)",
+    "model.tiny.two_turn_demos": "data.task.name=two_turn with data.task.args.demos",
+}
+
+
 def _omegaconf_error(e: Exception, where: str, key: Optional[str] = None) -> ConfigError:
     """omegaconf's exception as one line that blames ``where`` (the recipe file, or the one
     override that caused it) and names the key in the schema's words."""
@@ -44,6 +65,8 @@ def _omegaconf_error(e: Exception, where: str, key: Optional[str] = None) -> Con
 
     key = getattr(e, "full_key", None) or getattr(e, "key", None) or key
     msg = (getattr(e, "msg", None) or str(e)).strip().splitlines()[0]
+    if isinstance(e, ConfigKeyError) and key and str(key) in MOVED:
+        return ConfigError(f"{where}: {key} has moved: set {MOVED[str(key)]}")
     if isinstance(e, ConfigKeyError) and key:
         return ConfigError(f"{where}: unknown key {key}{_closest_key(str(key))}")
     if "is not a ListConfig" in msg and key:

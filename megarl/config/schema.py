@@ -20,8 +20,6 @@ from typing import Any, List, Optional, Tuple
 ALGORITHMS = ("grpo", "ppo")
 ROUTING_REPLAY = ("none", "measure", "rollout")
 TINY_FAMILIES = ("llama", "qwen3_moe")  # what megarl.tinymodel builds (its FAMILIES)
-TINY_VALIDATIONS = ("heldout", "train-mix")  # where its early stop is measured (its VALIDATIONS)
-TINY_TASKS = ("arithmetic", "running_sum")  # the built-in tasks a tiny model is warm-started on
 PLACEMENTS = ("hybrid", "split")
 ASYNC_CORRECTIONS = ("decoupled", "tis", "mask")
 
@@ -109,21 +107,17 @@ class TinyModelConfig:
     num_heads: int = setting(4, range=COUNT)  # its attention heads
     num_kv_heads: int = setting(2, range=COUNT)  # its KV heads (GQA)
     intermediate_size: int = setting(256, range=COUNT)  # its SwiGLU width
-    #: the most supervised warm-start steps on the arithmetic task (exactly this many when
+    #: the most supervised warm-start steps on data.task (exactly this many when
     #: warmstart_target_accuracy is null)
     warmstart_steps: int = setting(2000, range=COUNT0)
     warmstart_lr: float = setting(2.0e-3, range=POS)  # the warm start's learning rate
     warmstart_batch: int = setting(64, range=COUNT)  # the warm start's batch size
     #: Adam's second-moment decay in the warm start (0.98 with batches of 128 brought the
-    #: onset earlier on an AVX-512 Xeon; no recipe sets it yet: megarl/tinymodel.py says why)
+    #: onset earlier on an AVX-512 Xeon; no recipe sets it yet: docs/tiny-model.md says why)
     warmstart_adam_beta2: float = setting(0.999, range=Range(lo=0, hi=1, hi_open=True))
-    #: where the arithmetic build's early stop is measured: heldout (held-out problems outside
-    #: the evaluation set, mostly two-by-two-digit sums) | train-mix (train problems in the
-    #: evaluation set's mix, never drawn by the warm start); megarl/tinymodel.py compares them
-    warmstart_validation: str = setting("heldout", choices=TINY_VALIDATIONS)
-    #: early-stop the warm start at the first check (every 4 steps) where its teacher-forced
-    #: accuracy on 256 held-out problems outside the evaluation set reaches this; null: run
-    #: warmstart_steps steps (megarl/tinymodel.py says why a step count is a knife's edge)
+    #: early-stop the warm start at the first check (every 4 steps; running_sum: 20) where its
+    #: teacher-forced accuracy on 256 held-out problems outside the evaluation set reaches this;
+    #: null: run warmstart_steps steps (docs/tiny-model.md says why a step count is a knife's edge)
     warmstart_target_accuracy: Optional[float] = setting(0.3, range=Range(lo=0, hi=1, lo_open=True, null=True))
     seed: int = setting(0, range=SEED)  # of its initialisation and warm-start data
     #: llama (the dense default) | qwen3_moe (a Qwen3-MoE: every layer routes each token to
@@ -132,30 +126,6 @@ class TinyModelConfig:
     num_experts: int = setting(8, range=COUNT)  # qwen3_moe: routed experts per layer
     top_k: int = setting(2, range=COUNT)  # qwen3_moe: experts per token (<= num_experts)
     moe_intermediate_size: int = setting(128, range=COUNT)  # qwen3_moe: each expert's SwiGLU width
-    #: share of calculator tool-use demonstrations among the warm-start sequences after
-    #: tool_only_steps (0: the arithmetic build; > 0: the calculator recipe's build, every
-    #: sequence a calculator conversation on tool_min_digits..tool_max_digits operands, the
-    #: rest answered at once, with loss on their first token: the decision not to call)
-    tool_demos: float = setting(0.0, range=Range(lo=0, hi=1))
-    #: the first warm-start steps that are demonstrations only (they teach copying)
-    tool_only_steps: int = setting(0, range=COUNT0)
-    #: with warmstart_target_accuracy: tool_only_steps is the most of an onset phase at the full
-    #: rate that stops at the target (tool-use validation); a tail of warmstart_steps -
-    #: tool_only_steps steps at a decaying rate follows, its last tool_mixture_steps the mixture
-    tool_mixture_steps: int = setting(100, range=COUNT0)
-    tool_min_digits: int = setting(4, range=COUNT)  # fewest digits per operand of the calculator build's sequences
-    tool_max_digits: int = setting(6, range=COUNT)  # most digits per operand of the calculator build's sequences
-    #: the role of the demonstrations' tool messages (the tiny vocabulary has no <|tool|>; the
-    #: recipe passes the same rollout.agent.env_args.tool_role)
-    tool_role: str = "user"
-    #: share of warm-start sequences that are two_turn demonstrations (guess, feedback, answer;
-    #: 0: none): the two-turn recipe's build (not with tool_demos)
-    two_turn_demos: float = setting(0.0, range=Range(lo=0, hi=1))
-    #: the built-in task the model is warm-started on: arithmetic (megarl.tinymodel: every
-    #: setting above) | running_sum (the long-tail reasoning task, megarl.builtin.warmstart_running_sum:
-    #: a dense llama, warmstart_validation / tool_* / two_turn_* unused, its early stop checked
-    #: every 20 steps on 256 held-out problems outside the evaluation set; the task's data.running_sum_*)
-    task: str = setting("arithmetic", choices=TINY_TASKS)
 
 
 @dataclass
@@ -232,6 +202,22 @@ class ParallelConfig:
 
 
 @dataclass
+class TaskConfig:
+    """The built-in task a recipe trains on: its files and its tiny model's warm start
+    (megarl/builtin/tasks: one module per task, its own keys in ``args``)."""
+
+    #: null (none) | arithmetic | calculator | two_turn | running_sum (megarl/builtin/tasks)
+    name: Optional[str] = None
+    #: write the task's files at data.train_path / data.heldout_path if they are missing (false:
+    #: use those files as they are; the tiny model is still warm-started on this task)
+    build: bool = True
+    train_n: int = setting(20000, range=COUNT)  # problems in the train file
+    heldout_n: int = setting(200, range=COUNT)  # distinct problems in the held-out file (the evaluation set)
+    #: the task's own settings, by name (listed below, by task); keys not given take its defaults
+    args: dict = field(default_factory=dict)
+
+
+@dataclass
 class DataConfig:
     """Prompt datasets: files, fields, chat formatting, length limit."""
 
@@ -250,22 +236,7 @@ class DataConfig:
     system_prompt: Optional[str] = None  # a system message put before every prompt (null: none)
     max_prompt_tokens: int = setting(256, range=COUNT)  # longer prompts are dropped and counted, never cut
     shuffle: bool = True  # shuffle the prompt order (seeded by trainer.seed)
-    #: build the built-in arithmetic task files at these paths if they are missing
-    build_arithmetic: bool = False
-    arithmetic_train_n: int = setting(20000, range=COUNT)  # problems in the built-in train split
-    arithmetic_heldout_n: int = setting(200, range=COUNT)  # problems in the built-in held-out split
-    arithmetic_min_digits: int = setting(1, range=COUNT)  # fewest digits per operand of the built-in task
-    arithmetic_max_digits: int = setting(3, range=COUNT)  # most digits per operand of the built-in task
-    #: build the built-in running-sum task files (the long-tail reasoning task,
-    #: megarl/data/tasks/running_sum.py) at these paths if they are missing
-    build_running_sum: bool = False
-    running_sum_train_n: int = setting(20000, range=COUNT)  # problems in its train split
-    #: distinct problems in its held-out split (the evaluation set)
-    running_sum_heldout_n: int = setting(200, range=COUNT)
-    #: fewest terms of a problem (one worked step each)
-    running_sum_min_terms: int = setting(2, range=Range(lo=1, hi=26))
-    running_sum_max_terms: int = setting(26, range=Range(lo=1, hi=26))  # most terms (26 tags: a-z)
-    running_sum_alpha: float = setting(1.8, range=Range(lo=0))  # P(k terms) ~ k^-alpha: the tail of chain lengths
+    task: TaskConfig = field(default_factory=lambda: TaskConfig())  # the built-in task (megarl/builtin/tasks)
     #: a train / held-out row without a ground-truth field the reward reads: error (refuse the
     #: file at start-up, naming file, line and field) | skip (drop such rows, counted)
     on_missing_fields: str = setting("error", choices=("error", "skip"))

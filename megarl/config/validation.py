@@ -61,39 +61,18 @@ def _validate_ranges(cfg: TrainConfig) -> None:
               f"{o.min_lr} is above {key}.lr={o.lr} (the schedule decays lr to min_lr)")
     for k, v in cfg.reward.penalty.items():
         _need(not isinstance(v, float) or math.isfinite(v), f"reward.penalty.{k}", f"must be finite or null, got {v}")
-    d = cfg.data
-    _need(d.arithmetic_min_digits <= d.arithmetic_max_digits, "data.arithmetic_min_digits",
-          f"{d.arithmetic_min_digits} is above data.arithmetic_max_digits={d.arithmetic_max_digits}")
-    _need(d.running_sum_min_terms <= d.running_sum_max_terms, "data.running_sum_min_terms",
-          f"{d.running_sum_min_terms} is above data.running_sum_max_terms={d.running_sum_max_terms}")
-    _need(not (d.build_arithmetic and d.build_running_sum), "data.build_running_sum",
-          "is true with data.build_arithmetic=true: the built-in task files are one task's (data.train_path / "
-          "data.heldout_path); turn one of them off")
-    tiny = cfg.model.tiny
+    d, tiny = cfg.data, cfg.model.tiny
     _one_of(cfg, "model.tiny.family")
-    _one_of(cfg, "model.tiny.task")
-    _need(tiny.task != "running_sum" or (tiny.family == "llama" and not tiny.tool_demos and not tiny.two_turn_demos),
-          "model.tiny.task",
-          f"is running_sum, whose build is a dense llama without demonstrations; got model.tiny.family={tiny.family}, "
-          f"tool_demos={tiny.tool_demos}, two_turn_demos={tiny.two_turn_demos}")
-    _one_of(cfg, "model.tiny.warmstart_validation")
     _need(tiny.family == "llama" or tiny.top_k <= tiny.num_experts, "model.tiny.top_k",
           f"{tiny.top_k} is above model.tiny.num_experts={tiny.num_experts}")
-    _need(tiny.tool_min_digits <= tiny.tool_max_digits, "model.tiny.tool_min_digits",
-          f"{tiny.tool_min_digits} is above model.tiny.tool_max_digits={tiny.tool_max_digits}")
-    _need(not (tiny.two_turn_demos and tiny.tool_demos), "model.tiny.two_turn_demos",
-          f"is {tiny.two_turn_demos}, but model.tiny.tool_demos={tiny.tool_demos} builds the calculator's model")
-    tool_target = tiny.tool_demos > 0 and bool(tiny.warmstart_target_accuracy)
-    _need(not tool_target or 4 <= tiny.tool_only_steps <= tiny.warmstart_steps, "model.tiny.tool_only_steps",
-          f"is {tiny.tool_only_steps}: with model.tiny.warmstart_target_accuracy the calculator build's onset phase "
-          f"stops on it, so it must be between 4 (one validation check) and model.tiny.warmstart_steps="
-          f"{tiny.warmstart_steps} (the tail takes the difference)")
-    _need(not tool_target or tiny.tool_mixture_steps <= tiny.warmstart_steps - tiny.tool_only_steps,
-          "model.tiny.tool_mixture_steps",
-          f"is {tiny.tool_mixture_steps}, above the tail of model.tiny.warmstart_steps - model.tiny.tool_only_steps = "
-          f"{tiny.warmstart_steps - tiny.tool_only_steps} steps it ends")
-    _need(bool(tiny.tool_role) and tiny.tool_role != "assistant", "model.tiny.tool_role",
-          f"must be a role name other than 'assistant', got {tiny.tool_role!r}")
+    # the task's name and its args are its own check (megarl/builtin/tasks/config_checks.py)
+    _need(isinstance(d.task.args, dict) and all(isinstance(k, str) for k in d.task.args), "data.task.args",
+          f"must be a mapping of the task's setting names to values, got {d.task.args!r}")
+    _need(d.task.name is not None or not d.task.args, "data.task.args",
+          f"is set ({sorted(d.task.args)}) but data.task.name is null (no built-in task)")
+    _need(d.task.name is not None or not cfg.model.build_tiny, "model.build_tiny",
+          "is true but data.task.name is null: the tiny model is warm-started on a built-in task; name one "
+          "(data.task.name=arithmetic) or set model.build_tiny=false")
 
 
 def _validate_rollout_groups(cfg: TrainConfig, world_size: int) -> None:

@@ -2,7 +2,7 @@
 with a calculator service that fails on some rows.  Checked from what the runs leave behind.
 
 The tiny model here is warm-started by ``megarl.tinymodel`` with calculator tool-use
-demonstrations (``--tool-demos``), so its sampled trajectories do call the tool: environment
+demonstrations (``--task calculator``), so its sampled trajectories do call the tool: environment
 tokens are present in the sealed experience and every rule about them is exercised.
 
 Proven per run, on every sealed sample of every iteration:
@@ -31,7 +31,7 @@ from tests.plugins.faulty_envs import FlakyCalculator
 
 def run_agent_train(assets, run_dir, nproc, extra=()):
     overrides = [f"model.path={assets['model']}", "model.build_tiny=false", f"data.train_path={assets['train']}",
-                 f"data.heldout_path={assets['heldout']}", "data.build_arithmetic=false", f"trainer.run_dir={run_dir}",
+                 f"data.heldout_path={assets['heldout']}", "data.task.build=false", f"trainer.run_dir={run_dir}",
                  "trainer.iterations=2", f"trainer.prompts_per_iteration={B}", f"rollout.n={G}", "eval.n=8",
                  "eval.every=1", "eval.save_results=true", "trainer.save_experience=true", "algo.micro_batch_size=2",
                  "algo.forward_micro_batch_size=4", "rollout.reuse_rollout_log_probs=false", *extra]

@@ -277,7 +277,7 @@ def test_train_refuses_the_file_before_any_model_loads(tmp_path, capsys):
 
     good = _write_jsonl(tmp_path / "train.jsonl", ROWS)
     bad = _write_jsonl(tmp_path / "heldout.jsonl", _without_answer(ROWS, {0}))
-    common = ["model.build_tiny=false", "data.build_arithmetic=false", f"model.path={tmp_path / 'no_model'}",
+    common = ["model.build_tiny=false", "data.task.build=false", f"model.path={tmp_path / 'no_model'}",
               f"trainer.run_dir={tmp_path / 'run'}"]
     recipe = os.path.join(ROOT, "configs", "grpo_arith_tiny.yaml")
     with pytest.raises(SystemExit) as e:

@@ -4,7 +4,7 @@ into an empty cache, then trains GRPO with the rollout's routing recorded and re
 router's aux and z losses on.  One launch proves:
 
 * the build's checkpoint and marker are a Qwen3-MoE of the configured experts, and the marker's
-  held-out accuracy is the one :func:`megarl.builtin.warmstart.heldout_accuracy` measures on it;
+  held-out accuracy is the one :func:`megarl.builtin.tasks.arithmetic.heldout_accuracy` measures on it;
 * the hf engine served the actor's weights, experts included, every iteration: each sealed
   batch's rollout log-probs are those of that iteration's export (transformers, teacher-forced);
 * each sealed batch carries the routing of its tokens: the recorded top-k experts are the ones
@@ -30,7 +30,7 @@ ITERS = 3
 
 
 def test_moe_tiny_recipe_builds_and_trains_with_router_losses(tmp_path):
-    from megarl.builtin.warmstart import heldout_accuracy
+    from megarl.builtin.tasks.arithmetic import heldout_accuracy
 
     cache, run_dir = tmp_path / "cache", tmp_path / "run"
     overrides = [*SHRUNK, f"trainer.iterations={ITERS}", "trainer.prompts_per_iteration=4", "rollout.n=4",

@@ -59,7 +59,7 @@ def cluster():
 
 def _overrides(assets, run_dir, iterations):
     return [f"model.path={assets['model']}", "model.build_tiny=false", f"data.train_path={assets['train']}",
-            f"data.heldout_path={assets['heldout']}", "data.build_arithmetic=false", "trainer.run_id=slurm",
+            f"data.heldout_path={assets['heldout']}", "data.task.build=false", "trainer.run_id=slurm",
             f"trainer.iterations={iterations}", "trainer.prompts_per_iteration=4", "rollout.n=4",
             "algo.micro_batch_size=4", "eval.n=8", "eval.every=1", "trainer.export_every=1",
             "trainer.loggers=[jsonl]"]

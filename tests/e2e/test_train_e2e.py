@@ -30,7 +30,7 @@ B, G = 4, 4
 
 def run_train(assets, run_dir, recipe, nproc=1, extra=(), expect=0):
     overrides = [f"model.path={assets['model']}", "model.build_tiny=false", f"data.train_path={assets['train']}",
-                 f"data.heldout_path={assets['heldout']}", "data.build_arithmetic=false",
+                 f"data.heldout_path={assets['heldout']}", "data.task.build=false",
                  f"trainer.run_dir={run_dir}", "trainer.iterations=2", f"trainer.prompts_per_iteration={B}",
                  f"rollout.n={G}", "algo.num_mini_batches=1", "algo.ppo_epochs=1", "algo.micro_batch_size=4",
                  "algo.forward_micro_batch_size=8", "eval.n=8", "eval.every=1", "trainer.save_experience=true",
@@ -532,7 +532,7 @@ def assets_4_layers(assets, tmp_path_factory):
     model = tmp_path_factory.mktemp("assets4") / "tiny"
     subprocess.run([sys.executable, "-m", "megarl.tinymodel", "--out", str(model), "--steps", "40",
                     "--target-accuracy", "0", "--hidden-size", "64", "--num-layers", "4", "--intermediate-size", "128",
-                    "--max-digits", "2"], check=True, env=subprocess_env(), capture_output=True, timeout=600)
+                    "--task-arg", "max_digits=2"], check=True, env=subprocess_env(), capture_output=True, timeout=600)
     return dict(assets, model=str(model))
 
 
@@ -764,7 +764,7 @@ def test_reuse_rollout_log_probs_after_parity_check(assets, tmp_path):
     # a tolerance the measurement cannot meet stops the run, naming the key
     bad = subprocess.run([sys.executable, "-m", "megarl.train", "--config", GRPO, f"model.path={assets['model']}",
                           "model.build_tiny=false", f"data.train_path={assets['train']}", "data.heldout_path=null",
-                          "data.build_arithmetic=false", f"trainer.run_dir={tmp_path / 'reuse_bad'}",
+                          "data.task.build=false", f"trainer.run_dir={tmp_path / 'reuse_bad'}",
                           "trainer.iterations=1", f"trainer.prompts_per_iteration={B}", f"rollout.n={G}",
                           "algo.num_mini_batches=1", "algo.micro_batch_size=4", *DENSE,
                           "rollout.reuse_rollout_log_probs=true", "rollout.log_prob_parity_tol=1e-12"],

@@ -59,7 +59,7 @@ def launch(assets, tmp_path_factory):
     run_dir = root / "run"
     train = ["--config", os.path.join(ROOT, "configs", "grpo_arith_tiny.yaml"), f"model.path={moe}",
              "model.build_tiny=false", f"data.train_path={assets['train']}", f"data.heldout_path={assets['heldout']}",
-             "data.build_arithmetic=false", f"trainer.run_dir={run_dir}", "trainer.iterations=2",
+             "data.task.build=false", f"trainer.run_dir={run_dir}", "trainer.iterations=2",
              "trainer.prompts_per_iteration=4", "rollout.n=4", "eval.n=8", "eval.every=2", "parallel.ep=2",
              "reward.fn=tests.plugins.faulty_rewards:digit_count", "algo.num_mini_batches=2",
              "algo.micro_batch_size=2", "algo.forward_micro_batch_size=3", "rollout.reuse_rollout_log_probs=false",

@@ -86,7 +86,7 @@ def test_cli_writes_rows_and_refuses_bad_arguments(tmp_path):
 
 
 def test_recipe_builds_its_task_files_and_model_then_reuses_or_refuses_them(tmp_path, capfd):
-    """The recipe's start-up (megarl/commands/startup.py with running_sum_assets): the task files
+    """The recipe's start-up (megarl/commands/startup.py, megarl/builtin/tasks/running_sum.py): the task files
     (the held-out one is the warm start's evaluation set) and a small model build (30 steps, no
     target; its own process, as a recipe's build runs): the answer NLL falls, the export is a
     complete HF checkpoint with tiny_model.json, its greedy answers were scored by the task's
@@ -99,8 +99,8 @@ def test_recipe_builds_its_task_files_and_model_then_reuses_or_refuses_them(tmp_
 
     out = tmp_path / "rsum"
     overrides = [f"model.path={out}", f"data.train_path={tmp_path / 'train.jsonl'}",
-                 f"data.heldout_path={tmp_path / 'held.jsonl'}", "data.running_sum_train_n=50",
-                 "data.running_sum_heldout_n=8", "model.tiny.hidden_size=64", "model.tiny.num_layers=2",
+                 f"data.heldout_path={tmp_path / 'held.jsonl'}", "data.task.train_n=50",
+                 "data.task.heldout_n=8", "model.tiny.hidden_size=64", "model.tiny.num_layers=2",
                  "model.tiny.intermediate_size=128", "model.tiny.warmstart_batch=16",
                  "model.tiny.warmstart_steps=30", "model.tiny.warmstart_target_accuracy=null"]
     cfg = load_config("configs/grpo_rsum_tiny.yaml", overrides)
@@ -109,7 +109,7 @@ def test_recipe_builds_its_task_files_and_model_then_reuses_or_refuses_them(tmp_
     assert held == make_problems("heldout", 1, 8, distinct=True)
     assert [json.loads(line) for line in open(tmp_path / "train.jsonl")] == make_problems("train", 0, 50)
     startup.ensure_builtin_model(cfg)
-    assert "running-sum tiny model ready" in capfd.readouterr().out
+    assert "tiny model ready" in capfd.readouterr().out
     info = json.loads((out / MARKER).read_text())
     assert info["task"] == {"name": "running_sum", "terms": [2, 26], "alpha": 1.8}
     assert info["warmstart"]["steps"] == 30 and info["warmstart"]["final_nll"] < 0.6 * info["warmstart"]["first_nll"]
@@ -120,33 +120,34 @@ def test_recipe_builds_its_task_files_and_model_then_reuses_or_refuses_them(tmp_
     startup.ensure_builtin_task(cfg)  # the same settings: taken as they are
     startup.ensure_builtin_model(cfg)
     assert "building" not in capfd.readouterr().out
-    other = load_config("configs/grpo_rsum_tiny.yaml", overrides + ["data.running_sum_alpha=1.5"])
-    with pytest.raises(MegarlError, match=r"data\.running_sum_alpha: the cached build has 1\.8, the config 1\.5"):
+    other = load_config("configs/grpo_rsum_tiny.yaml", overrides + ["data.task.args.alpha=1.5"])
+    with pytest.raises(MegarlError, match=r"data\.task\.args\.alpha: the cached build has 1\.8, the config 1\.5"):
         startup.ensure_builtin_model(other)
-    with pytest.raises(MegarlError, match=r"data\.build_running_sum: .*train\.jsonl holds another train split .*"
-                                          r"data\.running_sum_\*"):
+    with pytest.raises(MegarlError, match=r"data\.task: .*train\.jsonl holds another train split .*"
+                                          r"data\.task\.build=false"):
         startup.ensure_builtin_task(other)
     arith = load_config("configs/grpo_arith_tiny.yaml", [f"model.path={out}"])
     with pytest.raises(MegarlError, match=r"model\.build_tiny: .* holds a tiny model built with other settings"):
         startup.ensure_builtin_model(arith)  # an arithmetic recipe does not train the running-sum model in silence
 
     small = ["--hidden-size", "64", "--num-layers", "2", "--intermediate-size", "128", "--batch", "16", "--heldout-n", "8"]
-    never = subprocess.run([sys.executable, "-m", "megarl.builtin.warmstart_running_sum", "--out",
+    never = subprocess.run([sys.executable, "-m", "megarl.tinymodel", "--task", "running_sum", "--out",
                             str(tmp_path / "never"), *small, "--steps", "2", "--target-accuracy", "0.99",
                             "--check-every", "1"], capture_output=True, text=True, env=subprocess_env(), timeout=600)
-    assert never.returncode != 0 and "--target-accuracy 0.99 within --steps 2" in never.stderr, never.stderr[-2000:]
+    assert never.returncode != 0 and "reach --target-accuracy 0.99 (model.tiny.warmstart_target_accuracy) within --steps 2" in never.stderr, never.stderr[-2000:]
     assert not (tmp_path / "never").exists() and not (tmp_path / "never.build").exists()
 
 
 def test_recipe_settings_are_checked_by_key():
-    from megarl.config import ConfigError, load_config, validate
+    from megarl.commands.run_checks import check_run
+    from megarl.config import ConfigError, load_config
 
-    validate(load_config("configs/grpo_rsum_tiny.yaml"), 1)
+    check_run(load_config("configs/grpo_rsum_tiny.yaml"), 1)
 
-    for extra, key in ((["data.build_arithmetic=true"], "data.build_running_sum"),
-                       (["data.running_sum_min_terms=9", "data.running_sum_max_terms=4"], "data.running_sum_min_terms"),
-                       (["data.running_sum_max_terms=27"], "data.running_sum_max_terms"),
-                       (["model.tiny.family=qwen3_moe"], "model.tiny.task"),
-                       (["model.tiny.task=sudoku"], "model.tiny.task")):
+    for extra, key in ((["data.task.args.min_digits=2"], "data.task.args: task running_sum takes no min_digits"),
+                       (["data.task.args.min_terms=9", "data.task.args.max_terms=4"], "data.task.args.min_terms"),
+                       (["data.task.args.max_terms=27"], "data.task.args.max_terms"),
+                       (["data.task.args.alpha=fast"], "data.task.args.alpha: expects float"),
+                       (["data.task.name=sudoku"], "data.task.name")):
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-            validate(load_config("configs/grpo_rsum_tiny.yaml", extra), 1)
+            check_run(load_config("configs/grpo_rsum_tiny.yaml", extra), 1)

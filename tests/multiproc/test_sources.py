@@ -439,7 +439,7 @@ def test_cli_hub_id_dataset_dir_and_plugin_end_to_end(tmp_path, tiny_ckpt):
     run_dir = str(tmp_path / "run")
     recipe = ["--config", os.path.join(ROOT, "configs", "grpo_arith_tiny.yaml")]
     common = ["model.build_tiny=false",
-              "data.build_arithmetic=false", f"data.train_path={tmp_path / 'train_ds'}",
+              "data.task.build=false", f"data.train_path={tmp_path / 'train_ds'}",
               f"data.heldout_path={tmp_path / 'heldout.jsonl'}", "reward.fn=examples.reward_plugin:boxed_answer",
               "trainer.iterations=1", "trainer.prompts_per_iteration=2", "rollout.n=2", "eval.n=4",
               f"trainer.run_dir={run_dir}"]

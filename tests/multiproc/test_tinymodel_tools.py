@@ -1,8 +1,9 @@
-"""The calculator build of the tiny model's warm start (megarl/tinymodel.py, model.tiny.tool_*).
+"""The tiny model's warm-start sources (megarl/builtin/tasks: calculator, two_turn, arithmetic) and
+their settings (data.task.args), the build command and the cache check.
 
 A tool-use demonstration is the token list an agent session builds for the solved conversation,
 with loss exactly on the policy tokens (the call and the answer), never on the tool's output;
-the default build's sequences are the ones it always had; the new keys are validated by name."""
+the default build's sequences are the ones it always had; the task's keys are validated by name."""
 
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ import pytest
 import torch
 
 from megarl.builtin.tiny_tokenizer import build_tiny_tokenizer
-from megarl.builtin.warmstart import is_demo, tool_sequences, training_tensors, warmstart_sequences
+from megarl.builtin.tasks.calculator import tool_sequences
+from megarl.builtin.warmstart import is_demo, prompt_answer_sequences, training_tensors
 from megarl.commands.run_checks import check_run
 from megarl.config import ConfigError, load_config
 from megarl.data.tokenizer import TokenizerContract
 
 from tests._dist import ROOT
 GRPO = os.path.join(ROOT, "configs", "grpo_arith_tiny.yaml")
+CALC = os.path.join(ROOT, "configs", "grpo_calc_tiny.yaml")
 
 # tiny-vocabulary ids (megarl/builtin/tiny_tokenizer.py): <bos> 2, <eos> 3, <|user|> 5,
 # <|assistant|> 6, <|end|> 7, digits 0-9 are 8-17, + 18, ? 31, [ 38, ] 39, what 70, is 71, plus 75
@@ -86,52 +89,61 @@ def _old_build_batch(tok, problems, pad):
 
 
 def test_default_build_sequences_unchanged(tok):
+    from megarl.builtin.tasks import arithmetic
+    from megarl.builtin.warmstart import WarmStartRun
     from megarl.data.tasks.arithmetic import make_problems
 
-    prompts, answers, masks = warmstart_sequences(tok, steps=2, batch=64, seed=0, digits=(1, 2))
-    assert masks is None
+    source = arithmetic.WarmStart(tok, arithmetic.Settings(), WarmStartRun(steps=2, batch=64, seed=0, lr=2e-3))
+    problems = make_problems("train", 0, 128, digits=(1, 2))
     # golden: the first rows of the default build (seed 0): 15 plus 75 = 90, ...
+    prompts, answers = prompt_answer_sequences(tok, problems[:3])
     assert prompts[0] == [BOS, USER, WHAT, IS, *d(1, 5), WPLUS, *d(7, 5), Q, END, ASSISTANT]
     assert answers[:3] == [[*d(9, 0), EOS], [*d(1, 0, 3), EOS], [*d(5), EOS]]
-    problems = make_problems("train", 0, 128, digits=(1, 2))
     for step in range(2):
-        sl = slice(step * 64, (step + 1) * 64)
-        tokens, mask = training_tensors(tok.pad_token_id, prompts[sl], answers[sl], None)
-        old_tokens, old_mask = _old_build_batch(tok, problems[sl], tok.pad_token_id)
+        tokens, mask = source.batch(step)
+        old_tokens, old_mask = _old_build_batch(tok, problems[step * 64:(step + 1) * 64], tok.pad_token_id)
         assert torch.equal(tokens, old_tokens) and torch.equal(mask, old_mask)
 
 
 @pytest.mark.parametrize("overrides,key", [
-    (["model.tiny.tool_demos=1.5"], "model.tiny.tool_demos"),
-    (["model.tiny.tool_demos=-0.1"], "model.tiny.tool_demos"),
-    (["model.tiny.tool_only_steps=-1"], "model.tiny.tool_only_steps"),
-    (["model.tiny.tool_min_digits=0"], "model.tiny.tool_min_digits"),
-    (["model.tiny.tool_min_digits=7"], "model.tiny.tool_min_digits"),  # above tool_max_digits=6
-    (["model.tiny.tool_role=assistant"], "model.tiny.tool_role"),
-    (["model.tiny.tool_role=''"], "model.tiny.tool_role"),
-    # with a target (the default 0.3) the tool-only phase stops on it: it needs at least one check
-    (["model.tiny.tool_demos=0.2", "model.tiny.tool_only_steps=0"], "model.tiny.tool_only_steps"),
-    (["model.tiny.tool_demos=0.2", "model.tiny.tool_only_steps=2001"], "model.tiny.tool_only_steps"),
-    (["model.tiny.tool_demos=0.2", "model.tiny.tool_only_steps=1950"], "model.tiny.tool_mixture_steps"),
+    (["data.task.args.demos=1.5"], "data.task.args.demos"),
+    (["data.task.args.demos=0"], "data.task.args.demos"),  # the calculator build is its demonstrations
+    (["data.task.args.only_steps=-1"], "data.task.args.only_steps"),
+    (["data.task.args.min_digits=0"], "data.task.args.min_digits"),
+    (["data.task.args.min_digits=7"], "data.task.args.min_digits"),  # above max_digits=6
+    (["data.task.args.tool_role=assistant"], "data.task.args.tool_role"),
+    (["data.task.args.two_turn=0.2"], "data.task.args: task calculator takes no two_turn"),
+    (["data.task.args.demos=high"], "data.task.args.demos: expects float"),
+    # with a target (the recipe's 0.25) the onset phase stops on it: it needs at least one check
+    (["data.task.args.only_steps=0"], "data.task.args.only_steps"),
+    (["data.task.args.only_steps=1901"], "data.task.args.only_steps"),
+    (["data.task.args.only_steps=1850"], "data.task.args.mixture_steps"),
+    (["data.task.name=null"], "data.task.args: is set"),  # settings of no task
 ])
-def test_tool_keys_validated_by_name(overrides, key):
+def test_task_keys_validated_by_name(overrides, key):
     with pytest.raises(ConfigError) as e:
-        check_run(load_config(GRPO, overrides), 1)
+        check_run(load_config(CALC, overrides), 1)
     assert str(e.value).startswith(key), str(e.value)
 
 
-def test_tool_keys_default_and_accepted():
+def test_task_settings_default_and_accepted():
+    from megarl.builtin.tasks import task_settings
+
     cfg = load_config(GRPO, [])
-    t = cfg.model.tiny
-    assert (t.tool_demos, t.tool_only_steps, t.tool_min_digits, t.tool_max_digits, t.tool_role) == (0.0, 0, 4, 6, "user")
-    cfg = load_config(GRPO, ["model.tiny.tool_demos=0.2", "model.tiny.tool_only_steps=300",
-                             "model.tiny.warmstart_target_accuracy=null"])
-    assert check_run(cfg, 1) == 1
+    assert (cfg.data.task.name, cfg.data.task.args) == ("arithmetic", {})
+    s = task_settings("arithmetic", cfg.data.task.args)
+    assert (s.digits, s.op_tuple, s.validation) == ((1, 2), ("plus",), "heldout")
+    s = task_settings("calculator", load_config(CALC, []).data.task.args)
+    assert (s.demos, s.only_steps, s.mixture_steps, s.digits, s.tool_role) == (0.15, 1500, 100, (4, 6), "user")
+    cfg = load_config(CALC, ["data.task.args.only_steps=3000", "model.tiny.warmstart_target_accuracy=null"])
+    assert check_run(cfg, 1) == 1  # without a target there is no onset phase to fit
+    with pytest.raises(ConfigError, match=r"^model\.build_tiny: is true but data\.task\.name is null"):
+        check_run(load_config(GRPO, ["data.task.name=null"]), 1)
 
 
-def test_builder_command_adds_tool_flags_only_when_demos(tmp_path, monkeypatch):
-    """ensure_builtin_model's command: the default build's is what it was; tool_demos > 0 adds
-    the calculator flags."""
+def test_builder_command_names_the_task_and_its_settings(tmp_path, monkeypatch):
+    """ensure_builtin_model's command: every model.tiny.* setting, the task, and each of the
+    task's settings (its defaults included) as --task-arg."""
     import subprocess
 
     from megarl.commands import startup
@@ -140,21 +152,22 @@ def test_builder_command_adds_tool_flags_only_when_demos(tmp_path, monkeypatch):
     monkeypatch.setattr(subprocess, "run", lambda cmd, env=None: seen.append(cmd) or subprocess.CompletedProcess(cmd, 0))
     base = [f"model.path={tmp_path / 'm'}", "model.build_tiny=true"]
     startup.ensure_builtin_model(load_config(GRPO, base))
-    startup.ensure_builtin_model(load_config(GRPO, base + ["model.tiny.tool_demos=0.25", "model.tiny.tool_only_steps=9",
-                                                         "model.tiny.tool_role=user"]))
-    startup.ensure_builtin_model(load_config(GRPO, base + ["model.tiny.warmstart_validation=train-mix",
+    startup.ensure_builtin_model(load_config(CALC, base + ["data.task.args.only_steps=9"]))
+    startup.ensure_builtin_model(load_config(GRPO, base + ["data.task.args.validation=train-mix",
                                                          "model.tiny.warmstart_adam_beta2=0.98"]))
     default, calc, mix = seen
-    assert default[2:] == ["megarl.tinymodel", "--out", str(tmp_path / "m"), "--hidden-size", "128", "--num-layers", "4",
-                           "--num-heads", "4", "--num-kv-heads", "2", "--intermediate-size", "256", "--steps", "2000",
-                           "--lr", "0.002", "--batch", "64", "--target-accuracy", "0.3", "--heldout-n", "200",
-                           "--seed", "0",
-                           "--min-digits", "1", "--max-digits", "2", "--overwrite"]
-    assert calc[:len(default)] == default
-    assert mix == default + ["--adam-beta2", "0.98", "--validation", "train-mix"]
-    # with a target (the default's 0.3) the onset phase stops on it and the tail ends in the mixture
-    assert calc[len(default):] == ["--tool-demos", "0.25", "--tool-only-steps", "9", "--tool-min-digits", "4",
-                                   "--tool-max-digits", "6", "--tool-role", "user", "--tool-mixture-steps", "100"]
+    common = ["--hidden-size", "128", "--num-layers", "4", "--num-heads", "4", "--num-kv-heads", "2",
+              "--intermediate-size", "256"]
+    assert default[2:] == ["megarl.tinymodel", "--out", str(tmp_path / "m"), "--task", "arithmetic", *common,
+                           "--steps", "2000", "--lr", "0.002", "--batch", "64", "--adam-beta2", "0.999",
+                           "--target-accuracy", "0.3", "--heldout-n", "200", "--seed", "0", "--overwrite",
+                           "--task-arg", "min_digits=1", "--task-arg", "max_digits=2", "--task-arg", "ops=plus",
+                           "--task-arg", "validation=heldout"]
+    assert calc[2:7] == ["megarl.tinymodel", "--out", str(tmp_path / "m"), "--task", "calculator"]
+    assert calc[calc.index("--overwrite") + 1:] == [
+        "--task-arg", "min_digits=4", "--task-arg", "max_digits=6", "--task-arg", "ops=plus", "--task-arg", "demos=0.15",
+        "--task-arg", "only_steps=9", "--task-arg", "mixture_steps=100", "--task-arg", "tool_role=user"]
+    assert mix == [x.replace("0.999", "0.98").replace("validation=heldout", "validation=train-mix") for x in default]
 
 
 def test_calculator_build_records_its_settings(tmp_path):
@@ -169,28 +182,29 @@ def test_calculator_build_records_its_settings(tmp_path):
     out = tmp_path / "calc"
     subprocess.run([sys.executable, "-m", "megarl.tinymodel", "--out", str(out), "--steps", "3", "--batch", "8",
                     "--hidden-size", "32", "--num-layers", "1", "--num-heads", "2", "--num-kv-heads", "1",
-                    "--intermediate-size", "64", "--tool-demos", "0.5", "--tool-only-steps", "1",
-                    "--tool-min-digits", "4", "--tool-max-digits", "5"],
+                    "--intermediate-size", "64", "--task", "calculator", "--task-arg", "demos=0.5",
+                    "--task-arg", "only_steps=1", "--task-arg", "min_digits=4", "--task-arg", "max_digits=5"],
                    check=True, env=subprocess_env(), capture_output=True, timeout=300, cwd=ROOT)
     info = json.loads((out / "tiny_model.json").read_text())
     assert info["task"] == {"name": "calculator", "digits": [4, 5], "ops": ["plus"]}
     assert info["tool"] == {"demos": 0.5, "digits": [4, 5], "role": "user", "only_steps": 1}
     assert info["warmstart"]["steps"] == 3 and 0.0 <= info["heldout_accuracy_greedy"] <= 1.0
-    bad = subprocess.run([sys.executable, "-m", "megarl.tinymodel", "--out", str(tmp_path / "x"), "--tool-demos", "2"],
-                         env=subprocess_env(), capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert bad.returncode != 0 and "--tool-demos 2.0: must be in [0, 1]" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "megarl.tinymodel", "--out", str(tmp_path / "x"), "--task", "calculator",
+                          "--task-arg", "demos=2"], env=subprocess_env(), capture_output=True, text=True, timeout=120,
+                         cwd=ROOT)
+    assert bad.returncode != 0 and "--task-arg demos: must be in (0, 1], got 2" in bad.stderr, bad.stderr[-2000:]
 
 
 def test_two_turn_demonstrations_teach_the_second_turn_not_the_wrong_guess(tok):
     """The two-turn build: the arithmetic sequences with a share replaced by guess-feedback-answer
     conversations laid out as a session builds them; loss on the guess's <|end|> and on the
     answer, never on the feedback or the guess's digits."""
-    from megarl.builtin.warmstart import _sequences, two_turn_sequences
+    from megarl.builtin.tasks.two_turn import two_turn_sequences
     from megarl.data.tasks.arithmetic import make_problems
 
     probs = make_problems("train", 0, 40, digits=(1, 2), ops=("plus",))
     prompts, responses, masks = two_turn_sequences(tok, probs, 0.25, seed=0)
-    plain_p, plain_r = _sequences(tok, probs)
+    plain_p, plain_r = prompt_answer_sequences(tok, probs)
     demos = [i for i in range(40) if is_demo(i, 0.25)]
     assert len(demos) == 10
     for i in range(40):
@@ -214,7 +228,7 @@ def test_two_turn_demonstrations_teach_the_second_turn_not_the_wrong_guess(tok):
 def test_a_cache_built_by_other_settings_is_refused_naming_the_key(tmp_path):
     """The tiny model and the task files under MEGARL_CACHE are reused only when they are what
     these settings build: a build by other model.tiny.* settings (or an older megarl) and a task
-    file of other data.arithmetic_* settings are refused, naming the setting or the file, before
+    file of other data.task settings are refused, naming the setting or the file, before
     anything trains on them."""
     import json
 
@@ -239,9 +253,9 @@ def test_a_cache_built_by_other_settings_is_refused_naming_the_key(tmp_path):
         startup.ensure_builtin_model(cfg)
     info["warmstart"]["target_accuracy"] = 0.3
     (model / MARKER).write_text(json.dumps(info))
-    mix = load_config(GRPO, [f"model.path={model}", "model.build_tiny=true", "model.tiny.warmstart_validation=train-mix",
+    mix = load_config(GRPO, [f"model.path={model}", "model.build_tiny=true", "data.task.args.validation=train-mix",
                              f"data.train_path={tmp_path / 'train.jsonl'}", f"data.heldout_path={tmp_path / 'held.jsonl'}"])
-    with pytest.raises(MegarlError, match=r"model\.tiny\.warmstart_validation: the cached build has None, "
+    with pytest.raises(MegarlError, match=r"data\.task\.args\.validation: the cached build has None, "
                                           r"the config 'train-mix'"):
         startup.ensure_builtin_model(mix)  # a build stopped on held-out problems is not a train-mix build
     del info["warmstart"]["max_steps"]  # a build of an older megarl
@@ -254,8 +268,8 @@ def test_a_cache_built_by_other_settings_is_refused_naming_the_key(tmp_path):
     held = [json.loads(line) for line in open(tmp_path / "held.jsonl")]
     assert len({r["prompt"] for r in held}) == len(held) == 200  # the evaluation set: distinct problems
     other = load_config(GRPO, [f"data.train_path={tmp_path / 'train.jsonl'}", f"data.heldout_path={tmp_path / 'held.jsonl'}",
-                               "data.arithmetic_max_digits=3"])
-    with pytest.raises(MegarlError, match=r"data\.build_arithmetic: .*train\.jsonl holds another train split"):
+                               "data.task.args.max_digits=3"])
+    with pytest.raises(MegarlError, match=r"data\.task: .*train\.jsonl holds another train split"):
         startup.ensure_builtin_task(other)
 
 
@@ -266,6 +280,7 @@ _SCRIPTED_BUILD = """
 import json, sys
 import megarl.models.optim as optim
 import megarl.builtin.warmstart as tm
+import megarl.tinymodel as cli
 script = iter(json.loads(sys.argv[1]))
 tm.teacher_forced_accuracy = lambda model, tokens, mask, vocab_size: next(script)
 seen, real = [], optim.train_step
@@ -275,7 +290,7 @@ def spy(ddp, opt, micro_batches, loss_fn):
     return real(ddp, opt, micro_batches, loss_fn)
 optim.train_step = spy
 try:
-    tm.main(sys.argv[2:])
+    cli.main(sys.argv[2:])
 finally:
     print("SEEN " + json.dumps(seen), flush=True)
 """
@@ -286,7 +301,7 @@ def test_calculator_build_stops_its_onset_phase_on_validation_then_runs_the_tail
     at the first check that reaches it; then exactly steps - tool_only_steps steps follow, the
     rate decaying (cosine, to lr / 10), their last tool_mixture_steps the mixture; tiny_model.json
     records where the phase ended.  Negative control: a phase that never reaches the target
-    fails naming model.tiny.tool_only_steps, and leaves no model."""
+    fails naming data.task.args.only_steps, and leaves no model."""
     import json
     import math
     import subprocess
@@ -297,14 +312,14 @@ def test_calculator_build_stops_its_onset_phase_on_validation_then_runs_the_tail
     def build(out, accuracies, extra):
         cmd = [sys.executable, "-c", _SCRIPTED_BUILD, json.dumps(accuracies), "--out", str(out), "--batch", "8",
                "--hidden-size", "32", "--num-layers", "1", "--num-heads", "2", "--num-kv-heads", "1",
-               "--intermediate-size", "64", "--tool-demos", "0.5", "--tool-min-digits", "4", "--tool-max-digits", "5",
-               "--lr", "1e-3", "--target-accuracy", "0.9", "--check-every", "4", "--validation-n", "16",
-               "--tool-mixture-steps", "4", *extra]
+               "--intermediate-size", "64", "--task", "calculator", "--task-arg", "demos=0.5", "--task-arg",
+               "min_digits=4", "--task-arg", "max_digits=5", "--lr", "1e-3", "--target-accuracy", "0.9",
+               "--check-every", "4", "--validation-n", "16", "--task-arg", "mixture_steps=4", *extra]
         p = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
         seen = [json.loads(line[5:]) for line in p.stdout.splitlines() if line.startswith("SEEN ")]
         return p, seen[0] if seen else None
 
-    p, seen = build(tmp_path / "calc", [0.0, 0.5, 0.95, 0.0], ["--steps", "24", "--tool-only-steps", "16"])
+    p, seen = build(tmp_path / "calc", [0.0, 0.5, 0.95, 0.0], ["--steps", "24", "--task-arg", "only_steps=16"])
     assert p.returncode == 0, p.stderr[-2000:]
     # 12 steps of demonstrations only (the third check reached 0.9), then a tail of 24 - 16 = 8:
     # 4 more demonstrations and 4 of the mixture (half of each batch), the rate decaying over it
@@ -317,9 +332,9 @@ def test_calculator_build_stops_its_onset_phase_on_validation_then_runs_the_tail
     assert info["tool"] == {"demos": 0.5, "digits": [4, 5], "role": "user", "only_steps": 16, "mixture_steps": 4}
     assert "tool-use validation accuracy 0.950 >= target 0.9 at step 12" in p.stdout
 
-    p, seen = build(tmp_path / "never", [0.1, 0.2], ["--steps", "12", "--tool-only-steps", "8"])
+    p, seen = build(tmp_path / "never", [0.1, 0.2], ["--steps", "12", "--task-arg", "only_steps=8"])
     assert p.returncode != 0 and len(seen) == 8 and not (tmp_path / "never").exists()
-    assert ("within --tool-only-steps 8 (model.tiny.tool_only_steps), its onset phase; its best tool-use "
+    assert ("within only_steps 8 (data.task.args.only_steps), its onset phase; its best tool-use "
             "validation accuracy was 0.200 at step 8") in p.stderr, p.stderr[-2000:]
 
 
@@ -330,11 +345,12 @@ def test_arithmetic_validation_set_has_the_evaluation_mix_and_is_never_trained_o
     half of the evaluation set."""
     from collections import Counter
 
-    from megarl.builtin.warmstart import EVALUATION_SEED, arithmetic_validation_problems, validation_problems
+    from megarl.builtin.tasks.arithmetic import train_mix_validation_problems, validation_problems
+    from megarl.builtin.warmstart import EVALUATION_SEED
     from megarl.data.tasks.arithmetic import make_problems, problem_key, problem_split, problem_stratum
 
     evaluation = make_problems("heldout", EVALUATION_SEED, 200, digits=(1, 2), distinct=True)
-    val = arithmetic_validation_problems(256, 200, (1, 2), ("plus",))
+    val = train_mix_validation_problems(256, 200, (1, 2), ("plus",))
     keys = [problem_key(r) for r in val]
     assert len(set(keys)) == 256
     assert all(problem_split(*(lambda a, op, b: (int(a), op, int(b)))(*k.split())) == "train" for k in keys)

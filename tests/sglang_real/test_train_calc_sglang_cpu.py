@@ -24,7 +24,7 @@ def test_calculator_recipe_trains_on_sessions_the_real_engine_ran(calc_assets, t
     run_dir = str(tmp_path / "calc_sglang")
     a = calc_assets
     overrides = [f"model.path={a['model']}", "model.build_tiny=false", f"data.train_path={a['train']}",
-                 f"data.heldout_path={a['heldout']}", "data.build_arithmetic=false", f"trainer.run_dir={run_dir}",
+                 f"data.heldout_path={a['heldout']}", "data.task.build=false", f"trainer.run_dir={run_dir}",
                  "trainer.iterations=2", f"trainer.prompts_per_iteration={B}", f"rollout.n={G}", "eval.n=8",
                  "eval.every=1", "eval.save_results=true", "trainer.save_experience=true",
                  "rollout.reuse_rollout_log_probs=false", "rollout.backend=sglang", "trainer.run_id=sglang-calc-cpu"]

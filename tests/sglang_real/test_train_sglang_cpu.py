@@ -19,7 +19,7 @@ def test_grpo_trains_on_what_the_real_engine_sampled_with_the_version_it_was_sen
     run_dir = str(tmp_path / "run")
     cmd = [sys.executable, "-m", "megarl.train", "--config", GRPO, f"model.path={assets['model']}",
            "model.build_tiny=false", f"data.train_path={assets['train']}", f"data.heldout_path={assets['heldout']}",
-           "data.build_arithmetic=false", "rollout.backend=sglang", f"trainer.iterations={ITERS}",
+           "data.task.build=false", "rollout.backend=sglang", f"trainer.iterations={ITERS}",
            "trainer.run_id=sglang-cpu", f"trainer.run_dir={run_dir}", "trainer.prompts_per_iteration=4",
            "rollout.n=4", "eval.n=8", "eval.every=1", "trainer.save_experience=true", "trainer.export_every=1",
            "rollout.reuse_rollout_log_probs=true", "rollout.log_prob_parity_every=2", "actor.optim.lr=1.0e-2",

@@ -22,8 +22,31 @@ NEEDS = {"parallel.recompute.modules": ["parallel.recompute.granularity=selectiv
 def test_a_field_declares_a_range_or_choices_never_both():
     both = [key for key, f in _declared(schema.TrainConfig) if {"range", "choices"} <= set(f.metadata)]
     assert not both
-    assert len(CHOICES) >= 25 and len(RANGES) >= 150
+    assert len(CHOICES) >= 25 and len(RANGES) >= 140
     assert CHOICES["placement.mode"] == schema.PLACEMENTS and CHOICES["algo.name"] == schema.ALGORITHMS
+
+
+@pytest.mark.parametrize("task", ["arithmetic", "calculator", "two_turn", "running_sum"])
+def test_every_task_setting_declares_what_it_accepts_and_is_enforced(task):
+    """A built-in task's own keys (data.task.args) follow the schema's rule: every int / float
+    declares its range; a value out of it, or not of a declared choice, is refused naming the key."""
+    import dataclasses
+    import typing
+
+    from megarl.builtin.tasks import TASKS, get_task, task_settings
+
+    assert set(TASKS) == {"arithmetic", "calculator", "two_turn", "running_sum"}
+    settings = get_task(task).Settings
+    hints = typing.get_type_hints(settings)
+    for f in dataclasses.fields(settings):
+        if hints[f.name] in (int, float):
+            rule = f.metadata["range"]  # KeyError: a numeric key without a declared range
+            bad = next(v for v in (-1, 10 ** 9, 0, 1.5) if not rule.ok(v) and (hints[f.name] is float or v != 1.5))
+            with pytest.raises(ConfigError, match=rf"^data\.task\.args\.{f.name}: must be"):
+                task_settings(task, {f.name: bad})
+        elif "choices" in f.metadata:
+            with pytest.raises(ConfigError, match=rf"^data\.task\.args\.{f.name}: must be one of"):
+                task_settings(task, {f.name: "bogus"})
 
 
 @pytest.mark.parametrize("key", sorted(CHOICES))

@@ -281,7 +281,7 @@ def test_training_run_with_the_service_leaks_no_secret(service, assets, tmp_path
     run_dir = str(tmp_path / "run")
     cmd = [sys.executable, "-m", "megarl.train", "--config", GRPO, f"model.path={assets['model']}",
            "model.build_tiny=false", f"data.train_path={assets['train']}", f"data.heldout_path={assets['heldout']}",
-           "data.build_arithmetic=false", f"trainer.run_dir={run_dir}", "trainer.iterations=2",
+           "data.task.build=false", f"trainer.run_dir={run_dir}", "trainer.iterations=2",
            "trainer.prompts_per_iteration=2", "rollout.n=2", "algo.num_mini_batches=1", "algo.micro_batch_size=4",
            "algo.forward_micro_batch_size=8", "eval.n=4", "eval.every=0", "trainer.save_experience=true",
            "reward.fn=http", f"reward.kwargs.url={service.url}", f"reward.kwargs.auth_env={ENV}",
