@@ -256,7 +256,6 @@ def validate(cfg: TrainConfig, world_size: int, feature_checks: Optional[Mapping
 def _validate_choices(cfg: TrainConfig) -> None:
     """Every key whose value is one of a fixed set: the rollout backend, failure handling (the
     algorithm's registered names are its own check, :mod:`megarl.algo.config_checks`)."""
-    a, r = cfg.algo, cfg.rollout
     _one_of(cfg, "algo.name")
     _one_of(cfg, "algo.zero_std_rule")
     _one_of(cfg, "algo.kl.placement")

@@ -26,7 +26,7 @@ from megarl.control.heldout import Evaluator
 from megarl.control.interfaces import RunProgress
 from megarl.control.learning import Learner
 from megarl.control.placement import Placement, create_engine, create_remote_engine, make_placement
-from megarl.control.preparation import ExperiencePreparer
+from megarl.control.preparation import ExperiencePreparer, LogProbParity
 from megarl.control.production import GroupRolloutProducer
 from megarl.control.production_agent import AgentEpisodeMetrics
 from megarl.control.production_ahead import AheadAdmission
@@ -242,12 +242,13 @@ def serve_rollout_rank(cfg: TrainConfig, world) -> dict:
     def make_engine(config_dir, eos, pad):
         return create_engine(cfg, Placement(num_groups=1, group_index=0, is_group_leader=True), config_dir, eos, pad)
 
-    make_generator = None
-    if cfg.rollout.agent.env:
-        tok = TokenizerContract.load(cfg.model.tokenizer or cfg.model.path, cfg.model.chat_template)
+    def agent_generator(engine):
+        return agent_engine(cfg, tok, engine)[0]
 
-        def make_generator(engine):
-            return agent_engine(cfg, tok, engine)[0]
+    make_generator = None
+    if cfg.rollout.agent.env:  # the sessions run next to the engine
+        tok = TokenizerContract.load(cfg.model.tokenizer or cfg.model.path, cfg.model.chat_template)
+        make_generator = agent_generator
 
     return RolloutService(world, make_engine, device=device(), kill_at_load=cfg.faults.kill_rollout_at_load,
                           segment_tokens=cfg.async_rl.segment_tokens, segment_delay_s=cfg.faults.rollout_segment_delay_s,
@@ -301,21 +302,22 @@ def wire_components(cfg: TrainConfig, parts: Parts, eng: EngineParts, *, sm: Ite
         time_slice=time_slice, counters=counters, sync_dtype=eng.sync_dtype, bucket_mb=cfg.rollout.bucket_mb,
         max_retries=cfg.rollout.max_retries, corrupt_at=cfg.faults.corrupt_weight_sync_at, injector=parts.injector,
         rank0=rank0)
-    producer_class = GroupRolloutProducer
+    producer_class, variant = GroupRolloutProducer, {}
     if cfg.async_rl.partial_rollouts:  # complete groups train, unfinished ones carry over
-        producer_class = PartialRolloutProducer
+        producer_class, variant = PartialRolloutProducer, {"async_rl": cfg.async_rl}
     stops = eng.stop_token_ids
     if agentic:  # a session's turn also ends on the template's end of an assistant turn
         stops = tuple(dict.fromkeys([*stops, *EnvTurnRenderer(parts.tok).assistant_end_ids]))
     producer = producer_class(
-        cfg, grouped=advantage_needs(cfg.algo.advantage).groups, train_data=parts.train_data, sampler=parts.sampler,
+        cfg.trainer, cfg.rollout, cfg.algo, **variant, grouped=advantage_needs(cfg.algo.advantage).groups, train_data=parts.train_data, sampler=parts.sampler,
         engine=rollout_engine, placement=eng.placement,
         scorer=episode_scorer(cfg, parts.tok, counters, quarantine, rank0) if agentic else scorer(True), sm=sm,
         counters=counters, run_id=run_id, quarantine_path=quarantine, stop_token_ids=stops,
         checks=component_checks(parts.reward_fn) if parts.reward_fn is not None else ((), ()),
         **_production_variants(cfg))
     preparer = ExperiencePreparer(
-        cfg, actor=parts.actor, reference=parts.reference, critic=parts.critic, time_slice=time_slice, sm=sm,
+        cfg.algo, cfg.async_rl, LogProbParity.of(cfg.rollout), actor=parts.actor, reference=parts.reference,
+        critic=parts.critic, time_slice=time_slice, sm=sm,
         kl_ctl=parts.kl_ctl, progress=progress, pad_id=eng.pad_id, run_id=run_id,
         save_dir=os.path.join(run_dir, "experience") if cfg.trainer.save_experience and rank0 else None,
         proximal_engine=eng.engine if cfg.async_rl.proximal_log_probs == "engine" else None,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from typing import Dict, Optional
 
 import torch
@@ -69,26 +70,44 @@ def inflight_origins(k: int, samples):
 TOKEN_ORIGINS = (agent_origins, inflight_origins)
 
 
+@dataclass(frozen=True)
+class LogProbParity:
+    """The rollout's log-prob reuse keys (``rollout.reuse_rollout_log_probs``,
+    ``log_prob_parity_every``, ``log_prob_parity_tol``): reuse the engine's log-probs as the
+    proximal ones, after a parity check against the actor on the first iteration and every
+    ``every`` after it (0: the first only), failing above ``tol``."""
+
+    reuse: bool = False
+    every: int = 0
+    tol: float = 0.0
+
+    @classmethod
+    def of(cls, rollout) -> "LogProbParity":
+        return cls(rollout.reuse_rollout_log_probs, rollout.log_prob_parity_every, rollout.log_prob_parity_tol)
+
+
 class ExperiencePreparer:
-    """Args: ``cfg`` the run config (reads ``algo``, ``async_rl`` and the rollout's log-prob reuse keys);
+    """Args: ``algo`` and ``async_rl`` the config sections it reads; ``parity`` the rollout's
+    log-prob reuse keys;
     ``actor`` / ``reference`` / ``critic`` the roles (reference and critic may be None);
     ``time_slice`` releases the rollout engine's GPU memory before the forwards; ``kl_ctl`` the
     KL coefficient controller (read for KL-shaped rewards); ``progress`` holds whether parity
     was checked; ``save_dir`` where ``trainer.save_experience`` writes each sealed batch."""
 
-    def __init__(self, cfg, *, actor, reference, critic, time_slice, sm: IterationStateMachine, kl_ctl,
-                 progress: RunProgress, pad_id: int, run_id: str, save_dir: Optional[str], proximal_engine=None,
-                 rollout_precision: str = ""):
-        a = cfg.algo
+    def __init__(self, algo, async_rl, parity: LogProbParity, *, actor, reference, critic, time_slice,
+                 sm: IterationStateMachine, kl_ctl, progress: RunProgress, pad_id: int, run_id: str,
+                 save_dir: Optional[str], proximal_engine=None, rollout_precision: str = ""):
+        a = self.algo = algo
+        self.parity = parity
         #: the dtype each log-prob producer computed in, for the record (the engine's: its sync dtype)
         self.precision = {"rollout": rollout_precision, "engine": rollout_precision,
                           "actor": getattr(actor, "precision", ""),
                           "reference": getattr(reference, "precision", "") if reference is not None else ""}
         #: async_rl.proximal_log_probs=engine: the rollout engine scores the proximal log-probs
         #: (``proximal_engine``: the remote handle, on the rank that holds it; None on the others)
-        self.proximal_from_engine = cfg.async_rl.proximal_log_probs == "engine"
+        self.proximal_from_engine = async_rl.proximal_log_probs == "engine"
         self.proximal_engine = proximal_engine
-        self.cfg, self.actor, self.reference, self.critic = cfg, actor, reference, critic
+        self.actor, self.reference, self.critic = actor, reference, critic
         self.time_slice, self.sm, self.kl_ctl, self.progress = time_slice, sm, kl_ctl, progress
         self.pad_id, self.run_id, self.save_dir = pad_id, run_id, save_dir
         self.needs = advantage_needs(a.advantage)
@@ -97,7 +116,7 @@ class ExperiencePreparer:
         self.correction = (RolloutCorrectionConfig(token_is_cap=rc.token_is_cap, seq_mask_threshold=rc.seq_mask_threshold,
                                                    seq_mask_stat=rc.seq_mask_stat)
                            if rc.token_is_cap is not None or rc.seq_mask_threshold is not None else None)
-        self.async_eta, self.offpolicy = _offpolicy_settings(cfg.async_rl)
+        self.async_eta, self.offpolicy = _offpolicy_settings(async_rl)
         if self.offpolicy is not None and self.correction is not None:  # both would weight the same gap
             raise ValueError("algo.rollout_correction and async_rl.correction are both set: use one")
 
@@ -168,7 +187,7 @@ class ExperiencePreparer:
     def _recorded_routing(self, samples):
         """Each sample's routed experts under ``algo.routing_replay`` (None when off); a sample
         the engine returned none for fails the iteration."""
-        a = self.cfg.algo
+        a = self.algo
         if a.routing_replay == "none":
             return None
         lacking = [s.sample_id for s in samples if s.routed_experts is None]
@@ -182,12 +201,11 @@ class ExperiencePreparer:
         """The proximal (old) log-probs: the rollout's when ``rollout.reuse_rollout_log_probs``
         (after the token-by-token parity check that iteration runs), else the actor's on v (with
         the recorded routing for an MoE batch); the rollout/actor gap in ``m``."""
-        cfg = self.cfg
-        mbs, pack, budget = cfg.algo.forward_micro_batch_size, cfg.algo.pack_sequences, cfg.algo.micro_batch_tokens
-        every = cfg.rollout.log_prob_parity_every
-        check_parity = cfg.rollout.reuse_rollout_log_probs and (
-            not self.progress.parity_checked or (every > 0 and k % every == 0))
-        reuse = cfg.rollout.reuse_rollout_log_probs and not check_parity
+        a, parity = self.algo, self.parity
+        mbs, pack, budget = a.forward_micro_batch_size, a.pack_sequences, a.micro_batch_tokens
+        check_parity = parity.reuse and (
+            not self.progress.parity_checked or (parity.every > 0 and k % parity.every == 0))
+        reuse = parity.reuse and not check_parity
         with timer.stage("old_log_prob", samples=n, tokens=int(ntok)):
             t0 = time.perf_counter()
             if reuse:
@@ -208,11 +226,11 @@ class ExperiencePreparer:
             m["prep/rollout_actor_logprob_max_abs_err"] = float(diff.max())
             m["prep/rollout_actor_logprob_mean_abs_err"] = float(diff.mean())
             if check_parity:
-                if float(diff.max()) > cfg.rollout.log_prob_parity_tol:
+                if float(diff.max()) > parity.tol:
                     self.sm.fail("rollout/actor log-prob parity check failed")
                     raise RolloutParityError(
                         f"rollout.reuse_rollout_log_probs: measured max |rollout - actor| log-prob "
-                        f"{float(diff.max()):.3e} > rollout.log_prob_parity_tol={cfg.rollout.log_prob_parity_tol}")
+                        f"{float(diff.max()):.3e} > rollout.log_prob_parity_tol={parity.tol}")
                 self.progress.parity_checked = True
         return old
 
@@ -236,7 +254,6 @@ class ExperiencePreparer:
         """The proximal log-probs the rollout engine teacher-forced on v (every trainer rank gets
         them from the one holding the engine), checked against the actor's forward on the first
         iteration and every ``rollout.log_prob_parity_every``; the check failing stops the run."""
-        cfg = self.cfg
         with timer.stage("old_log_prob", samples=n, tokens=int(ntok)):
             t1 = time.perf_counter()
             rows = self.proximal_engine.collect(job) if job is not None else None
@@ -247,19 +264,19 @@ class ExperiencePreparer:
                 vals[b, :len(row)] = row
             m["prep/proximal_engine_s"] = time.perf_counter() - t0
         old = LogProbs(vals, LogProbProducer("engine", v, "raw", self.precision["engine"]))
-        every = cfg.rollout.log_prob_parity_every
+        every, a = self.parity.every, self.algo
         if not self.progress.parity_checked or (every > 0 and k % every == 0):
-            mbs, pack, budget = cfg.algo.forward_micro_batch_size, cfg.algo.pack_sequences, cfg.algo.micro_batch_tokens
+            mbs, pack, budget = a.forward_micro_batch_size, a.pack_sequences, a.micro_batch_tokens
             with timer.stage("proximal_parity", samples=n, tokens=int(ntok)):
                 actor = map_rows(lambda *t: self.actor.log_probs(*t, mbs, pack=pack, micro_batch_tokens=budget),
                                  c.prompt_ids, c.response_ids, c.attention_mask).cpu()
             diff = (actor - vals).abs()[c.response_mask != 0]
             m["prep/proximal_engine_actor_max_abs_err"] = float(diff.max())
-            if float(diff.max()) > cfg.rollout.log_prob_parity_tol:
+            if float(diff.max()) > self.parity.tol:
                 self.sm.fail("engine/actor proximal log-prob parity check failed")
                 raise RolloutParityError(
                     f"async_rl.proximal_log_probs=engine: measured max |engine - actor| log-prob on {v} "
-                    f"{float(diff.max()):.3e} > rollout.log_prob_parity_tol={cfg.rollout.log_prob_parity_tol}")
+                    f"{float(diff.max()):.3e} > rollout.log_prob_parity_tol={self.parity.tol}")
             self.progress.parity_checked = True
         return old
 
@@ -267,7 +284,7 @@ class ExperiencePreparer:
         """The reference model's log-probs (None without one)."""
         if self.reference is None:
             return None
-        a = self.cfg.algo
+        a = self.algo
         mbs, pack, budget = a.forward_micro_batch_size, a.pack_sequences, a.micro_batch_tokens
         with timer.stage("ref_log_prob", samples=n, tokens=int(ntok)):
             t0 = time.perf_counter()
@@ -292,7 +309,7 @@ class ExperiencePreparer:
         """The critic's per-token values and bootstrap values ((None, None) without a critic)."""
         if self.critic is None:
             return None, None
-        a = self.cfg.algo
+        a = self.algo
         mbs, pack, budget = a.forward_micro_batch_size, a.pack_sequences, a.micro_batch_tokens
         self.critic.onload()
         with timer.stage("critic_values", samples=n, tokens=int(ntok)):
@@ -346,7 +363,7 @@ class ExperiencePreparer:
 
         def fn(prompt_ids, response_ids, attention_mask, experts):
             real = torch.arange(rows.start, rows.start + prompt_ids.shape[0]) < n
-            routing = RecordRouting(experts, routed.moe_layers, replay=self.cfg.algo.routing_replay == "rollout",
+            routing = RecordRouting(experts, routed.moe_layers, replay=self.algo.routing_replay == "rollout",
                                     stats=stats, real_rows=real)
             return self.actor.log_probs(prompt_ids, response_ids, attention_mask, mbs, pack=pack, routing=routing,
                                         micro_batch_tokens=budget)
@@ -357,7 +374,7 @@ class ExperiencePreparer:
 
     def derivation_settings(self) -> DerivationSettings:
         """The settings the derived tensors are computed under now (the KL coefficient moves)."""
-        a = self.cfg.algo
+        a = self.algo
         return DerivationSettings(estimator=a.advantage, gamma=a.gamma, lam=a.lam, zero_std_rule=a.zero_std_rule,
                                   std_eps=a.std_eps, kl_placement=a.kl.placement, kl_beta=self.kl_ctl.value,
                                   whiten=self.whiten, correction=self.correction, offpolicy=self.offpolicy,

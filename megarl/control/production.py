@@ -93,18 +93,19 @@ class DrawNow:
 
 
 class GroupRolloutProducer:
-    """Args: ``cfg`` the run config (reads ``rollout``, ``algo`` group and dynamic-sampling keys,
-    ``trainer.prompts_per_iteration`` and ``trainer.seed``); ``grouped`` whether the estimator
+    """Args: ``trainer``, ``rollout`` and ``algo`` the config sections it reads (the batch size and
+    seed, the sampling keys, the group and dynamic-sampling keys); ``grouped`` whether the estimator
     treats a prompt's samples as a group (its registry entry); ``train_data`` / ``sampler`` the
     prompts and their resumable cursor; ``scorer`` scores samples in place; ``sm`` the state
     machine (GENERATING(v) is entered here); ``counters`` the run's counters."""
 
-    def __init__(self, cfg, *, grouped: bool, train_data, sampler, engine, placement: Placement,
+    def __init__(self, trainer, rollout, algo, *, grouped: bool, train_data, sampler, engine, placement: Placement,
                  scorer: SampleScorer, sm: IterationStateMachine, counters: Counter, run_id: str,
                  quarantine_path: str, admission: Optional["PromptAdmission"] = None,
                  observers: Sequence["RolloutObserver"] = (), stop_token_ids: Sequence[int] = (),
                  checks: tuple = ((), ())):
-        self.cfg, self.grouped, self.train_data, self.sampler = cfg, grouped, train_data, sampler
+        self.trainer, self.rollout, self.algo = trainer, rollout, algo
+        self.grouped, self.train_data, self.sampler = grouped, train_data, sampler
         self.stop_token_ids = tuple(stop_token_ids)  # what the engine ends responses on: the record says so
         self.checks = checks  # the reward's (format, answer) components, for rollout/format_without_answer_share
         self.engine, self.placement, self.scorer, self.sm = engine, placement, scorer, sm
@@ -144,8 +145,8 @@ class GroupRolloutProducer:
         return out
 
     def _produce(self, k: int, version: PolicyVersion, timer: StageTimer) -> ProducedRollout:
-        cfg, a = self.cfg, self.cfg.algo
-        B, G = cfg.trainer.prompts_per_iteration, cfg.rollout.n
+        a = self.algo
+        B, G = self.trainer.prompts_per_iteration, self.rollout.n
         v = version.short_id
         self.sm.begin_generating([v] * self.placement.num_groups)
         buffer = GroupBuffer(self._group_policy())
@@ -167,7 +168,7 @@ class GroupRolloutProducer:
                 by_group[q.request_id] = rec
                 buffer.open_group(q.request_id, rec.prompt_id, round_v, [candidate_sample_id(q.request_id, c) for c in range(G)])
             m["rollout/prompts"] += len(records)
-            sampling = training_sampling(cfg.rollout, cfg.trainer.seed, k, rnd,
+            sampling = training_sampling(self.rollout, self.trainer.seed, k, rnd,
                                          return_routed_experts=a.routing_replay != "none")
             self._generate_groups(requests, by_group, buffer, sampling, round_v, timer, timing, m, ahead=ahead)
             taken = self._accept(buffer.pop_released(), B - n_groups_accepted, accepted, real_sizes, m)
@@ -197,14 +198,14 @@ class GroupRolloutProducer:
     def sampling_record(self, k: int):
         """Iteration ``k``'s sampling contract as the record states it: with the stop set the
         engine really used (its eos ids, and the contract's own stop ids)."""
-        config = training_sampling(self.cfg.rollout, self.cfg.trainer.seed, k, 0).to_config()
+        config = training_sampling(self.rollout, self.trainer.seed, k, 0).to_config()
         stops = tuple(dict.fromkeys([*self.stop_token_ids, *config.stop_token_ids]))
         return dataclasses.replace(config, stop_token_ids=stops)
 
     def _group_policy(self) -> GroupPolicy:
         """Whole groups for a group estimator (``algo.partial_groups`` decides an incomplete
         one); every sample on its own otherwise."""
-        a, G, retries = self.cfg.algo, self.cfg.rollout.n, self.cfg.rollout.max_retries
+        a, G, retries = self.algo, self.rollout.n, self.rollout.max_retries
         if self.grouped:
             return GroupPolicy(G, max_retries=retries, partial_rule=a.partial_groups, min_partial_size=a.min_partial_size)
         return GroupPolicy(G, max_retries=retries, partial_rule="allow_partial", min_partial_size=1)
@@ -216,7 +217,7 @@ class GroupRolloutProducer:
         for g in released:
             members = [payload for _, payload in g.samples]
             spread = len({p.record.total for p in members}) > 1
-            if self.cfg.algo.dynamic_sampling.enabled and not spread:
+            if self.algo.dynamic_sampling.enabled and not spread:
                 m["rollout/groups_filtered_zero_spread"] += 1
                 continue
             if taken >= room:
@@ -246,7 +247,7 @@ class GroupRolloutProducer:
 
     def draw_now(self, v: str):
         """B prompts drawn now, generated now on ``v`` (a round no admission prepared)."""
-        B = self.cfg.trainer.prompts_per_iteration
+        B = self.trainer.prompts_per_iteration
         return v, [self.train_data.records[i] for i in self.sampler.next_indices(B)], None
 
     def _requests(self, k: int, rnd: int, records) -> List[GenerationRequest]:
@@ -273,7 +274,7 @@ class GroupRolloutProducer:
         incomplete), never filled from another version.  ``ahead``: the first attempt, submitted
         earlier (an object whose ``ticket`` the engine's holder collects; its results are not
         generated again)."""
-        G = self.cfg.rollout.n
+        G = self.rollout.n
         while requests:
             results = self._generate_once(requests, sampling, ahead, timer, timing, m)
             ahead = None
@@ -285,7 +286,7 @@ class GroupRolloutProducer:
             requests = self._regeneration_requests(retry_reqs, by_group, buffer)
 
     def _generate_once(self, requests, sampling: SamplingParams, ahead, timer: StageTimer, timing: dict, m: Counter):
-        G = self.cfg.rollout.n
+        G = self.rollout.n
         errors: list = []
         t0 = time.perf_counter()
         with timer.stage("generate", requests=len(requests), samples=sum(len(q.candidates(G)) for q in requests)):

@@ -90,9 +90,9 @@ class PartialRolloutProducer(GroupRolloutProducer):
     Scoring, the group buffer's partial-group rule and the produced rollout are the synchronous
     producer's."""
 
-    def __init__(self, cfg, **kw):
-        super().__init__(cfg, **kw)
-        an = cfg.async_rl
+    def __init__(self, trainer, rollout, algo, *, async_rl, **kw):
+        super().__init__(trainer, rollout, algo, **kw)
+        an = async_rl
         self._max_staleness = an.max_staleness
         self.extra, self.segment_tokens = an.extra_groups, an.segment_tokens
         self.open: List[_Group] = []
@@ -126,14 +126,14 @@ class PartialRolloutProducer(GroupRolloutProducer):
 
     def _refill(self, k: int, step: int) -> None:
         """Re-open recorded groups (a resume), then draw prompts until B + extra groups are open."""
-        G = self.cfg.rollout.n
+        G = self.rollout.n
         if self._restored is not None:
             for r in self._restored:
                 self.open.append(_Group(r["group_id"], self.train_data.records[r["index"]], r["index"],
                                         r["admitted_step"], r["order"], G))
                 self._admitted = max(self._admitted, r["order"] + 1)
             self._restored = None
-        want = self.cfg.trainer.prompts_per_iteration + self.extra - len(self.open)
+        want = self.trainer.prompts_per_iteration + self.extra - len(self.open)
         if want > 0:
             for j, i in enumerate(self.sampler.next_indices(want)):
                 self.open.append(_Group(f"{self.run_id}/it{k}/r0/p{j:03d}", self.train_data.records[i], i, step,
@@ -147,7 +147,7 @@ class PartialRolloutProducer(GroupRolloutProducer):
         """This segment's requests by their token allowance: a group not started is one request
         for its G candidates; a started candidate continues from ``prompt + its tokens``; an
         aborted one starts again (a new attempt)."""
-        G = self.cfg.rollout.n
+        G = self.rollout.n
         by_left: Dict[int, List[tuple]] = {}
         for g in self.open:
             fresh = [i for i, c in enumerate(g.candidates) if not c.ids and not c.done]
@@ -166,9 +166,8 @@ class PartialRolloutProducer(GroupRolloutProducer):
 
     def _generate_segment(self, k: int, segment: int, timer: StageTimer, timing: dict,
                           m: Counter) -> None:
-        cfg = self.cfg
-        budget = cfg.rollout.max_new_tokens
-        base = training_sampling(cfg.rollout, cfg.trainer.seed, k, 0)
+        budget = self.rollout.max_new_tokens
+        base = training_sampling(self.rollout, self.trainer.seed, k, 0)
         for left, items in sorted(self._segment_requests(budget).items()):
             requests = [q for q, _ in items]
             owner = {q.request_id: g for q, g in items}
@@ -202,7 +201,7 @@ class PartialRolloutProducer(GroupRolloutProducer):
                 if g.completed_at is None and g.complete:
                     g.completed_at = (k, segment)
             for q, g in items:  # an unanswered candidate (its engine failed) starts again, a new attempt
-                for i in q.candidates(cfg.rollout.n):
+                for i in q.candidates(self.rollout.n):
                     if (q.request_id, i) not in answered and not g.candidates[i].done:
                         m["rollout/candidates_lost"] += 1
                         self.counters["candidates_lost"] += 1
@@ -211,8 +210,7 @@ class PartialRolloutProducer(GroupRolloutProducer):
         self.sm.check_deadline(agree=all_ranks_agree)
 
     def _produce(self, k: int, version: PolicyVersion, timer: StageTimer) -> ProducedRollout:
-        cfg = self.cfg
-        B = cfg.trainer.prompts_per_iteration
+        B = self.trainer.prompts_per_iteration
         v, step = version.short_id, version.optimizer_step
         self.sm.begin_generating([v] * self.placement.num_groups)
         self._refill(k, step)

@@ -242,7 +242,8 @@ def test_skip_drops_and_counts_the_bad_rows(tmp_path, capsys):
     from megarl.rewards.dataset_fields import check_datasets_against_reward, drop_rows_missing_fields
 
     bad = _write_jsonl(tmp_path / "train.jsonl", _without_answer(ROWS, {1, 4}))
-    cfg = load_cfg(f"data.train_path={bad}", "data.on_missing_fields=skip")
+    # (no held-out file: the recipe's default path may exist in a checkout that has run it)
+    cfg = load_cfg(f"data.train_path={bad}", "data.heldout_path=null", "data.on_missing_fields=skip")
     assert check_datasets_against_reward(cfg) == {"data.train_path": 2}
     assert f"data.train_path: 2 of 6 rows lack a field reward.fn 'arithmetic' reads (first: {bad}:2, 'answer')" \
         in capsys.readouterr().out

@@ -21,7 +21,7 @@ from megarl.algo.rollout_correction import (RolloutCorrectionConfig, async_corre
                                             rollout_correction)
 from megarl.control.batch import collate, collate_trajectories
 from megarl.control.interfaces import ProducedRollout, RunProgress
-from megarl.control.preparation import ExperiencePreparer
+from megarl.control.preparation import ExperiencePreparer, LogProbParity
 from megarl.control.state_machine import CompletionConditionError, IterationStateMachine, Phase, SealEvidence
 from megarl.experience.schema import LogProbProducer, LogProbs, SamplingConfig
 from megarl.experience.seal import load_sealed
@@ -310,7 +310,8 @@ def prepare(correction=None, eta=2, delta=SAMPLE_DELTA, versions=SAMPLE_VERSIONS
     real = {g: 3 for g in dict.fromkeys(s.group_id for s in samples)}
     produced = ProducedRollout(samples, real, sampling=SamplingConfig(n=3, max_new_tokens=6),
                                max_staleness=eta if correction is not None else 0)
-    prep = ExperiencePreparer(cfg, actor=actor, reference=ref, critic=None, time_slice=TimeSlice(), sm=sm,
+    prep = ExperiencePreparer(cfg.algo, cfg.async_rl, LogProbParity.of(cfg.rollout), actor=actor, reference=ref,
+                              critic=None, time_slice=TimeSlice(), sm=sm,
                               kl_ctl=FixedKLController(0.001), progress=RunProgress(), pad_id=0, run_id="run",
                               save_dir=save_dir)
     batch, m = prep.prepare(7, V5, produced, StageTimer(7, V5.short_id))

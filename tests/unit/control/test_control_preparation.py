@@ -14,7 +14,7 @@ import torch
 from megarl.algo.kl import FixedKLController
 from megarl.control.batch import collate
 from megarl.control.interfaces import ProducedRollout, RunProgress
-from megarl.control.preparation import ExperiencePreparer, RolloutParityError
+from megarl.control.preparation import ExperiencePreparer, LogProbParity, RolloutParityError
 from megarl.control.state_machine import CompletionConditionError, Phase
 from megarl.experience.schema import SamplingConfig
 from megarl.experience.seal import load_sealed
@@ -77,7 +77,8 @@ def setup(cfg, *, actor_shift=2e-4, rewards=REWARDS, v=None, progress=None, save
     real_sizes = real_sizes or {g: sum(1 for s in samples if s.group_id == g) for g in dict.fromkeys(
         s.group_id for s in samples)}
     produced = ProducedRollout(samples, real_sizes, sampling=SamplingConfig(n=3, max_new_tokens=6))
-    prep = ExperiencePreparer(cfg, actor=actor, reference=ref, critic=None, time_slice=TimeSlice(), sm=sm,
+    prep = ExperiencePreparer(cfg.algo, cfg.async_rl, LogProbParity.of(cfg.rollout), actor=actor, reference=ref,
+                              critic=None, time_slice=TimeSlice(), sm=sm,
                               kl_ctl=FixedKLController(0.001), progress=progress or RunProgress(), pad_id=0,
                               run_id="run", save_dir=save_dir)
     return prep, produced, sm, v, c

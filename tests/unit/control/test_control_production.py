@@ -41,7 +41,8 @@ def make(cfg, engine=None, scorer=None, records=None, v=None, grouped=True):
     engine = engine or FakeRolloutEngine(v.short_id)
     records = records or prompt_records(8)
     sampler = PromptSampler(len(records), seed=0, shuffle=False)
-    prod = GroupRolloutProducer(cfg, grouped=grouped, train_data=Dataset(records), sampler=sampler, engine=engine,
+    prod = GroupRolloutProducer(cfg.trainer, cfg.rollout, cfg.algo, grouped=grouped, train_data=Dataset(records),
+                                sampler=sampler, engine=engine,
                                 placement=Placement(num_groups=1, group_index=0, is_group_leader=True),
                                 scorer=scorer or FakeScorer(), sm=sm, counters=Counter(), run_id="run",
                                 quarantine_path=QUARANTINE)
