@@ -7,13 +7,9 @@ cannot add many digits at once, so it writes the chain, and the chain is as long
 one step per term.  (The tags make each step a lookup a small transformer can learn: the next
 tag follows the last one, and the term follows its tag in the prompt.)
 
-The tail is the task's own.  The number of terms follows a truncated power law (``P(k) ~
-k^-alpha`` for ``k_min <= k <= k_max``): most problems have a few terms and a few have two dozen,
-as most reasoning problems need a short derivation and now and then one needs a long one.
-Nothing pads a response: a longer one is a longer problem's chain.  With the defaults (``alpha
-= 1.8``, 2-26 terms) and the tiny tokenizer (one token per digit), a worked answer of ``k`` terms
-takes about ``9 k`` tokens; over 10,000 train draws the response lengths are median 27, p90 108,
-p99 224 and max 256 tokens (p99 / median 8.3x; the mean 47), the prompts at most 54 tokens.
+The tail is the task's own: the number of terms follows a truncated power law (``P(k) ~
+k^-alpha`` for ``k_min <= k <= k_max``), and nothing pads a response.  With the defaults a worked
+answer of ``k`` terms takes about ``9 k`` tokens: median 27, p99 224, max 256 (docs/tiny-model.md).
 
 The reward reads only the final answer (:func:`score`): the integer after the last ``so``.  The
 chain is how a model gets there, not what is scored.
