@@ -66,6 +66,7 @@ def tiny_hf_config(family: str, vocab_size: int = 300, hidden_size: int = 64, nu
 
 def make_tiny_hf_checkpoint(out_dir: str, family: str = "llama", seed: int = 0,
                             value_head: bool = False, tokenizer_dir: Optional[str] = None,
+                            sequence_head: bool = False, pad_token_id: Optional[int] = None,
                             dtype: torch.dtype = torch.float32, **config_kwargs) -> str:
     """Create a random HF checkpoint (``save_pretrained``, safetensors in ``dtype``) in ``out_dir``.
 
@@ -74,8 +75,13 @@ def make_tiny_hf_checkpoint(out_dir: str, family: str = "llama", seed: int = 0,
     import transformers
 
     cfg = tiny_hf_config(family, **config_kwargs)
+    if pad_token_id is not None:  # where a sequence-classification head reads its score
+        cfg.pad_token_id = pad_token_id
     torch.manual_seed(seed)
-    if value_head:
+    if sequence_head:  # a reward model's usual head: the score at the last non-pad token
+        cfg.num_labels = 1
+        model = transformers.AutoModelForSequenceClassification.from_config(cfg)
+    elif value_head:
         cfg.num_labels = 1
         model = transformers.AutoModelForTokenClassification.from_config(cfg)
     else:

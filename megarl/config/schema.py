@@ -447,7 +447,7 @@ class CriticConfig:
 class RewardModelConfig:
     """A neural reward model, alone or next to a rule (reward.fn)."""
 
-    path: Optional[str] = None  # an HF *ForTokenClassification (num_labels=1) checkpoint
+    path: Optional[str] = None  # an HF *ForSequenceClassification or *ForTokenClassification (num_labels=1)
     tokenizer: Optional[str] = None  # default: reward_model.path
     chat_template: Optional[str] = None  # a Jinja file for the RM's prompts (default: its tokenizer's)
     weight: float = setting(1.0, range=Range())  # weight of the RM score in a composite with reward.fn

@@ -33,6 +33,11 @@ ARCHITECTURES = {
     "Qwen2ForTokenClassification": ("qwen2", "value"),
     "Qwen3ForTokenClassification": ("qwen3", "value"),
     "MistralForTokenClassification": ("mistral", "value"),
+    # a reward model's usual head: the score read at the last non-pad token (no bias)
+    "LlamaForSequenceClassification": ("llama", "sequence"),
+    "Qwen2ForSequenceClassification": ("qwen2", "sequence"),
+    "Qwen3ForSequenceClassification": ("qwen3", "sequence"),
+    "MistralForSequenceClassification": ("mistral", "sequence"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "lm"),
     "Qwen2MoeForCausalLM": ("qwen2_moe", "lm"),
     "MixtralForCausalLM": ("mixtral", "lm"),
@@ -151,6 +156,9 @@ class ModelSpec:
     sliding_window: Optional[int] = None
     value_head: bool = False
     value_head_bias: bool = False  # HF *ForTokenClassification: token_classification_bias
+    #: HF *ForSequenceClassification: one score per sequence, the head's output at the last token
+    #: that is not ``pad_token_id`` (:func:`sequence_score_positions`); the per-token outputs exist too
+    sequence_score: bool = False
     moe: Optional[MoESpec] = None  # mixture-of-experts families; None: every layer is dense
     raw_config: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -336,6 +344,11 @@ def spec_from_hf_config(cfg: dict, where: str = "config.json") -> ModelSpec:
     moe = _moe_spec(cfg, family, num_layers, intermediate, where) if moe_family else None
     if moe is not None and head != "lm":
         raise ModelConfigError(f"{where}: {arch}: value heads on mixture-of-experts models are not supported")
+    if head != "lm":
+        labels = len(cfg["id2label"]) if isinstance(cfg.get("id2label"), dict) else int(cfg.get("num_labels", 1))
+        if labels != 1:
+            raise ModelConfigError(f"{where}: {arch} with {labels} labels (id2label / num_labels); a reward or value "
+                                   "head has exactly one")
 
     return ModelSpec(
         family=family,
@@ -356,8 +369,9 @@ def spec_from_hf_config(cfg: dict, where: str = "config.json") -> ModelSpec:
         qk_norm=(attn_family == "qwen3"),
         rope_scaling=rope_scaling,
         sliding_window=int(sliding_window) if sliding_window else None,
-        value_head=(head == "value"),
+        value_head=head in ("value", "sequence"),
         value_head_bias=(head == "value") and bool(cfg.get("token_classification_bias", True)),
+        sequence_score=(head == "sequence"),
         moe=moe,
         raw_config=dict(cfg),
     )
@@ -485,3 +499,19 @@ def check_expert_fit(spec: ModelSpec, tp: int, ep: int = 1, etp: Optional[int] =
         raise ExpertFitError(
             f"{where}: shared_expert_intermediate_size={moe.shared_expert_ffn_hidden_size} is not "
             f"divisible by tp={tp}", "tp")
+
+
+def sequence_score_positions(tokens, lengths, pad_token_id):
+    """Where HF ``*ForSequenceClassification`` reads each row's score: the last position (within
+    the row's ``lengths``) whose token is not ``pad_token_id`` -- a real token equal to the pad
+    id (an EOS used as pad) is skipped, as transformers does; a row of pad ids reads position 0.
+    Without a pad id: the row's last token (what transformers does for a batch of one)."""
+    import torch
+
+    L = tokens.shape[1]
+    idx = torch.arange(L)
+    inside = idx[None, :] < lengths[:, None]
+    if pad_token_id is None:
+        return (lengths - 1).clamp(min=0)
+    real = inside & (tokens != pad_token_id)
+    return (idx[None, :] * real).argmax(-1)

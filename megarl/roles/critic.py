@@ -38,8 +38,9 @@ class Critic(HostOffload):
             if not unwrap(self.model).megarl_spec.value_head:
                 from megarl.errors import ConfigError
 
-                raise ConfigError(f"critic.path: {cfg.path} is not a value-head checkpoint "
-                                  "(expected an HF *ForTokenClassification with num_labels=1)")
+                raise ConfigError(f"critic.path: {cfg.path} is not a value-head checkpoint (expected an HF "
+                                  "*ForTokenClassification or *ForSequenceClassification with num_labels=1: its "
+                                  "per-token outputs are the values)")
             self.init = cfg.path
         else:
             actor = unwrap(actor_model)

@@ -1,5 +1,9 @@
 """The neural reward model: a value-head megatron model, eval only, with its own tokenizer.
 
+Both head formats reward models are published in: ``*ForSequenceClassification`` (the score at
+the last non-pad token, as transformers reads it) and ``*ForTokenClassification`` (the head's
+output at the last token).
+
 A reward model may have been trained with another tokenizer and chat template than the actor
 (the same semantic response goes through each scorer's own versioned preprocessing), so it
 never reads the actor's token ids: the semantic sample (the chat messages, or the prompt text,
@@ -17,6 +21,7 @@ import torch
 
 from megarl.data.tokenizer import TokenizerContract
 from megarl.models.forward import scalar_values
+from megarl.models.hf_config import sequence_score_positions
 from megarl.models.megatron_ckpt import load_model
 from megarl.models.weights import unwrap
 from megarl.roles.common import freeze
@@ -31,9 +36,13 @@ class RewardModel:
         from megarl.errors import ConfigError
 
         self.model = load_model(path, tp=tp, pp=pp, vocab_multiple=vocab_multiple, sequence_parallel=sequence_parallel)
-        if not unwrap(self.model).megarl_spec.value_head:
-            raise ConfigError(f"reward.model.path: {path} is not a value-head checkpoint "
-                              "(expected an HF *ForTokenClassification with num_labels=1)")
+        spec = unwrap(self.model).megarl_spec
+        if not spec.value_head:
+            raise ConfigError(f"reward.model.path: {path} is {spec.architecture}, not a reward model (expected an HF "
+                              "*ForSequenceClassification or *ForTokenClassification with num_labels=1)")
+        #: where the score is read: the last non-pad token (sequence classification), else the last token
+        self.score_pad_id = spec.raw_config.get("pad_token_id") if spec.sequence_score else None
+        self.sequence_score = spec.sequence_score
         freeze(self.model)
         self.contract = TokenizerContract.load(tokenizer or path, chat_template)
         self.version = f"rm-{self.contract.hash[7:15]}-{path}"
@@ -57,8 +66,9 @@ class RewardModel:
 
     @torch.no_grad()
     def score(self, inputs: Sequence[Sequence[int]]) -> torch.Tensor:
-        """``(n,)`` float scores, the head at each sequence's last token (collective: every rank
-        passes the same ``inputs``; rows are split over DP)."""
+        """``(n,)`` float scores, the head at each sequence's last token -- its last non-pad token
+        for a sequence-classification head (collective: every rank passes the same ``inputs``;
+        rows are split over DP)."""
         n = len(inputs)
         L = max(len(x) for x in inputs)
         pad = self.contract.pad_token_id or 0
@@ -71,6 +81,8 @@ class RewardModel:
             def run(tok, ln):
                 v = scalar_values(self.model, tok, self.micro_batch_size, lengths=ln, pack=self.pack,
                                   micro_batch_tokens=self.micro_batch_tokens)
-                return v.gather(1, (ln - 1)[:, None].to(v.device))[:, 0].float()
+                at = (sequence_score_positions(tok, ln, self.score_pad_id) if self.sequence_score
+                      else (ln - 1).clamp(min=0))
+                return v.gather(1, at[:, None].to(v.device))[:, 0].float()
 
             return map_rows(run, tokens, lengths).cpu()
