@@ -197,8 +197,8 @@ def check_model(cfg) -> dict:
                 check_source(path)  # a file, a directory of files, a `datasets` directory or a Hub dataset
             except MegarlError as e:
                 raise ConfigError(f"{key}: {e}") from None
-    for key, path in (("critic.path", cfg.critic.path if cfg.critic else None),
-                      ("reward.model.path", cfg.reward.model.path), ("reference.path", cfg.reference.path)):
+    for key, path in (("critic.path", cfg.critic.path if cfg.critic else None), ("reference.path", cfg.reference.path),
+                      *((f"{k}.path", m.path) for k, m in cfg.reward.neural_models())):
         if path is not None and not os.path.isfile(os.path.join(path, "config.json")):
             raise ConfigError(f"{key}: {path} has no config.json (expected an HF or megarl checkpoint)")
     return sources

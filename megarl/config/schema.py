@@ -447,6 +447,8 @@ class CriticConfig:
 class RewardModelConfig:
     """A neural reward model, alone or next to a rule (reward.fn)."""
 
+    #: the reward component its score is recorded under (unique among reward.model and reward.models)
+    name: str = "reward_model"
     path: Optional[str] = None  # an HF *ForSequenceClassification or *ForTokenClassification (num_labels=1)
     tokenizer: Optional[str] = None  # default: reward_model.path
     chat_template: Optional[str] = None  # a Jinja file for the RM's prompts (default: its tokenizer's)
@@ -461,10 +463,20 @@ class RewardModelConfig:
 class RewardConfig:
     """How samples are scored: the function, its isolation, timeouts and failure policy."""
 
+    def neural_models(self) -> list:
+        """``[(key, RewardModelConfig)]`` of every neural reward model, in scoring order:
+        ``reward.model`` (when its path is set), then each of ``reward.models``."""
+        out = [("reward.model", self.model)] if self.model.path else []
+        return out + [(f"reward.models[{i}]", m) for i, m in enumerate(self.models)]
+
     fn: Optional[str] = "exact_numeric"  # builtin name or "pkg.mod:callable"; None = RM only
     kwargs: dict = field(default_factory=dict)  # keyword arguments of reward.fn
     components: list = field(default_factory=list)  # for fn=composite
     model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    #: more neural reward models, each its own frozen role with its own tokenizer and template,
+    #: scored on its own rendering and recorded as the component of its name: a list of
+    #: {name, path, tokenizer, chat_template, weight, offload, timeout_s}
+    models: List[RewardModelConfig] = field(default_factory=list)
     #: per-call timeout in seconds (null: none)
     timeout_s: Optional[float] = setting(30.0, range=Range(lo=0, lo_open=True, null=True))
     max_retries: int = setting(2, range=COUNT0)  # retries of a failed or timed-out call

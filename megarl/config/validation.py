@@ -119,7 +119,7 @@ def validate_agent_settings(cfg: TrainConfig) -> None:
     rw = cfg.reward
     _need(rw.fn is None, "reward.fn", f"is {rw.fn!r}, but rollout.agent.env={ag.env!r} scores each episode by the "
           "environment's reward components; set reward.fn: null")
-    _need(rw.model.path is None, "reward.model.path",
+    _need(not rw.neural_models(), rw.neural_models()[0][0] + ".path" if rw.neural_models() else "reward.model.path",
           f"is set, but rollout.agent.env={ag.env!r} scores each episode by the environment; unset it")
     _need(rw.overlong_buffer is None, "reward.overlong_buffer",
           f"is set, but rollout.agent.env={ag.env!r} budgets episodes with rollout.agent.max_total_tokens; unset it")
@@ -295,11 +295,13 @@ def _validate_faults(cfg: TrainConfig, world_size: int) -> None:
           f"must be -1 (the last rank) or a rank in [0, {world_size}), got {f.fail_optimizer_step_rank}")
     _need(not f.reward_timeout_rate or cfg.reward.timeout_s is not None, "faults.reward_timeout_rate",
           "injects calls that hang past reward.timeout_s, which is null (no timeout)")
+    models = cfg.reward.neural_models()
     for key in ("reward_model_error_at", "reward_model_timeout_at"):
-        _need(not getattr(f, key) or cfg.reward.model.path, f"faults.{key}",
+        _need(not getattr(f, key) or bool(models), f"faults.{key}",
               "injects into the reward model's forward, and reward.model.path is not set")
-    _need(not f.reward_model_timeout_at or cfg.reward.model.timeout_s is not None, "faults.reward_model_timeout_at",
-          "holds the reward model's forward past reward.model.timeout_s, which is null (no timeout)")
+    for key, m in models:
+        _need(not f.reward_model_timeout_at or m.timeout_s is not None, "faults.reward_model_timeout_at",
+              f"holds the reward model's forward past {key}.timeout_s, which is null (no timeout)")
 
 
 def _validate_reward_penalty(cfg: TrainConfig) -> None:
@@ -340,9 +342,30 @@ def _validate_algorithm(cfg: TrainConfig) -> None:
         for key in ("tokenizer", "chat_template"):
             _need(getattr(cfg.reward.model, key) is None, f"reward.model.{key}",
                   "is set but reward.model.path is not: there is no reward model to use it")
-        _need(cfg.reward.fn is not None or bool(r.agent.env), "reward.fn",
-              "is null and no reward_model.path is given: nothing scores the samples")
+    _need(cfg.reward.fn is not None or bool(r.agent.env) or bool(cfg.reward.neural_models()), "reward.fn",
+          "is null and no reward model is given (reward.model.path, reward.models): nothing scores the samples")
+    _validate_reward_models(cfg)
     _validate_log_prob_sources(cfg)
+
+
+def _validate_reward_models(cfg: TrainConfig) -> None:
+    """Every neural reward model (``reward.model``, ``reward.models``): a path, a name of its
+    own (the component its score is recorded under, not a rule's), its ranges."""
+    import dataclasses
+
+    from megarl.config.schema import RewardModelConfig
+
+    seen = {}
+    for key, m in cfg.reward.neural_models():
+        _need(isinstance(m.path, str) and bool(m.path), f"{key}.path", "is required: the reward model's checkpoint")
+        _need(bool(m.name) and "/" not in m.name, f"{key}.name", f"must be a component name without '/', got {m.name!r}")
+        _need(m.name not in seen, f"{key}.name", f"{m.name!r} is also {seen.get(m.name)}'s: each score is its own component")
+        seen[m.name] = key
+        if key != "reward.model":  # (reward.model's ranges are the schema table's)
+            for f in dataclasses.fields(RewardModelConfig):
+                rule = f.metadata.get("range")
+                v = getattr(m, f.name)
+                _need(rule is None or rule.ok(v), f"{key}.{f.name}", f"must be {rule.describe() if rule else ''}, got {v}")
 
 
 def _validate_log_prob_sources(cfg: TrainConfig) -> None:

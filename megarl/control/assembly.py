@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -77,7 +77,7 @@ class Parts:
     injector: Optional[FaultInjector]  # a FaultInjector when any faults.* key is set, else None
     reward_fn: Optional[RewardFunction]  # None when the environment scores (reward.fn null)
     reward_runner: Optional[RewardRunner]  # rank 0 only
-    reward_model: Optional[Union[RewardModel, FaultyRewardModel]]
+    reward_models: Tuple[Union[RewardModel, FaultyRewardModel], ...]  # reward.model, then reward.models
     kl_ctl: Union[FixedKLController, AdaptiveKLController]
 
 
@@ -130,12 +130,12 @@ def assemble(cfg: TrainConfig, model_path: str, tokenizer_dir: str) -> Parts:
                         recompute=p.recompute, distributed_optimizer=p.distributed_optimizer)
     injector = FaultInjector(cfg.faults, seed=cfg.faults.seed, rank=dist.get_rank(), world=dist.get_world_size())
     injector = injector if injector.active else None
-    reward_fn, runner, reward_model = _rewards(cfg, injector, rank0=dist.get_rank() == 0)
+    reward_fn, runner, reward_models = _rewards(cfg, injector, rank0=dist.get_rank() == 0)
     kl_ctl = (AdaptiveKLController(a.kl.beta, a.kl.target, a.kl.horizon) if a.kl.adaptive
               else FixedKLController(a.kl.beta))
     return Parts(tok=tok, train_data=train_data, heldout=heldout, sampler=sampler, actor=actor, reference=reference,
                  critic=critic, injector=injector, reward_fn=reward_fn, reward_runner=runner,
-                 reward_model=reward_model, kl_ctl=kl_ctl)
+                 reward_models=reward_models, kl_ctl=kl_ctl)
 
 
 def _rewards(cfg: TrainConfig, injector: Optional[FaultInjector], rank0: bool):
@@ -153,24 +153,25 @@ def _rewards(cfg: TrainConfig, injector: Optional[FaultInjector], rank0: bool):
         runner = RewardRunner(fn, timeout_s=r.timeout_s, max_retries=r.max_retries, backoff_s=r.retry_backoff_s,
                               max_workers=r.workers, isolation=isolation, spec=spec, kill_grace_s=r.kill_grace_s,
                               max_memory_mb=r.max_memory_mb, cpu_time_s=r.cpu_time_s)
-    reward_model = None
-    if r.model.path:
-        p = cfg.parallel
-        reward_model = RewardModel(r.model.path, p.tp, p.pp, tokenizer=r.model.tokenizer,
-                                   chat_template=r.model.chat_template, vocab_multiple=cfg.model.vocab_multiple,
-                                   offload=r.model.offload, micro_batch_size=cfg.algo.forward_micro_batch_size,
-                                   pack=cfg.algo.pack_sequences, micro_batch_tokens=cfg.algo.micro_batch_tokens,
-                                   sequence_parallel=p.sequence_parallel)
+    reward_models = []
+    p = cfg.parallel
+    for key, m in r.neural_models():  # each its own frozen role: its own tokenizer, template, offload
+        rm = RewardModel(m.path, p.tp, p.pp, tokenizer=m.tokenizer, chat_template=m.chat_template,
+                         vocab_multiple=cfg.model.vocab_multiple, offload=m.offload,
+                         micro_batch_size=cfg.algo.forward_micro_batch_size, pack=cfg.algo.pack_sequences,
+                         micro_batch_tokens=cfg.algo.micro_batch_tokens, sequence_parallel=p.sequence_parallel,
+                         key=key)
         if injector is not None and (cfg.faults.reward_model_error_at or cfg.faults.reward_model_timeout_at):
-            reward_model = FaultyRewardModel(reward_model, injector, r.model.timeout_s)
-    return fn, runner, reward_model
+            rm = FaultyRewardModel(rm, injector, m.timeout_s)
+        reward_models.append(rm)
+    return fn, runner, tuple(reward_models)
 
 
-def make_scorer(cfg: TrainConfig, tok: TokenizerContract, runner: Optional[RewardRunner], reward_model, counters,
+def make_scorer(cfg: TrainConfig, tok: TokenizerContract, runner: Optional[RewardRunner], reward_models, counters,
                 quarantine_path: str, rank0: bool, *, shape_overlong: bool) -> Scorer:
     """The run's sample scorer (training: with ``reward.overlong_buffer`` shaping; evaluation,
     here and in ``python -m megarl.eval``: without)."""
-    return Scorer(cfg.reward, tok, runner, reward_model, counters, quarantine_path, rank0,
+    return Scorer(cfg.reward, tok, runner, reward_models, counters, quarantine_path, rank0,
                   max_new_tokens=cfg.rollout.max_new_tokens, shape_overlong=shape_overlong)
 
 
@@ -203,8 +204,8 @@ def evaluation_scorer(cfg: TrainConfig, tok: TokenizerContract, counters, quaran
     agent's episodes by their environment: no runner, no function).  Close the runner after use."""
     if cfg.rollout.agent.env:
         return episode_scorer(cfg, tok, counters, quarantine_path, True), None, None
-    fn, runner, reward_model = _rewards(cfg, None, rank0=True)
-    scorer = make_scorer(cfg, tok, runner, reward_model, counters, quarantine_path, True, shape_overlong=False)
+    fn, runner, reward_models = _rewards(cfg, None, rank0=True)
+    scorer = make_scorer(cfg, tok, runner, reward_models, counters, quarantine_path, True, shape_overlong=False)
     return scorer, runner, fn
 
 
@@ -291,7 +292,7 @@ def wire_components(cfg: TrainConfig, parts: Parts, eng: EngineParts, *, sm: Ite
     time_slice = EngineTimeSlice(eng.engine, cfg.rollout.backend == "sglang" and cfg.rollout.enable_memory_saver)
 
     def scorer(shape_overlong: bool) -> Scorer:
-        return make_scorer(cfg, parts.tok, parts.reward_runner, parts.reward_model, counters, quarantine, rank0,
+        return make_scorer(cfg, parts.tok, parts.reward_runner, parts.reward_models, counters, quarantine, rank0,
                            shape_overlong=shape_overlong)
 
     agentic = bool(cfg.rollout.agent.env)

@@ -48,11 +48,12 @@ class RunPersistence:
     """Args: ``cfg`` the run config; ``actor`` / ``critic`` / ``reference`` the roles;
     ``sampler`` the prompt cursor; ``kl_ctl`` the KL controller; ``progress`` the run's
     counters and flags; ``tok`` / ``train_data`` for the contract hashes; ``reward_fn`` /
-    ``reward_model`` for the scorer versions recorded; ``layout`` tp/pp/dp/world;
+    ``reward_models`` (one per ``cfg.reward.neural_models()`` entry) for the scorer versions
+    recorded; ``layout`` tp/pp/dp/world;
     ``identify`` a model's weight identity (collective; :func:`weights_identity`)."""
 
     def __init__(self, cfg, run_dir: str, *, actor, critic, reference, sampler, kl_ctl, progress: RunProgress,
-                 tok, train_data, reward_fn, reward_model, layout: Dict[str, int], rank0: bool,
+                 tok, train_data, reward_fn, reward_models=(), layout: Dict[str, int], rank0: bool,
                  identify: Optional[Callable[[object], str]] = None):
         self.identify = identify or weights_identity
         self.origins: Dict[str, dict] = {}
@@ -60,7 +61,8 @@ class RunPersistence:
         self.cfg, self.run_dir = cfg, run_dir
         self.actor, self.critic, self.reference = actor, critic, reference
         self.sampler, self.kl_ctl, self.progress = sampler, kl_ctl, progress
-        self.tok, self.train_data, self.reward_fn, self.reward_model = tok, train_data, reward_fn, reward_model
+        self.tok, self.train_data, self.reward_fn = tok, train_data, reward_fn
+        self.reward_models = tuple(reward_models)
         self.layout, self.rank0 = layout, rank0
         self.ckpt_root = os.path.join(run_dir, "checkpoints")
         self.pending_dir = os.path.join(run_dir, "experience", "pending")
@@ -95,15 +97,17 @@ class RunPersistence:
             o["reference"] = {"key": key, "path": cfg.reference.path or cfg.model.path, "id": rid}
             if not self.reference.refreshes:
                 self.reference.version = f"ref-0-{rid.split(':')[-1][:8]}"
-        if self.reward_model is not None:
-            with _on_device(self.reward_model):
-                weights = self.identify(self.reward_model.model)
-            contract = self.reward_model.contract
+        for (key, m), rm in zip(cfg.reward.neural_models(), self.reward_models, strict=True):
+            with _on_device(rm):
+                weights = self.identify(rm.model)
+            contract = rm.contract
             from megarl.config import section_hash
 
-            o["reward_model"] = {"key": "reward.model.path", "path": cfg.reward.model.path,
-                                 "id": f"weights={weights} tokenizer={contract.hash} "
-                                       f"template={section_hash({'template': contract.chat_template})}"}
+            # (reward.model keeps the origin name its checkpoints were saved with)
+            o["reward_model" if key == "reward.model" else f"reward_model/{m.name}"] = {
+                "key": f"{key}.path", "path": m.path,
+                "id": f"weights={weights} tokenizer={contract.hash} "
+                      f"template={section_hash({'template': contract.chat_template})}"}
         if self.reward_fn is not None:
             o["scorer"] = {"key": "reward.fn", "path": cfg.reward.fn, "id": self.reward_fn.version}
         self.origins = o
@@ -173,7 +177,7 @@ class RunPersistence:
                                                               "weights": self._reference_weights(refreshed)},
             "origins": self.origins,
             "scorer_version": None if self.reward_fn is None else self.reward_fn.version,
-            "reward_model_version": None if self.reward_model is None else self.reward_model.version,
+            "reward_model_version": "+".join(rm.version for rm in self.reward_models) or None,
             "counters": dict(counters), "parity_checked": self.progress.parity_checked,
             "last_eval": self.progress.last_eval, "hashes": self.contract_hashes(), "layout": dict(self.layout),
             "weight_manifests": {"actor": manifest_hash},

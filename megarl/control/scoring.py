@@ -2,7 +2,8 @@
 
 Rule functions (and plug-ins) run once, on rank 0, under the :class:`RewardRunner`, which turns
 exceptions, timeouts and invalid values into statuses; the records are broadcast.  The neural
-reward model is a collective forward on every rank, added with ``reward.model.weight``.  A
+reward models (``reward.model``, then ``reward.models``) are collective forwards on every rank, each
+on its own rendering of the sample, each score its own component added with its weight.  A
 failed score stays a status (the sample and, under GRPO, its group are dropped or quarantined)
 unless ``reward.penalty.<status>`` names a number for it.
 """
@@ -22,14 +23,21 @@ from megarl.runtime.data_parallel import broadcast_object, gather_objects
 
 class Scorer:
     """Args: ``reward_cfg`` the ``reward`` section; ``runner`` the rule-function runner (rank 0
-    only, else None); ``reward_model`` the neural reward model role or None; ``tok`` the policy
+    only, else None); ``reward_models`` the neural reward model roles, one per entry of
+    ``reward_cfg.neural_models()`` in its order (empty: none); ``tok`` the policy
     tokenizer contract (decodes responses for the scorers); ``counters`` the run's counters;
     ``max_new_tokens`` the response budget (L_max of ``reward.overlong_buffer``);
     ``shape_overlong`` false for evaluation, which scores answers, not training signals."""
 
-    def __init__(self, reward_cfg, tok, runner, reward_model, counters: Counter, quarantine_path: str, rank0: bool,
+    def __init__(self, reward_cfg, tok, runner, reward_models, counters: Counter, quarantine_path: str, rank0: bool,
                  max_new_tokens: int, shape_overlong: bool = True):
-        self.cfg, self.tok, self.runner, self.reward_model = reward_cfg, tok, runner, reward_model
+        self.cfg, self.tok, self.runner = reward_cfg, tok, runner
+        entries = reward_cfg.neural_models()
+        if len(entries) != len(reward_models):
+            raise ValueError(f"{len(reward_models)} reward model role(s) for {len(entries)} configured: "
+                             f"{[k for k, _ in entries]}")
+        #: ``(key, settings, role)`` of each neural reward model, in scoring order
+        self.reward_models = [(k, m, role) for (k, m), role in zip(entries, reward_models)]
         self.max_new_tokens = max_new_tokens  # L_max of the overlong punishment
         self.overlong_buffer = reward_cfg.overlong_buffer if shape_overlong else None
         self.counters, self.quarantine_path, self.rank0 = counters, quarantine_path, rank0
@@ -61,20 +69,20 @@ class Scorer:
             self.counters["reward_call_errors"] += errors
             self.counters["reward_call_retries"] += retries
         records = None if records is None else [RewardRecord.from_json(r) for r in records]
-        if self.reward_model is not None:
-            records = self._add_reward_model(rs, records)
+        for key, settings, role in self.reward_models:
+            records = self._add_reward_model(rs, records, key, settings, role)
         if self.overlong_buffer is not None:  # DAPO soft overlong punishment, on ok scores only
             records = [with_overlong_component(rec, len(s.response_ids), self.max_new_tokens, self.overlong_buffer)
                        for rec, s in zip(records, samples, strict=True)]
         record_scores(samples, records, self.cfg, self.tok, self.counters, self.quarantine_path, self.rank0)
 
-    def _add_reward_model(self, rs, records):
-        """The reward model's score (collective) added to each ok rule record, or alone.  A forward
-        that raised (on any rank) or took longer than ``reward.model.timeout_s`` (on the slowest
-        rank) makes every sample of the batch status error / timeout, naming why: a failed scorer
-        is never a score.  (A rank that fails inside a collective leaves its peers blocked there:
-        that is the lost-rank path, megarl/runtime/liveness.py.)"""
-        rm = self.reward_model
+    def _add_reward_model(self, rs, records, key: str, settings, rm):
+        """One reward model's score (collective) added to each ok record as the component of its
+        name, or alone.  A forward that raised (on any rank) or took longer than its
+        ``timeout_s`` (on the slowest rank) makes every sample of the batch status error /
+        timeout, naming why: a failed scorer is never a score.  (A rank that fails inside a
+        collective leaves its peers blocked there: that is the lost-rank path,
+        megarl/runtime/liveness.py.)"""
         texts = [rm.encode(x.messages, x.prompt_text, x.response_text) for x in rs]
         t0 = time.monotonic()
         try:
@@ -83,16 +91,17 @@ class Scorer:
             scores, error = None, f"{type(e).__name__}: {e}"
         outcomes = gather_objects((error, time.monotonic() - t0))
         failed = [(rank, err) for rank, (err, _) in enumerate(outcomes) if err is not None]
-        took, limit = max(s for _, s in outcomes), self.cfg.model.timeout_s
+        took, limit = max(s for _, s in outcomes), settings.timeout_s
+        which = "the reward model" if key == "reward.model" else f"reward model {settings.name!r} ({key})"
         status = None
         if failed:
-            status, why = RewardStatus.ERROR, f"the reward model's forward failed on rank {failed[0][0]}: {failed[0][1]}"
+            status, why = RewardStatus.ERROR, f"{which}'s forward failed on rank {failed[0][0]}: {failed[0][1]}"
             self.counters["reward_model_errors"] += 1
         elif limit is not None and took > limit:
-            status, why = RewardStatus.TIMEOUT, (f"the reward model's forward took {took:.1f}s, past "
-                                                 f"reward.model.timeout_s={limit:g}")
+            status, why = RewardStatus.TIMEOUT, (f"{which}'s forward took {took:.1f}s, past "
+                                                 f"{key}.timeout_s={limit:g}")
             self.counters["reward_model_timeouts"] += 1
-        w = self.cfg.model.weight
+        w = settings.weight
         merged = []
         for i, _ in enumerate(rs):
             base = records[i] if records is not None else None
@@ -104,7 +113,7 @@ class Scorer:
                 continue
             sc = float(scores[i])
             comps = dict(base.components) if base is not None else {}
-            comps["reward_model"] = sc
+            comps[settings.name] = sc
             total = (base.total if base is not None else 0.0) + w * sc
             version = f"{base.scorer_version}+{rm.version}" if base is not None else rm.version
             merged.append(RewardRecord(total=total, components=comps, scorer_version=version))

@@ -169,6 +169,9 @@ def _source_keys(cfg):
     if cfg.critic is not None:
         out.append(("critic.path", cfg.critic, "path", None, True))
     out += [("reward.model.path", rm, "path", None, True), ("reward.model.tokenizer", rm, "tokenizer", None, False)]
+    for i, entry in enumerate(cfg.reward.models):
+        out += [(f"reward.models[{i}].path", entry, "path", None, True),
+                (f"reward.models[{i}].tokenizer", entry, "tokenizer", None, False)]
     return out
 
 

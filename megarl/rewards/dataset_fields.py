@@ -51,7 +51,7 @@ def reward_requirements(cfg) -> Tuple[tuple, str]:
 
         return normalise_requirements(list(r.required_fields), "reward.required_fields"), "reward.required_fields"
     if not r.fn:
-        return (), "reward.model (reads no fields)"
+        return (), "the reward model(s) (read no fields)"
     from megarl.rewards.declarations import required_fields
 
     return required_fields(configured_reward(cfg)) or (), f"reward.fn {r.fn!r}"

@@ -32,13 +32,13 @@ class RewardModel:
     def __init__(self, path: str, tp: int, pp: int, tokenizer: Optional[str] = None,
                  chat_template: Optional[str] = None, vocab_multiple: int = 128, offload: bool = False,
                  micro_batch_size: int = 8, pack: bool = False, sequence_parallel: bool = False,
-                 micro_batch_tokens: int = 0):
+                 micro_batch_tokens: int = 0, key: str = "reward.model"):
         from megarl.errors import ConfigError
 
         self.model = load_model(path, tp=tp, pp=pp, vocab_multiple=vocab_multiple, sequence_parallel=sequence_parallel)
         spec = unwrap(self.model).megarl_spec
         if not spec.value_head:
-            raise ConfigError(f"reward.model.path: {path} is {spec.architecture}, not a reward model (expected an HF "
+            raise ConfigError(f"{key}.path: {path} is {spec.architecture}, not a reward model (expected an HF "
                               "*ForSequenceClassification or *ForTokenClassification with num_labels=1)")
         #: where the score is read: the last non-pad token (sequence classification), else the last token
         self.score_pad_id = spec.raw_config.get("pad_token_id") if spec.sequence_score else None
@@ -46,6 +46,7 @@ class RewardModel:
         freeze(self.model)
         self.contract = TokenizerContract.load(tokenizer or path, chat_template)
         self.version = f"rm-{self.contract.hash[7:15]}-{path}"
+        self.key = key  # the config entry it was built from (reward.model, reward.models[i])
         self.micro_batch_size = micro_batch_size
         self.pack = pack  # algo.pack_sequences: each micro-batch as one packed sequence
         self.micro_batch_tokens = micro_batch_tokens  # algo.micro_batch_tokens: packed, cut by tokens

@@ -642,6 +642,89 @@ RM_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|
                "{{ eos_token }}")
 
 
+def _permuted_tokenizer(src: str, out) -> str:
+    """The policy's word-level tokenizer with its word ids reversed: the same text, other ids (a
+    reward model trained with another tokenizer)."""
+    import shutil
+
+    out.mkdir()
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        if os.path.exists(os.path.join(src, name)):
+            shutil.copy(os.path.join(src, name), out / name)
+    with open(os.path.join(src, "tokenizer.json")) as fh:
+        tj = json.load(fh)
+    vocab = tj["model"]["vocab"]
+    special = {a["content"] for a in tj["added_tokens"]}
+    words = sorted((i for t, i in vocab.items() if t not in special))
+    flip = dict(zip(words, reversed(words)))
+    tj["model"]["vocab"] = {t: (i if t in special else flip[i]) for t, i in vocab.items()}
+    (out / "tokenizer.json").write_text(json.dumps(tj))
+    return str(out)
+
+
+def test_two_reward_models_each_score_their_own_rendering(assets, tmp_path):
+    """A rule (reward.fn) and two neural reward models in one run: a token-classification RM on
+    the policy's tokenizer with a template of its own (reward.model), and a sequence-
+    classification RM on another tokenizer (the same words, other ids) with its EOS as the pad
+    id (reward.models).  Every sample's record keeps each as a named component, each score
+    equal to that model's transformers score on *its own* rendering (the sequence head read at
+    the last non-pad token), the total the rule plus each weighted score; the run's origins
+    record each model's identity under its own key."""
+    import transformers
+
+    from megarl.builtin.tiny_checkpoint import make_tiny_hf_checkpoint
+
+    small = dict(vocab_size=112, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
+    rm_dir, seq_dir = str(tmp_path / "rm"), str(tmp_path / "seq_rm")
+    make_tiny_hf_checkpoint(rm_dir, "llama", seed=3, value_head=True, tokenizer_dir=assets["model"], **small)
+    other_tok = _permuted_tokenizer(assets["model"], tmp_path / "other_tok")
+    make_tiny_hf_checkpoint(seq_dir, "qwen2", seed=8, sequence_head=True, pad_token_id=3, tokenizer_dir=other_tok,
+                            **small)
+    tpl = tmp_path / "rm_template.jinja"
+    tpl.write_text(RM_TEMPLATE)
+    run_dir = str(tmp_path / "two_rm_run")
+    run_train(assets, run_dir, GRPO, extra=[
+        f"reward.model.path={rm_dir}", f"reward.model.chat_template={tpl}", "reward.model.weight=0.5",
+        f"reward.models=[{{name: style, path: {seq_dir}, chat_template: {tpl}, weight: -2.0}}]",
+        "eval.every=0", "trainer.iterations=1", "trainer.checkpoint_every=1"])
+    f = batches(run_dir)[0].facts
+    policy = transformers.AutoTokenizer.from_pretrained(assets["model"])
+    models = {"reward_model": (transformers.AutoTokenizer.from_pretrained(rm_dir),
+                               transformers.AutoModelForTokenClassification.from_pretrained(rm_dir).eval()),
+              "style": (transformers.AutoTokenizer.from_pretrained(seq_dir),
+                        transformers.AutoModelForSequenceClassification.from_pretrained(seq_dir).eval())}
+    with open(assets["train"]) as fh:
+        rows = {r["id"]: r for r in map(json.loads, fh)}
+    lens = f.response_mask.sum(1)
+    worst, ids_differ = 0.0, False
+    for i in range(f.batch_size):
+        resp = policy.decode(f.response_ids[i][: int(lens[i])].tolist(), skip_special_tokens=True)
+        chat = [{"role": "user", "content": rows[f.prompt_id[i]]["prompt"]}, {"role": "assistant", "content": resp}]
+        r = f.rewards[i]
+        assert set(r.components) == {"arithmetic", "reward_model", "style"}, r.components
+        for name, (tok, model) in models.items():
+            ids = tok.encode(tok.apply_chat_template(chat, chat_template=RM_TEMPLATE, tokenize=False),
+                             add_special_tokens=False)
+            with torch.no_grad():
+                out = model(torch.tensor([ids])).logits
+            want = float(out[0, -1, 0] if name == "reward_model" else out[0, 0])
+            worst = max(worst, abs(r.components[name] - want))
+            ids_differ |= name == "style" and ids != models["reward_model"][0].encode(
+                models["reward_model"][0].apply_chat_template(chat, chat_template=RM_TEMPLATE, tokenize=False),
+                add_special_tokens=False)
+        want_total = r.components["arithmetic"] + 0.5 * r.components["reward_model"] - 2.0 * r.components["style"]
+        assert r.total == pytest.approx(want_total, abs=1e-9)
+    assert within(worst, NET_FP32_LOGPROB, "train_e2e/two_reward_models_vs_transformers"), worst
+    assert ids_differ  # the second model read other token ids than the first
+    with open(os.path.join(run_dir, "checkpoints", "iter_000001", "state.json")) as fh:
+        state = json.load(fh)
+    origins = state["origins"]
+    assert state["reward_model_version"].count("+rm-") == 1  # both models' versions
+    assert origins["reward_model"]["key"] == "reward.model.path"
+    assert origins["reward_model/style"]["key"] == "reward.models[0].path"
+    assert origins["reward_model"]["id"] != origins["reward_model/style"]["id"]
+
+
 def test_neural_reward_model_uses_its_own_template(assets, tmp_path):
     """reward.fn=null + a value-head reward model with a chat template of its own: every
     sample's reward is the RM head at the last token of *its* rendering of (prompt, response),

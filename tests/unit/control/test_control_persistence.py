@@ -115,12 +115,14 @@ def weights_of(model) -> str:
 
 def make(run_dir, *overrides, cfg=None, reference=None, reward_model=None, reward_fn=None, actor_w=0.0):
     cfg = copy.deepcopy(cfg) if cfg is not None else load_cfg(*overrides)
+    if reward_model is not None and not cfg.reward.model.path:
+        cfg.reward.model.path = "/rm"  # the entry the role was built from
     actor = FakeActor()
     actor.ddp.w += actor_w
     return RunPersistence(cfg, str(run_dir), actor=actor, critic=None, reference=reference,
                           sampler=PromptSampler(10, seed=3), kl_ctl=FixedKLController(0.001), progress=RunProgress(),
                           tok=FakeTok(), train_data=Dataset(prompt_records(2), stats={"sha256": "data-sha"}),
-                          reward_fn=reward_fn or RewardFn(), reward_model=reward_model,
+                          reward_fn=reward_fn or RewardFn(), reward_models=() if reward_model is None else (reward_model,),
                           layout={"tp": 1, "pp": 1, "dp": 1, "world": 1}, rank0=True, identify=weights_of)
 
 

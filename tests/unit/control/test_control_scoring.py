@@ -65,7 +65,8 @@ def scorer(reward_fn, tmp_path, *, rank0=True, runner=True, reward_model=None, m
         reward_kw["model"] = RewardModelConfig(**reward_kw["model"])
     cfg = RewardConfig(**reward_kw)
     run = RewardRunner(reward_fn, timeout_s=10.0, max_retries=1, backoff_s=0.0, max_workers=2) if runner else None
-    return Scorer(cfg, FakeTok(), run, reward_model, Counter(), str(tmp_path / "quarantine.jsonl"), rank0,
+    models = () if reward_model is None else reward_model if isinstance(reward_model, (list, tuple)) else (reward_model,)
+    return Scorer(cfg, FakeTok(), run, models, Counter(), str(tmp_path / "quarantine.jsonl"), rank0,
                   max_new_tokens=max_new_tokens, shape_overlong=shape_overlong)
 
 
@@ -147,7 +148,7 @@ def test_a_timeout_is_a_status_and_counted(tmp_path):
     fn = LengthReward(hang_for={ss[0].sample_id})
     cfg = RewardConfig(timeout_s=1.0)
     run = RewardRunner(fn, timeout_s=1.0, max_retries=0, backoff_s=0.0, max_workers=2)
-    sc = Scorer(cfg, FakeTok(), run, None, Counter(), str(tmp_path / "q.jsonl"), True, max_new_tokens=6)
+    sc = Scorer(cfg, FakeTok(), run, (), Counter(), str(tmp_path / "q.jsonl"), True, max_new_tokens=6)
     try:
         t0 = time.monotonic()
         sc.score(ss)
@@ -177,7 +178,7 @@ def test_rank0_records_are_broadcast_to_ranks_without_a_runner(tmp_path, monkeyp
     (payload,) = sent
     monkeypatch.setattr(scoring, "broadcast_object", lambda obj, src=0: payload if obj is None else pytest.fail())
     ss1 = samples()
-    r1 = Scorer(RewardConfig(on_failure="quarantine"), FakeTok(), None, None, Counter(),
+    r1 = Scorer(RewardConfig(on_failure="quarantine"), FakeTok(), None, (), Counter(),
                 str(tmp_path / "rank1.jsonl"), rank0=False, max_new_tokens=6)
     r1.score(ss1)
     assert [s.record for s in ss1] == [s.record for s in ss0]
@@ -238,3 +239,36 @@ def test_dapo_overlong_shaping_lowers_ok_scores_only_and_not_in_evaluation(tmp_p
     scorer(LengthReward(), tmp_path, max_new_tokens=4, overlong_buffer=2, shape_overlong=False).score(ev)
     assert [s.record.total for s in ev] == [float(len([t for t in s.response_ids if t != 3])) for s in ev]
     assert all("overlong" not in s.record.components for s in ev)
+
+
+class FailingRewardModel(FakeRewardModel):
+    version = "rm/broken"
+
+    def score(self, texts):
+        raise RuntimeError("out of memory")
+
+
+def test_several_reward_models_are_each_a_named_weighted_component(tmp_path):
+    """reward.model and reward.models: each model reads its own rendering, its score is the
+    component of its name, the total adds each with its weight; one that fails makes the batch's
+    records its status, naming the model -- the others' scores do not stand in for it."""
+    ss = samples(G=2)
+    first, second = FakeRewardModel([1.0, -1.0]), FakeRewardModel([0.5, 0.25])
+    sc = scorer(None, tmp_path, runner=False, reward_model=[first, second], fn=None,
+                model={"path": "/rm", "weight": 2.0}, models=[RewardModelConfig(name="style", path="/rm2", weight=-4.0)])
+    sc.score(ss)
+    assert [dict(s.record.components) for s in ss] == [{"reward_model": 1.0, "style": 0.5},
+                                                       {"reward_model": -1.0, "style": 0.25}]
+    assert [s.record.total for s in ss] == [2.0 * 1.0 - 4.0 * 0.5, 2.0 * -1.0 - 4.0 * 0.25]
+    assert ss[0].record.scorer_version == "rm/7+rm/7" and len(first.encoded) == len(second.encoded) == 2
+    ss = samples(G=2)
+    sc = scorer(None, tmp_path, runner=False, reward_model=[FakeRewardModel([1.0, -1.0]), FailingRewardModel([0, 0])],
+                fn=None, model={"path": "/rm"}, models=[RewardModelConfig(name="style", path="/rm2")])
+    sc.score(ss)
+    assert all(s.record.status is RewardStatus.ERROR and s.record.total is None for s in ss)
+    assert "reward model 'style' (reward.models[0])'s forward failed on rank 0: RuntimeError: out of memory" \
+        in ss[0].record.error
+    assert sc.counters["reward_model_errors"] == 1
+    with pytest.raises(ValueError, match=r"1 reward model role\(s\) for 2 configured"):
+        scorer(None, tmp_path, runner=False, reward_model=[first], fn=None, model={"path": "/rm"},
+               models=[RewardModelConfig(name="style", path="/rm2")])

@@ -1,0 +1,37 @@
+"""``reward.models``: several neural reward models next to ``reward.model``, each entry checked by
+its own key before any model loads."""
+
+import os
+
+import pytest
+
+from megarl.commands.run_checks import check_run
+from megarl.config import ConfigError, load_config
+
+from tests._dist import ROOT
+GRPO = os.path.join(ROOT, "configs", "grpo_arith_tiny.yaml")
+
+
+def test_entries_in_scoring_order_with_their_keys():
+    cfg = load_config(GRPO, ["reward.model.path=/a", "reward.models=[{name: style, path: /b, weight: 0.5}]"])
+    assert [(k, m.name, m.path, m.weight) for k, m in cfg.reward.neural_models()] == [
+        ("reward.model", "reward_model", "/a", 1.0), ("reward.models[0]", "style", "/b", 0.5)]
+    assert load_config(GRPO, []).reward.neural_models() == []
+    # reward models alone score the samples: no rule needed
+    assert check_run(load_config(GRPO, ["reward.fn=null", "reward.models=[{name: style, path: /b}]"]), 1) == 1
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["reward.models=[{name: style}]"], "reward.models[0].path: is required"),
+    (["reward.model.path=/a", "reward.models=[{path: /b}]"], "reward.models[0].name: 'reward_model' is also reward.model's"),
+    (["reward.models=[{name: a/b, path: /b}]"], "reward.models[0].name: must be a component name"),
+    (["reward.models=[{name: s, path: /b, timeout_s: -1}]"], "reward.models[0].timeout_s: must be > 0 or null"),
+    (["reward.models=[{name: s, path: /b, wieght: 1}]"], "override 'reward.models=[{name: s, path: /b, wieght: 1}]'"),
+    (["reward.fn=null"], "reward.fn: is null and no reward model is given"),
+    (["reward.models=[{name: s, path: /b}]", "faults.reward_model_timeout_at=[1]"],
+     "faults.reward_model_timeout_at: holds the reward model's forward past reward.models[0].timeout_s"),
+])
+def test_a_bad_entry_is_refused_naming_its_key(overrides, key):
+    with pytest.raises(ConfigError) as e:
+        check_run(load_config(GRPO, overrides), 1)
+    assert str(e.value).startswith(key), str(e.value)
