@@ -18,6 +18,9 @@ turns comes before the per-token table: one row per run of policy or environment
 the turn, the source, the response positions, the response / loss mask counts, the policy
 version(s) and the tokens.  ``--list`` prints one line per sample instead.
 
+``--scorer-input NAME=RM_DIR[:TEMPLATE] --data FILE --tokenizer POLICY_TOKDIR`` renders the
+sample again as the neural scorer NAME read it and compares it with the digest its record kept.
+
 ``--rederive [KEY=VALUE ...]`` derives the batch's advantages, returns, loss mask and weights
 again from its sealed facts (:func:`megarl.algo.derivation.derive`) at the settings its
 derived tensors record, with each KEY=VALUE changed (``kl_beta``, ``gamma``, ``lam``,
@@ -274,6 +277,8 @@ def describe(batch, i: int, directory: str, tok=None) -> list[str]:
     if r.step_rewards is not None:
         steps = ", ".join(f"{s:g}@{e}" for s, e in zip(r.step_rewards, r.step_token_ends))
         out.append(f"  step_rewards    {steps}  (score@last response token of the step)")
+    for name, digest in sorted(r.inputs.items()):  # what each neural scorer read (--scorer-input re-renders it)
+        out.append(f"  input of {name:<7s}{digest}")
     out += ["", f"content_hash    {batch.content_hash}"]
     return out
 
@@ -355,6 +360,43 @@ def rederive_report(batch, overrides: dict) -> list[str]:
     return out
 
 
+def scorer_input_report(batch, i: int, spec: str, data_path: str, policy_tok) -> tuple[list[str], bool]:
+    """Render sample ``i`` again as the neural scorer ``NAME=DIR[:TEMPLATE]`` read it (its own
+    tokenizer and template, the prompt row of ``data_path`` and the response decoded with the
+    policy's tokenizer) and compare the digest with the one its record kept: ``(lines, same)``."""
+    from megarl.data.tokenizer import TokenizerContract
+    from megarl.roles.reward_model import input_digest, render_for_scorer
+
+    if "=" not in spec:
+        raise InspectError(f"--scorer-input {spec!r}: expected NAME=RM_DIR[:TEMPLATE_FILE]")
+    name, where = spec.split("=", 1)
+    rm_dir, _, template = where.partition(":")
+    f = batch.facts
+    kept = f.rewards[i].inputs.get(name)
+    if kept is None:
+        raise InspectError(f"--scorer-input {name}: sample {i}'s record kept no input of a scorer {name!r} "
+                           f"(it has: {', '.join(sorted(f.rewards[i].inputs)) or 'none'})")
+    rows = {}
+    with open(data_path, encoding="utf-8") as fh:
+        for line in fh:
+            if line.strip():
+                row = json.loads(line)
+                rows[str(row.get("id"))] = row
+    row = rows.get(f.prompt_id[i])
+    if row is None:
+        raise InspectError(f"--data {data_path}: no row with id {f.prompt_id[i]!r} (the sample's prompt_id)")
+    P = f.prompt_len
+    n = int(f.attention_mask[i, P:].sum())
+    response = policy_tok.decode(f.response_ids[i][:n].tolist(), skip_special_tokens=True)
+    contract = TokenizerContract.load(rm_dir, template or None)
+    ids = render_for_scorer(contract, row.get("messages"), row.get("prompt") or "", response)
+    same = input_digest(ids) == kept
+    return ([f"scorer {name}: {rm_dir}" + (f" with template {template}" if template else ""),
+             f"  rendered ({len(ids)} tokens): {contract.tokenizer.decode(ids)!r}", f"  ids {ids}",
+             f"  digest  {input_digest(ids)}", f"  kept    {kept}",
+             "  the same input" if same else "  DIFFERS from what the scorer read"], same)
+
+
 @cli_main
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -366,6 +408,10 @@ def main(argv=None) -> None:
     p.add_argument("--tokenizer", help="tokenizer directory: decode prompt, response and tokens")
     p.add_argument("--rederive", nargs="*", metavar="KEY=VALUE", default=None,
                    help="derive the advantages again at the recorded settings, these changed")
+    p.add_argument("--scorer-input", metavar="NAME=RM_DIR[:TEMPLATE]",
+                   help="render the sample again as the neural scorer NAME read it (needs --data and --tokenizer, "
+                        "the policy's) and compare with the digest its record kept; exit 2 if it differs")
+    p.add_argument("--data", help="the prompt file the run trained on (for --scorer-input)")
     args = p.parse_args(argv)
 
     if hasattr(sys.stdout, "reconfigure"):
@@ -375,6 +421,15 @@ def main(argv=None) -> None:
         lines = rederive_report(batch, parse_overrides(args.rederive))
     elif args.list:
         lines = listing(batch, args.dir)
+    elif args.scorer_input:
+        if not (args.data and args.tokenizer):
+            raise InspectError("--scorer-input needs --data (the prompt file) and --tokenizer (the policy's)")
+        lines, same = scorer_input_report(batch, select(batch, args.sample, args.index), args.scorer_input,
+                                          args.data, load_tokenizer(args.tokenizer))
+        print("\n".join(lines))
+        if not same:
+            raise InspectError(f"--scorer-input {args.scorer_input}: the rendering differs from the kept input")
+        return
     else:
         i = select(batch, args.sample, args.index)
         tok = load_tokenizer(args.tokenizer) if args.tokenizer else None

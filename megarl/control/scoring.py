@@ -17,6 +17,7 @@ from typing import List
 
 from megarl.control.interfaces import Sample
 from megarl.experience.schema import RewardRecord, RewardStatus
+from megarl.roles.reward_model import input_digest
 from megarl.observability.profiling import span
 from megarl.runtime.data_parallel import broadcast_object, gather_objects
 
@@ -108,15 +109,17 @@ class Scorer:
             if base is not None and base.status is not RewardStatus.OK:
                 merged.append(base)
                 continue
+            inputs = {**(base.inputs if base is not None else {}), settings.name: input_digest(texts[i])}
             if status is not None:
-                merged.append(RewardRecord(total=None, scorer_version=rm.version, status=status, error=why))
+                merged.append(RewardRecord(total=None, scorer_version=rm.version, status=status, error=why,
+                                           inputs=inputs))
                 continue
             sc = float(scores[i])
             comps = dict(base.components) if base is not None else {}
             comps[settings.name] = sc
             total = (base.total if base is not None else 0.0) + w * sc
             version = f"{base.scorer_version}+{rm.version}" if base is not None else rm.version
-            merged.append(RewardRecord(total=total, components=comps, scorer_version=version))
+            merged.append(RewardRecord(total=total, components=comps, scorer_version=version, inputs=inputs))
         return merged
 
 

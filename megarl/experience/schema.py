@@ -78,7 +78,10 @@ class RewardRecord:
     ``total`` is a finite float iff ``status == ok``; any failure is a status with ``total=None``
     and an ``error`` text -- never a silent 0.  ``step_rewards`` / ``step_token_ends`` carry process
     rewards: score k belongs to the reasoning step that ends at response token
-    ``step_token_ends[k]`` (the step-to-token map), strictly increasing.
+    ``step_token_ends[k]`` (the step-to-token map), strictly increasing.  ``inputs`` keeps what each
+    neural scorer read: its name -> ``sha256:<hex>`` of the token ids of its own rendering of the
+    sample (:func:`megarl.roles.reward_model.input_digest`; ``tools/inspect_experience.py
+    --scorer-input`` renders it again and compares).
     """
 
     total: float | None
@@ -88,10 +91,12 @@ class RewardRecord:
     error: str | None = None
     step_rewards: tuple[float, ...] | None = None
     step_token_ends: tuple[int, ...] | None = None
+    inputs: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "status", RewardStatus(self.status))
         object.__setattr__(self, "components", MappingProxyType(dict(self.components)))
+        object.__setattr__(self, "inputs", MappingProxyType(dict(self.inputs)))
         if not self.scorer_version:
             raise ValueError("RewardRecord.scorer_version must name the scorer version that produced it")
         if self.status is RewardStatus.OK:
@@ -130,6 +135,7 @@ class RewardRecord:
             "error": self.error,
             "step_rewards": None if self.step_rewards is None else list(self.step_rewards),
             "step_token_ends": None if self.step_token_ends is None else list(self.step_token_ends),
+            **({"inputs": dict(self.inputs)} if self.inputs else {}),  # (a record without neural scorers: as before)
         }
 
     @classmethod
@@ -142,6 +148,7 @@ class RewardRecord:
             error=d["error"],
             step_rewards=None if d["step_rewards"] is None else tuple(d["step_rewards"]),
             step_token_ends=None if d["step_token_ends"] is None else tuple(d["step_token_ends"]),
+            inputs=d.get("inputs") or {},
         )
 
 

@@ -15,6 +15,9 @@ so a score can be traced back.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
+import os
 from typing import Optional, Sequence
 
 import torch
@@ -26,6 +29,38 @@ from megarl.models.megatron_ckpt import load_model
 from megarl.models.weights import unwrap
 from megarl.roles.common import freeze
 from megarl.runtime.data_parallel import map_rows
+
+
+def render_for_scorer(contract, messages: Optional[Sequence[dict]], prompt_text: str, response_text: str) -> list:
+    """A scorer's own rendering of (prompt, response) with its tokenizer ``contract``: the chat
+    (the prompt's messages, or the prompt text as one user turn) and the response as the
+    assistant's turn through its chat template; without a template, the two texts joined."""
+    if contract.chat_template is not None:
+        chat = list(messages) if messages else [{"role": "user", "content": prompt_text}]
+        return contract.encode_prompt(chat + [{"role": "assistant", "content": response_text}],
+                                      add_generation_prompt=False)
+    return contract.tokenizer.encode(prompt_text + response_text, add_special_tokens=True)
+
+
+def input_digest(ids: Sequence[int]) -> str:
+    """``sha256:<hex>`` of a scorer's input token ids: what the record keeps of it."""
+    return "sha256:" + hashlib.sha256(json.dumps([int(t) for t in ids]).encode()).hexdigest()
+
+
+def weights_manifest_digest(path: str) -> str:
+    """sha256 of the tensor manifest (name, dtype, shape) the checkpoint's safetensors headers
+    declare, in name order: read from the headers, no weight is loaded."""
+    import glob
+
+    from safetensors import safe_open
+
+    entries = []
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with safe_open(f, framework="pt") as st:
+            for name in st.keys():
+                sl = st.get_slice(name)
+                entries.append((name, str(sl.get_dtype()), list(sl.get_shape())))
+    return hashlib.sha256(json.dumps(sorted(entries)).encode()).hexdigest()
 
 
 class RewardModel:
@@ -45,7 +80,11 @@ class RewardModel:
         self.sequence_score = spec.sequence_score
         freeze(self.model)
         self.contract = TokenizerContract.load(tokenizer or path, chat_template)
-        self.version = f"rm-{self.contract.hash[7:15]}-{path}"
+        # what it computes: its tokenizer, its template and its weights' manifest (the names, dtypes
+        # and shapes its safetensors declare); the weights' content is the run's origins (state.json)
+        template = hashlib.sha256((self.contract.chat_template or "").encode()).hexdigest()
+        self.version = (f"rm-{self.contract.hash[7:15]}-tpl{template[:8]}-w{weights_manifest_digest(path)[:8]}-"
+                        f"{path}")
         self.key = key  # the config entry it was built from (reward.model, reward.models[i])
         self.micro_batch_size = micro_batch_size
         self.pack = pack  # algo.pack_sequences: each micro-batch as one packed sequence
@@ -59,11 +98,7 @@ class RewardModel:
 
     def encode(self, messages: Optional[Sequence[dict]], prompt_text: str, response_text: str) -> list[int]:
         """The RM's own rendering of (prompt, response)."""
-        if self.contract.chat_template is not None:
-            chat = list(messages) if messages else [{"role": "user", "content": prompt_text}]
-            return self.contract.encode_prompt(chat + [{"role": "assistant", "content": response_text}],
-                                               add_generation_prompt=False)
-        return self.contract.tokenizer.encode(prompt_text + response_text, add_special_tokens=True)
+        return render_for_scorer(self.contract, messages, prompt_text, response_text)
 
     @torch.no_grad()
     def score(self, inputs: Sequence[Sequence[int]]) -> torch.Tensor:

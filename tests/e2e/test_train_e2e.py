@@ -669,7 +669,8 @@ def test_two_reward_models_each_score_their_own_rendering(assets, tmp_path):
     id (reward.models).  Every sample's record keeps each as a named component, each score
     equal to that model's transformers score on *its own* rendering (the sequence head read at
     the last non-pad token), the total the rule plus each weighted score; the run's origins
-    record each model's identity under its own key."""
+    record each model's identity under its own key, and each model's input digest, which
+    tools/inspect_experience.py --scorer-input reproduces from the data row and the response."""
     import transformers
 
     from megarl.builtin.tiny_checkpoint import make_tiny_hf_checkpoint
@@ -723,6 +724,18 @@ def test_two_reward_models_each_score_their_own_rendering(assets, tmp_path):
     assert origins["reward_model"]["key"] == "reward.model.path"
     assert origins["reward_model/style"]["key"] == "reward.models[0].path"
     assert origins["reward_model"]["id"] != origins["reward_model/style"]["id"]
+    # what each model read is kept: rendered again from the data row and the response, the digest
+    # is the record's; negative control: another template (the tokenizer's own) is another input
+    inspect = [sys.executable, os.path.join(ROOT, "tools", "inspect_experience.py"),
+               os.path.join(run_dir, "experience", "iter_000000"), "--index", "3", "--data", assets["train"],
+               "--tokenizer", assets["model"]]
+    for spec in (f"reward_model={rm_dir}:{tpl}", f"style={seq_dir}:{tpl}"):
+        p = subprocess.run(inspect + ["--scorer-input", spec], capture_output=True, text=True, env=subprocess_env(),
+                           timeout=300)
+        assert p.returncode == 0 and "the same input" in p.stdout, p.stdout + p.stderr[-2000:]
+    p = subprocess.run(inspect + ["--scorer-input", f"style={seq_dir}"], capture_output=True, text=True,
+                       env=subprocess_env(), timeout=300)
+    assert p.returncode == 2 and "DIFFERS" in p.stdout, p.stdout + p.stderr[-2000:]
 
 
 def test_neural_reward_model_uses_its_own_template(assets, tmp_path):

@@ -45,7 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
-from test_sglang_backend import MAX_NEW, SKIP_REASON, TOKENIZER_HASH, Table  # noqa: E402
+from tests.gpu._gpu_check import MAX_NEW, SKIP_REASON, TOKENIZER_HASH, Table  # noqa: E402
 
 from tests._tolerance import bf16_logprob_tol, bf16_near_tie  # noqa: E402
 

@@ -196,3 +196,39 @@ def test_a_sample_of_another_version_is_never_sealed():
     with pytest.raises(StalenessError, match=rf"sample '.*/c02'.*{other.short_id} is 1 steps old, above the bound 0"):
         prep.prepare(7, v, produced, StageTimer())
     assert sm.state.phase is Phase.FAILED
+
+
+def test_preparation_seals_the_samples_routing(tmp_path, monkeypatch):
+    """algo.routing_replay=rollout: each sample's routing lands in the sealed, saved record with
+    the version it was generated on; a sample without routing stops the iteration."""
+    from megarl.experience.schema import RoutingProducer, SampleRouting, routing_token_mask
+
+    monkeypatch.setattr(data_parallel, "dp_size", lambda: 1)
+    monkeypatch.setattr(data_parallel, "dp_rank", lambda: 0)
+    v = version(5)
+    samples = make_samples(v, REWARDS, k=7)
+    for i, s in enumerate(samples):
+        g = torch.Generator().manual_seed(i)
+        rows = len(s.prompt_ids) + len(s.response_ids) - 1
+        s.routed_experts = SampleRouting(torch.rand(rows, 2, 8, generator=g).argsort(-1)[..., :2].to(torch.uint8),
+                                         8, (0, 3), "hf")
+    prep, produced, sm, v, c = setup(cfg_("algo.routing_replay=rollout"), samples=samples, v=v,
+                                     save_dir=str(tmp_path))
+    batch, m = prep.prepare(7, v, produced, StageTimer())
+    r = batch.facts.routed_experts
+    assert r.producer == RoutingProducer("rollout", "hf", v.short_id) and r.moe_layers == (0, 3)
+    mask = routing_token_mask(batch.facts.attention_mask)
+    assert torch.equal(r.experts[0][mask[0]], samples[0].routed_experts.experts)
+    assert m["prep/routing/load_max_over_mean"] >= 1.0
+    # the old log-probs replay the sealed routing; the reference routes by itself
+    (given,) = prep.actor.routings
+    assert given.replay and given.moe_layers == (0, 3) and torch.equal(given.experts, r.experts)
+    assert given.real_rows.all() and given.stats is not None and "prep/routing/mismatch_tokens" in m
+    assert prep.reference.routings == [None]
+    back = load_sealed(tmp_path / "iter_000007")
+    assert back.content_hash == batch.content_hash and torch.equal(back.facts.routed_experts.experts, r.experts)
+
+    samples[1].routed_experts = None
+    prep, produced, sm, v, c = setup(cfg_("algo.routing_replay=rollout"), samples=samples, v=v)
+    with pytest.raises(RuntimeError, match="no routed experts for 1 sample"):
+        prep.prepare(7, v, produced, StageTimer())

@@ -318,3 +318,26 @@ def test_a_result_of_another_version_never_leaves_its_group_unaccounted():
     # the RolloutProducer contract: only groups generated on v, and everything dropped is counted
     assert {s.policy_version for s in out.samples} == {v.short_id}
     assert out.metrics["rollout/groups_accepted"] + prod.counters["groups_dropped"] == 2
+
+
+def test_producer_asks_for_routing_only_with_routing_replay():
+    import dataclasses as dc
+
+    from megarl.experience.schema import SampleRouting
+    from tests._control_fakes import FakeRolloutEngine, load_cfg, version
+
+    class RoutingEngine(FakeRolloutEngine):
+        def result(self, request_id, c, prompt_ids, sampling, attempt=0, version_id=None):
+            r = super().result(request_id, c, prompt_ids, sampling, attempt, version_id)
+            if not sampling.return_routed_experts:
+                return r
+            rows = len(r.prompt_ids) + len(r.response_ids) - 1
+            return dc.replace(r, routed_experts=SampleRouting(torch.tensor([[[0, 1]]] * rows, dtype=torch.uint8),
+                                                              4, (0,), "fake"))
+
+    v = version(3)
+    for replay, asked in (("none", False), ("rollout", True)):
+        prod, sm, engine, v = make(load_cfg(*BASE, f"algo.routing_replay={replay}"), engine=RoutingEngine(v.short_id), v=v)
+        out = produce(prod, v)
+        assert all(s.return_routed_experts is asked for _, s in engine.calls)
+        assert all((s.routed_experts is not None) is asked for s in out.samples)

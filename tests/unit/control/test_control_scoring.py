@@ -194,7 +194,7 @@ class FakeRewardModel:
 
     def encode(self, messages, prompt_text, response_text):
         self.encoded.append((messages, prompt_text, response_text))
-        return f"{prompt_text} || {response_text}"
+        return [ord(c) for c in f"{prompt_text} || {response_text}"]  # its own "token ids"
 
     def score(self, texts):
         assert len(texts) == len(self.scores)
@@ -211,6 +211,10 @@ def test_the_reward_model_adds_its_weighted_score_to_ok_records_only(tmp_path):
     assert ss[0].record.total == pytest.approx(base0 + 0.25 * 0.5)
     assert dict(ss[0].record.components) == {"len": 1.0, "reward_model": 0.5}
     assert ss[0].record.scorer_version == "length/1+rm/7"
+    # what it read is kept: the digest of its own rendering, which the rendering reproduces
+    from megarl.roles.reward_model import input_digest
+    assert dict(ss[0].record.inputs) == {"reward_model": input_digest(rm.encode(None, *rm.encoded[0][1:]))}
+    assert "inputs" in ss[0].record.to_json() and ss[0].record.from_json(ss[0].record.to_json()) == ss[0].record
     assert ss[2].record.status is RewardStatus.INVALID  # the RM never papers over a rule failure
     assert rm.encoded[0][1:] == ("question 0", FakeTok().decode(ss[0].response_ids, skip_special_tokens=True))
 

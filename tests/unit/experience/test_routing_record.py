@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from test_experience_seal import make_facts
+from tests._experience import make_facts
 from megarl.algo.routing import expert_load, routing_load_metrics
 from tests._routing import routing_mismatch
 from megarl.experience.packing import pack, pack_layout
@@ -166,7 +166,7 @@ def test_routing_replay_config():
     from megarl.config import ConfigError, load_config
     from megarl.models.fit import moe_num_experts, validate_model_fit
     from megarl.models.hf_config import spec_from_hf_config
-    from test_train_config import GRPO
+    from tests._train_runs import GRPO
 
     assert load_config(GRPO, []).algo.routing_replay == "none"
     check_run(load_config(GRPO, ["algo.routing_replay=rollout"]), 1)
@@ -187,65 +187,3 @@ def test_routing_replay_config():
     assert moe_num_experts(moe) == 4
     assert moe_num_experts(SimpleNamespace(raw_config={"num_local_experts": 8})) == 8
     assert moe_num_experts(SimpleNamespace(moe=SimpleNamespace(num_experts=128), raw_config={})) == 128
-
-
-def test_preparation_seals_the_samples_routing(tmp_path, monkeypatch):
-    """algo.routing_replay=rollout: each sample's routing lands in the sealed, saved record with
-    the version it was generated on; a sample without routing stops the iteration."""
-    from megarl.observability.metrics import StageTimer
-    from megarl.runtime import data_parallel
-    from test_control_preparation import REWARDS, cfg_, setup
-    from tests._control_fakes import make_samples, version
-
-    monkeypatch.setattr(data_parallel, "dp_size", lambda: 1)
-    monkeypatch.setattr(data_parallel, "dp_rank", lambda: 0)
-    v = version(5)
-    samples = make_samples(v, REWARDS, k=7)
-    for i, s in enumerate(samples):
-        g = torch.Generator().manual_seed(i)
-        rows = len(s.prompt_ids) + len(s.response_ids) - 1
-        s.routed_experts = SampleRouting(torch.rand(rows, 2, 8, generator=g).argsort(-1)[..., :2].to(torch.uint8),
-                                         8, (0, 3), "hf")
-    prep, produced, sm, v, c = setup(cfg_("algo.routing_replay=rollout"), samples=samples, v=v,
-                                     save_dir=str(tmp_path))
-    batch, m = prep.prepare(7, v, produced, StageTimer())
-    r = batch.facts.routed_experts
-    assert r.producer == RoutingProducer("rollout", "hf", v.short_id) and r.moe_layers == (0, 3)
-    mask = routing_token_mask(batch.facts.attention_mask)
-    assert torch.equal(r.experts[0][mask[0]], samples[0].routed_experts.experts)
-    assert m["prep/routing/load_max_over_mean"] >= 1.0
-    # the old log-probs replay the sealed routing; the reference routes by itself
-    (given,) = prep.actor.routings
-    assert given.replay and given.moe_layers == (0, 3) and torch.equal(given.experts, r.experts)
-    assert given.real_rows.all() and given.stats is not None and "prep/routing/mismatch_tokens" in m
-    assert prep.reference.routings == [None]
-    back = load_sealed(tmp_path / "iter_000007")
-    assert back.content_hash == batch.content_hash and torch.equal(back.facts.routed_experts.experts, r.experts)
-
-    samples[1].routed_experts = None
-    prep, produced, sm, v, c = setup(cfg_("algo.routing_replay=rollout"), samples=samples, v=v)
-    with pytest.raises(RuntimeError, match="no routed experts for 1 sample"):
-        prep.prepare(7, v, produced, StageTimer())
-
-
-def test_producer_asks_for_routing_only_with_routing_replay():
-    import dataclasses as dc
-
-    from test_control_production import BASE, make, produce
-    from tests._control_fakes import FakeRolloutEngine, load_cfg, version
-
-    class RoutingEngine(FakeRolloutEngine):
-        def result(self, request_id, c, prompt_ids, sampling, attempt=0, version_id=None):
-            r = super().result(request_id, c, prompt_ids, sampling, attempt, version_id)
-            if not sampling.return_routed_experts:
-                return r
-            rows = len(r.prompt_ids) + len(r.response_ids) - 1
-            return dc.replace(r, routed_experts=SampleRouting(torch.tensor([[[0, 1]]] * rows, dtype=torch.uint8),
-                                                              4, (0,), "fake"))
-
-    v = version(3)
-    for replay, asked in (("none", False), ("rollout", True)):
-        prod, sm, engine, v = make(load_cfg(*BASE, f"algo.routing_replay={replay}"), engine=RoutingEngine(v.short_id), v=v)
-        out = produce(prod, v)
-        assert all(s.return_routed_experts is asked for _, s in engine.calls)
-        assert all((s.routed_experts is not None) is asked for s in out.samples)

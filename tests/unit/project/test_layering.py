@@ -473,7 +473,8 @@ def _test_module_imports(root: Path) -> list:
         for path in sorted((root / folder).rglob("*.py")) if (root / folder).is_dir() else []:
             for name in _imports_of(path):
                 last = name.split(".")[-1]
-                if name.startswith("tests.") and (last.startswith("test_") or folder != "tests"):
+                bare = "." not in name and name.startswith("test_")  # from test_x import ... (a sibling on sys.path)
+                if bare or name.startswith("tests.") and (last.startswith("test_") or folder != "tests"):
                     out.append(f"{path.relative_to(root)}: {name}")
     return sorted(out)
 
@@ -492,3 +493,5 @@ def test_the_test_import_check_sees_one(tmp_path):
     (tmp_path / "tests" / "test_c.py").write_text("def f():\n    from tests.test_a import y\n")
     (tmp_path / "bench" / "b.py").write_text("from tests._support import x\n")
     assert _test_module_imports(tmp_path) == ["bench/b.py: tests._support", "tests/test_c.py: tests.test_a"]
+    (tmp_path / "tests" / "test_d.py").write_text("from test_a import y\n")  # the sibling, by its bare name
+    assert _test_module_imports(tmp_path)[-1] == "tests/test_d.py: test_a"
