@@ -99,6 +99,11 @@ def _schema_has(path):
 
     from megarl import config as C
 
+    if path.startswith("data.task.args."):  # a built-in task's own setting (megarl/builtin/tasks)
+        from megarl.builtin.tasks import TASKS, get_task
+
+        key = path.split(".")[3]
+        return any(key in {f.name for f in dataclasses.fields(get_task(t).Settings)} for t in TASKS)
     cls = C.TrainConfig
     for i, part in enumerate(path.split(".")):
         if cls is None:
@@ -126,7 +131,7 @@ def test_readme_keys_exist():
 
     text = _all_pages()
     sections = "|".join(f.name for f in dataclasses.fields(TrainConfig))
-    keys = {m.group(1) for m in re.finditer(rf"(?<![\w/.])((?:{sections})\.[a-z_][a-z_0-9.]*[a-z_0-9])\b", text)
+    keys = {m.group(1) for m in re.finditer(rf"(?<![\w/.-])((?:{sections})\.[a-z_][a-z_0-9.]*[a-z_0-9])\b", text)
             if text[m.end():m.end() + 1] != "*"}  # data.arithmetic_*: a family, not a key
     keys = {k for k in keys if not k.endswith(".py")}
     assert len(keys) > 40 and "trainer.loggers" in keys, sorted(keys)
