@@ -39,9 +39,16 @@ def check_estimator_needs(cfg) -> None:
         critic_ests = [n for n in advantage_names() if advantage_needs(n).critic]
         require(needs.critic, "algo.advantage",
                 f"algo.name=ppo uses the critic: expected one of {critic_ests}, got {a.advantage!r}")
-    require(not needs.step_rewards, "algo.advantage",
-            f"{a.advantage!r} reads per-step process rewards, which no reward function in megarl produces "
-            f"(use one of {critic_free})")
+    if needs.step_rewards:  # process rewards: the reward function must place steps
+        fn = None
+        if cfg.reward.fn and cfg.reward.fn != "composite":
+            from megarl.rewards.dataset_fields import configured_reward
+
+            fn = configured_reward(cfg)
+        require(getattr(fn, "places_steps", False) and not cfg.reward.neural_models(), "algo.advantage",
+                f"{a.advantage!r} reads per-step process rewards: reward.fn must place them (running_sum_steps, or "
+                f"a function with places_steps = True), without reward models; got reward.fn={cfg.reward.fn!r} "
+                f"(or use one of {critic_free})")
     if needs.groups:
         require(r.n >= 2, "rollout.n", f"the group estimator {a.advantage!r} needs G >= 2 samples per prompt, got {r.n}")
     require(not a.dynamic_sampling.enabled or needs.groups, "algo.dynamic_sampling.enabled",

@@ -94,6 +94,27 @@ class DerivationSettings:
         return dataclasses.replace(s, **overrides)
 
 
+def step_tensors(records, response_mask: torch.Tensor) -> tuple:
+    """The records' process rewards as ``(bs, S)`` step rewards and step-end token indices (-1 pads
+    a row's missing steps).  A record without steps (a penalty standing for a failure) is one step,
+    its total, on its last action token."""
+    mask = response_mask != 0
+    rows = []
+    for b, r in enumerate(records):
+        if r.step_rewards is not None:
+            rows.append((list(r.step_rewards), list(r.step_token_ends)))
+        else:
+            last = int(torch.nonzero(mask[b]).max()) if mask[b].any() else 0
+            rows.append(([float(r.total)], [last]))
+    S = max(1, max(len(w) for w, _ in rows))
+    rewards = torch.zeros((len(rows), S), dtype=torch.float32)
+    ends = torch.full((len(rows), S), -1, dtype=torch.long)
+    for b, (w, e) in enumerate(rows):
+        rewards[b, :len(w)] = torch.tensor(w, dtype=torch.float32)
+        ends[b, :len(e)] = torch.tensor(e, dtype=torch.long)
+    return rewards, ends
+
+
 def derive(facts: ExperienceFacts, s: DerivationSettings,
            real_sizes: Optional[Mapping[str, int]] = None) -> tuple[DerivedTensors, Dict[str, float]]:
     """The estimator's derived tensors over the sealed facts, and the ``prep/*`` metrics of
@@ -105,6 +126,9 @@ def derive(facts: ExperienceFacts, s: DerivationSettings,
     if needs.groups:
         gidx, _ = group_index(facts.group_id, real_sizes)
         inputs = AdvantageInputs(response_mask=mask, scores=scores, group_index=gidx)
+        if needs.step_rewards:
+            step_rewards, step_ends = step_tensors(facts.rewards, mask)
+            inputs = dataclasses.replace(inputs, step_rewards=step_rewards, step_token_ends=step_ends)
     else:
         if s.kl_placement == "reward":
             token_rewards, _ = kl_shaped_token_rewards(scores, mask, facts.old_log_probs, facts.ref_log_probs,

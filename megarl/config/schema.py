@@ -346,7 +346,7 @@ class AlgoConfig:
     """The algorithm: advantage estimator, policy loss, KL, epochs and batch splits."""
 
     name: str = setting("grpo", choices=ALGORITHMS)  # grpo | ppo
-    advantage: str = "grpo"  # grpo | dr_grpo | rloo | gae | reinforce_plus_plus
+    advantage: str = "grpo"  # grpo | dr_grpo | rloo | grpo_process (step rewards) | gae | reinforce_plus_plus
     gamma: float = setting(1.0, range=Range(lo=0, hi=1))  # discount (GAE)
     lam: float = setting(1.0, range=Range(lo=0, hi=1))  # GAE lambda
     zero_std_rule: str = setting("epsilon", choices=("epsilon", "skip"))  # epsilon | skip

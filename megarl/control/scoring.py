@@ -10,6 +10,7 @@ unless ``reward.penalty.<status>`` names a number for it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections import Counter
@@ -55,6 +56,8 @@ class Scorer:
                            prompt_ids=tuple(s.prompt_ids), response_ids=tuple(s.response_ids),
                            finish_reason=s.finish_reason.value, ground_truth=dict(s.prompt.ground_truth),
                            messages=s.prompt.messages) for s in samples]
+        if self.rank0 and self.runner is not None and getattr(self.runner.fn, "places_steps", False):
+            rs = [dataclasses.replace(r, response_char_ends=self._char_ends(r.response_ids)) for r in rs]
         records = None
         if self.rank0 and self.runner is not None:
             rc = self.runner.counters
@@ -76,6 +79,11 @@ class Scorer:
             records = [with_overlong_component(rec, len(s.response_ids), self.max_new_tokens, self.overlong_buffer)
                        for rec, s in zip(records, samples, strict=True)]
         record_scores(samples, records, self.cfg, self.tok, self.counters, self.quarantine_path, self.rank0)
+
+    def _char_ends(self, ids) -> tuple:
+        """Where each response token's text ends in the decoded response (the scorer's view):
+        the length of the decoded prefix through it."""
+        return tuple(len(self.tok.decode(list(ids[:t + 1]), skip_special_tokens=True)) for t in range(len(ids)))
 
     def _add_reward_model(self, rs, records, key: str, settings, rm):
         """One reward model's score (collective) added to each ok record as the component of its

@@ -33,6 +33,7 @@ class RewardSample:
     ``ground_truth`` is the dataset row minus its prompt (e.g. ``{"answer": "42"}``);
     ``messages`` are the chat messages when the prompt was a chat, so a reward model with its
     own chat template can re-render the conversation instead of re-parsing ``prompt_text``.
+    ``response_char_ends`` is filled only for a scorer that declares ``places_steps``.
     """
 
     sample_id: str
@@ -45,6 +46,9 @@ class RewardSample:
     finish_reason: str
     ground_truth: Mapping[str, Any]
     messages: tuple[Mapping[str, str], ...] | None = None
+    #: for a scorer that places step rewards (``places_steps = True``): where each response
+    #: token's text ends in ``response_text`` (its character offset), the step-to-token map's input
+    response_char_ends: tuple[int, ...] | None = None
 
 
 @runtime_checkable

@@ -31,7 +31,7 @@ __all__ = ["ISOLATION_MODES", "THREAD_SAFE_BUILTINS", "SELF_LIMITED_BUILTINS", "
 ISOLATION_MODES = ("auto", "process", "thread")
 #: builtins that cannot hang (linear-time rules) and run on threads under ``auto``; everything
 #: else -- math_verify, code execution, plug-ins -- runs in worker processes
-THREAD_SAFE_BUILTINS = frozenset({"exact_numeric", "regex", "arithmetic", "running_sum"})
+THREAD_SAFE_BUILTINS = frozenset({"exact_numeric", "regex", "arithmetic", "running_sum", "running_sum_steps"})
 #: builtins scored in one ``score_batch`` call in the trainer, with their own timeouts (the remote
 #: service: I/O, never holds the GIL): a process pool would sit idle, so ``auto`` keeps threads
 SELF_LIMITED_BUILTINS = frozenset({"http"})

@@ -15,7 +15,7 @@ from megarl.rewards.code_exec import CodeExec
 from megarl.rewards.composite import WeightedComposite
 from megarl.rewards.http import HttpReward
 from megarl.rewards.plugin import UserFunction, load_user_function
-from megarl.rewards.rules import Arithmetic, ExactNumericMatch, MathVerify, RegexFormat, RunningSum
+from megarl.rewards.rules import Arithmetic, ExactNumericMatch, MathVerify, RegexFormat, RunningSum, RunningSumSteps
 
 __all__ = ["REWARDS", "BUILTIN_REWARDS", "build_reward_function"]
 
@@ -26,6 +26,7 @@ REWARDS.add("math_verify", MathVerify)
 REWARDS.add("regex", RegexFormat)
 REWARDS.add("arithmetic", Arithmetic)
 REWARDS.add("running_sum", RunningSum)  # the long-tail reasoning task's final answer
+REWARDS.add("running_sum_steps", RunningSumSteps)  # ... and each worked step: process rewards
 REWARDS.add("http", HttpReward)  # a remote reward service (megarl/rewards/http.py); scores in batches
 REWARDS.add("code_exec", CodeExec)  # sandboxed code execution (megarl/rewards/code_exec.py); can hang: own limits
 BUILTIN_REWARDS: tuple[str, ...] = (*REWARDS.names(), "composite")

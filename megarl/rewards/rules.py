@@ -307,3 +307,51 @@ class RunningSum:
         return final_answer(text)
 
     __call__ = Arithmetic.__call__  # the same checks of the ground truth, this task's score()
+
+
+def step_token_ends(char_ends, token_char_ends) -> list:
+    """Each step's last response token: the first token whose text ends at or past the step's
+    character offset (``token_char_ends``: where each token's text ends in the response)."""
+    import bisect
+
+    return [min(bisect.bisect_left(token_char_ends, c), len(token_char_ends) - 1) for c in char_ends]
+
+
+class RunningSumSteps(RunningSum):
+    """The running-sum task's process reward: the final answer's rule (:class:`RunningSum`) as the
+    outcome, and each worked step checked against the problem
+    (:func:`megarl.data.tasks.running_sum.step_checks`), 1.0 right and 0.0 wrong, placed on the
+    step's last response token (``step_rewards`` / ``step_token_ends``; the final answer is the
+    last step).  Components: ``correct`` (the outcome) and ``step_accuracy``.  Steps that end on
+    one token (a tokenizer that joins them) are one step, right iff all of them are."""
+
+    name = "running_sum_steps"
+    places_steps = True  # the scorer gives it response_char_ends; grpo_process reads its steps
+
+    def __init__(self, answer_key: str = "answer"):
+        super().__init__(answer_key)
+        self.version = f"running_sum_steps/1(answer_key={self.answer_key!r})"
+
+    def __call__(self, sample: RewardSample) -> RewardRecord:
+        from megarl.data.tasks.running_sum import step_checks
+
+        outcome = RunningSum.__call__(self, sample)
+        if outcome.status is not RewardStatus.OK:
+            return outcome
+        if not sample.response_char_ends:
+            return RewardRecord(total=None, scorer_version=self.version, status=RewardStatus.ERROR,
+                                error="running_sum_steps: the sample carries no response_char_ends (the scorer "
+                                      "fills them for a reward that places steps)")
+        checks = step_checks(sample.prompt_text, sample.response_text)
+        if not checks:  # nothing worked and no final answer: the outcome is the one step, on the last token
+            checks = [(len(sample.response_text), outcome.total == 1.0)]
+        ends = step_token_ends([c for c, _ in checks], list(sample.response_char_ends))
+        merged: dict = {}
+        for end, (_, right) in zip(ends, checks, strict=True):
+            merged[end] = merged.get(end, True) and right
+        steps = sorted(merged.items())
+        rewards = tuple(1.0 if right else 0.0 for _, right in steps)
+        return RewardRecord(total=outcome.total, components={"correct": outcome.total,
+                                                             "step_accuracy": sum(rewards) / len(rewards)},
+                            scorer_version=self.version, step_rewards=rewards,
+                            step_token_ends=tuple(e for e, _ in steps))

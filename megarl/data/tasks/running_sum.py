@@ -37,7 +37,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from megarl.data.tasks.arithmetic import write_jsonl
 from megarl.errors import MegarlError, cli_main
 
-__all__ = ["SPLITS", "TAGS", "final_answer", "make_problems", "problem_split", "prompt", "score", "solution", "length_cdf", "main"]
+__all__ = ["SPLITS", "TAGS", "final_answer", "make_problems", "problem_split", "prompt", "prompt_terms", "score",
+           "solution", "step_checks", "length_cdf", "main"]
 
 SPLITS = ("train", "heldout")
 HELDOUT_MODULUS = 10
@@ -158,6 +159,45 @@ def score(response_text: str, answer: str | int) -> float:
     if not want.isdigit():
         raise ValueError(f"answer must be a non-negative integer, got {answer!r}")
     return 1.0 if final_answer(response_text) == (want.lstrip("0") or "0") else 0.0
+
+
+_PROMPT_TERM = re.compile(r"\b([a-z])\s+([0-9])\b")
+_STEP = re.compile(r"([a-z])\s+((?:[0-9]\s*)+?)\s*\+\s*((?:[0-9]\s*)+?)\s*=\s*((?:[0-9]\s?)*[0-9])")
+
+
+def prompt_terms(prompt_text: str) -> list:
+    """The terms of a problem's prompt, in order (``"sum a 3 b 5 c 2 ?"`` -> ``[3, 5, 2]``)."""
+    body = prompt_text.split("sum", 1)[-1]
+    return [int(t) for _, t in _PROMPT_TERM.findall(body)]
+
+
+def step_checks(prompt_text: str, response_text: str) -> list:
+    """Each worked step of a response checked against its problem: ``[(end, right)]``, ``end`` the
+    character offset in ``response_text`` just past the step's last digit, ``right`` whether the
+    step is the problem's step k -- its k-th tag and term, the true running total before it and
+    after it -- then the final answer as one more step (``so`` and the total), right iff
+    :func:`score` says so.  A step written after the problem's last term is wrong; steps the
+    response leaves out are not scored (its final answer is then wrong, or right by luck).
+
+    >>> step_checks("sum a 3 b 5 ?", "a 3 + 0 = 3 , b 5 + 3 = 9 so 9")
+    [(11, True), (25, False), (30, False)]
+    """
+    terms = prompt_terms(prompt_text)
+    out, total = [], 0
+    text = _SPECIAL.sub(lambda m: " " * len(m.group(0)), response_text)  # offsets stay the response's
+    final = _FINAL.search(text.rstrip())
+    body_end = final.start() if final is not None else len(text)
+    for k, m in enumerate(_STEP.finditer(text[:body_end])):
+        tag, term, before, after = m.group(1), *("".join(g.split()) for g in m.group(2, 3, 4))
+        right = (k < len(terms) and tag == TAGS[k] and int(term) == terms[k] and int(before) == total
+                 and int(after) == total + terms[k])
+        if k < len(terms):
+            total += terms[k]
+        out.append((m.end(4), right))
+    if final is not None:
+        out.append((final.end(1) if text[final.end(1) - 1:final.end(1)].strip() else len(text.rstrip()),
+                    score(response_text, sum(terms)) == 1.0))
+    return out
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -232,3 +232,34 @@ def test_preparation_seals_the_samples_routing(tmp_path, monkeypatch):
     prep, produced, sm, v, c = setup(cfg_("algo.routing_replay=rollout"), samples=samples, v=v)
     with pytest.raises(RuntimeError, match="no routed experts for 1 sample"):
         prep.prepare(7, v, produced, StageTimer())
+
+
+def test_process_rewards_reach_the_estimator_from_the_sealed_records(tmp_path):
+    """algo.advantage=grpo_process: each record's step rewards, placed on their tokens, are what
+    the estimator reads (its advantages over the sealed records' step tensors, bitwise), and the
+    sealed batch keeps them.  Negative control: the outcome GRPO over the same records differs."""
+    from megarl.algo.advantages import AdvantageConfig, AdvantageInputs, grpo_process_advantage
+    from megarl.algo.derivation import step_tensors
+    from megarl.experience.groups import group_index
+    from megarl.experience.schema import RewardRecord
+
+    v = version(5)
+    samples = make_samples(v, REWARDS, k=7)
+    for i, s in enumerate(samples):  # one step per response token, right on even tokens of odd samples
+        n = len(s.response_ids)
+        steps = tuple(float((t + i) % 2) for t in range(n))
+        s.record = RewardRecord(total=steps[-1], scorer_version="steps/1", step_rewards=steps,
+                                step_token_ends=tuple(range(n)))
+    prep, produced, sm, v, c = setup(cfg_("algo.advantage=grpo_process"), samples=samples, v=v)
+    batch, m = prep.prepare(7, v, produced, StageTimer())
+    f = batch.facts
+    assert [r.step_rewards for r in f.rewards] == [s.record.step_rewards for s in samples]
+    rewards, ends = step_tensors(f.rewards, f.response_mask)
+    want = grpo_process_advantage(AdvantageInputs(response_mask=f.response_mask, group_index=group_index(f.group_id)[0],
+                                                  step_rewards=rewards, step_token_ends=ends),
+                                  AdvantageConfig())
+    assert torch.equal(batch.derived.advantages, want.advantages), (batch.derived.advantages, want.advantages)
+    assert batch.derived.estimator == "grpo_process" and m["prep/adv/groups"] == 3
+    prep, produced, sm, v, c = setup(cfg_(), samples=samples, v=v)
+    outcome, _ = prep.prepare(7, v, produced, StageTimer())
+    assert not torch.equal(outcome.derived.advantages, batch.derived.advantages)
