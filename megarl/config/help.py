@@ -73,9 +73,12 @@ def _field_comments() -> Dict[Tuple[str, str], str]:
 
 
 def _dataclass_of(tp) -> Any:
-    """The dataclass in ``tp`` (``Optional[CriticConfig]`` -> ``CriticConfig``), or None."""
+    """The dataclass in ``tp`` (``Optional[CriticConfig]`` -> ``CriticConfig``), or None (a list of
+    sections, ``reward.models``, is one key: its entries' keys are its comment's)."""
     if dataclasses.is_dataclass(tp):
         return tp
+    if typing.get_origin(tp) is not typing.Union:
+        return None
     for arg in typing.get_args(tp):
         if dataclasses.is_dataclass(arg):
             return arg

@@ -28,8 +28,11 @@ def _declared(cls, prefix: str = "") -> typing.Iterator[tuple[str, dataclasses.F
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
+        # a section, or an Optional one (critic); a list of sections (reward.models) is checked per
+        # entry where it is read (validation._validate_reward_models)
+        optional = typing.get_origin(tp) is typing.Union
         sub = tp if dataclasses.is_dataclass(tp) else next(
-            (a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)), None)
+            (a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)), None) if optional else None
         if sub is not None:
             yield from _declared(sub, f"{prefix}{f.name}.")
         else:
