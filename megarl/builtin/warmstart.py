@@ -46,6 +46,20 @@ def prompt_answer_sequences(tok, rows, field: str = "answer"):
     return prompts, answers
 
 
+def left_padded(prompts, pad_id: int):
+    """Prompts left-padded to one width for a batched greedy ``generate``: ``(ids, attention_mask)``;
+    each row's answer starts at column ``ids.shape[1]`` of the output."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    att = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        att[i, width - len(p):] = 1
+    return ids, att
+
+
 def is_demo(i: int, share: float) -> bool:
     """Whether warm-start sequence ``i`` is a tool-use demonstration: evenly spaced, so every
     batch holds the same share (``floor((i + 1) * share) > floor(i * share)``)."""

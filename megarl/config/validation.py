@@ -119,7 +119,8 @@ def validate_agent_settings(cfg: TrainConfig) -> None:
     rw = cfg.reward
     _need(rw.fn is None, "reward.fn", f"is {rw.fn!r}, but rollout.agent.env={ag.env!r} scores each episode by the "
           "environment's reward components; set reward.fn: null")
-    _need(not rw.neural_models(), rw.neural_models()[0][0] + ".path" if rw.neural_models() else "reward.model.path",
+    models = rw.neural_models()
+    _need(not models, f"{models[0][0]}.path" if models else "reward.model.path",
           f"is set, but rollout.agent.env={ag.env!r} scores each episode by the environment; unset it")
     _need(rw.overlong_buffer is None, "reward.overlong_buffer",
           f"is set, but rollout.agent.env={ag.env!r} budgets episodes with rollout.agent.max_total_tokens; unset it")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megarl.builtin.warmstart import (
-    EVALUATION_SEED, VALIDATION_SEED, SequenceSource, prompt_answer_sequences, training_tensors,
+    EVALUATION_SEED, VALIDATION_SEED, SequenceSource, left_padded, prompt_answer_sequences, training_tensors,
 )
 from megarl.config.schema import COUNT, setting
 from megarl.errors import MegarlError
@@ -123,13 +123,8 @@ def heldout_accuracy(model_dir: str, n: int = 200, seed: int = EVALUATION_SEED, 
     tok = TokenizerContract.from_pretrained(model_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
     probs = make_problems("heldout", seed, n, digits=tuple(digits), ops=tuple(ops), distinct=True)
-    prompts, _ = prompt_answer_sequences(tok, probs)
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), tok.pad_token_id, dtype=torch.long)
-    att = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        att[i, width - len(p):] = 1
+    ids, att = left_padded(prompt_answer_sequences(tok, probs)[0], tok.pad_token_id)
+    width = ids.shape[1]
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=att, do_sample=False, max_new_tokens=max_new_tokens,
                              eos_token_id=tok.eos_token_id if stop_ids is None else list(stop_ids),

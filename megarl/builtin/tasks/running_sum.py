@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megarl.builtin.warmstart import (
-    EVALUATION_SEED, VALIDATION_SEED, SequenceSource, prompt_answer_sequences, training_tensors,
+    EVALUATION_SEED, VALIDATION_SEED, SequenceSource, left_padded, prompt_answer_sequences, training_tensors,
 )
 from megarl.config.schema import Range, setting
 
@@ -69,13 +69,8 @@ def greedy_answers(model_dir: str, rows, max_new_tokens: int = 320, batch: int =
     right, lengths = [False] * len(rows), [0] * len(rows)
     for start in range(0, len(order), batch):
         part = order[start:start + batch]
-        prompts, _ = prompt_answer_sequences(tok, [rows[i] for i in part], "solution")
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), tok.pad_token_id, dtype=torch.long)
-        att = torch.zeros_like(ids)
-        for j, p in enumerate(prompts):
-            ids[j, width - len(p):] = torch.tensor(p)
-            att[j, width - len(p):] = 1
+        ids, att = left_padded(prompt_answer_sequences(tok, [rows[i] for i in part], "solution")[0], tok.pad_token_id)
+        width = ids.shape[1]
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=att, do_sample=False, max_new_tokens=max_new_tokens,
                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
