@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from megarl.errors import MegarlError
+from megarl.errors import ConfigError, MegarlError
 
 #: the torchrun variables a rank's child process (the tiny model's build) must not inherit
 _DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
@@ -201,6 +201,15 @@ def check_model(cfg) -> dict:
                       *((f"{k}.path", m.path) for k, m in cfg.reward.neural_models())):
         if path is not None and not os.path.isfile(os.path.join(path, "config.json")):
             raise ConfigError(f"{key}: {path} has no config.json (expected an HF or megarl checkpoint)")
+    for key, m in cfg.reward.neural_models():
+        try:
+            head = load_spec(m.path)
+        except ModelConfigError as e:
+            raise ConfigError(f"{key}.path: {e}") from None
+        if not head.value_head:
+            raise ConfigError(f"{key}.path: {m.path} is {head.architecture}, not a reward model (expected an HF "
+                              "*ForSequenceClassification or *ForTokenClassification with num_labels=1; "
+                              "python -m megarl.train_rm makes one from a causal LM)")
     return sources
 
 
@@ -213,6 +222,15 @@ def check_reward(cfg) -> None:
 
         # the start-up data check reads its field declaration from this object
         check_sandbox_hides_data(cfg, configured_reward(cfg))
+    if cfg.eval.grader is not None:
+        from megarl.rewards import build_reward_function
+
+        try:
+            build_reward_function(cfg.eval.grader, cfg.eval.grader_kwargs, [])
+        except MegarlError as e:
+            raise ConfigError(f"eval.grader: {str(e).removeprefix('reward.fn: ')}") from None
+        except (ValueError, TypeError, ImportError) as e:
+            raise ConfigError(f"eval.grader: {cfg.eval.grader!r}: {e}") from None
 
 
 def write_run_files(cfg, run_dir: str, cfg_hash: str, world: int, dp: int, sources: dict | None = None) -> None:

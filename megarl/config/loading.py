@@ -23,17 +23,17 @@ from megarl.hashing import json_sha256
 # ---- loading ---------------------------------------------------------------------------------
 
 
-def _closest_key(key: str) -> str:
+def _closest_key(key: str, schema=TrainConfig) -> str:
     """`` (did you mean X?)`` for the schema key nearest to a mistyped one, or ``""``."""
     import difflib
 
-    from megarl.config.help import schema_keys
+    from megarl.config.help import iter_keys
 
-    close = difflib.get_close_matches(key, schema_keys(), n=1, cutoff=0.6)
+    close = difflib.get_close_matches(key, [k.key for k in iter_keys(schema)], n=1, cutoff=0.6)
     if close:
         return f" (did you mean {close[0]}?)"
     if "." not in key:  # a top-level key: name the sections (python -m megarl.train --help lists their keys)
-        return f" (the top level holds: {', '.join(f.name for f in dataclasses.fields(TrainConfig))})"
+        return f" (the top level holds: {', '.join(f.name for f in dataclasses.fields(schema))})"
     return ""
 
 
@@ -58,7 +58,7 @@ MOVED = {
 }
 
 
-def _omegaconf_error(e: Exception, where: str, key: Optional[str] = None) -> ConfigError:
+def _omegaconf_error(e: Exception, where: str, key: Optional[str] = None, schema=TrainConfig) -> ConfigError:
     """omegaconf's exception as one line that blames ``where`` (the recipe file, or the one
     override that caused it) and names the key in the schema's words."""
     from omegaconf.errors import ConfigKeyError
@@ -68,7 +68,7 @@ def _omegaconf_error(e: Exception, where: str, key: Optional[str] = None) -> Con
     if isinstance(e, ConfigKeyError) and key and str(key) in MOVED:
         return ConfigError(f"{where}: {key} has moved: set {MOVED[str(key)]}")
     if isinstance(e, ConfigKeyError) and key:
-        return ConfigError(f"{where}: unknown key {key}{_closest_key(str(key))}")
+        return ConfigError(f"{where}: unknown key {key}{_closest_key(str(key), schema)}")
     if "is not a ListConfig" in msg and key:
         value = getattr(e, "value", None)
         example = value if isinstance(value, (int, float, str)) and not isinstance(value, bool) else 3
@@ -115,39 +115,41 @@ def _recipe_chain(path: str, _seen: tuple[str, ...] = ()) -> list:
     return chain + [(path, recipe)]
 
 
-def merge_config(path: Optional[str], overrides: list[str] = ()):
+def merge_config(path: Optional[str], overrides: list[str] = (), schema=TrainConfig):
     """The recipe and the overrides merged onto the schema: an omegaconf ``DictConfig``, not yet
     resolved (``--print-config`` shows it; :func:`load_config` turns it into a
-    :class:`TrainConfig`).  A bad recipe is blamed on its file, a bad override on the override."""
+    :class:`TrainConfig`, or the ``schema`` given).  A bad recipe is blamed on its file, a bad
+    override on the override."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    merged = OmegaConf.structured(TrainConfig)
+    merged = OmegaConf.structured(schema)
+    critic = schema is TrainConfig  # the one Optional section (null by default)
     if path is not None:
         if not os.path.isfile(path):
             raise ConfigError(f"--config {path}: file not found")
         for file, recipe in _recipe_chain(path):
             try:
-                if recipe.get("critic") is not None and merged.critic is None:
+                if critic and recipe.get("critic") is not None and merged.critic is None:
                     # an Optional[dataclass] node merges only onto a structured default
                     merged.critic = OmegaConf.structured(CriticConfig)
                 merged = OmegaConf.merge(merged, recipe)
             except OmegaConfBaseException as e:
-                raise _omegaconf_error(e, file) from None
+                raise _omegaconf_error(e, file, schema=schema) from None
     for ov in overrides:
         if "=" not in ov:
             raise ConfigError(f"override {ov!r}: expected key=value")
         key = ov.split("=", 1)[0]
         try:
-            if ov.startswith("critic.") and merged.critic is None:
+            if critic and ov.startswith("critic.") and merged.critic is None:
                 merged.critic = OmegaConf.structured(CriticConfig)
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([ov]))
         except OmegaConfBaseException as e:
-            raise _omegaconf_error(e, f"override {ov!r}", key=key) from None
+            raise _omegaconf_error(e, f"override {ov!r}", key=key, schema=schema) from None
     return merged
 
 
-def load_config(path: Optional[str], overrides: list[str] = ()) -> TrainConfig:
+def load_config(path: Optional[str], overrides: list[str] = (), schema=TrainConfig) -> TrainConfig:
     """YAML recipe + dotlist overrides merged onto the schema; a typed :class:`TrainConfig`.
 
     Unknown keys, wrong types and missing required keys raise :class:`ConfigError` naming the
@@ -157,7 +159,7 @@ def load_config(path: Optional[str], overrides: list[str] = ()) -> TrainConfig:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    merged = merge_config(path, overrides)
+    merged = merge_config(path, overrides, schema)
     missing = sorted(OmegaConf.missing_keys(merged))
     if missing:
         raise ConfigError(f"{path or 'config'}: required key(s) not set: {', '.join(missing)} "
@@ -165,7 +167,7 @@ def load_config(path: Optional[str], overrides: list[str] = ()) -> TrainConfig:
     try:
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
-        raise _omegaconf_error(e, path or "config") from None
+        raise _omegaconf_error(e, path or "config", schema=schema) from None
     if path is not None and cfg.recipe == "custom":
         cfg.recipe = os.path.splitext(os.path.basename(path))[0]
     return cfg

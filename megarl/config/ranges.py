@@ -54,9 +54,20 @@ def lookup(cfg, dotted: str):
     return True, node
 
 
-def range_errors(cfg):
-    """``(key, message)`` for every value out of its range, in schema order."""
-    for key, rule in RANGES.items():
+def declared_ranges(schema) -> dict:
+    """dotted key -> :class:`Range` of another schema than the trainer's (``megarl.train_rm``'s)."""
+    return {key: f.metadata["range"] for key, f in _declared(schema) if "range" in f.metadata}
+
+
+def declared_choices(schema) -> dict:
+    """dotted key -> the choices a key of ``schema`` declares."""
+    return {key: f.metadata["choices"] for key, f in _declared(schema) if "choices" in f.metadata}
+
+
+def range_errors(cfg, ranges=None):
+    """``(key, message)`` for every value out of its range, in schema order (``ranges``: another
+    schema's, :func:`declared_ranges`)."""
+    for key, rule in (RANGES if ranges is None else ranges).items():
         found, v = lookup(cfg, key)
         if not found:
             continue

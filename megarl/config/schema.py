@@ -524,6 +524,11 @@ class EvalConfig:
     k: List[int] = setting(default_factory=list, range=Range(lo=1, each=True))
     source_field: str = "source"  # per-source metrics when the rows carry this field
     seed: int = setting(0, range=SEED)  # of the pass@k / maj@k samples (per-candidate seeds, as in training)
+    #: the reward function the held-out evaluation grades with instead of the training reward (a
+    #: reward.fn name, e.g. arithmetic, for a run trained on a reward model or a judge: the accuracy
+    #: is then the rule's, not the model's); null: the training reward
+    grader: Optional[str] = None
+    grader_kwargs: dict = field(default_factory=dict)  # keyword arguments of eval.grader
 
 
 @dataclass

@@ -13,6 +13,7 @@ driver are the only ones that import the components.
 from __future__ import annotations
 
 import os
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
@@ -79,6 +80,8 @@ class Parts:
     reward_runner: Optional[RewardRunner]  # rank 0 only
     reward_models: Tuple[Union[RewardModel, FaultyRewardModel], ...]  # reward.model, then reward.models
     kl_ctl: Union[FixedKLController, AdaptiveKLController]
+    #: rank 0's runner of eval.grader, the held-out evaluation's rule (None: it grades with the training reward)
+    grader_runner: Optional[RewardRunner] = None
 
 
 @dataclass
@@ -135,7 +138,8 @@ def assemble(cfg: TrainConfig, model_path: str, tokenizer_dir: str) -> Parts:
               else FixedKLController(a.kl.beta))
     return Parts(tok=tok, train_data=train_data, heldout=heldout, sampler=sampler, actor=actor, reference=reference,
                  critic=critic, injector=injector, reward_fn=reward_fn, reward_runner=runner,
-                 reward_models=reward_models, kl_ctl=kl_ctl)
+                 reward_models=reward_models, kl_ctl=kl_ctl,
+                 grader_runner=grader_runner(cfg, dist.get_rank() == 0))
 
 
 def _rewards(cfg: TrainConfig, injector: Optional[FaultInjector], rank0: bool):
@@ -148,11 +152,7 @@ def _rewards(cfg: TrainConfig, injector: Optional[FaultInjector], rank0: bool):
     runner = None
     if fn and rank0:
         # faults.reward_timeout_rate wraps fn here, in the trainer: those runs stay on threads
-        isolation = "thread" if cfg.faults.reward_timeout_rate else resolve_isolation(r.isolation, r.fn, r.components)
-        spec = {"fn": r.fn, "kwargs": dict(r.kwargs or {}), "components": list(r.components or [])}
-        runner = RewardRunner(fn, timeout_s=r.timeout_s, max_retries=r.max_retries, backoff_s=r.retry_backoff_s,
-                              max_workers=r.workers, isolation=isolation, spec=spec, kill_grace_s=r.kill_grace_s,
-                              max_memory_mb=r.max_memory_mb, cpu_time_s=r.cpu_time_s)
+        runner = _runner(r, fn, "thread" if cfg.faults.reward_timeout_rate else None)
     reward_models = []
     p = cfg.parallel
     for key, m in r.neural_models():  # each its own frozen role: its own tokenizer, template, offload
@@ -165,6 +165,40 @@ def _rewards(cfg: TrainConfig, injector: Optional[FaultInjector], rank0: bool):
             rm = FaultyRewardModel(rm, injector, m.timeout_s)
         reward_models.append(rm)
     return fn, runner, tuple(reward_models)
+
+
+def _runner(r, fn, isolation: Optional[str] = None) -> RewardRunner:
+    """The rank-0 runner of the reward section ``r``'s rule function ``fn``."""
+    isolation = isolation or resolve_isolation(r.isolation, r.fn, r.components)
+    spec = {"fn": r.fn, "kwargs": dict(r.kwargs or {}), "components": list(r.components or [])}
+    return RewardRunner(fn, timeout_s=r.timeout_s, max_retries=r.max_retries, backoff_s=r.retry_backoff_s,
+                        max_workers=r.workers, isolation=isolation, spec=spec, kill_grace_s=r.kill_grace_s,
+                        max_memory_mb=r.max_memory_mb, cpu_time_s=r.cpu_time_s)
+
+
+def grading_reward(cfg: TrainConfig):
+    """``eval.grader`` as a reward section: that rule alone (no reward model, no composite, no
+    shaping), with the training reward's timeouts, isolation and penalties; None when unset."""
+    from megarl.config.schema import RewardModelConfig
+
+    if cfg.eval.grader is None:
+        return None
+    return dataclasses.replace(cfg.reward, fn=cfg.eval.grader, kwargs=dict(cfg.eval.grader_kwargs), components=[],
+                               model=RewardModelConfig(), models=[], overlong_buffer=None)
+
+
+def grader_scorer(cfg: TrainConfig, tok: TokenizerContract, runner: Optional[RewardRunner], counters,
+                  quarantine_path: str, rank0: bool) -> Scorer:
+    """The held-out evaluation's scorer under ``eval.grader`` (``runner``: rank 0's,
+    :func:`grader_runner`)."""
+    return Scorer(grading_reward(cfg), tok, runner, (), counters, quarantine_path, rank0,
+                  max_new_tokens=cfg.rollout.max_new_tokens, shape_overlong=False)
+
+
+def grader_runner(cfg: TrainConfig, rank0: bool) -> Optional[RewardRunner]:
+    """Rank 0's runner of ``eval.grader`` (None elsewhere, or when unset)."""
+    r = grading_reward(cfg)
+    return _runner(r, build_reward_function(r.fn, r.kwargs, r.components)) if r is not None and rank0 else None
 
 
 def make_scorer(cfg: TrainConfig, tok: TokenizerContract, runner: Optional[RewardRunner], reward_models, counters,
@@ -204,6 +238,9 @@ def evaluation_scorer(cfg: TrainConfig, tok: TokenizerContract, counters, quaran
     agent's episodes by their environment: no runner, no function).  Close the runner after use."""
     if cfg.rollout.agent.env:
         return episode_scorer(cfg, tok, counters, quarantine_path, True), None, None
+    if cfg.eval.grader is not None:  # the rule, not the training reward
+        runner = grader_runner(cfg, True)
+        return grader_scorer(cfg, tok, runner, counters, quarantine_path, True), runner, runner.fn
     fn, runner, reward_models = _rewards(cfg, None, rank0=True)
     scorer = make_scorer(cfg, tok, runner, reward_models, counters, quarantine_path, True, shape_overlong=False)
     return scorer, runner, fn
@@ -328,8 +365,11 @@ def wire_components(cfg: TrainConfig, parts: Parts, eng: EngineParts, *, sm: Ite
         learning_actor = FaultyActor(parts.actor, parts.injector, cfg.algo.ppo_epochs * cfg.algo.num_mini_batches)
     learner = Learner(cfg, actor=learning_actor, critic=parts.critic, sm=sm, kl_ctl=parts.kl_ctl, counters=counters,
                       dp=dp, sync_dtype=eng.sync_dtype, rank0=rank0, ckpt_root=ckpt_root)
+    eval_scorer = episode_scorer(cfg, parts.tok, counters, quarantine, rank0) if agentic else scorer(False)
+    if cfg.eval.grader is not None:  # the held-out accuracy is that rule's
+        eval_scorer = grader_scorer(cfg, parts.tok, parts.grader_runner, counters, quarantine, rank0)
     evaluator = Evaluator(cfg.eval, parts.heldout, engine=rollout_engine, placement=eng.placement,
-                          scorer=episode_scorer(cfg, parts.tok, counters, quarantine, rank0) if agentic else scorer(False),
+                          scorer=eval_scorer,
                           progress=progress, run_id=run_id, default_max_new_tokens=cfg.rollout.max_new_tokens,
                           max_retries=cfg.rollout.max_retries, decode=parts.tok.decode,
                           results_dir=os.path.join(run_dir, "eval") if cfg.eval.save_results and rank0 else None)

@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from megarl.data.scorer_input import render_for_scorer  # noqa: F401  (the scorers' rendering, re-exported)
 from megarl.data.tokenizer import TokenizerContract
 from megarl.models.forward import scalar_values
 from megarl.models.hf_config import sequence_score_positions
@@ -29,17 +30,6 @@ from megarl.models.megatron_ckpt import load_model
 from megarl.models.weights import unwrap
 from megarl.roles.common import freeze
 from megarl.runtime.data_parallel import map_rows
-
-
-def render_for_scorer(contract, messages: Optional[Sequence[dict]], prompt_text: str, response_text: str) -> list:
-    """A scorer's own rendering of (prompt, response) with its tokenizer ``contract``: the chat
-    (the prompt's messages, or the prompt text as one user turn) and the response as the
-    assistant's turn through its chat template; without a template, the two texts joined."""
-    if contract.chat_template is not None:
-        chat = list(messages) if messages else [{"role": "user", "content": prompt_text}]
-        return contract.encode_prompt(chat + [{"role": "assistant", "content": response_text}],
-                                      add_generation_prompt=False)
-    return contract.tokenizer.encode(prompt_text + response_text, add_special_tokens=True)
 
 
 def input_digest(ids: Sequence[int]) -> str:
@@ -105,20 +95,31 @@ class RewardModel:
         """``(n,)`` float scores, the head at each sequence's last token -- its last non-pad token
         for a sequence-classification head (collective: every rank passes the same ``inputs``;
         rows are split over DP)."""
-        n = len(inputs)
-        L = max(len(x) for x in inputs)
-        pad = self.contract.pad_token_id or 0
-        tokens = torch.full((n, L), pad, dtype=torch.long)
-        for i, x in enumerate(inputs):
-            tokens[i, :len(x)] = torch.tensor(list(x), dtype=torch.long)
-        lengths = torch.tensor([len(x) for x in inputs], dtype=torch.long)
         ctx = self.offloader.on_device() if self.offloader is not None else contextlib.nullcontext()
         with ctx:
-            def run(tok, ln):
-                v = scalar_values(self.model, tok, self.micro_batch_size, lengths=ln, pack=self.pack,
-                                  micro_batch_tokens=self.micro_batch_tokens)
-                at = (sequence_score_positions(tok, ln, self.score_pad_id) if self.sequence_score
-                      else (ln - 1).clamp(min=0))
-                return v.gather(1, at[:, None].to(v.device))[:, 0].float()
+            return sequence_scores(self.model, inputs, self.contract.pad_token_id or 0, self.score_pad_id,
+                                   self.sequence_score, self.micro_batch_size, pack=self.pack,
+                                   micro_batch_tokens=self.micro_batch_tokens)
 
-            return map_rows(run, tokens, lengths).cpu()
+
+@torch.no_grad()
+def sequence_scores(model, inputs: Sequence[Sequence[int]], pad_id: int, score_pad_id: Optional[int],
+                    sequence_score: bool, micro_batch_size: int, pack: bool = False,
+                    micro_batch_tokens: int = 0) -> torch.Tensor:
+    """``(n,)`` float scores of a value-head ``model`` on token rows ``inputs`` (padded with
+    ``pad_id``): the head at each row's last non-``score_pad_id`` token when ``sequence_score``
+    (HF *ForSequenceClassification), else at its last token.  Collective: every rank passes the
+    same rows; they are split over DP."""
+    n = len(inputs)
+    L = max(len(x) for x in inputs)
+    tokens = torch.full((n, L), pad_id, dtype=torch.long)
+    for i, x in enumerate(inputs):
+        tokens[i, :len(x)] = torch.tensor(list(x), dtype=torch.long)
+    lengths = torch.tensor([len(x) for x in inputs], dtype=torch.long)
+
+    def run(tok, ln):
+        v = scalar_values(model, tok, micro_batch_size, lengths=ln, pack=pack, micro_batch_tokens=micro_batch_tokens)
+        at = sequence_score_positions(tok, ln, score_pad_id) if sequence_score else (ln - 1).clamp(min=0)
+        return v.gather(1, at[:, None].to(v.device))[:, 0].float()
+
+    return map_rows(run, tokens, lengths).cpu()

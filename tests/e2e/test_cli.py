@@ -282,9 +282,15 @@ def _recipes(tmp_path):
     from tests._moe import QWEN3_30B_A3B
 
     qwen3_moe = _fake_hf(tmp_path / "qwen3_30b_a3b", QWEN3_30B_A3B)
+    tiny_rm = _fake_hf(tmp_path / "tiny_rm", {
+        "architectures": ["LlamaForSequenceClassification"], "model_type": "llama", "num_labels": 1, "vocab_size": 112,
+        "hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 256, "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "pad_token_id": 0})
     out = {"grpo_arith_tiny.yaml": (1, []), "ppo_arith_tiny.yaml": (1, []), "grpo_moe_tiny.yaml": (1, []),
            "grpo_arith_async_tiny.yaml": (2, []),  # 1 trainer rank + 1 rollout rank
            "grpo_calc_tiny.yaml": (1, []), "grpo_two_turn_tiny.yaml": (1, []), "grpo_rsum_tiny.yaml": (1, []),
+           # its reward model is configs/train_rm/arith_tiny.yaml's export: a config.json-only one here
+           "ppo_arith_rm_tiny.yaml": (1, [f"reward.models=[{{name: arith_rm, path: {tiny_rm}}}]"]),
            "grpo_qwen2_7b.yaml": (8, [f"model.path={qwen}", f"data.train_path={data}"]),
            # the recipe names the Hub id; without network the test points it at config.json only
            "grpo_qwen3_30b_a3b.yaml": (8, [f"model.path={qwen3_moe}", f"data.train_path={data}"]),

@@ -758,7 +758,7 @@ def test_neural_reward_model_uses_its_own_template(assets, tmp_path):
     tpl.write_text(RM_TEMPLATE)
     run_dir = str(tmp_path / "rm_run")
     rm_run = ["reward.fn=null", f"reward.model.path={rm_dir}", f"reward.model.chat_template={tpl}",
-              "eval.every=0", "eval.success_threshold=1.0e9", "trainer.checkpoint_every=1",
+              "eval.every=0", "eval.grader=arithmetic", "eval.save_results=true", "trainer.checkpoint_every=1",
               "reward.model.timeout_s=3", "reward.penalty.error=-1", "reward.penalty.timeout=-2",
               "faults.reward_model_error_at=[1]", "faults.reward_model_timeout_at=[2]"]
     run_train(assets, run_dir, GRPO, extra=[*rm_run, "trainer.iterations=3"])
@@ -789,6 +789,16 @@ def test_neural_reward_model_uses_its_own_template(assets, tmp_path):
         worst = max(worst, abs(r.total - want))
     assert within(worst, 1e-4, "train_e2e/reward_model_vs_transformers"), worst
     assert len({r.total for r in f.rewards}) > 1
+    # eval.grader: the held-out answers are graded by the rule, not by the reward model it trained on
+    from megarl.data.tasks.arithmetic import score
+
+    with open(assets["heldout"]) as fh:
+        answers = {r["id"]: r["answer"] for r in map(json.loads, fh)}
+    graded = [json.loads(line) for line in open(os.path.join(run_dir, "eval", "iter_3.jsonl"))]
+    assert graded and all(row["rewards"] == [score(row["responses"][0], answers[row["prompt_id"]])]
+                          and row["components"] == [{"arithmetic": row["rewards"][0]}] for row in graded), graded[:2]
+    acc = sum(row["rewards"][0] for row in graded) / len(graded)
+    assert metrics(run_dir)[-1]["eval/accuracy"] == acc
     # the same path, other weights: refused before anything trains, naming the key
     make_tiny_hf_checkpoint(rm_dir, "llama", seed=4, value_head=True, vocab_size=112, hidden_size=32,
                             num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,

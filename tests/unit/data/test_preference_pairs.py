@@ -1,0 +1,83 @@
+"""Preference files (megarl/data/preference.py) and the built-in arithmetic pairs
+(megarl/builtin/preference_pairs.py)."""
+
+import json
+
+import pytest
+
+from megarl.builtin.preference_pairs import MISSES, arithmetic_pairs
+from megarl.data.preference import PreferenceDataError, parse_pair, read_pairs, render_pairs
+from megarl.data.tasks.arithmetic import problem_key, score
+
+
+def _write(tmp_path, rows, name="pairs.jsonl"):
+    p = tmp_path / name
+    p.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(p)
+
+
+def test_both_layouts_parse_to_the_same_pair():
+    text = parse_pair({"prompt": [{"role": "user", "content": "q"}], "chosen": "a", "rejected": "b"}, "f:1")
+    chat = parse_pair({"chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                       "rejected": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "b"}]}, "f:2")
+    assert (text.messages, text.chosen, text.rejected) == (chat.messages, chat.chosen, chat.rejected)
+    plain = parse_pair({"prompt": "q", "chosen": "a", "rejected": "b"}, "f:3")
+    assert plain.messages is None and plain.prompt_text == "q"
+
+
+@pytest.mark.parametrize("row, words", [
+    ({"prompt": "q", "chosen": "a"}, ["f.jsonl:2", "no rejected key"]),
+    ({"prompt": "q", "good": "a", "bad": "b"}, ["f.jsonl:2", "chosen / rejected"]),
+    ({"chosen": "a", "rejected": "b"}, ["f.jsonl:2", "prompt"]),
+    ({"prompt": "q", "chosen": 3, "rejected": "b"}, ["f.jsonl:2", "chosen"]),
+    ({"prompt": "q", "chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+      "rejected": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "b"}]}, ["prompt key is not allowed"]),
+    ({"chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+      "rejected": [{"role": "user", "content": "other"}, {"role": "assistant", "content": "b"}]}, ["share the conversation"]),
+    ({"chosen": [{"role": "user", "content": "q"}], "rejected": [{"role": "user", "content": "r"}]},
+     ["last message must be the assistant"]),
+    ("{not json", ["f.jsonl:2", "not JSON"]),
+])
+def test_a_bad_row_is_refused_naming_its_line_and_key(tmp_path, row, words):
+    path = _write(tmp_path, [{"prompt": "q", "chosen": "a", "rejected": "b"}, row], "f.jsonl")
+    with pytest.raises(PreferenceDataError) as e:
+        read_pairs(path, "data.train_path")
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+def test_missing_and_empty_files_name_the_key(tmp_path):
+    with pytest.raises(PreferenceDataError, match="data.heldout_path: .*no such file"):
+        read_pairs(str(tmp_path / "nope.jsonl"), "data.heldout_path")
+    with pytest.raises(PreferenceDataError, match="holds no pairs"):
+        read_pairs(_write(tmp_path, []), "data.train_path")
+
+
+def test_rendering_refuses_long_rows_and_pairs_without_a_preference(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from megarl.data.tokenizer import TokenizerContract
+
+    vocab = {w: i for i, w in enumerate(["<pad>", "<unk>", "q", "a", "b", "c"])}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    contract = TokenizerContract.from_tokenizer(PreTrainedTokenizerFast(tokenizer_object=t, pad_token="<pad>"))
+    # no chat template: the prompt and the response texts joined, as the scorer renders them
+    ok = parse_pair({"prompt": "q ", "chosen": "a", "rejected": "b"}, "f:1")
+    assert render_pairs(contract, [ok], 8, "data.max_tokens") == [([2, 3], [2, 4])]
+    long = parse_pair({"prompt": "q q q q ", "chosen": "a a a a a", "rejected": "b"}, "f:7")
+    with pytest.raises(PreferenceDataError, match="f:7: renders to 9 tokens, over data.max_tokens=8"):
+        render_pairs(contract, [long], 8, "data.max_tokens")
+    same = parse_pair({"prompt": "q ", "chosen": "a", "rejected": "a "}, "f:9")
+    with pytest.raises(PreferenceDataError, match="f:9: .*same tokens"):
+        render_pairs(contract, [same], 8, "data.max_tokens")
+
+
+def test_builtin_pairs_are_ranked_by_the_rule_and_splits_never_share_a_problem():
+    train, heldout = arithmetic_pairs("train", 300), arithmetic_pairs("heldout", 120)
+    assert arithmetic_pairs("train", 300) == train  # a function of (split, n)
+    for p in train + heldout:
+        assert score(p["chosen"], p["chosen"]) == 1.0 and score(p["rejected"], p["chosen"]) == 0.0, p
+    assert {p["miss"] for p in train} == set(MISSES)
+    assert not {problem_key(p) for p in train} & {problem_key(p) for p in heldout}
