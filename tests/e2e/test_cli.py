@@ -289,6 +289,7 @@ def _recipes(tmp_path):
     out = {"grpo_arith_tiny.yaml": (1, []), "ppo_arith_tiny.yaml": (1, []), "grpo_moe_tiny.yaml": (1, []),
            "grpo_arith_async_tiny.yaml": (2, []),  # 1 trainer rank + 1 rollout rank
            "grpo_calc_tiny.yaml": (1, []), "grpo_two_turn_tiny.yaml": (1, []), "grpo_rsum_tiny.yaml": (1, []),
+           "grpo_rsum_process_tiny.yaml": (1, []),
            # its reward model is configs/train_rm/arith_tiny.yaml's export: a config.json-only one here
            "ppo_arith_rm_tiny.yaml": (1, [f"reward.models=[{{name: arith_rm, path: {tiny_rm}}}]"]),
            "grpo_qwen2_7b.yaml": (8, [f"model.path={qwen}", f"data.train_path={data}"]),
@@ -316,7 +317,7 @@ def test_print_config_and_dry_run_on_every_recipe(tmp_path):
         if name.endswith("_tiny.yaml"):
             family = "qwen3_moe" if name == "grpo_moe_tiny.yaml" else "llama"
             built = {"grpo_calc_tiny.yaml": "calc", "grpo_two_turn_tiny.yaml": "two_turn",
-                     "grpo_rsum_tiny.yaml": "rsum"}.get(name, "arith")
+                     "grpo_rsum_tiny.yaml": "rsum", "grpo_rsum_process_tiny.yaml": "rsum"}.get(name, "arith")
             assert printed["model"]["path"] == f"{cache}/tiny_{built}_{family}"  # resolved
             assert printed["model"]["tiny"]["family"] == family
         args = ["--config", path, "--dry-run", *overrides] + (["--world-size", str(world)] if world > 1 else [])

@@ -197,6 +197,8 @@ def step_checks(prompt_text: str, response_text: str) -> list:
     if final is not None:
         out.append((final.end(1) if text[final.end(1) - 1:final.end(1)].strip() else len(text.rstrip()),
                     score(response_text, sum(terms)) == 1.0))
+    elif text.strip():  # no final answer: a wrong last step at the response's end (a chain cut short is not right)
+        out.append((max(len(text.rstrip()), out[-1][0] + 1 if out else 0), False))
     return out
 
 

@@ -21,6 +21,12 @@ def test_each_step_is_checked_against_the_problem():
     # another tag or term is wrong too, and so is a step past the problem's last term
     assert [ok for _, ok in step_checks(prompt(terms), "a 3 + 0 = 3 , c 5 + 3 = 8 so 8")] == [True, False, False]
     assert [ok for _, ok in step_checks(prompt([4]), "a 4 + 0 = 4 , b 1 + 4 = 5 so 5")] == [True, False, False]
+    # a chain cut short (no "so <total>") ends in a wrong step at its end: right steps that stop
+    # before the answer are not a right response; an empty response has no step at all
+    cut = "a 3 + 0 = 3 , b 5 + 3 = 8 ,"
+    assert step_checks(prompt(terms), cut)[-1] == (len(cut), False)
+    assert [ok for _, ok in step_checks(prompt(terms), cut)] == [True, True, False]
+    assert step_checks(prompt(terms), "   ") == []
     # the tiny tokenizer's spaced digits and special markers keep their offsets
     spaced = "a 3 + 0 = 3 , b 5 + 3 = 8 , c 2 + 8 = 1 0 so 1 0 <eos>"
     checks = step_checks(prompt(terms), spaced)
