@@ -45,7 +45,8 @@ def check_estimator_needs(cfg) -> None:
             from megarl.rewards.dataset_fields import configured_reward
 
             fn = configured_reward(cfg)
-        require(getattr(fn, "places_steps", False) and not cfg.reward.neural_models(), "algo.advantage",
+        require(getattr(fn, "places_steps", False) and not cfg.reward.neural_models() and not cfg.reward.judges,
+                "algo.advantage",
                 f"{a.advantage!r} reads per-step process rewards: reward.fn must place them (running_sum_steps, or "
                 f"a function with places_steps = True), without reward models; got reward.fn={cfg.reward.fn!r} "
                 f"(or use one of {critic_free})")

@@ -85,28 +85,13 @@ def resolve_model(path: str, tokenizer: str | None, workdir: str) -> tuple[str, 
 def load_engine(model_dir: str, tok, device: str, retire_finished: bool = False):
     """The hf rollout engine on ``model_dir``, serving its weights as one verified version
     (``retire_finished``: the engine's decode that retires finished rows)."""
-    from megarl.control.assembly import eos_and_pad
-    from megarl.hashing import file_sha256
-    from megarl.models.safetensors_io import CheckpointError, HFCheckpointReader
-    from megarl.rollout import create_rollout_engine
-    from megarl.rollout.weight_stream import TensorManifest, iter_buckets
-    from megarl.versions import PolicyVersion
+    from megarl.models.safetensors_io import CheckpointError
+    from megarl.rollout.served_checkpoint import serve_checkpoint
 
-    eos, pad = eos_and_pad(tok, model_dir)
-    engine = create_rollout_engine("hf", model_dir, eos_token_ids=eos, pad_token_id=pad, device=device,
-                                   retire_finished=retire_finished)
     try:
-        reader = HFCheckpointReader(model_dir)
+        return serve_checkpoint(model_dir, tok, device, retire_finished=retire_finished)
     except CheckpointError as e:
         raise EvalError(f"--model: {e}") from None
-    tensors = [(name, reader.read(name).to(device=engine.device, dtype=engine.dtype)) for name in sorted(reader.keys())]
-    manifest = TensorManifest.from_named_tensors(tensors)
-    version = PolicyVersion(run_id="eval", optimizer_step=0, update_attempt=0,
-                            weight_manifest_hash=manifest.global_hash, tokenizer_hash=tok.hash,
-                            model_config_hash=file_sha256(os.path.join(model_dir, "config.json")))
-    engine.load_weights(version, iter_buckets(tensors, 1 << 30), manifest)
-    engine.activate(version)
-    return engine
 
 
 def _chunks(n: int, size: int):

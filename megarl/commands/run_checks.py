@@ -16,7 +16,7 @@ from megarl.config.validation import validate, validate_agent_args, validate_age
 from megarl.envs.config_checks import check_environment
 from megarl.models.fit import check_packing
 from megarl.observability.trackers import check_loggers
-from megarl.rewards.config_checks import check_required_fields, check_reward_isolation
+from megarl.rewards.config_checks import check_judges, check_required_fields, check_reward_isolation
 
 __all__ = ["check_run", "check_evaluation", "FEATURE_CHECKS"]
 
@@ -26,7 +26,7 @@ FEATURE_CHECKS = {
     "agent": (check_environment,),
     "choices": (check_algorithm_names, check_builtin_task),
     "eval": (check_required_fields,),
-    "trackers": (check_reward_isolation, check_loggers),
+    "trackers": (check_reward_isolation, check_judges, check_loggers),
     "algorithm": (check_estimator_needs,),
     "batches": (check_packing,),
 }

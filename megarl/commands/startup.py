@@ -210,6 +210,17 @@ def check_model(cfg) -> dict:
             raise ConfigError(f"{key}.path: {m.path} is {head.architecture}, not a reward model (expected an HF "
                               "*ForSequenceClassification or *ForTokenClassification with num_labels=1; "
                               "python -m megarl.train_rm makes one from a causal LM)")
+    for i, j in enumerate(cfg.reward.judges):
+        key = f"reward.judges[{i}].path"
+        if not os.path.isfile(os.path.join(j.path, "config.json")):
+            raise ConfigError(f"{key}: {j.path} has no config.json (expected an HF causal LM)")
+        try:
+            head = load_spec(j.path)
+        except ModelConfigError as e:
+            raise ConfigError(f"{key}: {e}") from None
+        if head.value_head:
+            raise ConfigError(f"{key}: {j.path} is {head.architecture}, a scoring head; a judge generates its "
+                              "verdict (an HF *ForCausalLM expected; a scoring model goes in reward.models)")
     return sources
 
 

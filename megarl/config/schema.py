@@ -460,6 +460,28 @@ class RewardModelConfig:
 
 
 @dataclass
+class JudgeConfig:
+    """A generative judge: a causal LM that reads (prompt, response) through its own prompt and
+    template, writes a verdict, and has it parsed by a declared rule (megarl/rewards/verdicts.py)."""
+
+    name: str = "judge"  # the reward component its verdict is recorded under
+    path: Optional[str] = None  # an HF causal LM (*ForCausalLM)
+    tokenizer: Optional[str] = None  # default: the judge's path
+    chat_template: Optional[str] = None  # a Jinja file (default: its tokenizer's; none: the prompt text as it is)
+    #: what the judge is asked: a format string with {response} (required) and {prompt}
+    prompt: str = "question : {prompt} answer : {response} . is the answer right ?"
+    verdict: str = setting("yes_no", choices=("yes_no", "score"))  # yes_no: the first yes / no word | score: pattern
+    yes: str = "yes"  # verdict yes_no: the word that scores 1
+    no: str = "no"  # verdict yes_no: the word that scores 0
+    probability: bool = False  # verdict yes_no: score P(yes) / (P(yes) + P(no)) at the verdict instead of 1 / 0
+    pattern: Optional[str] = None  # verdict score: a regular expression with one group, read as a float
+    max_new_tokens: int = setting(8, range=COUNT)  # the verdict's budget; past it without a verdict: invalid
+    temperature: float = setting(0.0, range=Range(lo=0))  # 0: greedy
+    weight: float = setting(1.0, range=Range())  # weight of the verdict in the total
+    batch_size: int = setting(64, range=COUNT)  # judge prompts per generate call
+
+
+@dataclass
 class RewardConfig:
     """How samples are scored: the function, its isolation, timeouts and failure policy."""
 
@@ -477,6 +499,11 @@ class RewardConfig:
     #: scored on its own rendering and recorded as the component of its name: a list of
     #: {name, path, tokenizer, chat_template, weight, offload, timeout_s}
     models: List[RewardModelConfig] = field(default_factory=list)
+    #: generative judges (rank 0, through the hf rollout engine), each its own component: a list of
+    #: {name, path, tokenizer, chat_template, prompt, verdict, yes, no, probability, pattern,
+    #: max_new_tokens, temperature, weight, batch_size}; an unparseable or truncated verdict is
+    #: status invalid, never a score
+    judges: List[JudgeConfig] = field(default_factory=list)
     #: per-call timeout in seconds (null: none)
     timeout_s: Optional[float] = setting(30.0, range=Range(lo=0, lo_open=True, null=True))
     max_retries: int = setting(2, range=COUNT0)  # retries of a failed or timed-out call

@@ -122,6 +122,8 @@ def validate_agent_settings(cfg: TrainConfig) -> None:
     models = rw.neural_models()
     _need(not models, f"{models[0][0]}.path" if models else "reward.model.path",
           f"is set, but rollout.agent.env={ag.env!r} scores each episode by the environment; unset it")
+    _need(not rw.judges, "reward.judges", f"is set, but rollout.agent.env={ag.env!r} scores each episode by the "
+          "environment; unset it")
     _need(rw.overlong_buffer is None, "reward.overlong_buffer",
           f"is set, but rollout.agent.env={ag.env!r} budgets episodes with rollout.agent.max_total_tokens; unset it")
     _need(cfg.algo.routing_replay == "none", "algo.routing_replay",
@@ -343,9 +345,11 @@ def _validate_algorithm(cfg: TrainConfig) -> None:
         for key in ("tokenizer", "chat_template"):
             _need(getattr(cfg.reward.model, key) is None, f"reward.model.{key}",
                   "is set but reward.model.path is not: there is no reward model to use it")
-    _need(cfg.reward.fn is not None or bool(r.agent.env) or bool(cfg.reward.neural_models()), "reward.fn",
-          "is null and no reward model is given (reward.model.path, reward.models): nothing scores the samples")
+    _need(cfg.reward.fn is not None or bool(r.agent.env) or bool(cfg.reward.neural_models()) or bool(cfg.reward.judges),
+          "reward.fn", "is null and no reward model or judge is given (reward.model.path, reward.models, "
+          "reward.judges): nothing scores the samples")
     _validate_reward_models(cfg)
+    _validate_judges(cfg)
     _validate_log_prob_sources(cfg)
 
 
@@ -367,6 +371,29 @@ def _validate_reward_models(cfg: TrainConfig) -> None:
                 rule = f.metadata.get("range")
                 v = getattr(m, f.name)
                 _need(rule is None or rule.ok(v), f"{key}.{f.name}", f"must be {rule.describe() if rule else ''}, got {v}")
+
+
+def _validate_judges(cfg: TrainConfig) -> None:
+    """Every generative judge (``reward.judges``): a path, a component name of its own, a prompt
+    that reads the response, a verdict rule that can be parsed, its ranges and choices."""
+    import dataclasses
+
+    from megarl.config.schema import JudgeConfig
+
+    seen = {m.name: key for key, m in cfg.reward.neural_models()}
+    for i, j in enumerate(cfg.reward.judges):
+        key = f"reward.judges[{i}]"
+        _need(isinstance(j.path, str) and bool(j.path), f"{key}.path", "is required: the judge's checkpoint (a causal LM)")
+        _need(bool(j.name) and "/" not in j.name, f"{key}.name", f"must be a component name without '/', got {j.name!r}")
+        _need(j.name not in seen, f"{key}.name", f"{j.name!r} is also {seen.get(j.name)}'s: each score is its own component")
+        seen[j.name] = key
+        for f in dataclasses.fields(JudgeConfig):
+            rule, choices, v = f.metadata.get("range"), f.metadata.get("choices"), getattr(j, f.name)
+            _need(rule is None or rule.ok(v), f"{key}.{f.name}", f"must be {rule.describe() if rule else ''}, got {v}")
+            _need(choices is None or v in choices, f"{key}.{f.name}", f"{v!r} is not one of {list(choices or ())}")
+        _need(not j.probability or j.verdict == "yes_no", f"{key}.probability", "reads P(yes) / (P(yes) + P(no)): "
+              "it needs verdict yes_no")
+    # (the prompt template and the verdict rule: megarl/rewards/config_checks.py check_judges)
 
 
 def _validate_log_prob_sources(cfg: TrainConfig) -> None:

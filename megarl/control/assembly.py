@@ -82,6 +82,7 @@ class Parts:
     kl_ctl: Union[FixedKLController, AdaptiveKLController]
     #: rank 0's runner of eval.grader, the held-out evaluation's rule (None: it grades with the training reward)
     grader_runner: Optional[RewardRunner] = None
+    judges: tuple = ()  # reward.judges: each GenerativeJudge on rank 0, None elsewhere
 
 
 @dataclass
@@ -134,11 +135,12 @@ def assemble(cfg: TrainConfig, model_path: str, tokenizer_dir: str) -> Parts:
     injector = FaultInjector(cfg.faults, seed=cfg.faults.seed, rank=dist.get_rank(), world=dist.get_world_size())
     injector = injector if injector.active else None
     reward_fn, runner, reward_models = _rewards(cfg, injector, rank0=dist.get_rank() == 0)
+    judges = make_judges(cfg, rank0=dist.get_rank() == 0)
     kl_ctl = (AdaptiveKLController(a.kl.beta, a.kl.target, a.kl.horizon) if a.kl.adaptive
               else FixedKLController(a.kl.beta))
     return Parts(tok=tok, train_data=train_data, heldout=heldout, sampler=sampler, actor=actor, reference=reference,
                  critic=critic, injector=injector, reward_fn=reward_fn, reward_runner=runner,
-                 reward_models=reward_models, kl_ctl=kl_ctl,
+                 reward_models=reward_models, kl_ctl=kl_ctl, judges=judges,
                  grader_runner=grader_runner(cfg, dist.get_rank() == 0))
 
 
@@ -167,6 +169,16 @@ def _rewards(cfg: TrainConfig, injector: Optional[FaultInjector], rank0: bool):
     return fn, runner, tuple(reward_models)
 
 
+def make_judges(cfg: TrainConfig, rank0: bool) -> tuple:
+    """``reward.judges``: each a GenerativeJudge on rank 0 (where the rule runner runs; its
+    verdicts are broadcast), None on the other ranks."""
+    if not rank0:
+        return tuple(None for _ in cfg.reward.judges)
+    from megarl.roles.judge import GenerativeJudge
+
+    return tuple(GenerativeJudge(j, f"reward.judges[{i}]", str(device())) for i, j in enumerate(cfg.reward.judges))
+
+
 def _runner(r, fn, isolation: Optional[str] = None) -> RewardRunner:
     """The rank-0 runner of the reward section ``r``'s rule function ``fn``."""
     isolation = isolation or resolve_isolation(r.isolation, r.fn, r.components)
@@ -177,14 +189,14 @@ def _runner(r, fn, isolation: Optional[str] = None) -> RewardRunner:
 
 
 def grading_reward(cfg: TrainConfig):
-    """``eval.grader`` as a reward section: that rule alone (no reward model, no composite, no
-    shaping), with the training reward's timeouts, isolation and penalties; None when unset."""
+    """``eval.grader`` as a reward section: that rule alone (no reward model, no judge, no
+    composite, no shaping), with the training reward's timeouts, isolation and penalties; None when unset."""
     from megarl.config.schema import RewardModelConfig
 
     if cfg.eval.grader is None:
         return None
     return dataclasses.replace(cfg.reward, fn=cfg.eval.grader, kwargs=dict(cfg.eval.grader_kwargs), components=[],
-                               model=RewardModelConfig(), models=[], overlong_buffer=None)
+                               model=RewardModelConfig(), models=[], judges=[], overlong_buffer=None)
 
 
 def grader_scorer(cfg: TrainConfig, tok: TokenizerContract, runner: Optional[RewardRunner], counters,
@@ -202,11 +214,12 @@ def grader_runner(cfg: TrainConfig, rank0: bool) -> Optional[RewardRunner]:
 
 
 def make_scorer(cfg: TrainConfig, tok: TokenizerContract, runner: Optional[RewardRunner], reward_models, counters,
-                quarantine_path: str, rank0: bool, *, shape_overlong: bool) -> Scorer:
+                quarantine_path: str, rank0: bool, *, shape_overlong: bool, judges=None) -> Scorer:
     """The run's sample scorer (training: with ``reward.overlong_buffer`` shaping; evaluation,
-    here and in ``python -m megarl.eval``: without)."""
+    here and in ``python -m megarl.eval``: without); ``judges``: :func:`make_judges`'s."""
     return Scorer(cfg.reward, tok, runner, reward_models, counters, quarantine_path, rank0,
-                  max_new_tokens=cfg.rollout.max_new_tokens, shape_overlong=shape_overlong)
+                  max_new_tokens=cfg.rollout.max_new_tokens, shape_overlong=shape_overlong,
+                  judges=judges if judges is not None else make_judges(cfg, rank0))
 
 
 def episode_scorer(cfg: TrainConfig, tok: TokenizerContract, counters, quarantine_path: str,
@@ -330,7 +343,7 @@ def wire_components(cfg: TrainConfig, parts: Parts, eng: EngineParts, *, sm: Ite
 
     def scorer(shape_overlong: bool) -> Scorer:
         return make_scorer(cfg, parts.tok, parts.reward_runner, parts.reward_models, counters, quarantine, rank0,
-                           shape_overlong=shape_overlong)
+                           shape_overlong=shape_overlong, judges=parts.judges)
 
     agentic = bool(cfg.rollout.agent.env)
     rollout_engine = _rollout_engine(cfg, parts, eng, rank0)

@@ -49,12 +49,13 @@ class RunPersistence:
     ``sampler`` the prompt cursor; ``kl_ctl`` the KL controller; ``progress`` the run's
     counters and flags; ``tok`` / ``train_data`` for the contract hashes; ``reward_fn`` /
     ``reward_models`` (one per ``cfg.reward.neural_models()`` entry) for the scorer versions
-    recorded; ``layout`` tp/pp/dp/world;
+    recorded; ``judges`` (one per ``cfg.reward.judges`` entry: the judge on rank 0, None
+    elsewhere) for theirs; ``layout`` tp/pp/dp/world;
     ``identify`` a model's weight identity (collective; :func:`weights_identity`)."""
 
     def __init__(self, cfg, run_dir: str, *, actor, critic, reference, sampler, kl_ctl, progress: RunProgress,
                  tok, train_data, reward_fn, reward_models=(), layout: Dict[str, int], rank0: bool,
-                 identify: Optional[Callable[[object], str]] = None):
+                 identify: Optional[Callable[[object], str]] = None, judges=()):
         self.identify = identify or weights_identity
         self.origins: Dict[str, dict] = {}
         self._registered: Optional[set] = None  # short ids in <run_dir>/versions.jsonl
@@ -63,6 +64,7 @@ class RunPersistence:
         self.sampler, self.kl_ctl, self.progress = sampler, kl_ctl, progress
         self.tok, self.train_data, self.reward_fn = tok, train_data, reward_fn
         self.reward_models = tuple(reward_models)
+        self.judges = tuple(judges)  # reward.judges: the judge on rank 0, None elsewhere
         self.layout, self.rank0 = layout, rank0
         self.ckpt_root = os.path.join(run_dir, "checkpoints")
         self.pending_dir = os.path.join(run_dir, "experience", "pending")
@@ -108,6 +110,13 @@ class RunPersistence:
                 "key": f"{key}.path", "path": m.path,
                 "id": f"weights={weights} tokenizer={contract.hash} "
                       f"template={section_hash({'template': contract.chat_template})}"}
+        for i, (j, judge) in enumerate(zip(cfg.reward.judges, self.judges, strict=True)):
+            from megarl.runtime.data_parallel import broadcast_object
+
+            # the weights' content (the verified manifest it serves), tokenizer, template, prompt, rule, sampling
+            jid = None if judge is None else (f"weights={judge.engine.active_version.weight_manifest_hash} "
+                                              f"tokenizer={judge.contract.hash} judge={judge.version}")
+            o[f"judge/{j.name}"] = {"key": f"reward.judges[{i}].path", "path": j.path, "id": broadcast_object(jid)}
         if self.reward_fn is not None:
             o["scorer"] = {"key": "reward.fn", "path": cfg.reward.fn, "id": self.reward_fn.version}
         self.origins = o

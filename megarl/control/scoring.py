@@ -32,7 +32,7 @@ class Scorer:
     ``shape_overlong`` false for evaluation, which scores answers, not training signals."""
 
     def __init__(self, reward_cfg, tok, runner, reward_models, counters: Counter, quarantine_path: str, rank0: bool,
-                 max_new_tokens: int, shape_overlong: bool = True):
+                 max_new_tokens: int, shape_overlong: bool = True, judges=()):
         self.cfg, self.tok, self.runner = reward_cfg, tok, runner
         entries = reward_cfg.neural_models()
         if len(entries) != len(reward_models):
@@ -40,6 +40,10 @@ class Scorer:
                              f"{[k for k, _ in entries]}")
         #: ``(key, settings, role)`` of each neural reward model, in scoring order
         self.reward_models = [(k, m, role) for (k, m), role in zip(entries, reward_models)]
+        if len(reward_cfg.judges) != len(judges):
+            raise ValueError(f"{len(judges)} judge role(s) for {len(reward_cfg.judges)} configured")
+        #: ``(key, settings, judge)`` of each generative judge (the judge on rank 0, None elsewhere)
+        self.judges = [(f"reward.judges[{i}]", j, role) for i, (j, role) in enumerate(zip(reward_cfg.judges, judges))]
         self.max_new_tokens = max_new_tokens  # L_max of the overlong punishment
         self.overlong_buffer = reward_cfg.overlong_buffer if shape_overlong else None
         self.counters, self.quarantine_path, self.rank0 = counters, quarantine_path, rank0
@@ -75,6 +79,8 @@ class Scorer:
         records = None if records is None else [RewardRecord.from_json(r) for r in records]
         for key, settings, role in self.reward_models:
             records = self._add_reward_model(rs, records, key, settings, role)
+        for key, settings, judge in self.judges:
+            records = add_judge_verdicts(rs, records, key, settings, judge, self.counters)
         if self.overlong_buffer is not None:  # DAPO soft overlong punishment, on ok scores only
             records = [with_overlong_component(rec, len(s.response_ids), self.max_new_tokens, self.overlong_buffer)
                        for rec, s in zip(records, samples, strict=True)]
@@ -129,6 +135,43 @@ class Scorer:
             version = f"{base.scorer_version}+{rm.version}" if base is not None else rm.version
             merged.append(RewardRecord(total=total, components=comps, scorer_version=version, inputs=inputs))
         return merged
+
+
+def add_judge_verdicts(rs, records, key: str, settings, judge, counters: Counter):
+    """A generative judge's verdicts (computed on rank 0, broadcast) added to each ok record as the
+    component of its name, or alone.  No verdict (unparseable, truncated) is status ``invalid``
+    with the judge's text quoted; a judge that raised makes every sample status ``error``."""
+    payload = None
+    if judge is not None:
+        texts = [judge.render(x.messages, x.prompt_text, x.response_text) for x in rs]
+        try:
+            # request ids from the samples' own: a sampled verdict draws the same on a resume
+            verdicts = judge.judge(texts, [f"{settings.name}/{x.sample_id}" for x in rs])
+            payload = ([(v.score, v.error) for v in verdicts], None, judge.version, [input_digest(t) for t in texts])
+        except Exception as e:  # noqa: BLE001 -- a status for every sample, below
+            payload = (None, f"judge {settings.name!r} ({key}) failed: {type(e).__name__}: {e}", judge.version,
+                       [input_digest(t) for t in texts])
+    with span("judge_broadcast"):
+        verdicts, failure, version, digests = broadcast_object(payload)
+    merged = []
+    for i, _ in enumerate(rs):
+        base = records[i] if records is not None else None
+        if base is not None and base.status is not RewardStatus.OK:
+            merged.append(base)
+            continue
+        inputs = {**(base.inputs if base is not None else {}), settings.name: digests[i]}
+        score, error = (None, failure) if verdicts is None else verdicts[i]
+        if score is None:
+            status = RewardStatus.ERROR if verdicts is None else RewardStatus.INVALID
+            counters[f"judge_{status.value}"] += 1
+            merged.append(RewardRecord(total=None, scorer_version=version, status=status, error=error, inputs=inputs))
+            continue
+        comps = dict(base.components) if base is not None else {}
+        comps[settings.name] = float(score)
+        total = (base.total if base is not None else 0.0) + settings.weight * float(score)
+        merged.append(RewardRecord(total=total, components=comps, inputs=inputs,
+                                   scorer_version=f"{base.scorer_version}+{version}" if base is not None else version))
+    return merged
 
 
 def record_scores(samples: List[Sample], records, reward_cfg, tok, counters: Counter, quarantine_path: str,

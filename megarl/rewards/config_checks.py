@@ -14,7 +14,22 @@ from megarl.rewards.base import RewardConfigError
 from megarl.rewards.declarations import normalise_requirements
 from megarl.rewards.isolation import ISOLATION_MODES, resolve_isolation
 
-__all__ = ["check_reward_isolation", "check_required_fields", "check_sandbox_hides_data"]
+__all__ = ["check_judges", "check_reward_isolation", "check_required_fields", "check_sandbox_hides_data"]
+
+
+def check_judges(cfg) -> None:
+    """Each generative judge's prompt reads the response, and its verdict rule can be parsed."""
+    from megarl.rewards.verdicts import VERDICTS, VerdictRule, check_template
+
+    for i, j in enumerate(cfg.reward.judges):
+        key = f"reward.judges[{i}]"
+        require_choice(j.verdict, f"{key}.verdict", VERDICTS)
+        try:
+            check_template(j.prompt, f"{key}.prompt")
+            VerdictRule(j.verdict, j.yes, j.no, j.pattern)
+        except ValueError as e:
+            msg = str(e)
+            raise ConfigError(msg if msg.startswith(key) else f"{key}: {msg}") from None
 
 
 def check_reward_isolation(cfg) -> None:

@@ -93,8 +93,14 @@ def test_readme_test_command_is_what_ci_runs():
 
 
 def _schema_has(path):
-    """Whether ``section.key[.sub...]`` names a key of megarl.config's schema (a dict-typed key
-    such as reward.kwargs takes any sub-key)."""
+    """Whether ``section.key[.sub...]`` names a key of megarl.config's schema, or of
+    ``python -m megarl.train_rm``'s (a dict-typed key such as reward.kwargs takes any sub-key)."""
+    from megarl.config.rm_schema import RMTrainConfig
+
+    return _has(path) or _has(path, RMTrainConfig)
+
+
+def _has(path, root=None):
     import dataclasses
 
     from megarl import config as C
@@ -104,7 +110,7 @@ def _schema_has(path):
 
         key = path.split(".")[3]
         return any(key in {f.name for f in dataclasses.fields(get_task(t).Settings)} for t in TASKS)
-    cls = C.TrainConfig
+    cls = root or C.TrainConfig
     for i, part in enumerate(path.split(".")):
         if cls is None:
             return False

@@ -876,3 +876,98 @@ def test_reuse_rollout_log_probs_after_parity_check(assets, tmp_path):
                           "rollout.reuse_rollout_log_probs=true", "rollout.log_prob_parity_tol=1e-12"],
                          capture_output=True, text=True, env=subprocess_env(), timeout=600)
     assert bad.returncode == 2 and "rollout.log_prob_parity_tol" in bad.stderr, bad.stderr[-3000:]
+
+
+def _yes_no_judge(path, tokenizer_dir, seed):
+    """A random causal LM whose head leans on the words yes and no, so that its greedy text holds a
+    verdict that depends on what it read (a judge's output, without training one)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    from megarl.builtin.tiny_checkpoint import make_tiny_hf_checkpoint
+
+    make_tiny_hf_checkpoint(path, "llama", seed=seed, vocab_size=112, hidden_size=32, num_layers=2, num_heads=2,
+                            num_kv_heads=1, intermediate_size=64, tokenizer_dir=tokenizer_dir)
+    tok = AutoTokenizer.from_pretrained(path)
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    w, g = sd["lm_head.weight"], torch.Generator().manual_seed(seed)
+    w.mul_(0.1)
+    lean = torch.randn(w.shape[1], generator=g)  # yes along it, no against it: the hidden state decides
+    w[tok.convert_tokens_to_ids("yes")], w[tok.convert_tokens_to_ids("no")] = lean, -lean
+    save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def test_generative_judges_score_their_own_verdicts(assets, tmp_path):
+    """A rule and two generative judges in one run (reward.judges): each judge reads its own
+    rendering of (prompt, response) -- its prompt, through its template -- and generates greedily
+    through the hf engine; the verdict is the first yes / no word (1 / 0), or with
+    ``probability`` P(yes) / (P(yes) + P(no)) where it stands.  Every record's component equals
+    transformers' greedy generation of the same judge input, parsed by the same rule, and the
+    probability transformers' softmax there; a sample without a verdict is status invalid with
+    the judge's text (here penalised to -1), never a 0.  The judges' identities are the run's
+    origins, and the held-out accuracy is the rule's (eval.grader)."""
+    import transformers
+
+    from megarl.data.scorer_input import render_for_scorer  # noqa: F401  (the scorers' shared rendering)
+    from megarl.data.tokenizer import TokenizerContract
+    from megarl.rewards.verdicts import VerdictRule, parse_verdict
+
+    hard = _yes_no_judge(str(tmp_path / "judge_a"), assets["model"], seed=5)
+    soft = _yes_no_judge(str(tmp_path / "judge_b"), assets["model"], seed=6)
+    # the strict judge's own template ends on the response (its last digit steers the verdict)
+    prompt, tpl = "question : {prompt} answer : {response}", tmp_path / "judge.jinja"
+    tpl.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    run_dir = str(tmp_path / "judge_run")
+    run_train(assets, run_dir, GRPO, extra=[
+        f"reward.judges=[{{name: strict, path: {hard}, weight: 0.5, max_new_tokens: 3, prompt: '{prompt}', "
+        f"chat_template: {tpl}}}, "
+        f"{{name: soft, path: {soft}, probability: true, weight: 2.0, max_new_tokens: 4}}]",
+        "reward.penalty.invalid=-1", "eval.every=0", "eval.grader=arithmetic", "trainer.iterations=1",
+        "trainer.checkpoint_every=1"])
+    f = batches(run_dir)[0].facts
+    policy = TokenizerContract.load(assets["model"], None)
+    with open(assets["train"]) as fh:
+        rows = {r["id"]: r for r in map(json.loads, fh)}
+    judges = {"strict": (hard, prompt, 3), "soft": (soft, "question : {prompt} answer : {response} . is the answer "
+                                                          "right ?", 4)}
+    models = {n: transformers.AutoModelForCausalLM.from_pretrained(p).eval() for n, (p, _, _) in judges.items()}
+    contracts = {"strict": TokenizerContract.load(hard, str(tpl)), "soft": TokenizerContract.load(soft, None)}
+    contract = contracts["soft"]
+    yes, no = contract.tokenizer.convert_tokens_to_ids("yes"), contract.tokenizer.convert_tokens_to_ids("no")
+    lens, seen, worst = f.response_mask.sum(1), Counter(), 0.0
+    for i in range(f.batch_size):
+        resp = policy.decode(f.response_ids[i][: int(lens[i])].tolist(), skip_special_tokens=True)
+        r, expect = f.rewards[i], {}
+        for name, (path, text, budget) in judges.items():
+            ids = contracts[name].encode_prompt([{"role": "user", "content": text.format(
+                prompt=rows[f.prompt_id[i]]["prompt"], response=resp)}], add_generation_prompt=True)
+            with torch.no_grad():
+                out = models[name].generate(torch.tensor([ids]), max_new_tokens=budget, do_sample=False,
+                                            eos_token_id=contract.eos_token_id, pad_token_id=0,
+                                            output_scores=True, return_dict_in_generate=True)
+            gen = out.sequences[0, len(ids):].tolist()
+            v = parse_verdict(contract.decode(gen, skip_special_tokens=True),
+                              len(gen) == budget and gen[-1] != contract.eos_token_id, VerdictRule())
+            if v.score is not None and name == "soft":  # the first token is the verdict's when it parses at 0
+                step = next(t for t, tok in enumerate(gen) if tok in (yes, no))
+                lp = torch.log_softmax(out.scores[step][0].float(), -1)
+                v = type(v)(float(torch.sigmoid(lp[yes] - lp[no])))
+            expect[name] = v
+        if any(v.score is None for v in expect.values()):
+            assert r.status.value == "invalid" and r.total == -1.0, (r.to_json(), expect)
+            seen["invalid"] += 1
+            continue
+        assert set(r.components) == {"arithmetic", "strict", "soft"}, r.components
+        assert r.components["strict"] == expect["strict"].score
+        worst = max(worst, abs(r.components["soft"] - expect["soft"].score))
+        assert r.total == pytest.approx(r.components["arithmetic"] + 0.5 * r.components["strict"]
+                                        + 2.0 * r.components["soft"], abs=1e-9)
+        seen[expect["strict"].score] += 1
+    # two implementations of one fp32 network: the log-prob budget, through a sigmoid (Lipschitz 1/4)
+    assert within(worst, NET_FP32_LOGPROB, "train_e2e/judge_probability_vs_transformers"), worst
+    assert seen[1.0] and seen[0.0], seen  # both verdicts occur: the judge read the samples
+    with open(os.path.join(run_dir, "checkpoints", "iter_000001", "state.json")) as fh:
+        origins = json.load(fh)["origins"]
+    assert origins["judge/strict"]["key"] == "reward.judges[0].path" and "weights=" in origins["judge/strict"]["id"]
+    assert origins["judge/strict"]["id"] != origins["judge/soft"]["id"]

@@ -4,7 +4,7 @@ One uninterrupted run is the reference for three contracts at once:
 
 * exact resume: the same run stopped after a checkpoint and resumed ends bitwise equal (export
   weights, every metric row); a resume against other training pairs is refused;
-* layout: at TP=2 and at DP=2 (with micro-batches) the first step's loss and gradient norm are
+* layout: at TP=2, PP=2 and DP=2 (with micro-batches) the first step's loss and gradient norm are
   the single-process ones, and the exported weights agree within the Adam bound;
 * the export: transformers' ``AutoModelForSequenceClassification`` scores the held-out pairs as
   megarl's reward-model role does, and its pair accuracy is the run's reported one.
@@ -77,7 +77,8 @@ def test_resume_is_exact_and_refuses_other_pairs(assets, reference, tmp_path):
     assert "train_sha256" in bad.stderr and "differ" in bad.stderr, bad.stderr[-2000:]
 
 
-@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["trainer.micro_batch_pairs=2"]], ids=["tp2", "dp2"])
+@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.pp=2"], ["trainer.micro_batch_pairs=2"]],
+                         ids=["tp2", "pp2", "dp2"])
 def test_layouts_train_the_same_model(assets, reference, tmp_path, layout):
     run_to_exit(_cmd(assets, reference, tmp_path / "run", 2, *layout))
     ref, got = _rows(reference / "ref"), _rows(tmp_path / "run")

@@ -17,8 +17,9 @@ def test_entries_in_scoring_order_with_their_keys():
     assert [(k, m.name, m.path, m.weight) for k, m in cfg.reward.neural_models()] == [
         ("reward.model", "reward_model", "/a", 1.0), ("reward.models[0]", "style", "/b", 0.5)]
     assert load_config(GRPO, []).reward.neural_models() == []
-    # reward models alone score the samples: no rule needed
+    # reward models alone score the samples: no rule needed; so do judges
     assert check_run(load_config(GRPO, ["reward.fn=null", "reward.models=[{name: style, path: /b}]"]), 1) == 1
+    assert check_run(load_config(GRPO, ["reward.fn=null", "reward.judges=[{name: j, path: /j}]"]), 1) == 1
 
 
 @pytest.mark.parametrize("overrides,key", [
@@ -27,9 +28,20 @@ def test_entries_in_scoring_order_with_their_keys():
     (["reward.models=[{name: a/b, path: /b}]"], "reward.models[0].name: must be a component name"),
     (["reward.models=[{name: s, path: /b, timeout_s: -1}]"], "reward.models[0].timeout_s: must be > 0 or null"),
     (["reward.models=[{name: s, path: /b, wieght: 1}]"], "override 'reward.models=[{name: s, path: /b, wieght: 1}]'"),
-    (["reward.fn=null"], "reward.fn: is null and no reward model is given"),
+    (["reward.fn=null"], "reward.fn: is null and no reward model or judge is given"),
     (["reward.models=[{name: s, path: /b}]", "faults.reward_model_timeout_at=[1]"],
      "faults.reward_model_timeout_at: holds the reward model's forward past reward.models[0].timeout_s"),
+    # generative judges (reward.judges): the prompt must read the response, the rule must parse
+    (["reward.judges=[{name: j}]"], "reward.judges[0].path: is required"),
+    (["reward.judges=[{name: j, path: /j, prompt: 'is {prompt} hard ?'}]"],
+     "reward.judges[0].prompt: the judge's prompt has no {response}"),
+    (["reward.judges=[{name: j, path: /j, verdict: score}]"], "reward.judges[0]: verdict score needs a pattern"),
+    (["reward.judges=[{name: j, path: /j, verdict: maybe}]"], "reward.judges[0].verdict: 'maybe' is not one of"),
+    (["reward.judges=[{name: j, path: /j, verdict: score, pattern: '(x)', probability: true}]"],
+     "reward.judges[0].probability: reads P(yes)"),
+    (["reward.models=[{name: j, path: /b}]", "reward.judges=[{name: j, path: /j}]"],
+     "reward.judges[0].name: 'j' is also reward.models[0]'s"),
+    (["reward.judges=[{name: j, path: /j, max_new_tokens: 0}]"], "reward.judges[0].max_new_tokens: must be >= 1"),
 ])
 def test_a_bad_entry_is_refused_naming_its_key(overrides, key):
     with pytest.raises(ConfigError) as e:

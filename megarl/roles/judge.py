@@ -1,0 +1,84 @@
+"""A generative judge: a causal LM that reads (prompt, response) through its own prompt, tokenizer
+and chat template, writes a verdict through a rollout engine, and has it parsed by a declared
+rule (:mod:`megarl.rewards.verdicts`).
+
+It runs where the rule runner runs (rank 0) on the hf rollout engine in-process; the verdicts
+are broadcast like the rule's records.  Its identity -- the weights' manifest, its tokenizer, its
+template, its prompt and its sampling -- is its ``version``; a resume that would judge with
+another is refused (megarl/control/persistence.py, origins).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import List, Optional, Sequence
+
+from megarl.data.tokenizer import TokenizerContract
+from megarl.rewards.verdicts import Verdict, VerdictRule, parse_verdict, yes_probability
+
+
+class GenerativeJudge:
+    """Args: ``cfg`` a ``reward.judges`` entry (JudgeConfig); ``key`` its config key; ``device``
+    where its engine runs."""
+
+    def __init__(self, cfg, key: str, device: str = "cpu"):
+        from megarl.roles.reward_model import weights_manifest_digest
+        from megarl.rollout.served_checkpoint import serve_checkpoint
+
+        self.cfg, self.key = cfg, key
+        self.contract = TokenizerContract.load(cfg.tokenizer or cfg.path, cfg.chat_template)
+        self.rule = VerdictRule(cfg.verdict, cfg.yes, cfg.no, cfg.pattern)
+        self.engine = serve_checkpoint(cfg.path, self.contract, device, run_id=f"judge-{cfg.name}")
+        from megarl.rollout.protocol import SamplingParams
+
+        self.sampling = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, n=1)
+        h = lambda text: hashlib.sha256((text or "").encode()).hexdigest()[:8]  # noqa: E731
+        rule = f"{cfg.verdict}:{cfg.yes}/{cfg.no}/{cfg.pattern}/p{int(cfg.probability)}"
+        self.version = (f"judge-{self.contract.hash[7:15]}-tpl{h(self.contract.chat_template)}-p{h(cfg.prompt)}-"
+                        f"v{h(rule)}-t{cfg.temperature:g}x{cfg.max_new_tokens}-w{weights_manifest_digest(cfg.path)[:8]}-"
+                        f"{cfg.path}")
+
+    def render(self, messages: Optional[Sequence[dict]], prompt_text: str, response_text: str) -> List[int]:
+        """The judge's input: its prompt filled with the sample, as one user turn through its
+        template (with the assistant's turn opened), or the text as it is without one."""
+        text = self.cfg.prompt.format(prompt=prompt_text, response=response_text)
+        if self.contract.chat_template is not None:
+            return self.contract.encode_prompt([{"role": "user", "content": text}], add_generation_prompt=True)
+        return self.contract.tokenizer.encode(text, add_special_tokens=True)
+
+    def judge(self, inputs: Sequence[Sequence[int]], request_ids: Sequence[str]) -> List[Verdict]:
+        """One verdict per input, generated in batches of ``batch_size`` (``request_ids``: one per
+        input, which seed a sampled verdict)."""
+        from megarl.rollout.protocol import FinishReason, GenerationRequest
+
+        out: List[Verdict] = []
+        b = self.cfg.batch_size
+        for lo in range(0, len(inputs), b):
+            reqs = [GenerationRequest(rid, tuple(ids)) for rid, ids in zip(request_ids[lo:lo + b], inputs[lo:lo + b])]
+            results = {r.request_id: r for r in self.engine.generate(reqs, self.sampling)}
+            for req in reqs:
+                r = results[req.request_id]
+                ids = list(r.response_ids)
+                text = self.contract.decode(ids, skip_special_tokens=True)
+                v = parse_verdict(text, r.finish_reason is FinishReason.LENGTH, self.rule)
+                if v.score is not None and self.cfg.probability:
+                    v = Verdict(self._yes_probability(req.prompt_ids, ids, v.at), at=v.at, word=v.word)
+                out.append(v)
+        return out
+
+    def _yes_probability(self, prompt_ids, response_ids, at: int) -> float:
+        """P(yes) / (P(yes) + P(no)) where the verdict word begins: the generated tokens before it,
+        then each word's tokens teacher-forced."""
+        prefix = []
+        for t in response_ids:  # the tokens whose text ends before the verdict word
+            if len(self.contract.decode(prefix + [t], skip_special_tokens=True).rstrip()) > at:
+                break
+            prefix.append(t)
+        enc = self.contract.tokenizer
+        words = [enc.encode(w.strip(), add_special_tokens=False) for w in (self.cfg.yes, self.cfg.no)]
+        context = tuple(prompt_ids) + tuple(prefix)
+        _, lps = self.engine.teacher_force([context, context], words)
+        return yes_probability(float(lps[0].sum()), float(lps[1].sum()))
+
+    def close(self) -> None:
+        self.engine.close()
