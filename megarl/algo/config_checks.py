@@ -45,10 +45,14 @@ def check_estimator_needs(cfg) -> None:
             from megarl.rewards.dataset_fields import configured_reward
 
             fn = configured_reward(cfg)
-        require(getattr(fn, "places_steps", False) and not cfg.reward.neural_models() and not cfg.reward.judges,
+        process = [m for _, m in cfg.reward.neural_models() if m.kind == "process"]
+        rule_steps = getattr(fn, "places_steps", False) and not cfg.reward.neural_models()
+        model_steps = len(process) == 1 and not getattr(fn, "places_steps", False)
+        require((rule_steps or model_steps) and not cfg.reward.judges,
                 "algo.advantage",
-                f"{a.advantage!r} reads per-step process rewards: reward.fn must place them (running_sum_steps, or "
-                f"a function with places_steps = True), without reward models; got reward.fn={cfg.reward.fn!r} "
+                f"{a.advantage!r} reads per-step process rewards from one source: reward.fn placing them "
+                f"(running_sum_steps, or a function with places_steps = True) without reward models, or one "
+                f"reward model of kind process (and no judge); got reward.fn={cfg.reward.fn!r} "
                 f"(or use one of {critic_free})")
     if needs.groups:
         require(r.n >= 2, "rollout.n", f"the group estimator {a.advantage!r} needs G >= 2 samples per prompt, got {r.n}")

@@ -457,6 +457,11 @@ class RewardModelConfig:
     #: seconds the forward over one batch may take (the slowest rank's); past it every sample of
     #: the batch is status timeout, its late scores discarded (null: no limit)
     timeout_s: Optional[float] = setting(None, range=Range(lo=0, lo_open=True, null=True))
+    #: outcome: one score per response | process: a score per step, read at each step separator of
+    #: its own rendering and placed on the actor token that ends the step (grpo_process reads them)
+    kind: str = setting("outcome", choices=("outcome", "process"))
+    step_separator: Optional[str] = None  # kind process: the text that ends a step (the response's end ends the last)
+    step_aggregate: str = setting("min", choices=("min", "mean", "last"))  # kind process: the steps' scores -> its total
 
 
 @dataclass

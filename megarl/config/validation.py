@@ -267,6 +267,8 @@ def _validate_choices(cfg: TrainConfig) -> None:
     _one_of(cfg, "rollout.backend")
     _one_of(cfg, "rollout.verify_engine_weights")
     _one_of(cfg, "reward.on_failure")
+    _one_of(cfg, "reward.model.kind")
+    _one_of(cfg, "reward.model.step_aggregate")
 
 
 def _validate_trainer(cfg: TrainConfig) -> None:
@@ -368,9 +370,11 @@ def _validate_reward_models(cfg: TrainConfig) -> None:
         seen[m.name] = key
         if key != "reward.model":  # (reward.model's ranges are the schema table's)
             for f in dataclasses.fields(RewardModelConfig):
-                rule = f.metadata.get("range")
-                v = getattr(m, f.name)
+                rule, choices, v = f.metadata.get("range"), f.metadata.get("choices"), getattr(m, f.name)
                 _need(rule is None or rule.ok(v), f"{key}.{f.name}", f"must be {rule.describe() if rule else ''}, got {v}")
+                _need(choices is None or v in choices, f"{key}.{f.name}", f"{v!r} is not one of {list(choices or ())}")
+        _need(m.kind != "process" or bool(m.step_separator), f"{key}.step_separator",
+              "is required with kind process: the text that ends a step, where the model's head is read")
 
 
 def _validate_judges(cfg: TrainConfig) -> None:

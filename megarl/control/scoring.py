@@ -18,6 +18,7 @@ from typing import List
 
 from megarl.control.interfaces import Sample
 from megarl.experience.schema import RewardRecord, RewardStatus
+from megarl.roles.process_reward_model import add_process_scores
 from megarl.roles.reward_model import input_digest
 from megarl.observability.profiling import span
 from megarl.runtime.data_parallel import broadcast_object, gather_objects
@@ -60,7 +61,8 @@ class Scorer:
                            prompt_ids=tuple(s.prompt_ids), response_ids=tuple(s.response_ids),
                            finish_reason=s.finish_reason.value, ground_truth=dict(s.prompt.ground_truth),
                            messages=s.prompt.messages) for s in samples]
-        if self.rank0 and self.runner is not None and getattr(self.runner.fn, "places_steps", False):
+        process_models = any(m.kind == "process" for _, m, _ in self.reward_models)  # every rank maps their steps
+        if process_models or (self.rank0 and self.runner is not None and getattr(self.runner.fn, "places_steps", False)):
             rs = [dataclasses.replace(r, response_char_ends=self._char_ends(r.response_ids)) for r in rs]
         records = None
         if self.rank0 and self.runner is not None:
@@ -78,7 +80,10 @@ class Scorer:
             self.counters["reward_call_retries"] += retries
         records = None if records is None else [RewardRecord.from_json(r) for r in records]
         for key, settings, role in self.reward_models:
-            records = self._add_reward_model(rs, records, key, settings, role)
+            if settings.kind == "process":  # a score per step (megarl/roles/process_reward_model.py)
+                records = add_process_scores(rs, records, key, settings, role, self.counters)
+            else:
+                records = self._add_reward_model(rs, records, key, settings, role)
         for key, settings, judge in self.judges:
             records = add_judge_verdicts(rs, records, key, settings, judge, self.counters)
         if self.overlong_buffer is not None:  # DAPO soft overlong punishment, on ok scores only

@@ -86,6 +86,14 @@ class RewardModel:
             self.offloader = ReferenceOffloader(self.model)
             self.offloader.offload()
 
+    @torch.no_grad()
+    def step_scores(self, inputs: Sequence[Sequence[int]], positions: Sequence[Sequence[int]]) -> list:
+        """The head at each row's ``positions`` (collective; a process reward model's steps)."""
+        ctx = self.offloader.on_device() if self.offloader is not None else contextlib.nullcontext()
+        with ctx:
+            return position_scores(self.model, inputs, positions, self.contract.pad_token_id or 0,
+                                   self.micro_batch_size)
+
     def encode(self, messages: Optional[Sequence[dict]], prompt_text: str, response_text: str) -> list[int]:
         """The RM's own rendering of (prompt, response)."""
         return render_for_scorer(self.contract, messages, prompt_text, response_text)
@@ -100,6 +108,30 @@ class RewardModel:
             return sequence_scores(self.model, inputs, self.contract.pad_token_id or 0, self.score_pad_id,
                                    self.sequence_score, self.micro_batch_size, pack=self.pack,
                                    micro_batch_tokens=self.micro_batch_tokens)
+
+
+@torch.no_grad()
+def position_scores(model, inputs: Sequence[Sequence[int]], positions: Sequence[Sequence[int]], pad_id: int,
+                    micro_batch_size: int) -> list:
+    """The head's output at given ``positions`` of each row (a process reward model's step
+    reads): one float tensor per row.  Collective: every rank passes the same rows; they are
+    split over DP."""
+    n = len(inputs)
+    L = max(len(x) for x in inputs)
+    S = max(1, max(len(p) for p in positions))
+    tokens = torch.full((n, L), pad_id, dtype=torch.long)
+    at = torch.zeros((n, S), dtype=torch.long)
+    for i, (x, p) in enumerate(zip(inputs, positions, strict=True)):
+        tokens[i, :len(x)] = torch.tensor(list(x), dtype=torch.long)
+        at[i, :len(p)] = torch.tensor(list(p), dtype=torch.long)
+    lengths = torch.tensor([len(x) for x in inputs], dtype=torch.long)
+
+    def run(tok, ln, where):
+        v = scalar_values(model, tok, micro_batch_size, lengths=ln)
+        return v.gather(1, where.to(v.device)).float()
+
+    out = map_rows(run, tokens, lengths, at).cpu()
+    return [out[i, :len(p)] for i, p in enumerate(positions)]
 
 
 @torch.no_grad()

@@ -909,7 +909,6 @@ def test_generative_judges_score_their_own_verdicts(assets, tmp_path):
     origins, and the held-out accuracy is the rule's (eval.grader)."""
     import transformers
 
-    from megarl.data.scorer_input import render_for_scorer  # noqa: F401  (the scorers' shared rendering)
     from megarl.data.tokenizer import TokenizerContract
     from megarl.rewards.verdicts import VerdictRule, parse_verdict
 
@@ -971,3 +970,62 @@ def test_generative_judges_score_their_own_verdicts(assets, tmp_path):
         origins = json.load(fh)["origins"]
     assert origins["judge/strict"]["key"] == "reward.judges[0].path" and "weights=" in origins["judge/strict"]["id"]
     assert origins["judge/strict"]["id"] != origins["judge/soft"]["id"]
+
+
+def test_process_reward_model_steps_through_its_own_tokenizer(assets, tmp_path):
+    """A process reward model (``kind: process``) on another tokenizer than the policy's (the same
+    words, other ids): its head is read at each step's last token of *its own* rendering, found
+    through its tokenizer's character offsets, and each step's score placed on the policy token
+    that ends the step; grpo_process trains on them from the command line.  Every record's step
+    scores equal transformers' token-classification outputs at those positions, the component
+    their minimum.  Negative control: a kind-process model without a separator is refused before
+    any model loads."""
+    import transformers
+
+    from megarl.builtin.tiny_checkpoint import make_tiny_hf_checkpoint
+    from megarl.data.step_map import step_char_ends
+    from megarl.data.tokenizer import TokenizerContract
+
+    prm_dir = str(tmp_path / "prm")
+    other_tok = _permuted_tokenizer(assets["model"], tmp_path / "other_tok")
+    make_tiny_hf_checkpoint(prm_dir, "llama", seed=9, value_head=True, tokenizer_dir=other_tok, vocab_size=112,
+                            hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
+    run_dir = str(tmp_path / "prm_run")
+    entry = f"reward.models=[{{name: prm, path: {prm_dir}, kind: process, step_separator: ' ', weight: 0.5}}]"
+    run_train(assets, run_dir, GRPO, extra=[entry, "algo.advantage=grpo_process", "eval.every=0",
+                                            "trainer.iterations=1"])
+    f = batches(run_dir)[0].facts
+    policy = TokenizerContract.load(assets["model"], None)
+    prm = TokenizerContract.load(prm_dir, None)
+    model = transformers.AutoModelForTokenClassification.from_pretrained(prm_dir).eval()
+    with open(assets["train"]) as fh:
+        rows = {r["id"]: r for r in map(json.loads, fh)}
+    lens, worst, multi = f.response_mask.sum(1), 0.0, 0
+    for i in range(f.batch_size):
+        ids = f.response_ids[i][: int(lens[i])].tolist()
+        resp = policy.decode(ids, skip_special_tokens=True)
+        chat = [{"role": "user", "content": rows[f.prompt_id[i]]["prompt"]}, {"role": "assistant", "content": resp}]
+        text = prm.tokenizer.apply_chat_template(chat, tokenize=False)
+        enc = prm.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        start = text.rfind(resp)
+        ends = step_char_ends(resp, " ") or [len(resp)]
+        at = [max(t for t, (a, b) in enumerate(enc["offset_mapping"]) if a <= start + e - 1 and b > a) for e in ends]
+        with torch.no_grad():
+            head = model(torch.tensor([enc["input_ids"]])).logits[0, :, 0]
+        char_ends = [len(policy.decode(ids[:t + 1], skip_special_tokens=True)) for t in range(len(ids))]
+        token_ends = [min(next((t for t, c in enumerate(char_ends) if c >= e), len(ids) - 1), len(ids) - 1)
+                      for e in ends]
+        r = f.rewards[i]
+        assert list(r.step_token_ends) == sorted(set(token_ends)), (resp, r.step_token_ends, token_ends)
+        want = {}
+        for t, p in zip(token_ends, at, strict=True):
+            want[t] = min(want.get(t, float(head[p])), float(head[p]))
+        worst = max([worst] + [abs(a - want[t]) for a, t in zip(r.step_rewards, r.step_token_ends, strict=True)])
+        assert r.components["prm"] == pytest.approx(min(r.step_rewards), abs=1e-12)
+        assert r.total == pytest.approx(r.components["arithmetic"] + 0.5 * r.components["prm"], abs=1e-9)
+        multi += len(r.step_rewards) > 1
+    assert within(worst, NET_FP32_LOGPROB, "train_e2e/process_reward_model_vs_transformers"), worst
+    assert multi > 0  # responses of several steps were mapped
+    bad = run_train(assets, str(tmp_path / "bad"), GRPO, extra=[
+        f"reward.models=[{{name: prm, path: {prm_dir}, kind: process}}]"], expect=2)
+    assert "reward.models[0].step_separator: is required with kind process" in bad.stderr, bad.stderr[-2000:]

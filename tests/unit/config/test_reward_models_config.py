@@ -20,6 +20,9 @@ def test_entries_in_scoring_order_with_their_keys():
     # reward models alone score the samples: no rule needed; so do judges
     assert check_run(load_config(GRPO, ["reward.fn=null", "reward.models=[{name: style, path: /b}]"]), 1) == 1
     assert check_run(load_config(GRPO, ["reward.fn=null", "reward.judges=[{name: j, path: /j}]"]), 1) == 1
+    # one process reward model is grpo_process's step source
+    assert check_run(load_config(GRPO, ["reward.models=[{name: p, path: /p, kind: process, step_separator: ','}]",
+                                        "algo.advantage=grpo_process"]), 1) == 1
 
 
 @pytest.mark.parametrize("overrides,key", [
@@ -42,6 +45,12 @@ def test_entries_in_scoring_order_with_their_keys():
     (["reward.models=[{name: j, path: /b}]", "reward.judges=[{name: j, path: /j}]"],
      "reward.judges[0].name: 'j' is also reward.models[0]'s"),
     (["reward.judges=[{name: j, path: /j, max_new_tokens: 0}]"], "reward.judges[0].max_new_tokens: must be >= 1"),
+    # process reward models: a separator, one step source for grpo_process
+    (["reward.models=[{name: p, path: /p, kind: process}]"], "reward.models[0].step_separator: is required"),
+    (["reward.models=[{name: p, path: /p, kind: steps, step_separator: ','}]"], "reward.models[0].kind: 'steps'"),
+    (["reward.models=[{name: p, path: /p}]", "algo.advantage=grpo_process"], "algo.advantage: 'grpo_process' reads"),
+    (["reward.models=[{name: p, path: /p, kind: process, step_separator: ','}, {name: q, path: /q, kind: process, "
+      "step_separator: ','}]", "algo.advantage=grpo_process"], "algo.advantage: 'grpo_process' reads"),
 ])
 def test_a_bad_entry_is_refused_naming_its_key(overrides, key):
     with pytest.raises(ConfigError) as e:
