@@ -19,7 +19,7 @@ from typing import List
 from megarl.control.interfaces import Sample
 from megarl.experience.schema import RewardRecord, RewardStatus
 from megarl.roles.process_reward_model import add_process_scores
-from megarl.roles.reward_model import input_digest
+from megarl.roles.reward_model import add_component, input_digest
 from megarl.observability.profiling import span
 from megarl.runtime.data_parallel import broadcast_object, gather_objects
 
@@ -133,12 +133,7 @@ class Scorer:
                 merged.append(RewardRecord(total=None, scorer_version=rm.version, status=status, error=why,
                                            inputs=inputs))
                 continue
-            sc = float(scores[i])
-            comps = dict(base.components) if base is not None else {}
-            comps[settings.name] = sc
-            total = (base.total if base is not None else 0.0) + w * sc
-            version = f"{base.scorer_version}+{rm.version}" if base is not None else rm.version
-            merged.append(RewardRecord(total=total, components=comps, scorer_version=version, inputs=inputs))
+            merged.append(add_component(base, settings.name, float(scores[i]), w, rm.version, inputs))
         return merged
 
 
@@ -171,11 +166,7 @@ def add_judge_verdicts(rs, records, key: str, settings, judge, counters: Counter
             counters[f"judge_{status.value}"] += 1
             merged.append(RewardRecord(total=None, scorer_version=version, status=status, error=error, inputs=inputs))
             continue
-        comps = dict(base.components) if base is not None else {}
-        comps[settings.name] = float(score)
-        total = (base.total if base is not None else 0.0) + settings.weight * float(score)
-        merged.append(RewardRecord(total=total, components=comps, inputs=inputs,
-                                   scorer_version=f"{base.scorer_version}+{version}" if base is not None else version))
+        merged.append(add_component(base, settings.name, float(score), settings.weight, version, inputs))
     return merged
 
 

@@ -17,7 +17,7 @@ from megarl.data.scorer_input import render_with_offsets
 from megarl.data.step_map import prm_read_positions, step_char_ends
 from megarl.experience.schema import RewardRecord, RewardStatus
 from megarl.rewards.rules import step_token_ends
-from megarl.roles.reward_model import input_digest
+from megarl.roles.reward_model import add_component, input_digest
 from megarl.runtime.data_parallel import gather_objects
 
 AGGREGATES = {"min": min, "mean": lambda xs: sum(xs) / len(xs), "last": lambda xs: xs[-1]}
@@ -73,10 +73,6 @@ def add_process_scores(rs, records, key: str, settings, rm, counters: Counter):
         placed = sorted(steps.items())
         values = [s for _, s in placed]
         agg = float(AGGREGATES[settings.step_aggregate](values))
-        comps = dict(base.components) if base is not None else {}
-        comps[settings.name] = agg
-        total = (base.total if base is not None else 0.0) + settings.weight * agg
-        version = f"{base.scorer_version}+{rm.version}" if base is not None else rm.version
-        merged.append(RewardRecord(total=total, components=comps, scorer_version=version, inputs=inputs,
-                                   step_rewards=tuple(values), step_token_ends=tuple(e for e, _ in placed)))
+        merged.append(add_component(base, settings.name, agg, settings.weight, rm.version, inputs,
+                                    step_rewards=tuple(values), step_token_ends=tuple(e for e, _ in placed)))
     return merged

@@ -37,6 +37,19 @@ def input_digest(ids: Sequence[int]) -> str:
     return "sha256:" + hashlib.sha256(json.dumps([int(t) for t in ids]).encode()).hexdigest()
 
 
+def add_component(base, name: str, score: float, weight: float, version: str, inputs: dict, **steps):
+    """A neural scorer's ``score`` added to the ok record ``base`` (or standing alone when None) as
+    the component ``name``, its total raised by ``weight * score`` and its version appended;
+    ``steps``: a process model's ``step_rewards`` / ``step_token_ends``."""
+    from megarl.experience.schema import RewardRecord
+
+    comps = dict(base.components) if base is not None else {}
+    comps[name] = score
+    total = (base.total if base is not None else 0.0) + weight * score
+    return RewardRecord(total=total, components=comps, inputs=inputs, **steps,
+                        scorer_version=f"{base.scorer_version}+{version}" if base is not None else version)
+
+
 def weights_manifest_digest(path: str) -> str:
     """sha256 of the tensor manifest (name, dtype, shape) the checkpoint's safetensors headers
     declare, in name order: read from the headers, no weight is loaded."""
