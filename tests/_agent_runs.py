@@ -75,6 +75,7 @@ def check_agent_run(run_dir, eta=0, inflight=False, iterations=2):
             sizes[g] = sizes.get(g, 0) + 1
         assert set(sizes.values()) == {G}
         assert all(r.status.value == "ok" and r.scorer_version.startswith("env:") for r in f.rewards)
+        check_turn_spans(f)
         m = ms[k]
         assert m["rollout/agent/turns_mean"] >= 1 and "rollout/agent/env_token_share" in m
         # every trajectory started on the version of step k - eta (synchronous: the one trained from),
@@ -86,3 +87,20 @@ def check_agent_run(run_dir, eta=0, inflight=False, iterations=2):
     assert all("turns" in r and "tool_calls" in r for r in rows)
     rate = sum(m["rollout/agent/tool_call_rate"] for m in ms) / len(ms)
     return env_tokens, rate
+
+
+def check_turn_spans(f):
+    """Each record's applicable mask: a span per turn the environment answered, over exactly that
+    turn's policy tokens (it ends on the turn's last one), holding that step's reward; together
+    they are the episode's reward (the environment adds nothing at the outcome level)."""
+    o = f.token_origins
+    pol = o.policy_mask()
+    for b, r in enumerate(f.rewards):
+        if r.applies_to is None:  # no turn was answered (the token budget ended it): the outcome 0.0
+            assert r.total == 0.0 and not r.components, (f.sample_id[b], r)
+            continue
+        for x in r.applies_to:
+            k = int(x.label.split()[1])
+            turn_pos = (pol[b] & (o.turn[b] == k)).nonzero().flatten().tolist()
+            assert (x.first, x.last) == (turn_pos[0], turn_pos[-1]), (f.sample_id[b], x, turn_pos)
+        assert r.outcome_remainder() == 0.0 and r.total == sum(r.components.values())

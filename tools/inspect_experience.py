@@ -277,6 +277,13 @@ def describe(batch, i: int, directory: str, tok=None) -> list[str]:
     if r.step_rewards is not None:
         steps = ", ".join(f"{s:g}@{e}" for s, e in zip(r.step_rewards, r.step_token_ends))
         out.append(f"  step_rewards    {steps}  (score@last response token of the step)")
+    if r.applies_to is not None:
+        for x in r.applies_to:
+            out.append(f"  applies to      {x.label or 'part'}: {x.value:g} for response tokens {x.first}..{x.last}, "
+                       f"received after {x.last}")
+        rest = r.outcome_remainder()
+        if rest != 0.0:
+            out.append(f"  applies to      the whole response: {rest:g}, received after its last action")
     for name, digest in sorted(r.inputs.items()):  # what each neural scorer read (--scorer-input re-renders it)
         out.append(f"  input of {name:<7s}{digest}")
     out += ["", f"content_hash    {batch.content_hash}"]

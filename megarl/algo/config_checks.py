@@ -48,12 +48,20 @@ def check_estimator_needs(cfg) -> None:
         process = [m for _, m in cfg.reward.neural_models() if m.kind == "process"]
         rule_steps = getattr(fn, "places_steps", False) and not cfg.reward.neural_models()
         model_steps = len(process) == 1 and not getattr(fn, "places_steps", False)
-        require((rule_steps or model_steps) and not cfg.reward.judges,
+        # an environment's reward of each turn, on the turn's last policy token (its applies_to)
+        env_turns = bool(cfg.rollout.agent.env) and not cfg.reward.neural_models()
+        require((rule_steps or model_steps or env_turns) and not cfg.reward.judges,
                 "algo.advantage",
                 f"{a.advantage!r} reads per-step process rewards from one source: reward.fn placing them "
-                f"(running_sum_steps, or a function with places_steps = True) without reward models, or one "
-                f"reward model of kind process (and no judge); got reward.fn={cfg.reward.fn!r} "
+                f"(running_sum_steps, or a function with places_steps = True) without reward models, one "
+                f"reward model of kind process, or an agent environment's per-turn rewards (rollout.agent.env), "
+                f"and no judge; got reward.fn={cfg.reward.fn!r} "
                 f"(or use one of {critic_free})")
+    require(a.reward_placement == "last_token" or needs.token_rewards, "algo.reward_placement",
+            f"recorded places rewards for a token-reward estimator ({[n for n in advantage_names() if advantage_needs(n).token_rewards]}); "
+            f"algo.advantage={a.advantage!r} reads "
+            + ("each record's parts itself" if needs.step_rewards else "one score per sample")
+            + " (grpo_process credits turns and steps)")
     if needs.groups:
         require(r.n >= 2, "rollout.n", f"the group estimator {a.advantage!r} needs G >= 2 samples per prompt, got {r.n}")
     require(not a.dynamic_sampling.enabled or needs.groups, "algo.dynamic_sampling.enabled",

@@ -21,7 +21,7 @@ import torch
 from megarl.algo.advantages import AdvantageConfig, AdvantageInputs, check_finite, masked_whiten
 from megarl.algo.aggregation import masked_mean
 from megarl.algo.registry import advantage_needs, get_advantage
-from megarl.algo.reward_shaping import kl_shaped_token_rewards, place_outcome_rewards
+from megarl.algo.reward_shaping import kl_shaped_token_rewards, place_outcome_rewards, place_step_rewards
 from megarl.algo.rollout_correction import RolloutCorrectionConfig, offpolicy_metrics, rollout_correction
 from megarl.experience.groups import group_index
 from megarl.experience.schema import DerivedTensors, ExperienceFacts
@@ -39,12 +39,14 @@ class DerivationSettings:
     per-token rewards of a critic estimator) or ``loss``; ``whiten``: advantages whitened over
     the loss mask; ``correction``: the rollout/trainer mismatch correction (synchronous);
     ``offpolicy`` with ``max_staleness``: the behaviour-vs-proximal correction of an
-    asynchronous batch (the two are exclusive)."""
+    asynchronous batch (the two are exclusive); ``reward_placement`` (a token-reward estimator):
+    ``last_token``, each score on its sample's last action, or ``recorded``, the parts each
+    record says it is made of on the actions they follow (:func:`step_tensors`)."""
 
     estimator: str
     gamma: float = 1.0
     lam: float = 1.0
-    zero_std_rule: str = "zero"
+    zero_std_rule: str = "epsilon"
     std_eps: float = 1e-6
     kl_placement: str = "loss"
     kl_beta: float = 0.0
@@ -52,6 +54,7 @@ class DerivationSettings:
     correction: Optional[RolloutCorrectionConfig] = None
     offpolicy: Optional[RolloutCorrectionConfig] = None
     max_staleness: int = 0
+    reward_placement: str = "last_token"
 
     def __post_init__(self) -> None:
         if self.offpolicy is not None and self.correction is not None:  # both would weight the same gap
@@ -72,6 +75,8 @@ class DerivationSettings:
         if self.offpolicy is not None:
             out["offpolicy_correction"] = {"max_staleness": self.max_staleness, **self.offpolicy.as_dict()}
         out["kl_placement"] = self.kl_placement
+        if self.reward_placement != "last_token":  # (recorded only when set: older records read as last_token)
+            out["reward_placement"] = self.reward_placement
         return out
 
     @classmethod
@@ -90,27 +95,40 @@ class DerivationSettings:
                 std_eps=hp["std_eps"], kl_placement=placement, kl_beta=hp["kl_beta"], whiten=bool(hp["whiten"]),
                 correction=(RolloutCorrectionConfig(**hp["rollout_correction"]) if hp.get("rollout_correction")
                             else None),
-                offpolicy=RolloutCorrectionConfig(**off) if off else None, max_staleness=eta)
+                offpolicy=RolloutCorrectionConfig(**off) if off else None, max_staleness=eta,
+                reward_placement=hp.get("reward_placement", "last_token"))
         return dataclasses.replace(s, **overrides)
 
 
-def step_tensors(records, response_mask: torch.Tensor) -> tuple:
-    """The records' process rewards as ``(bs, S)`` step rewards and step-end token indices (-1 pads
-    a row's missing steps).  A record without steps (a penalty standing for a failure) is one step,
-    its total, on its last action token."""
+def step_tensors(records, response_mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple:
+    """The records' rewards as the parts each one says it is made of, on the actions they are
+    received after: ``(bs, S)`` rewards and end token indices (-1 pads a row's missing parts).
+
+    A record's parts are its process steps when it has them; else its ``applies_to`` spans (a
+    turn's reward on the turn's last policy token) with what they leave of the total
+    (:meth:`RewardRecord.outcome_remainder`) on the last action, added to a span that ends there;
+    else its total on its last action token (a penalty standing for a failure, an outcome)."""
     mask = response_mask != 0
     rows = []
     for b, r in enumerate(records):
+        last = int(torch.nonzero(mask[b]).max()) if mask[b].any() else 0
         if r.step_rewards is not None:
             rows.append((list(r.step_rewards), list(r.step_token_ends)))
+        elif r.applies_to is not None:
+            w, e = [x.value for x in r.applies_to], [x.last for x in r.applies_to]
+            rest = r.outcome_remainder()
+            if rest != 0.0 and e[-1] == last:
+                w[-1] += rest
+            elif rest != 0.0:
+                w, e = w + [rest], e + [last]
+            rows.append((w, e))
         else:
-            last = int(torch.nonzero(mask[b]).max()) if mask[b].any() else 0
             rows.append(([float(r.total)], [last]))
     S = max(1, max(len(w) for w, _ in rows))
-    rewards = torch.zeros((len(rows), S), dtype=torch.float32)
+    rewards = torch.zeros((len(rows), S), dtype=dtype)
     ends = torch.full((len(rows), S), -1, dtype=torch.long)
     for b, (w, e) in enumerate(rows):
-        rewards[b, :len(w)] = torch.tensor(w, dtype=torch.float32)
+        rewards[b, :len(w)] = torch.tensor(w, dtype=dtype)
         ends[b, :len(e)] = torch.tensor(e, dtype=torch.long)
     return rewards, ends
 
@@ -130,11 +148,15 @@ def derive(facts: ExperienceFacts, s: DerivationSettings,
             step_rewards, step_ends = step_tensors(facts.rewards, mask)
             inputs = dataclasses.replace(inputs, step_rewards=step_rewards, step_token_ends=step_ends)
     else:
+        placed = None
+        if s.reward_placement == "recorded":  # each record's parts on their own actions
+            step_rewards, step_ends = step_tensors(facts.rewards, mask, dtype=scores.dtype)
+            placed = place_step_rewards(step_rewards, step_ends, mask)
         if s.kl_placement == "reward":
             token_rewards, _ = kl_shaped_token_rewards(scores, mask, facts.old_log_probs, facts.ref_log_probs,
-                                                       s.kl_beta)
+                                                       s.kl_beta, placed=placed)
         else:
-            token_rewards = place_outcome_rewards(scores, mask)
+            token_rewards = place_outcome_rewards(scores, mask) if placed is None else placed
         inputs = AdvantageInputs(response_mask=mask, token_rewards=token_rewards.float(),
                                  values=facts.values, terminated=facts.terminated(),
                                  bootstrap_values=facts.bootstrap_values)

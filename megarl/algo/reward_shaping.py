@@ -56,6 +56,37 @@ def place_outcome_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> 
     return out
 
 
+def place_step_rewards(step_rewards: torch.Tensor, step_token_ends: torch.Tensor,
+                       response_mask: torch.Tensor) -> torch.Tensor:
+    """r_{i,t} = sum_k step_rewards[i, k] * [step_token_ends[i, k] = t]: each part of a reward on the
+    action after which it is received (a process step's end, a turn's last policy token).
+
+    Args:
+        step_rewards: ``(bs, S)`` finite.
+        step_token_ends: ``(bs, S)`` int64 response index of each part's last token (an action),
+            -1 for a row's padding parts (their reward is ignored).
+        response_mask: ``(bs, response_len)``.
+    Returns:
+        ``(bs, response_len)`` token rewards, dtype of ``step_rewards``, 0 where nothing lands.
+    Raises:
+        ValueError if an end is past the response or not an action token, or a reward is not finite.
+    """
+    bs, R = response_mask.shape
+    if step_rewards.dim() != 2 or step_rewards.shape[0] != bs or step_token_ends.shape != step_rewards.shape:
+        raise ValueError(f"place_step_rewards: step_rewards and step_token_ends must both be (bs={bs}, S), got "
+                         f"{tuple(step_rewards.shape)} and {tuple(step_token_ends.shape)}")
+    has = step_token_ends >= 0
+    if bool((step_token_ends >= R).any()):
+        raise ValueError(f"place_step_rewards: an end is >= response_len={R}")
+    rows = torch.arange(bs, device=response_mask.device)[:, None].expand_as(step_token_ends)
+    if bool((response_mask[rows[has], step_token_ends[has]] == 0).any()):
+        raise ValueError("place_step_rewards: an end is not an action token (a reward is received after an action)")
+    if not torch.isfinite(step_rewards[has]).all():
+        raise ValueError("place_step_rewards: a reward is not finite; a failed reward must be a status")
+    out = torch.zeros((bs, R), dtype=step_rewards.dtype, device=step_rewards.device)
+    return out.scatter_add_(1, step_token_ends.clamp(min=0), torch.where(has, step_rewards, 0.0))
+
+
 def turn_rewards(rewards: torch.Tensor, origins: TokenOrigins) -> torch.Tensor:
     """Per-turn rewards of multi-turn trajectories as token rewards: r_{i,t} = rewards[i, k] if t
     is the last policy token of turn k of sample i, else 0.
@@ -102,13 +133,15 @@ def kl_shaped_token_rewards(
     old_log_probs: LogProbs,
     ref_log_probs: LogProbs,
     beta: float,
+    placed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """r_{i,t} = -beta * (log pi_old(a_t) - log pi_ref(a_t)) * m_{i,t} + score_i * [t = T_i].
 
     PPO-style per-token KL shaping (Ouyang et al. 2022; Schulman 2020 k1 estimator); T_i is the
-    last action of sample i.  The producers are checked before any arithmetic: ``old_log_probs``
-    must come from the actor (old policy) or the rollout engine, ``ref_log_probs`` from the
-    reference.
+    last action of sample i.  ``placed`` ``(bs, response_len)``: the task rewards already on their
+    tokens (:func:`place_step_rewards`), shaped instead of the score at T_i.  The producers are
+    checked before any arithmetic: ``old_log_probs`` must come from the actor (old policy) or the
+    rollout engine, ``ref_log_probs`` from the reference.
 
     Args:
         scores: ``(bs,)``.
@@ -125,7 +158,8 @@ def kl_shaped_token_rewards(
         raise ValueError(f"beta must be finite and >= 0, got {beta}")
     keep = response_mask != 0
     k1 = torch.where(keep, kl_k1(old_log_probs.values, ref_log_probs.values), 0.0)
-    rewards = place_outcome_rewards(scores.to(k1.dtype), response_mask) - beta * k1
+    task = place_outcome_rewards(scores.to(k1.dtype), response_mask) if placed is None else placed.to(k1.dtype)
+    rewards = task - beta * k1
     return rewards, k1
 
 

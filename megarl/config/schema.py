@@ -352,6 +352,11 @@ class AlgoConfig:
     zero_std_rule: str = setting("epsilon", choices=("epsilon", "skip"))  # epsilon | skip
     std_eps: float = setting(1.0e-6, range=POS)  # added to the group std (zero_std_rule=epsilon)
     whiten_advantages: bool = True  # GAE advantages whitened over the batch (PPO practice)
+    #: a token-reward estimator (gae, reinforce_plus_plus): last_token, each sample's total on its
+    #: last action | recorded, the parts its reward record says it is made of on the actions they
+    #: follow (an environment's reward of each turn on that turn's last policy token, process
+    #: steps on their ends; what they leave of the total on the last action)
+    reward_placement: str = setting("last_token", choices=("last_token", "recorded"))
     policy_loss: str = "vanilla"  # vanilla | gspo
     # range: the ratio's floor 1 - clip_low stays > 0
     clip_low: float = setting(0.2, range=Range(lo=0, hi=1, hi_open=True))  # ratio clipped below at 1 - clip_low

@@ -261,6 +261,7 @@ def _validate_choices(cfg: TrainConfig) -> None:
     algorithm's registered names are its own check, :mod:`megarl.algo.config_checks`)."""
     _one_of(cfg, "algo.name")
     _one_of(cfg, "algo.zero_std_rule")
+    _one_of(cfg, "algo.reward_placement")
     _one_of(cfg, "algo.kl.placement")
     _one_of(cfg, "algo.partial_groups")
     _one_of(cfg, "algo.routing_replay")

@@ -378,7 +378,8 @@ class ExperiencePreparer:
         return DerivationSettings(estimator=a.advantage, gamma=a.gamma, lam=a.lam, zero_std_rule=a.zero_std_rule,
                                   std_eps=a.std_eps, kl_placement=a.kl.placement, kl_beta=self.kl_ctl.value,
                                   whiten=self.whiten, correction=self.correction, offpolicy=self.offpolicy,
-                                  max_staleness=self.async_eta if self.offpolicy is not None else 0)
+                                  max_staleness=self.async_eta if self.offpolicy is not None else 0,
+                                  reward_placement=a.reward_placement)
 
     def advantages(self, facts: ExperienceFacts, real_sizes: Dict[str, int]):
         """The estimator's derived tensors over the sealed facts, and the ``prep/adv*`` metrics

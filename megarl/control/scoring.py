@@ -194,7 +194,8 @@ def record_scores(samples: List[Sample], records, reward_cfg, tok, counters: Cou
 
 class EpisodeScorer:
     """Scores agent trajectories by their environment: the reward is the sum of the reward
-    components the environment returned over the episode's steps (``Sample.episode``).
+    components the environment returned over the episode's steps (``Sample.episode``), and its
+    applicable mask (``applies_to``) says which turn each step's reward was for.
 
     An environment that failed (``error`` / ``timeout`` / ``invalid``) makes the sample's record
     that status with the environment's reason -- never a number, unless ``reward.penalty``
@@ -219,6 +220,10 @@ class EpisodeScorer:
                 self.counters[f"env_{t.env_status}"] += 1
                 continue
             comps = dict(t.reward_components)
+            if len(s.response_ids) != len(t.response_ids):
+                raise ValueError(f"{s.sample_id}: {len(s.response_ids)} response tokens, its episode has "
+                                 f"{len(t.response_ids)}: the turns' reward spans would point elsewhere")
+            spans = t.turn_spans()
             records.append(RewardRecord(total=float(sum(comps.values())), components=comps,
-                                        scorer_version=self.version))
+                                        scorer_version=self.version, applies_to=tuple(spans) if spans else None))
         record_scores(samples, records, self.cfg, self.tok, self.counters, self.quarantine_path, self.rank0)

@@ -12,8 +12,8 @@ why, and how it suits the tiny vocabulary).  The step answers each call with one
 **Final answer.**  A turn without a call is the answer and ends the episode (terminated) with
 reward component ``correct``: 1.0 iff the turn is exactly the row's integer, by the arithmetic
 task's rule (:func:`megarl.data.tasks.arithmetic.score`: special-token markers and whitespace
-removed).  Tool steps have no reward components; ``info`` counts ``tool_calls`` and
-``tool_errors``.  The policy may also answer at once, without the tool.
+removed).  Tool steps have no reward components unless ``call_reward`` is set (a
+well-formed call's reward, on its own turn); ``info`` counts ``tool_calls`` and ``tool_errors``.  The policy may also answer at once, without the tool.
 
 :func:`demonstration` writes the conversation of a solved row with the tool (prompt, call, tool
 result, answer) as messages, for warm-start demonstrations; render it to ids with
@@ -23,6 +23,7 @@ session builds.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Mapping
 
@@ -125,22 +126,28 @@ class CalculatorEnv:
             vocabulary (three ``<unk>`` ids); ``"user"`` renders tool results with a known role
             marker (as Qwen's templates do, inside the user turn).
         max_calls: tool calls per episode; a turn calling beyond it gets ``not a number``.
+        call_reward: earned by a tool turn whose every call evaluates (component ``tool_call``,
+            that turn's reward: with ``algo.advantage=grpo_process`` or
+            ``algo.reward_placement=recorded`` it credits the call, not the answer); 0 (the
+            default): tool steps have no reward components.
     """
 
     version = "calculator/1"
 
-    def __init__(self, tool_role: str = TOOL_ROLE, max_calls: int = 8):
-        self.check_args(tool_role=tool_role, max_calls=max_calls)
-        self.tool_role, self.max_calls = tool_role, max_calls
+    def __init__(self, tool_role: str = TOOL_ROLE, max_calls: int = 8, call_reward: float = 0.0):
+        self.check_args(tool_role=tool_role, max_calls=max_calls, call_reward=call_reward)
+        self.tool_role, self.max_calls, self.call_reward = tool_role, max_calls, float(call_reward)
         self.answer: str | None = None
         self.calls = 0
 
     @staticmethod
-    def check_args(tool_role: str = TOOL_ROLE, max_calls: int = 8) -> None:
+    def check_args(tool_role: str = TOOL_ROLE, max_calls: int = 8, call_reward: float = 0.0) -> None:
         if not isinstance(tool_role, str) or not tool_role or tool_role == "assistant":
             raise ValueError(f"calculator: tool_role must be a role name other than 'assistant', got {tool_role!r}")
         if isinstance(max_calls, bool) or not isinstance(max_calls, int) or max_calls < 1:
             raise ValueError(f"calculator: max_calls must be an int >= 1, got {max_calls!r}")
+        if isinstance(call_reward, bool) or not isinstance(call_reward, (int, float)) or not math.isfinite(call_reward):
+            raise ValueError(f"calculator: call_reward must be a finite number, got {call_reward!r}")
 
     def reset(self, row: Mapping[str, Any]) -> tuple[Message, ...]:
         answer = row.get("answer") if isinstance(row, Mapping) else None
@@ -162,7 +169,8 @@ class CalculatorEnv:
             value = evaluate(expr) if self.calls <= self.max_calls else None
             errors += value is None
             results.append(Message(self.tool_role, NOT_A_NUMBER if value is None else str(value)))
-        return StepOutcome(tuple(results), {}, terminated=False, truncated=False,
+        earned = {"tool_call": self.call_reward} if self.call_reward and not errors else {}
+        return StepOutcome(tuple(results), earned, terminated=False, truncated=False,
                            info={"tool_calls": float(len(calls)), "tool_errors": float(errors)})
 
 

@@ -72,6 +72,31 @@ class RewardStatus(str, Enum):
 
 
 @dataclass(frozen=True)
+class ScoreSpan:
+    """A part of a reward that applies to some of the response: ``value`` is about response tokens
+    ``first`` .. ``last`` (inclusive) and is received after action ``last`` (an environment step's
+    reward for the policy turn it answered: that turn's tokens, received after its last policy
+    token).  ``label`` says what the part is (``"turn 1"``)."""
+
+    first: int
+    last: int
+    value: float
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.first, bool) or isinstance(self.last, bool) or not 0 <= int(self.first) <= int(self.last):
+            raise ValueError(f"ScoreSpan needs 0 <= first <= last, got first={self.first!r} last={self.last!r}")
+        object.__setattr__(self, "first", int(self.first))
+        object.__setattr__(self, "last", int(self.last))
+        if not math.isfinite(self.value):
+            raise ValueError(f"ScoreSpan.value must be a finite float, got {self.value!r}")
+        object.__setattr__(self, "value", float(self.value))
+
+    def to_json(self) -> dict:
+        return {"first": self.first, "last": self.last, "value": self.value, "label": self.label}
+
+
+@dataclass(frozen=True)
 class RewardRecord:
     """What ``RewardFunction(sample)`` returns.
 
@@ -82,6 +107,13 @@ class RewardRecord:
     neural scorer read: its name -> ``sha256:<hex>`` of the token ids of its own rendering of the
     sample (:func:`megarl.roles.reward_model.input_digest`; ``tools/inspect_experience.py
     --scorer-input`` renders it again and compares).
+
+    ``applies_to`` is the applicable mask: the parts of ``total`` that belong to some of the
+    response only (:class:`ScoreSpan`, in order, not overlapping), such as the reward of each
+    turn of a multi-turn episode.  What they leave of ``total`` (``total - sum(values)``: an
+    outcome-level addition such as a reward model's score or a length penalty) applies to the
+    whole response, received after its last action; ``None`` is all of ``total`` that way.
+    Which estimator reads it, and how, is the algorithm's choice (``algo.reward_placement``).
     """
 
     total: float | None
@@ -92,9 +124,20 @@ class RewardRecord:
     step_rewards: tuple[float, ...] | None = None
     step_token_ends: tuple[int, ...] | None = None
     inputs: Mapping[str, str] = field(default_factory=dict)
+    applies_to: tuple[ScoreSpan, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "status", RewardStatus(self.status))
+        if self.applies_to is not None:
+            spans = tuple(self.applies_to)
+            object.__setattr__(self, "applies_to", spans)
+            if not spans or not all(isinstance(x, ScoreSpan) for x in spans):
+                raise ValueError("RewardRecord.applies_to must be a non-empty tuple of ScoreSpan (None: the whole response)")
+            if any(b.first <= a.last for a, b in zip(spans, spans[1:], strict=False)):
+                raise ValueError("RewardRecord.applies_to: spans must be in order and not overlap, got "
+                                 f"{[(x.first, x.last) for x in spans]}")
+            if self.status is not RewardStatus.OK:
+                raise ValueError(f"RewardRecord.applies_to is set on a {self.status.value!r} record (a failure applies to nothing)")
         object.__setattr__(self, "components", MappingProxyType(dict(self.components)))
         object.__setattr__(self, "inputs", MappingProxyType(dict(self.inputs)))
         if not self.scorer_version:
@@ -136,6 +179,7 @@ class RewardRecord:
             "step_rewards": None if self.step_rewards is None else list(self.step_rewards),
             "step_token_ends": None if self.step_token_ends is None else list(self.step_token_ends),
             **({"inputs": dict(self.inputs)} if self.inputs else {}),  # (a record without neural scorers: as before)
+            **({"applies_to": [x.to_json() for x in self.applies_to]} if self.applies_to is not None else {}),
         }
 
     @classmethod
@@ -149,7 +193,12 @@ class RewardRecord:
             step_rewards=None if d["step_rewards"] is None else tuple(d["step_rewards"]),
             step_token_ends=None if d["step_token_ends"] is None else tuple(d["step_token_ends"]),
             inputs=d.get("inputs") or {},
+            applies_to=None if d.get("applies_to") is None else tuple(ScoreSpan(**x) for x in d["applies_to"]),
         )
+
+    def outcome_remainder(self) -> float:
+        """What of ``total`` applies to the whole response: all of it without ``applies_to``."""
+        return float(self.total) - (0.0 if self.applies_to is None else sum(x.value for x in self.applies_to))
 
 
 LOG_PROB_ROLES = ("actor", "rollout", "engine", "reference")
@@ -567,6 +616,17 @@ class ExperienceFacts:
                                  f"layers, top_k) = {want}, got {tuple(re_.experts.shape)}")
         if self.token_origins is not None:
             self._check_token_origins()
+        self._check_reward_spans()
+
+    def _check_reward_spans(self) -> None:
+        """Every reward part is received after an action of its own sample's response."""
+        R = self.response_ids.shape[1]
+        for b, r in enumerate(self.rewards):
+            for x in r.applies_to or ():
+                if x.last >= R or not bool(self.response_mask[b, x.last]):
+                    raise ValueError(f"ExperienceFacts.rewards: sample {self.sample_id[b]!r}: the part {x.label or x.value!r} "
+                                     f"ends at response position {x.last}, which is not an action token "
+                                     f"(response_len {R})")
 
     def _policy_token_versions(self) -> set:
         """Every version that generated a policy token: each sample's, and each turn's."""

@@ -63,6 +63,8 @@ class Trajectory:
     raw_log_probs: List[float] = field(default_factory=list)
     finish_reason: Optional[FinishReason] = None
     reward_components: Dict[str, float] = field(default_factory=dict)
+    #: each environment step's reward components, by the policy turn the step answered
+    turn_rewards: List[Dict[str, float]] = field(default_factory=list)
     env_status: str = "ok"
     env_error: Optional[str] = None
     turns: int = 0
@@ -84,6 +86,20 @@ class Trajectory:
     def policy_version(self) -> Optional[str]:
         """The version of the last policy token (the sample's version in the record)."""
         return next((v for v in reversed(self.token_versions) if v is not None), None)
+
+    def turn_spans(self) -> list:
+        """The applicable mask of the episode's rewards: for each policy turn an environment step
+        answered, a :class:`~megarl.experience.schema.ScoreSpan` over that turn's policy tokens
+        (response positions), its value the step's reward components summed.  A turn without
+        policy tokens has nowhere to put its reward: it is left to the outcome remainder."""
+        from megarl.experience.schema import ScoreSpan
+
+        spans = []
+        for k, comps in enumerate(self.turn_rewards):
+            pos = [i for i, (src, tu) in enumerate(zip(self.source, self.turn, strict=True)) if src == POLICY and tu == k]
+            if pos:
+                spans.append(ScoreSpan(first=pos[0], last=pos[-1], value=float(sum(comps.values())), label=f"turn {k}"))
+        return spans
 
     def log_probs_tensor(self) -> torch.Tensor:
         return torch.tensor(self.raw_log_probs, dtype=torch.float32)
@@ -288,6 +304,7 @@ def _after_step(t: Trajectory, res, renderer, limits: AgentLimits) -> None:
         _fail(t, res.status.value, res.error)
         return
     out = res.outcome
+    t.turn_rewards.append({k: float(v) for k, v in dict(out.reward_components).items()})
     for k, v in dict(out.reward_components).items():
         t.reward_components[k] = t.reward_components.get(k, 0.0) + float(v)
     # the environment's own count when it gives one (a tool may answer in a user message)

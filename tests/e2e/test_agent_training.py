@@ -23,6 +23,8 @@ import os
 import subprocess
 import sys
 
+import torch
+
 from tests._agent_runs import B, CALC, G, calc_assets, check_agent_run  # noqa: F401 - a fixture
 from tests._dist import free_port, subprocess_env
 from tests._train_runs import batches, metrics
@@ -43,10 +45,42 @@ def run_agent_train(assets, run_dir, nproc, extra=()):
 
 
 def test_calculator_agent_torchrun_dp2(calc_assets, tmp_path):
+    """With ``algo.advantage=grpo_process`` the environment's reward of each turn (here 0.5 for a
+    well-formed tool call on its own turn, ``call_reward``, and 1 for a right answer) is a step: every
+    sealed advantage equals DeepSeekMath's process supervision computed here by hand from the
+    records' turn spans (pooled over the group's turns, each token the sum of the normalised
+    rewards of the turns at or after it), which an estimator reading only the total cannot give:
+    the tool call's tokens get a different advantage than the answer's."""
+    import math
+
+    from tests._tolerance import formula_tol
+
     run_dir = str(tmp_path / "calc_dp2")
-    run_agent_train(calc_assets, run_dir, 2)
+    run_agent_train(calc_assets, run_dir, 2, ["algo.advantage=grpo_process",
+                                             "rollout.agent.env_args={tool_role: user, call_reward: 0.5}"])
     env_tokens, rate = check_agent_run(run_dir)
     assert env_tokens > 0 and rate > 0, (env_tokens, rate)  # the tool was called: the audit had something to audit
+    turn_credit = 0
+    for b in batches(run_dir):
+        f, adv = b.facts, b.derived.advantages
+        pooled = {}
+        for g, r in zip(f.group_id, f.rewards, strict=True):
+            pooled.setdefault(g, []).extend([x.value for x in r.applies_to] if r.applies_to else [r.total])
+        for i, (g, r) in enumerate(zip(f.group_id, f.rewards, strict=True)):
+            vals = pooled[g]
+            mean = sum(vals) / len(vals)
+            std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else 0.0
+            # a record without spans (no turn answered) is one step, its total, on its last action
+            parts = [(x.last, x.value) for x in r.applies_to] if r.applies_to else \
+                [(int(f.response_mask[i].nonzero().max()), r.total)]
+            norm = [(last, 0.0 if std <= 1e-6 else (v - mean) / std) for last, v in parts]
+            for t in f.response_mask[i].nonzero().flatten().tolist():
+                want = sum(a for last, a in norm if last >= t)
+                got = float(adv[i, t])
+                assert abs(got - want) <= formula_tol(torch.float32, 1, max(1.0, abs(want))), (f.sample_id[i], t, got, want)
+            firsts = {float(adv[i, x.first]) for x in r.applies_to or ()}
+            turn_credit += len(firsts) > 1
+    assert turn_credit > 0  # some trajectory's turns were credited differently
 
 
 def test_calculator_agent_split_async(calc_assets, tmp_path):

@@ -263,3 +263,11 @@ def test_process_rewards_reach_the_estimator_from_the_sealed_records(tmp_path):
     prep, produced, sm, v, c = setup(cfg_(), samples=samples, v=v)
     outcome, _ = prep.prepare(7, v, produced, StageTimer())
     assert not torch.equal(outcome.derived.advantages, batch.derived.advantages)
+
+
+def test_the_configured_reward_placement_reaches_the_derivation():
+    """algo.reward_placement is one of the settings the derived tensors are computed and recorded
+    under (tests/unit/experience/test_reward_placement.py: what each placement computes)."""
+    for placement in ("last_token", "recorded"):
+        prep = setup(cfg_(f"algo.reward_placement={placement}"))[0]
+        assert prep.derivation_settings().reward_placement == placement

@@ -84,6 +84,19 @@ def test_calculator_call_budget():
     assert {m.role for m in out.observation} == {"user"}
 
 
+def test_calculator_call_reward_on_the_tool_turn():
+    """call_reward: a tool turn whose every call evaluates earns it (component tool_call); a turn
+    with a bad call earns nothing; the answer turn is scored as without it."""
+    env = CalculatorEnv(tool_role="user", call_reward=0.25)
+    env.reset({"answer": "3"})
+    assert env.step("[ 1 + 2 ]").reward_components == {"tool_call": 0.25}
+    assert env.step("[ 1 + ]").reward_components == {}
+    assert env.step("3").reward_components == {"correct": 1.0}
+    env = CalculatorEnv(tool_role="user")  # the default: tool steps have no reward components
+    env.reset({"answer": "3"})
+    assert env.step("[ 1 + 2 ]").reward_components == {}
+
+
 def test_demonstration_messages():
     row = make_rows("train", 0, 1)[0]
     a, b = (int(x) for x in row["prompt"].split()[2::2])  # "what is A plus B ?"
@@ -140,6 +153,7 @@ def test_load_environment_builtin_and_dotted_and_errors_name_the_key():
         ("tests.plugins.faulty_envs:RELEASE", {}, "rollout.agent.env:", "not a class or factory"),
         ("calculator", {"max_call": 3}, "rollout.agent.env_args:", "does not accept ['max_call']"),
         ("calculator", {"max_calls": 0}, "rollout.agent.env_args:", "max_calls must be an int >= 1"),
+        ("calculator", {"call_reward": float("inf")}, "rollout.agent.env_args:", "call_reward must be a finite number"),
         ("two_turn", {"guess_weight": float("nan")}, "rollout.agent.env_args:", "guess_weight"),
     ]:
         with pytest.raises(EnvConfigError) as e:
