@@ -256,6 +256,34 @@ def rloo_advantage(inputs: AdvantageInputs, cfg: AdvantageConfig, *, process_gro
     return _finish_group_estimator(a, st, gidx, mask, cfg, scores.dtype if scores.is_floating_point() else torch.float32)
 
 
+@register_advantage("reinforce_plus_plus_baseline", EstimatorNeeds(groups=True))
+def reinforce_plus_plus_baseline_advantage(inputs: AdvantageInputs, cfg: AdvantageConfig, *,
+                                           process_group: dist.ProcessGroup | None = None) -> AdvantageResult:
+    """REINFORCE++ with a group baseline (Hu et al. 2025, arXiv:2501.03262, "REINFORCE++-baseline"):
+    the group mean as the baseline, then the batch's normalisation instead of each group's std.
+
+        a_i     = r_i - mean(r_g)                                     (sample i in group g)
+        A_{i,t} = (a_i - mean_batch(a)) / sqrt(var_batch(a) + eps)     over every action token kept
+
+    The batch statistics are token-weighted over the loss mask of the *global* batch (pass the DP
+    group as ``process_group`` when the batch is sharded).  A zero-variance group (a_i = 0) follows
+    ``cfg.zero_std_rule``: ``skip`` drops it from the loss mask (and the statistics); ``epsilon``
+    keeps its tokens, which the normalisation then moves off 0 by -mean_batch / std_batch.  The KL
+    to the reference is the loss's (``algo.kl.placement: loss``), as the paper's baseline variant.
+    Shapes as :func:`grpo_outcome_advantage`.
+    """
+    mask, scores, gidx = _group_inputs(inputs, "reinforce_plus_plus_baseline")
+    st = group_stats(scores, gidx, cfg.std_eps)
+    a = scores.to(torch.float64) - st.mean[gidx]
+    res = _finish_group_estimator(a, st, gidx, mask, cfg, scores.dtype if scores.is_floating_point() else torch.float32)
+    kept = (res.loss_mask != 0).sum().to(torch.float64).reshape(1)
+    if process_group is not None:
+        dist.all_reduce(kept, op=dist.ReduceOp.SUM, group=process_group)
+    # every group skipped (zero_std_rule=skip): nothing is trained, nothing to normalise
+    adv = masked_whiten(res.advantages, res.loss_mask, cfg.whiten_eps, process_group) if kept[0] >= 2 else res.advantages
+    return AdvantageResult(advantages=adv, loss_mask=res.loss_mask, returns=None, metrics=res.metrics)
+
+
 @register_advantage("grpo_process", EstimatorNeeds(groups=True, step_rewards=True))
 def grpo_process_advantage(inputs: AdvantageInputs, cfg: AdvantageConfig, *, process_group=None) -> AdvantageResult:
     """GRPO with process supervision (Shao et al. 2024, DeepSeekMath, sec. 4.1.3).
@@ -463,5 +491,6 @@ __all__ = [
     "grpo_process_advantage",
     "gae_advantage",
     "reinforce_plus_plus_advantage",
+    "reinforce_plus_plus_baseline_advantage",
     "check_finite",
 ]

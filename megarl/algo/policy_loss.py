@@ -25,9 +25,12 @@ from megarl.experience.schema import LOG_PROB_ROLES, LOG_PROB_SPACES
 class PolicyLossConfig:
     """Actor loss hyperparameters.
 
-    name: a registered policy loss (``vanilla``, ``gspo``).
+    name: a registered policy loss (``vanilla``, ``gspo``, ``cispo``, ``gmpo``, ``sapo``).
     clip_low / clip_high: ratio clipped to [1 - clip_low, 1 + clip_high] (DAPO clip-higher:
-        clip_high > clip_low, Yu et al. 2025).
+        clip_high > clip_low, Yu et al. 2025); ``gmpo`` bounds the log-ratio to
+        [-clip_low, clip_high] instead; ``sapo`` has no clip.
+    sapo_tau_pos / sapo_tau_neg: the temperatures of SAPO's gate for tokens with a positive /
+        non-positive advantage.
     dual_clip: c > 1 bounds the loss of negative-advantage tokens by -c * A (Ye et al. 2020,
         dual-clip PPO); None disables.
     log_ratio_clamp: |log ratio| is clamped to this before exp (numerical guard).
@@ -47,6 +50,8 @@ class PolicyLossConfig:
     kl: KLConfig = field(default_factory=KLConfig)
     old_log_prob_roles: tuple[str, ...] = ("actor",)
     log_prob_space: str = "raw"
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
 
     def __post_init__(self) -> None:
         get_policy_loss(self.name)
@@ -69,6 +74,10 @@ class PolicyLossConfig:
                 f"got {roles}; "
                 f"known roles {LOG_PROB_ROLES} ('reference' is never an old policy)"
             )
+        for key in ("sapo_tau_pos", "sapo_tau_neg"):
+            tau = getattr(self, key)
+            if not (tau > 0 and math.isfinite(tau)):
+                raise ValueError(f"PolicyLossConfig.{key} must be finite and > 0, got {tau}")
         if self.log_prob_space not in LOG_PROB_SPACES:
             raise ValueError(f"PolicyLossConfig.log_prob_space {self.log_prob_space!r} is not one of {LOG_PROB_SPACES}")
 
@@ -163,3 +172,125 @@ def gspo_policy_loss(
     lp = torch.where(keep, log_probs, 0.0)
     log_ratio = torch.where(keep, log_seq.detach() + lp - lp.detach(), 0.0)
     return _clipped_surrogate(torch.exp(log_ratio), log_ratio, advantages, keep, cfg, dual=False)
+
+
+def _ratio_metrics(log_ratio: torch.Tensor, keep: torch.Tensor, **extra: float) -> dict[str, float]:
+    """The ratio statistics every loss reports (detached), with a loss's own ``extra`` metrics."""
+    with torch.no_grad():
+        lr = log_ratio.detach()
+        r = torch.exp(lr)
+        n = int(keep.sum())
+        return {
+            "ratio_mean": float(masked_mean(r, keep)),
+            "ratio_min": float(torch.where(keep, r, torch.inf).min()) if n else 1.0,
+            "ratio_max": float(torch.where(keep, r, -torch.inf).max()) if n else 1.0,
+            "ppo_kl_k1": float(masked_mean(-lr, keep)),
+            "approx_kl": float(masked_mean(torch.expm1(lr) - lr, keep)),
+            "tokens": float(n),
+            **extra,
+        }
+
+
+@register_policy_loss("cispo")
+def cispo_policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cfg: PolicyLossConfig,
+) -> PolicyLossTerms:
+    """CISPO, clipped importance-sampling-weight policy optimisation (MiniMax 2025, MiniMax-M1,
+    arXiv:2506.13585): a REINFORCE objective whose importance weight is clipped and
+    stop-gradiented, so no token's gradient is ever dropped (PPO's clip zeroes it).
+
+        r_t = exp(log pi(a_t) - log pi_old(a_t))
+        L_t = -sg[clip(r_t, 1 - eps_low, 1 + eps_high)] * A_t * log pi(a_t)
+
+    Gradient: -clip(r_t) A_t grad log pi(a_t).  MiniMax-M1 bounds only the weight's top (a large
+    ``clip_low`` leaves the bottom free).  Metrics: clipfrac_high / clipfrac_low, the tokens whose
+    weight the clip changed (their gradient is kept, scaled).
+    """
+    keep = loss_mask != 0
+    log_ratio = torch.where(keep, log_probs - old_log_probs, 0.0).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+    lo, hi = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high
+    weight = torch.exp(log_ratio).clamp(lo, hi).detach()
+    loss = torch.where(keep, -weight * advantages * torch.where(keep, log_probs, 0.0), 0.0)
+    with torch.no_grad():
+        r = torch.exp(log_ratio)
+        extra = {"clipfrac_high": float(masked_mean((r > hi).to(r.dtype), keep)),
+                 "clipfrac_low": float(masked_mean((r < lo).to(r.dtype), keep))}
+    return PolicyLossTerms(token_loss=loss, metrics=_ratio_metrics(log_ratio, keep, **extra))
+
+
+@register_policy_loss("gmpo")
+def gmpo_policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cfg: PolicyLossConfig,
+) -> PolicyLossTerms:
+    """GMPO, geometric-mean policy optimisation (Zhao et al. 2025,
+    arXiv:2507.20673): the
+    sequence's objective is the geometric mean of its tokens' clipped ratios, so one outlier
+    token's ratio moves it far less than it moves GRPO's arithmetic mean.
+
+        l_t   = log pi(a_t) - log pi_old(a_t)
+        l~_t  = sgn(A_i) * min(sgn(A_i) l_t, sgn(A_i) clip(l_t, -eps_low, eps_high))   (token clip, log space)
+        A_i   = mean_t A_{i,t}                                                          (the sequence's advantage)
+        L_i   = -A_i * exp(mean_t l~_t)
+
+    returned as ``L_{i,t} = L_i`` on every token of sequence i: with ``seq-mean-token-mean``
+    aggregation the loss is mean_i L_i, the paper's objective.  ``clip_low`` / ``clip_high``
+    bound the log-ratio here (the paper: 0.4 each, a ratio in (e^-0.4, e^0.4)).  Metrics:
+    clipfrac_high / clipfrac_low, the tokens the clip held.
+    """
+    keep = loss_mask != 0
+    log_ratio = torch.where(keep, log_probs - old_log_probs, 0.0).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+    n = keep.sum(dim=-1).clamp(min=1).to(log_ratio.dtype)
+    adv = torch.where(keep, advantages, 0.0).sum(dim=-1) / n
+    sgn = torch.sign(adv)[:, None]
+    held = log_ratio.clamp(-cfg.clip_low, cfg.clip_high)
+    clipped = sgn * torch.minimum(sgn * log_ratio, sgn * held)
+    seq = -adv * torch.exp(torch.where(keep, clipped, 0.0).sum(dim=-1) / n)
+    loss = torch.where(keep, seq[:, None].expand_as(log_ratio), 0.0)
+    with torch.no_grad():
+        moved = (clipped != log_ratio).to(log_ratio.dtype)
+        extra = {"clipfrac_high": float(masked_mean(moved * (sgn > 0), keep)),
+                 "clipfrac_low": float(masked_mean(moved * (sgn < 0), keep))}
+    return PolicyLossTerms(token_loss=loss, metrics=_ratio_metrics(log_ratio, keep, **extra))
+
+
+@register_policy_loss("sapo")
+def sapo_policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cfg: PolicyLossConfig,
+) -> PolicyLossTerms:
+    """SAPO, soft adaptive policy optimisation (Qwen team 2025,
+    arXiv:2511.20347): a smooth
+    gate in place of the hard clip, steeper for negative advantages.
+
+        r_t   = exp(log pi(a_t) - log pi_old(a_t))
+        tau_t = tau_pos if A_t > 0 else tau_neg
+        f(r)  = sigmoid(tau_t (r - 1)) * 4 / tau_t
+        L_t   = -f(r_t) * A_t
+
+    Gradient: -4 sigmoid(.)(1 - sigmoid(.)) r_t A_t grad log pi(a_t), which is exactly the policy
+    gradient -A_t grad log pi(a_t) on-policy (r = 1) and fades smoothly as r leaves 1 (faster for
+    tau_neg > tau_pos).  No token's gradient is cut at a threshold.  The paper aggregates with
+    ``seq-mean-token-mean``.  Metric ``gate_grad_mean``: the mean gradient scale 4 s(1 - s) r.
+    """
+    keep = loss_mask != 0
+    log_ratio = torch.where(keep, log_probs - old_log_probs, 0.0).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+    ratio = torch.exp(log_ratio)
+    pos, neg = (torch.tensor(x, dtype=ratio.dtype, device=ratio.device) for x in (cfg.sapo_tau_pos, cfg.sapo_tau_neg))
+    tau = torch.where(advantages > 0, pos, neg)
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    loss = torch.where(keep, -gate * advantages, 0.0)
+    with torch.no_grad():
+        sig = torch.sigmoid(tau * (ratio - 1.0))
+        extra = {"gate_grad_mean": float(masked_mean(4.0 * sig * (1.0 - sig) * ratio, keep))}
+    return PolicyLossTerms(token_loss=loss, metrics=_ratio_metrics(log_ratio, keep, **extra))

@@ -346,7 +346,8 @@ class AlgoConfig:
     """The algorithm: advantage estimator, policy loss, KL, epochs and batch splits."""
 
     name: str = setting("grpo", choices=ALGORITHMS)  # grpo | ppo
-    advantage: str = "grpo"  # grpo | dr_grpo | rloo | grpo_process (step rewards) | gae | reinforce_plus_plus
+    #: grpo | dr_grpo | rloo | reinforce_plus_plus_baseline | grpo_process (step rewards) | gae | reinforce_plus_plus
+    advantage: str = "grpo"
     gamma: float = setting(1.0, range=Range(lo=0, hi=1))  # discount (GAE)
     lam: float = setting(1.0, range=Range(lo=0, hi=1))  # GAE lambda
     zero_std_rule: str = setting("epsilon", choices=("epsilon", "skip"))  # epsilon | skip
@@ -357,13 +358,17 @@ class AlgoConfig:
     #: follow (an environment's reward of each turn on that turn's last policy token, process
     #: steps on their ends; what they leave of the total on the last action)
     reward_placement: str = setting("last_token", choices=("last_token", "recorded"))
-    policy_loss: str = "vanilla"  # vanilla | gspo
+    policy_loss: str = "vanilla"  # vanilla | gspo | cispo | gmpo | sapo (megarl/algo/policy_loss.py)
     # range: the ratio's floor 1 - clip_low stays > 0
     clip_low: float = setting(0.2, range=Range(lo=0, hi=1, hi_open=True))  # ratio clipped below at 1 - clip_low
     clip_high: float = setting(0.2, range=Range(lo=0))  # ratio clipped above at 1 + clip_high (DAPO clip-higher)
     #: c > 1 bounds negative-advantage losses by -c * A (null: off)
     dual_clip: Optional[float] = setting(3.0, range=Range(lo=1, lo_open=True, null=True))
     agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    #: policy_loss sapo: the gate's temperature for tokens with a positive advantage
+    sapo_tau_pos: float = setting(1.0, range=POS)
+    #: policy_loss sapo: the gate's temperature for tokens with a non-positive advantage
+    sapo_tau_neg: float = setting(1.05, range=POS)
     entropy_coef: float = setting(0.0, range=Range(lo=0))  # entropy bonus coefficient
     kl: KLSettings = field(default_factory=KLSettings)
     ppo_epochs: int = setting(1, range=COUNT)  # passes over each sealed batch

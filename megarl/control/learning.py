@@ -51,7 +51,7 @@ def policy_loss_config(cfg) -> PolicyLossConfig:
     a = cfg.algo
     return PolicyLossConfig(
         name=a.policy_loss, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip,
-        agg_mode=a.agg_mode, entropy_coef=a.entropy_coef,
+        agg_mode=a.agg_mode, entropy_coef=a.entropy_coef, sapo_tau_pos=a.sapo_tau_pos, sapo_tau_neg=a.sapo_tau_neg,
         kl=KLConfig(placement=a.kl.placement, estimator=a.kl.estimator, beta=a.kl.beta),
         old_log_prob_roles=(("actor", "rollout") if cfg.rollout.reuse_rollout_log_probs
                             else ("actor", "engine") if cfg.async_rl.proximal_log_probs == "engine" else ("actor",)),

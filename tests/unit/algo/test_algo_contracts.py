@@ -92,7 +92,7 @@ def test_shaping_and_correction_check_producers():
 
 
 @pytest.mark.parametrize("rule", ["epsilon", "skip"])
-@pytest.mark.parametrize("kind", ["grpo", "dr_grpo", "rloo", "grpo_process"])
+@pytest.mark.parametrize("kind", ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_process"])
 @pytest.mark.parametrize("value", [0.0, 0.1, 1.0, 1e6])
 def test_all_equal_group_gives_no_nan_anywhere(rule, kind, value):
     b = ragged_batch(2, bs=9)
