@@ -67,6 +67,8 @@ class AdvantageInputs:
         samples only (GAE).
     step_rewards: ``(bs, S)`` process rewards, one per reasoning step (GRPO process).
     step_token_ends: ``(bs, S)`` int64 response index of each step's last token, -1 = no step.
+    old_log_probs / teacher_log_probs: ``(bs, R)`` the student's sealed old log-probs and the
+        teacher's of the same tokens (on-policy distillation).
     """
 
     response_mask: torch.Tensor
@@ -78,6 +80,8 @@ class AdvantageInputs:
     bootstrap_values: torch.Tensor | None = None
     step_rewards: torch.Tensor | None = None
     step_token_ends: torch.Tensor | None = None
+    old_log_probs: torch.Tensor | None = None
+    teacher_log_probs: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ config's own checks; each failure a :class:`~megarl.errors.ConfigError` naming t
 from __future__ import annotations
 
 import megarl.algo.advantages  # noqa: F401  (registers the estimators)
+import megarl.algo.distillation  # noqa: F401  (registers on_policy_distill)
 import megarl.algo.policy_loss  # noqa: F401  (registers the policy losses)
 from megarl.algo.aggregation import AGG_MODES
 from megarl.algo.kl import KL_ESTIMATORS
@@ -57,6 +58,14 @@ def check_estimator_needs(cfg) -> None:
                 f"reward model of kind process, or an agent environment's per-turn rewards (rollout.agent.env), "
                 f"and no judge; got reward.fn={cfg.reward.fn!r} "
                 f"(or use one of {critic_free})")
+    require(not (needs.teacher or a.distill_coef) or bool(cfg.teacher.path), "teacher.path",
+            f"is null, but algo.advantage={a.advantage!r} with algo.distill_coef={a.distill_coef} distils from a "
+            "teacher: set teacher.path to an HF causal LM with the actor's tokenizer")
+    require(not (needs.teacher and a.distill_coef), "algo.distill_coef",
+            "on_policy_distill is the teacher's advantage alone; distill_coef weighs it beside another estimator")
+    require(not cfg.teacher.path or needs.teacher or a.distill_coef, "teacher.path",
+            f"is set, but nothing reads the teacher: algo.advantage={a.advantage!r} and algo.distill_coef=0 "
+            "(use on_policy_distill, or a distill_coef > 0)")
     require(a.reward_placement == "last_token" or needs.token_rewards, "algo.reward_placement",
             f"recorded places rewards for a token-reward estimator ({[n for n in advantage_names() if advantage_needs(n).token_rewards]}); "
             f"algo.advantage={a.advantage!r} reads "

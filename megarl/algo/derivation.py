@@ -20,6 +20,7 @@ import torch
 
 from megarl.algo.advantages import AdvantageConfig, AdvantageInputs, check_finite, masked_whiten
 from megarl.algo.aggregation import masked_mean
+from megarl.algo.distillation import distill_metrics, reverse_kl_per_token
 from megarl.algo.registry import advantage_needs, get_advantage
 from megarl.algo.reward_shaping import kl_shaped_token_rewards, place_outcome_rewards, place_step_rewards
 from megarl.algo.rollout_correction import RolloutCorrectionConfig, offpolicy_metrics, rollout_correction
@@ -39,7 +40,9 @@ class DerivationSettings:
     per-token rewards of a critic estimator) or ``loss``; ``whiten``: advantages whitened over
     the loss mask; ``correction``: the rollout/trainer mismatch correction (synchronous);
     ``offpolicy`` with ``max_staleness``: the behaviour-vs-proximal correction of an
-    asynchronous batch (the two are exclusive); ``reward_placement`` (a token-reward estimator):
+    asynchronous batch (the two are exclusive); ``distill_coef``: the teacher's per-token reverse
+    KL added to the advantage with this weight, after any whitening
+    (:mod:`megarl.algo.distillation`); ``reward_placement`` (a token-reward estimator):
     ``last_token``, each score on its sample's last action, or ``recorded``, the parts each
     record says it is made of on the actions they follow (:func:`step_tensors`)."""
 
@@ -55,6 +58,7 @@ class DerivationSettings:
     offpolicy: Optional[RolloutCorrectionConfig] = None
     max_staleness: int = 0
     reward_placement: str = "last_token"
+    distill_coef: float = 0.0
 
     def __post_init__(self) -> None:
         if self.offpolicy is not None and self.correction is not None:  # both would weight the same gap
@@ -77,6 +81,8 @@ class DerivationSettings:
         out["kl_placement"] = self.kl_placement
         if self.reward_placement != "last_token":  # (recorded only when set: older records read as last_token)
             out["reward_placement"] = self.reward_placement
+        if self.distill_coef:
+            out["distill_coef"] = self.distill_coef
         return out
 
     @classmethod
@@ -96,7 +102,8 @@ class DerivationSettings:
                 correction=(RolloutCorrectionConfig(**hp["rollout_correction"]) if hp.get("rollout_correction")
                             else None),
                 offpolicy=RolloutCorrectionConfig(**off) if off else None, max_staleness=eta,
-                reward_placement=hp.get("reward_placement", "last_token"))
+                reward_placement=hp.get("reward_placement", "last_token"),
+                distill_coef=hp.get("distill_coef", 0.0))
         return dataclasses.replace(s, **overrides)
 
 
@@ -138,10 +145,13 @@ def derive(facts: ExperienceFacts, s: DerivationSettings,
     """The estimator's derived tensors over the sealed facts, and the ``prep/*`` metrics of
     the derivation (``real_sizes``: each group's recorded size, checked when given)."""
     needs = advantage_needs(s.estimator)
-    scores = facts.scores()
     mask = facts.response_mask
     token_rewards = None
-    if needs.groups:
+    teacher = _teacher_log_probs(facts, s) if needs.teacher or s.distill_coef else None
+    scores = None if needs.teacher else facts.scores()  # the teacher alone: no reward enters the advantage
+    if needs.teacher:
+        inputs = AdvantageInputs(response_mask=mask, old_log_probs=facts.old_log_probs.values, teacher_log_probs=teacher)
+    elif needs.groups:
         gidx, _ = group_index(facts.group_id, real_sizes)
         inputs = AdvantageInputs(response_mask=mask, scores=scores, group_index=gidx)
         if needs.step_rewards:
@@ -167,6 +177,11 @@ def derive(facts: ExperienceFacts, s: DerivationSettings,
     if s.whiten:
         adv = masked_whiten(adv, res.loss_mask, cfg.whiten_eps)
     loss_mask, is_weights, m = res.loss_mask, None, {}
+    if teacher is not None:  # the teacher's per-token reverse KL, alone or beside the estimator's advantage
+        k = reverse_kl_per_token(facts.old_log_probs.values, teacher, mask)
+        part = adv if needs.teacher else torch.where(loss_mask != 0, -s.distill_coef * k, 0.0).to(adv.dtype)
+        adv = adv if needs.teacher else adv + part
+        m.update({f"prep/distill/{key}": v for key, v in distill_metrics(k, part, adv, loss_mask).items()})
     if s.correction is not None:  # the rollout/trainer mismatch, from the sealed log-probs
         corr = rollout_correction(facts.old_log_probs, facts.rollout_log_probs, loss_mask, s.correction)
         loss_mask, is_weights = corr.loss_mask, corr.is_weights
@@ -186,6 +201,14 @@ def derive(facts: ExperienceFacts, s: DerivationSettings,
         shaped_rewards=None if token_rewards is None else token_rewards.float(), estimator=s.estimator,
         hyperparameters=s.hyperparameters())
     return derived, m
+
+
+def _teacher_log_probs(facts: ExperienceFacts, s: DerivationSettings) -> torch.Tensor:
+    if facts.teacher_log_probs is None or facts.old_log_probs is None:
+        missing = "teacher_log_probs (teacher.path)" if facts.teacher_log_probs is None else "old_log_probs"
+        raise ValueError(f"estimator {s.estimator!r} with distill_coef={s.distill_coef} reads the sealed teacher and "
+                         f"old log-probs; the batch has no {missing}")
+    return facts.teacher_log_probs.values
 
 
 def _zero_spread_share(group_id: Sequence[str], scores: Sequence[float]) -> float:

@@ -26,12 +26,14 @@ class EstimatorNeeds:
     token_rewards: per-token rewards (the outcome placed on the last action token, optionally
         KL-shaped), rather than one score per sample.
     step_rewards: process rewards, one per reasoning step, with the token where each step ends.
+    teacher: the teacher's log-probs of the sampled tokens (on-policy distillation, ``teacher.path``).
     """
 
     groups: bool = False
     critic: bool = False
     token_rewards: bool = False
     step_rewards: bool = False
+    teacher: bool = False
 
 
 #: advantage estimators, each with its :class:`EstimatorNeeds` (``meta["needs"]``)

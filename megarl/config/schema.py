@@ -358,6 +358,9 @@ class AlgoConfig:
     #: follow (an environment's reward of each turn on that turn's last policy token, process
     #: steps on their ends; what they leave of the total on the last action)
     reward_placement: str = setting("last_token", choices=("last_token", "recorded"))
+    #: on-policy distillation beside the estimator: the teacher's per-token reverse KL
+    #: (log pi_old - log T) subtracted from the advantage with this weight (needs teacher.path)
+    distill_coef: float = setting(0.0, range=Range(lo=0))
     policy_loss: str = "vanilla"  # vanilla | gspo | cispo | gmpo | sapo (megarl/algo/policy_loss.py)
     # range: the ratio's floor 1 - clip_low stays > 0
     clip_low: float = setting(0.2, range=Range(lo=0, hi=1, hi_open=True))  # ratio clipped below at 1 - clip_low
@@ -436,6 +439,17 @@ class ReferenceConfig:
     enabled: bool = True  # a frozen reference model for the KL
     path: Optional[str] = None  # default: the actor's starting checkpoint
     refresh_every: int = setting(0, range=COUNT0)  # 0: never; K: copy the actor into the reference every K iterations
+    offload: bool = False  # on the host between its forwards (GPU)
+
+
+@dataclass
+class TeacherConfig:
+    """On-policy distillation's teacher: a frozen model teacher-forced on the student's samples
+    (``algo.advantage: on_policy_distill``, or ``algo.distill_coef`` beside another estimator)."""
+
+    #: an HF causal LM with the actor's tokenizer (token-level distillation reads one vocabulary);
+    #: null: no teacher
+    path: Optional[str] = None
     offload: bool = False  # on the host between its forwards (GPU)
 
 
@@ -770,6 +784,7 @@ class TrainConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     critic: Optional[CriticConfig] = None
     reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

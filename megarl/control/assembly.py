@@ -52,6 +52,7 @@ from megarl.roles.critic import Critic
 from megarl.roles.faulty_actor import FaultyActor
 from megarl.roles.faulty_reward_model import FaultyRewardModel
 from megarl.roles.reference import Reference
+from megarl.roles.teacher import Teacher, check_teacher_tokenizer
 from megarl.roles.reward_model import RewardModel
 from megarl.rollout.agent import AgentLimits, AgentSessionEngine
 from megarl.rollout.faulty import FaultyRolloutEngine
@@ -83,6 +84,7 @@ class Parts:
     #: rank 0's runner of eval.grader, the held-out evaluation's rule (None: it grades with the training reward)
     grader_runner: Optional[RewardRunner] = None
     judges: tuple = ()  # reward.judges: each GenerativeJudge on rank 0, None elsewhere
+    teacher: Optional[Teacher] = None  # teacher.path: on-policy distillation's teacher
 
 
 @dataclass
@@ -127,6 +129,12 @@ def assemble(cfg: TrainConfig, model_path: str, tokenizer_dir: str) -> Parts:
         reference = Reference(cfg.reference.path or model_path, p.tp, p.pp, version="ref-0",
                               vocab_multiple=cfg.model.vocab_multiple, offload=cfg.reference.offload,
                               sequence_parallel=p.sequence_parallel, log_prob_chunk=a.log_prob_chunk)
+    teacher = None
+    if cfg.teacher.path:
+        check_teacher_tokenizer(cfg.teacher.path, tok.hash, cfg.model.chat_template)
+        teacher = Teacher(cfg.teacher.path, p.tp, p.pp, vocab_multiple=cfg.model.vocab_multiple,
+                          offload=cfg.teacher.offload, sequence_parallel=p.sequence_parallel,
+                          log_prob_chunk=a.log_prob_chunk)
     critic = None
     if cfg.critic is not None:
         critic = Critic(cfg.critic, actor.model, p.tp, p.pp, total_steps, vocab_multiple=cfg.model.vocab_multiple,
@@ -141,7 +149,7 @@ def assemble(cfg: TrainConfig, model_path: str, tokenizer_dir: str) -> Parts:
     return Parts(tok=tok, train_data=train_data, heldout=heldout, sampler=sampler, actor=actor, reference=reference,
                  critic=critic, injector=injector, reward_fn=reward_fn, reward_runner=runner,
                  reward_models=reward_models, kl_ctl=kl_ctl, judges=judges,
-                 grader_runner=grader_runner(cfg, dist.get_rank() == 0))
+                 grader_runner=grader_runner(cfg, dist.get_rank() == 0), teacher=teacher)
 
 
 def _rewards(cfg: TrainConfig, injector: Optional[FaultInjector], rank0: bool):
@@ -368,7 +376,7 @@ def wire_components(cfg: TrainConfig, parts: Parts, eng: EngineParts, *, sm: Ite
         **_production_variants(cfg))
     preparer = ExperiencePreparer(
         cfg.algo, cfg.async_rl, LogProbParity.of(cfg.rollout), actor=parts.actor, reference=parts.reference,
-        critic=parts.critic, time_slice=time_slice, sm=sm,
+        critic=parts.critic, teacher=parts.teacher, time_slice=time_slice, sm=sm,
         kl_ctl=parts.kl_ctl, progress=progress, pad_id=eng.pad_id, run_id=run_id,
         save_dir=os.path.join(run_dir, "experience") if cfg.trainer.save_experience and rank0 else None,
         proximal_engine=eng.engine if cfg.async_rl.proximal_log_probs == "engine" else None,

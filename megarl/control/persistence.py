@@ -55,12 +55,13 @@ class RunPersistence:
 
     def __init__(self, cfg, run_dir: str, *, actor, critic, reference, sampler, kl_ctl, progress: RunProgress,
                  tok, train_data, reward_fn, reward_models=(), layout: Dict[str, int], rank0: bool,
-                 identify: Optional[Callable[[object], str]] = None, judges=()):
+                 identify: Optional[Callable[[object], str]] = None, judges=(), teacher=None):
         self.identify = identify or weights_identity
         self.origins: Dict[str, dict] = {}
         self._registered: Optional[set] = None  # short ids in <run_dir>/versions.jsonl
         self.cfg, self.run_dir = cfg, run_dir
         self.actor, self.critic, self.reference = actor, critic, reference
+        self.teacher = teacher  # teacher.path: a run origin (a resume with another teacher is refused)
         self.sampler, self.kl_ctl, self.progress = sampler, kl_ctl, progress
         self.tok, self.train_data, self.reward_fn = tok, train_data, reward_fn
         self.reward_models = tuple(reward_models)
@@ -99,6 +100,11 @@ class RunPersistence:
             o["reference"] = {"key": key, "path": cfg.reference.path or cfg.model.path, "id": rid}
             if not self.reference.refreshes:
                 self.reference.version = f"ref-0-{rid.split(':')[-1][:8]}"
+        if self.teacher is not None:
+            with _on_device(self.teacher):
+                tid = self.identify(self.teacher.model)
+            o["teacher"] = {"key": "teacher.path", "path": cfg.teacher.path, "id": tid}
+            self.teacher.version = f"teacher-{tid.split(':')[-1][:8]}"
         for (key, m), rm in zip(cfg.reward.neural_models(), self.reward_models, strict=True):
             with _on_device(rm):
                 weights = self.identify(rm.model)

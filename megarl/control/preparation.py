@@ -96,18 +96,19 @@ class ExperiencePreparer:
 
     def __init__(self, algo, async_rl, parity: LogProbParity, *, actor, reference, critic, time_slice,
                  sm: IterationStateMachine, kl_ctl, progress: RunProgress, pad_id: int, run_id: str,
-                 save_dir: Optional[str], proximal_engine=None, rollout_precision: str = ""):
+                 save_dir: Optional[str], proximal_engine=None, rollout_precision: str = "", teacher=None):
         a = self.algo = algo
         self.parity = parity
         #: the dtype each log-prob producer computed in, for the record (the engine's: its sync dtype)
         self.precision = {"rollout": rollout_precision, "engine": rollout_precision,
                           "actor": getattr(actor, "precision", ""),
-                          "reference": getattr(reference, "precision", "") if reference is not None else ""}
+                          "reference": getattr(reference, "precision", "") if reference is not None else "",
+                          "teacher": getattr(teacher, "precision", "") if teacher is not None else ""}
         #: async_rl.proximal_log_probs=engine: the rollout engine scores the proximal log-probs
         #: (``proximal_engine``: the remote handle, on the rank that holds it; None on the others)
         self.proximal_from_engine = async_rl.proximal_log_probs == "engine"
         self.proximal_engine = proximal_engine
-        self.actor, self.reference, self.critic = actor, reference, critic
+        self.actor, self.reference, self.critic, self.teacher = actor, reference, critic, teacher
         self.time_slice, self.sm, self.kl_ctl, self.progress = time_slice, sm, kl_ctl, progress
         self.pad_id, self.run_id, self.save_dir = pad_id, run_id, save_dir
         self.needs = advantage_needs(a.advantage)
@@ -143,8 +144,10 @@ class ExperiencePreparer:
             old = self._old_log_probs(k, v, c, rollout_lp, len(samples), ntok, timer, m)
             ref = self._reference_log_probs(c, keep, len(samples), ntok, timer, m)
             values, bootstrap = self._critic_values(c, keep, len(samples), ntok, timer, m)
+        teacher = self._teacher_log_probs(c, len(samples), ntok, timer, m)
         self._reference_metrics(old, ref, keep, m)
-        for stage, role in (("old_log_prob", "actor"), ("ref_log_prob", "reference"), ("critic_values", "critic")):
+        for stage, role in (("old_log_prob", "actor"), ("ref_log_prob", "reference"), ("critic_values", "critic"),
+                            ("teacher_log_prob", "teacher")):
             if stage in timer.started:  # how long the batch waited for the role (the roles before it, time-sliced)
                 m[f"prep/queue_s/{role}"] = timer.started[stage] - t_ready
         facts = ExperienceFacts(
@@ -158,7 +161,8 @@ class ExperiencePreparer:
             seed=tuple(s.seed for s in samples), rewards=tuple(s.record for s in samples),
             rollout_log_probs=rollout_lp, old_log_probs=old, ref_log_probs=ref, values=values,
             critic_version=self.critic.version if self.critic is not None else None,
-            routed_experts=c.routed_experts, token_origins=c.token_origins, bootstrap_values=bootstrap)
+            routed_experts=c.routed_experts, token_origins=c.token_origins, bootstrap_values=bootstrap,
+            teacher_log_probs=teacher)
         sealed = self._seal(facts, version, produced, c, m)
         with timer.stage("advantages"):
             derived, adv_m = self.advantages(facts, produced.real_sizes)
@@ -295,6 +299,19 @@ class ExperiencePreparer:
             m["prep/ref_tokens_per_s"] = ntok / max(m["prep/ref_log_prob_s"], 1e-9)
         return ref
 
+    def _teacher_log_probs(self, c, n: int, ntok: float, timer: StageTimer, m: dict):
+        """On-policy distillation's teacher, teacher-forced on the rollout's tokens (None without one)."""
+        if self.teacher is None:
+            return None
+        a = self.algo
+        mbs, pack, budget = a.forward_micro_batch_size, a.pack_sequences, a.micro_batch_tokens
+        with timer.stage("teacher_log_prob", samples=n, tokens=int(ntok)):
+            t0 = time.perf_counter()
+            vals = map_rows(lambda *t: self.teacher.log_probs(*t, mbs, pack=pack, micro_batch_tokens=budget),
+                            c.prompt_ids, c.response_ids, c.attention_mask).cpu()
+            m["prep/teacher_log_prob_s"] = time.perf_counter() - t0
+        return LogProbs(vals, LogProbProducer("teacher", self.teacher.version, "raw", self.precision["teacher"]))
+
     @staticmethod
     def _reference_metrics(old, ref, keep, m: dict) -> None:
         """The KL of the proximal policy to the reference, in ``m`` (nothing without a reference)."""
@@ -379,7 +396,7 @@ class ExperiencePreparer:
                                   std_eps=a.std_eps, kl_placement=a.kl.placement, kl_beta=self.kl_ctl.value,
                                   whiten=self.whiten, correction=self.correction, offpolicy=self.offpolicy,
                                   max_staleness=self.async_eta if self.offpolicy is not None else 0,
-                                  reward_placement=a.reward_placement)
+                                  reward_placement=a.reward_placement, distill_coef=a.distill_coef)
 
     def advantages(self, facts: ExperienceFacts, real_sizes: Dict[str, int]):
         """The estimator's derived tensors over the sealed facts, and the ``prep/adv*`` metrics

@@ -201,7 +201,7 @@ class RewardRecord:
         return float(self.total) - (0.0 if self.applies_to is None else sum(x.value for x in self.applies_to))
 
 
-LOG_PROB_ROLES = ("actor", "rollout", "engine", "reference")
+LOG_PROB_ROLES = ("actor", "rollout", "engine", "reference", "teacher")
 LOG_PROB_SPACES = ("raw", "processed")
 
 
@@ -213,7 +213,8 @@ class LogProbProducer:
     update (the old policy); ``rollout`` -- recorded by the rollout engine while sampling;
     ``engine`` -- teacher-forced by the rollout engine on the trained version, after sampling
     (the proximal policy of an asynchronous batch, ``async_rl.proximal_log_probs=engine``);
-    ``reference`` -- the reference (KL anchor) model.
+    ``reference`` -- the reference (KL anchor) model; ``teacher`` -- on-policy distillation's
+    teacher, a frozen stronger model teacher-forced on the student's samples.
     version: the producing model's version id (policy version for actor / rollout).
     space: ``raw`` -- log softmax of the unmodified logits; ``processed`` -- after temperature /
     top-k / top-p / logits processors (the sampling distribution).
@@ -517,7 +518,8 @@ class ExperienceFacts:
     Per-sample metadata are tuples of length bs; tensors are batched.  ``old_log_probs`` must be
     produced by the actor (or the rollout engine when configured to reuse rollout log-probs) at
     the samples' ``policy_version``; ``ref_log_probs`` by the reference; ``rollout_log_probs``
-    by the rollout engine at ``policy_version``.
+    by the rollout engine at ``policy_version``; ``teacher_log_probs`` by on-policy
+    distillation's teacher.
     """
 
     run_id: str
@@ -545,6 +547,8 @@ class ExperienceFacts:
     #: ``(bs,)`` the critic's V(s_T), the state after each response's last token: what GAE
     #: bootstraps a truncated sample from (sealed with ``values``, so the batch re-derives alone)
     bootstrap_values: torch.Tensor | None = None
+    #: on-policy distillation: the teacher's log-probs of the sampled tokens (``teacher.path``)
+    teacher_log_probs: LogProbs | None = None
 
     def __post_init__(self) -> None:
         bs = len(self.sample_id)
@@ -593,6 +597,9 @@ class ExperienceFacts:
         if self.ref_log_probs is not None:
             expect_producer(self.ref_log_probs, field="ref_log_probs", roles=("reference",))
             _check_tensor("ref_log_probs.values", self.ref_log_probs.values, (bs, R), floating=True)
+        if self.teacher_log_probs is not None:
+            expect_producer(self.teacher_log_probs, field="teacher_log_probs", roles=("teacher",))
+            _check_tensor("teacher_log_probs.values", self.teacher_log_probs.values, (bs, R), floating=True)
         if self.values is not None:
             _check_tensor("values", self.values, (bs, R), floating=True)
             if not self.critic_version:
@@ -790,7 +797,7 @@ def batch_tensors(batch: ExperienceBatch) -> dict[str, torch.Tensor]:
         t = getattr(f, name)
         if t is not None:
             out[f"facts.{name}"] = t
-    for name in ("rollout_log_probs", "old_log_probs", "ref_log_probs"):
+    for name in ("rollout_log_probs", "old_log_probs", "ref_log_probs", "teacher_log_probs"):
         lp = getattr(f, name)
         if lp is not None:
             out[f"facts.{name}"] = lp.values

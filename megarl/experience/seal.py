@@ -137,6 +137,8 @@ def _map_tensors(batch: ExperienceBatch, fn, content_hash: str | None) -> Experi
         rollout_log_probs=None if f.rollout_log_probs is None else LogProbs(fn(f.rollout_log_probs.values), f.rollout_log_probs.producer),
         old_log_probs=None if f.old_log_probs is None else LogProbs(fn(f.old_log_probs.values), f.old_log_probs.producer),
         ref_log_probs=None if f.ref_log_probs is None else LogProbs(fn(f.ref_log_probs.values), f.ref_log_probs.producer),
+        teacher_log_probs=None if f.teacher_log_probs is None else LogProbs(fn(f.teacher_log_probs.values),
+                                                                            f.teacher_log_probs.producer),
         routed_experts=None if f.routed_experts is None else dataclasses.replace(
             f.routed_experts, experts=fn(f.routed_experts.experts)),
         token_origins=None if f.token_origins is None else dataclasses.replace(
@@ -188,6 +190,8 @@ def _metadata(batch: ExperienceBatch) -> dict:
         "critic_version": f.critic_version,
         "derived": None,
     }
+    if f.teacher_log_probs is not None:  # absent (not null) without a teacher: earlier records keep their hashes
+        meta["producers"]["teacher_log_probs"] = prod(f.teacher_log_probs)
     if batch.derived is not None:
         meta["derived"] = {"estimator": batch.derived.estimator, "hyperparameters": dict(batch.derived.hyperparameters)}
     if f.routed_experts is not None:  # absent (not null) for dense models: their hashes stay as they were
@@ -331,7 +335,7 @@ def load_sealed(directory: str | os.PathLike) -> ExperienceBatch:
     m = manifest["metadata"]
 
     def lp(name: str) -> LogProbs | None:
-        p = m["producers"][name]
+        p = m["producers"].get(name)
         return None if p is None else LogProbs(tensors[f"facts.{name}"], LogProbProducer(**p))
 
     facts = ExperienceFacts(
@@ -353,6 +357,7 @@ def load_sealed(directory: str | os.PathLike) -> ExperienceBatch:
         rollout_log_probs=lp("rollout_log_probs"),
         old_log_probs=lp("old_log_probs"),
         ref_log_probs=lp("ref_log_probs"),
+        teacher_log_probs=lp("teacher_log_probs"),
         values=tensors.get("facts.values"),
         bootstrap_values=tensors.get("facts.bootstrap_values"),
         critic_version=m["critic_version"],

@@ -1029,3 +1029,52 @@ def test_process_reward_model_steps_through_its_own_tokenizer(assets, tmp_path):
     bad = run_train(assets, str(tmp_path / "bad"), GRPO, extra=[
         f"reward.models=[{{name: prm, path: {prm_dir}, kind: process}}]"], expect=2)
     assert "reward.models[0].step_separator: is required with kind process" in bad.stderr, bad.stderr[-2000:]
+
+
+@pytest.mark.parametrize("nproc,layout", [(1, []), (2, ["parallel.tp=2"]), (2, ["parallel.pp=2"])],
+                         ids=["single", "tp2", "pp2"])
+def test_on_policy_distillation_from_a_teacher_of_its_own(assets, tmp_path, nproc, layout):
+    """algo.advantage=on_policy_distill with another model as the teacher (the policy's tokenizer,
+    other weights).  Every sealed batch holds the teacher's log-probs as their own typed field
+    (role teacher, labelled by the teacher's weights), equal to transformers' teacher-forced
+    forward of that teacher on the sealed tokens at every layout (single process, TP=2, PP=2:
+    the layouts agree through it); every advantage is log T - log pi_old on the action tokens,
+    recomputed here from the sealed batch alone, and the reverse-KL metric is its mean.  Single
+    process: the teacher is a run origin -- the same path with other weights refuses the resume,
+    naming teacher.path -- and a teacher with another tokenizer is refused before a model loads."""
+    from megarl.builtin.tiny_checkpoint import make_tiny_hf_checkpoint
+
+    teacher_dir = str(tmp_path / "teacher")
+    shape = dict(vocab_size=112, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=64,
+                 tokenizer_dir=assets["model"])
+    make_tiny_hf_checkpoint(teacher_dir, "llama", seed=7, **shape)
+    run_dir = str(tmp_path / "opd")
+    opd = ["algo.advantage=on_policy_distill", f"teacher.path={teacher_dir}", "trainer.checkpoint_every=1", *layout]
+    run_train(assets, run_dir, GRPO, nproc=nproc, extra=opd)
+    origin = json.load(open(os.path.join(run_dir, "checkpoints", "iter_000002", "state.json")))["origins"]["teacher"]
+    assert origin["key"] == "teacher.path" and origin["id"].startswith("sha256:")
+    worst = 0.0
+    for k, b in enumerate(batches(run_dir)):
+        f = b.facts
+        t = f.teacher_log_probs
+        assert t.producer.role == "teacher" and t.producer.version == f"teacher-{origin['id'].split(':')[-1][:8]}"
+        _, (want, _) = hf_response_log_probs(teacher_dir, f)
+        keep = f.response_mask != 0
+        worst = max(worst, float((t.values - want).abs()[keep].max()))
+        assert torch.equal(b.derived.advantages,
+                           torch.where(keep, t.values.double() - f.old_log_probs.values.double(), 0.0).float())
+        kl = float((f.old_log_probs.values.double() - t.values.double())[keep].mean())
+        assert abs(metrics(run_dir)[k]["prep/distill/reverse_kl"] - kl) <= 1e-9 * max(1.0, abs(kl))
+    assert within(worst, NET_FP32_LOGPROB, "train_e2e/teacher_vs_transformers"), worst
+    if nproc > 1:
+        return
+    make_tiny_hf_checkpoint(teacher_dir, "llama", seed=8, **shape)  # the same path, other weights
+    bad = run_train(assets, run_dir, GRPO, extra=[*opd, "trainer.iterations=3"], expect=2)
+    line = [x for x in bad.stderr.splitlines() if x.startswith("error:")]
+    assert len(line) == 1 and "teacher.path:" in line[0] and "sha256:" in line[0], bad.stderr[-3000:]
+    other = _permuted_tokenizer(assets["model"], tmp_path / "other_tok")
+    make_tiny_hf_checkpoint(str(tmp_path / "t2"), "llama", seed=7, **{**shape, "tokenizer_dir": other})
+    bad = run_train(assets, str(tmp_path / "opd2"), GRPO, extra=[*opd[:1], f"teacher.path={tmp_path / 't2'}"],
+                    expect=2)
+    line = [x for x in bad.stderr.splitlines() if x.startswith("error:")]
+    assert len(line) == 1 and "teacher.path:" in line[0] and "another tokenizer" in line[0], bad.stderr[-3000:]

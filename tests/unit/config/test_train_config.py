@@ -118,6 +118,10 @@ def test_estimator_needs_come_from_the_registry():
         if needs.step_rewards:
             with pytest.raises(ConfigError, match="algo.advantage"):
                 check_run(cfg, 1)
+        elif needs.teacher:  # the teacher's path is named
+            with pytest.raises(ConfigError, match="^teacher.path: is null"):
+                check_run(cfg, 1)
+            assert check_run(load_config(path, [f"algo.advantage={name}", "teacher.path=/t"]), 1) == 1
         else:
             assert check_run(cfg, 1) == 1, name
 
