@@ -159,6 +159,12 @@ def _memory_lines(cfg, spec, dp: int) -> List[str]:
                                                                     ep=p.ep, etp=p.etp)
         show("reference", role_memory(ref, trains=False, optimizer="", dp=dp),
              " (on the host between its forwards)" if cfg.reference.offload else "")
+    if cfg.teacher.path and os.path.isfile(os.path.join(cfg.teacher.path, "config.json")):
+        teacher = count_params(load_spec(cfg.teacher.path), cfg.model.vocab_multiple, p.tp, p.pp, ep=p.ep, etp=p.etp)
+        show("teacher", role_memory(teacher, trains=False, optimizer="", dp=dp),
+             " (on the host between its forwards)" if cfg.teacher.offload else "")
+    elif cfg.teacher.path:
+        lines.append(f"  {'teacher':<13}teacher.path {cfg.teacher.path} has no config.json yet: not counted")
     if cfg.critic is not None:
         cspec = spec if cfg.critic.path is None else load_spec(cfg.critic.path)
         crit = count_params(cspec, cfg.model.vocab_multiple, p.tp, p.pp, value_head=True)
@@ -233,7 +239,7 @@ def _placement_lines(cfg, world: int, dp: int) -> list:
     trainers = world - cfg.placement.rollout_ranks if split else world
     lines.append(f"plan: {'trainer ranks' if split else 'world'} {trainers} = tp {p.tp} x pp {p.pp} x dp {dp}"
                  f"{f' (pp with {p.vpp} virtual stages each: interleaved 1F1B)' if p.vpp > 1 else ''} (actor, "
-                 f"reference{', critic' if cfg.critic is not None else ''}"
+                 f"reference{', critic' if cfg.critic is not None else ''}{', teacher' if cfg.teacher.path else ''}"
                  f"{', reward model' if cfg.reward.model.path else ''})")
     if split:
         an = cfg.async_rl

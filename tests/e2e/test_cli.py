@@ -290,6 +290,8 @@ def _recipes(tmp_path):
            "grpo_arith_async_tiny.yaml": (2, []),  # 1 trainer rank + 1 rollout rank
            "grpo_calc_tiny.yaml": (1, []), "grpo_two_turn_tiny.yaml": (1, []), "grpo_rsum_tiny.yaml": (1, []),
            "grpo_rsum_process_tiny.yaml": (1, []),
+           # its teacher is grpo_arith_tiny.yaml's export (a dry run loads no model)
+           "opd_arith_tiny.yaml": (1, []),
            # its reward model is configs/train_rm/arith_tiny.yaml's export: a config.json-only one here
            "ppo_arith_rm_tiny.yaml": (1, [f"reward.models=[{{name: arith_rm, path: {tiny_rm}}}]"]),
            "grpo_qwen2_7b.yaml": (8, [f"model.path={qwen}", f"data.train_path={data}"]),

@@ -1,0 +1,138 @@
+#!/usr/bin/env python
+"""On-policy distillation against GRPO from the same student: how many iterations and how much
+wall-clock each needs to close 90% of the gap between the student's held-out accuracy and the
+teacher's.
+
+    python bench/distill.py --teacher .cache/megarl/tiny_arith_teacher/export/iter_400
+    python bench/distill.py --teacher T --seeds 0 1 2 --iterations 200 --json docs/perf/distill.json --png docs/curves/distill.png
+
+Three methods, each ``python -m megarl.train`` from the cached tiny student (the embedded
+default's warm start), one run at a time, ``trainer.seed=<seed>``:
+
+- ``grpo``: ``configs/grpo_arith_tiny.yaml`` (the arithmetic reward, one number per answer);
+- ``opd``: ``configs/opd_arith_tiny.yaml`` (the teacher's per-token log-ratio, no reward);
+- ``grpo+opd``: GRPO with ``algo.distill_coef=<coef>`` and the teacher beside it.
+
+The teacher's held-out accuracy is graded by ``python -m megarl.eval`` on the same held-out rows
+(greedy, as the runs' evaluation; the held-out file must exist: any run of the recipe makes it).  A run reaches the target at its first evaluation at or above
+``student + 0.9 (teacher - student)``; its wall-clock is the sum of its iterations' ``e2e/iteration_s``
+up to that iteration (the evaluations themselves excluded: every method runs the same ones).
+Prints one row per run and the mean per method; ``--json`` writes the rows, ``--png`` the
+held-out accuracy curves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(method: str, seed: int, args, workdir: str) -> dict:
+    run_dir = os.path.join(workdir, f"{method}-s{seed}".replace("+", "_"))
+    recipe = "opd_arith_tiny" if method == "opd" else "grpo_arith_tiny"
+    extra = [f"teacher.path={args.teacher}"] if method != "grpo" else []
+    if method == "grpo+opd":
+        extra.append(f"algo.distill_coef={args.coef}")
+    cmd = [sys.executable, "-m", "megarl.train", "--config", os.path.join(ROOT, "configs", f"{recipe}.yaml"),
+           f"trainer.seed={seed}", f"trainer.run_id=distill-{method}-s{seed}", f"trainer.run_dir={run_dir}",
+           f"trainer.iterations={args.iterations}", f"eval.every={args.eval_every}", *extra]
+    with open(run_dir + ".log", "w") as log:
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONWARNINGS="ignore"),
+                            cwd=ROOT).returncode
+    if rc != 0:
+        raise SystemExit(f"{method} seed {seed}: exit {rc}\n{open(run_dir + '.log').read()[-3000:]}")
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    evals = [(r["iteration"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+    elapsed, wall = {}, 0.0
+    for r in rows:
+        wall += r["e2e/iteration_s"]
+        elapsed[r["iteration"]] = wall
+    return {"method": method, "seed": seed, "evals": evals, "elapsed_s": elapsed}
+
+
+def teacher_accuracy(teacher: str, workdir: str) -> float:
+    """``python -m megarl.eval`` of the teacher on the recipe's held-out rows (greedy, its eval settings)."""
+    sys.path.insert(0, ROOT)
+    from megarl.config import load_config
+
+    recipe = os.path.join(ROOT, "configs", "grpo_arith_tiny.yaml")
+    out = os.path.join(workdir, "teacher_eval.json")
+    cmd = [sys.executable, "-m", "megarl.eval", "--model", teacher, "--data", load_config(recipe).data.heldout_path,
+           "--config", recipe, "--metrics-out", out]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        raise SystemExit(f"evaluating the teacher failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    return float(json.load(open(out))["eval/accuracy"])
+
+
+def reached(r: dict, target: float):
+    for it, acc in r["evals"]:
+        if acc >= target:
+            return it, r["elapsed_s"].get(it, 0.0)
+    return None, None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--teacher", required=True, help="the teacher's HF checkpoint (the GRPO recipe's export)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--methods", nargs="+", default=["grpo", "opd", "grpo+opd"], choices=["grpo", "opd", "grpo+opd"])
+    ap.add_argument("--iterations", type=int, default=200)
+    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--coef", type=float, default=1.0, help="algo.distill_coef of grpo+opd")
+    ap.add_argument("--teacher-accuracy", type=float, default=None, help="skip evaluating the teacher")
+    ap.add_argument("--json")
+    ap.add_argument("--png")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="megarl-distill-") as workdir:
+        t_acc = args.teacher_accuracy if args.teacher_accuracy is not None else teacher_accuracy(args.teacher, workdir)
+        results = [run(m, s, args, workdir) for s in args.seeds for m in args.methods]
+    student = statistics.mean(r["evals"][0][1] for r in results)
+    target = student + 0.9 * (t_acc - student)
+    print(f"teacher {t_acc:.3f}  student {student:.3f}  target (90% of the gap) {target:.3f}")
+    print(f"{'method':9s} {'seed':>4s} {'final':>6s} {'best':>6s} {'iters to target':>15s} {'wall to target':>14s}")
+    for r in results:
+        it, wall = reached(r, target)
+        r.update(target=target, teacher=t_acc, iterations_to_target=it, wall_to_target_s=wall)
+        print(f"{r['method']:9s} {r['seed']:4d} {r['evals'][-1][1]:6.3f} {max(a for _, a in r['evals']):6.3f} "
+              f"{'-' if it is None else it:>15} {'-' if wall is None else f'{wall:.1f} s':>14}")
+    for m in args.methods:
+        rs = [r for r in results if r["method"] == m]
+        hit = [r for r in rs if r["iterations_to_target"] is not None]
+        mean_wall = statistics.mean(r["wall_to_target_s"] for r in hit) if hit else None
+        print(f"{m:9s} mean: reached {len(hit)}/{len(rs)}"
+              + (f", {statistics.mean(r['iterations_to_target'] for r in hit):.0f} iterations, {mean_wall:.1f} s"
+                 if hit else ""))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump([{k: v for k, v in r.items() if k != "elapsed_s"} for r in results], fh, indent=1)
+    if args.png:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        colours = {"grpo": "tab:blue", "opd": "tab:orange", "grpo+opd": "tab:green"}
+        for r in results:
+            it, acc = zip(*r["evals"])
+            ax.plot(it, acc, color=colours[r["method"]], alpha=0.8,
+                    label=r["method"] if r["seed"] == args.seeds[0] else None)
+        ax.axhline(t_acc, color="black", linestyle="--", label="teacher")
+        ax.axhline(target, color="grey", linestyle=":", label="90% of the gap")
+        ax.set_xlabel("iteration")
+        ax.set_ylabel("held-out accuracy")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.png, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
