@@ -21,6 +21,7 @@ import torch
 
 from megarl.algo.advantages import AdvantageConfig, AdvantageInputs, AdvantageResult
 from megarl.algo.aggregation import masked_mean
+from megarl.algo.kl import kl_k1
 from megarl.algo.registry import EstimatorNeeds, register_advantage
 
 __all__ = ["reverse_kl_per_token", "on_policy_distill_advantage", "distill_metrics"]
@@ -35,7 +36,7 @@ def reverse_kl_per_token(student_log_probs: torch.Tensor, teacher_log_probs: tor
         raise ValueError(f"reverse_kl_per_token: log-probs {tuple(student_log_probs.shape)} / "
                          f"{tuple(teacher_log_probs.shape)} must be shaped like response_mask {tuple(response_mask.shape)}")
     keep = response_mask != 0
-    k = torch.where(keep, student_log_probs.to(torch.float64) - teacher_log_probs.to(torch.float64), 0.0)
+    k = torch.where(keep, kl_k1(student_log_probs.to(torch.float64), teacher_log_probs.to(torch.float64)), 0.0)
     if not torch.isfinite(k).all():
         raise ValueError("reverse_kl_per_token: a non-finite log-prob on an action token")
     return k

@@ -90,6 +90,24 @@ class PolicyLossTerms:
     metrics: dict[str, float]
 
 
+def _ratio_metrics(log_ratio: torch.Tensor, keep: torch.Tensor, **extra: float) -> dict[str, float]:
+    """The ratio statistics every loss reports (detached), with a loss's own ``extra`` metrics."""
+    with torch.no_grad():
+        lr = log_ratio.detach()
+        r = torch.exp(lr)
+        n = int(keep.sum())
+        return {
+            "ratio_mean": float(masked_mean(r, keep)),
+            "ratio_min": float(torch.where(keep, r, torch.inf).min()) if n else 1.0,
+            "ratio_max": float(torch.where(keep, r, -torch.inf).max()) if n else 1.0,
+            # KL(old || current) estimated on old samples: k1 = -log r, k3 = r - 1 - log r
+            "ppo_kl_k1": float(masked_mean(-lr, keep)),
+            "approx_kl": float(masked_mean(torch.expm1(lr) - lr, keep)),
+            "tokens": float(n),
+            **extra,
+        }
+
+
 def _clipped_surrogate(
     ratio: torch.Tensor, log_ratio: torch.Tensor, advantages: torch.Tensor, keep: torch.Tensor, cfg: PolicyLossConfig, dual: bool
 ) -> PolicyLossTerms:
@@ -103,12 +121,7 @@ def _clipped_surrogate(
     loss = torch.where(keep, loss, torch.zeros((), dtype=loss.dtype))
     with torch.no_grad():
         r = ratio.detach()
-        lr = log_ratio.detach()
-        n = int(keep.sum())
-        metrics = {
-            "ratio_mean": float(masked_mean(r, keep)),
-            "ratio_min": float(torch.where(keep, r, torch.inf).min()) if n else 1.0,
-            "ratio_max": float(torch.where(keep, r, -torch.inf).max()) if n else 1.0,
+        extra = {
             "clipfrac_high": float(masked_mean(((advantages > 0) & (r > hi)).to(r.dtype), keep)),
             "clipfrac_low": float(masked_mean(((advantages < 0) & (r < lo)).to(r.dtype), keep)),
             "dual_clipfrac": (
@@ -116,12 +129,8 @@ def _clipped_surrogate(
                 if dual and cfg.dual_clip is not None
                 else 0.0
             ),
-            # KL(old || current) estimated on old samples: k1 = -log r, k3 = r - 1 - log r
-            "ppo_kl_k1": float(masked_mean(-lr, keep)),
-            "approx_kl": float(masked_mean(torch.expm1(lr) - lr, keep)),
-            "tokens": float(n),
         }
-    return PolicyLossTerms(token_loss=loss, metrics=metrics)
+    return PolicyLossTerms(token_loss=loss, metrics=_ratio_metrics(log_ratio, keep, **extra))
 
 
 @register_policy_loss("vanilla")
@@ -172,23 +181,6 @@ def gspo_policy_loss(
     lp = torch.where(keep, log_probs, 0.0)
     log_ratio = torch.where(keep, log_seq.detach() + lp - lp.detach(), 0.0)
     return _clipped_surrogate(torch.exp(log_ratio), log_ratio, advantages, keep, cfg, dual=False)
-
-
-def _ratio_metrics(log_ratio: torch.Tensor, keep: torch.Tensor, **extra: float) -> dict[str, float]:
-    """The ratio statistics every loss reports (detached), with a loss's own ``extra`` metrics."""
-    with torch.no_grad():
-        lr = log_ratio.detach()
-        r = torch.exp(lr)
-        n = int(keep.sum())
-        return {
-            "ratio_mean": float(masked_mean(r, keep)),
-            "ratio_min": float(torch.where(keep, r, torch.inf).min()) if n else 1.0,
-            "ratio_max": float(torch.where(keep, r, -torch.inf).max()) if n else 1.0,
-            "ppo_kl_k1": float(masked_mean(-lr, keep)),
-            "approx_kl": float(masked_mean(torch.expm1(lr) - lr, keep)),
-            "tokens": float(n),
-            **extra,
-        }
 
 
 @register_policy_loss("cispo")

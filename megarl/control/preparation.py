@@ -284,32 +284,30 @@ class ExperiencePreparer:
             self.progress.parity_checked = True
         return old
 
+    def _frozen_log_probs(self, role, stage: str, c, n: int, ntok: float, timer: StageTimer):
+        """A frozen role's (reference, teacher) log-probs of the batch's response tokens, and the
+        seconds they took."""
+        a = self.algo
+        mbs, pack, budget = a.forward_micro_batch_size, a.pack_sequences, a.micro_batch_tokens
+        with timer.stage(stage, samples=n, tokens=int(ntok)):
+            t0 = time.perf_counter()
+            vals = map_rows(lambda *t: role.log_probs(*t, mbs, pack=pack, micro_batch_tokens=budget),
+                            c.prompt_ids, c.response_ids, c.attention_mask).cpu()
+            return vals, time.perf_counter() - t0
+
     def _reference_log_probs(self, c, keep, n: int, ntok: float, timer: StageTimer, m: dict):
         """The reference model's log-probs (None without one)."""
         if self.reference is None:
             return None
-        a = self.algo
-        mbs, pack, budget = a.forward_micro_batch_size, a.pack_sequences, a.micro_batch_tokens
-        with timer.stage("ref_log_prob", samples=n, tokens=int(ntok)):
-            t0 = time.perf_counter()
-            vals = map_rows(lambda *t: self.reference.log_probs(*t, mbs, pack=pack, micro_batch_tokens=budget),
-                            c.prompt_ids, c.response_ids, c.attention_mask).cpu()
-            ref = LogProbs(vals, LogProbProducer("reference", self.reference.version, "raw", self.precision["reference"]))
-            m["prep/ref_log_prob_s"] = time.perf_counter() - t0
-            m["prep/ref_tokens_per_s"] = ntok / max(m["prep/ref_log_prob_s"], 1e-9)
-        return ref
+        vals, m["prep/ref_log_prob_s"] = self._frozen_log_probs(self.reference, "ref_log_prob", c, n, ntok, timer)
+        m["prep/ref_tokens_per_s"] = ntok / max(m["prep/ref_log_prob_s"], 1e-9)
+        return LogProbs(vals, LogProbProducer("reference", self.reference.version, "raw", self.precision["reference"]))
 
     def _teacher_log_probs(self, c, n: int, ntok: float, timer: StageTimer, m: dict):
         """On-policy distillation's teacher, teacher-forced on the rollout's tokens (None without one)."""
         if self.teacher is None:
             return None
-        a = self.algo
-        mbs, pack, budget = a.forward_micro_batch_size, a.pack_sequences, a.micro_batch_tokens
-        with timer.stage("teacher_log_prob", samples=n, tokens=int(ntok)):
-            t0 = time.perf_counter()
-            vals = map_rows(lambda *t: self.teacher.log_probs(*t, mbs, pack=pack, micro_batch_tokens=budget),
-                            c.prompt_ids, c.response_ids, c.attention_mask).cpu()
-            m["prep/teacher_log_prob_s"] = time.perf_counter() - t0
+        vals, m["prep/teacher_log_prob_s"] = self._frozen_log_probs(self.teacher, "teacher_log_prob", c, n, ntok, timer)
         return LogProbs(vals, LogProbProducer("teacher", self.teacher.version, "raw", self.precision["teacher"]))
 
     @staticmethod

@@ -10,16 +10,10 @@ refuses another tokenizer before the model loads.
 
 from __future__ import annotations
 
-import contextlib
 import os
 
-import torch
-
 from megarl.errors import ConfigError
-from megarl.models.forward import response_log_probs
-from megarl.models.megatron_ckpt import load_model
-from megarl.models.weights import precision
-from megarl.roles.common import freeze
+from megarl.roles.frozen import FrozenRole
 
 __all__ = ["Teacher", "check_teacher_tokenizer"]
 
@@ -41,33 +35,9 @@ def check_teacher_tokenizer(path: str, actor_tokenizer_hash: str, chat_template)
                           f"{actor_tokenizer_hash}); on-policy distillation compares log-probs of the same token ids")
 
 
-class Teacher:
+class Teacher(FrozenRole):
     def __init__(self, path: str, tp: int, pp: int, vocab_multiple: int = 128, offload: bool = False,
                  sequence_parallel: bool = False, log_prob_chunk: int = 0):
-        self.log_prob_chunk = log_prob_chunk  # algo.log_prob_chunk
-        self.model = load_model(path, tp=tp, pp=pp, vocab_multiple=vocab_multiple, sequence_parallel=sequence_parallel)
-        freeze(self.model)
-        self.version = "teacher"  # labelled by its weights once identified (RunPersistence.record_origins)
-        self.offloader = None
-        if offload:
-            from megarl.roles.offload import ReferenceOffloader
-
-            self.offloader = ReferenceOffloader(self.model)
-            self.offloader.offload()
-
-    @property
-    def precision(self) -> str:
-        """The dtype its forward computes in (the record's ``LogProbProducer.precision``)."""
-        return precision(self.model)
-
-    def _on_device(self):
-        return self.offloader.on_device() if self.offloader is not None else contextlib.nullcontext()
-
-    @torch.no_grad()
-    def log_probs(self, prompt_ids: torch.Tensor, response_ids: torch.Tensor, attention_mask: torch.Tensor,
-                  micro_batch_size: int, pack: bool = False, micro_batch_tokens: int = 0) -> torch.Tensor:
-        """``(b, R)`` the teacher's log-probs of the response tokens (collective over the MP group)."""
-        with self._on_device():
-            return response_log_probs(self.model, prompt_ids, response_ids, attention_mask, micro_batch_size,
-                                      pack=pack, micro_batch_tokens=micro_batch_tokens,
-                                      log_prob_chunk=self.log_prob_chunk)
+        # labelled by its weights once identified (RunPersistence.record_origins)
+        super().__init__(path, tp, pp, "teacher", vocab_multiple=vocab_multiple, offload=offload,
+                         sequence_parallel=sequence_parallel, log_prob_chunk=log_prob_chunk)
