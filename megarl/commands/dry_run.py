@@ -160,9 +160,12 @@ def _memory_lines(cfg, spec, dp: int) -> List[str]:
         show("reference", role_memory(ref, trains=False, optimizer="", dp=dp),
              " (on the host between its forwards)" if cfg.reference.offload else "")
     if cfg.teacher.path and os.path.isfile(os.path.join(cfg.teacher.path, "config.json")):
-        teacher = count_params(load_spec(cfg.teacher.path), cfg.model.vocab_multiple, p.tp, p.pp, ep=p.ep, etp=p.etp)
+        served = cfg.teacher.engine == "hf"  # the whole model in the hf engine on rank 0
+        teacher = count_params(load_spec(cfg.teacher.path), cfg.model.vocab_multiple, *((1, 1) if served else (p.tp, p.pp)),
+                               ep=1 if served else p.ep, etp=None if served else p.etp)
         show("teacher", role_memory(teacher, trains=False, optimizer="", dp=dp),
-             " (on the host between its forwards)" if cfg.teacher.offload else "")
+             (" (the hf engine, rank 0 only)" if served else "")
+             + (" (on the host between its forwards)" if cfg.teacher.offload else ""))
     elif cfg.teacher.path:
         lines.append(f"  {'teacher':<13}teacher.path {cfg.teacher.path} has no config.json yet: not counted")
     if cfg.critic is not None:

@@ -451,6 +451,10 @@ class TeacherConfig:
     #: null: no teacher
     path: Optional[str] = None
     offload: bool = False  # on the host between its forwards (GPU)
+    #: where its forward runs: ``megatron`` (a frozen model at the actor's TP/PP, like the
+    #: reference) or ``hf`` (the checkpoint served by the hf rollout engine on rank 0, its prompt
+    #: log-probs of the rollout's tokens broadcast to every rank)
+    engine: str = setting("megatron", choices=("megatron", "hf"))
 
 
 @dataclass

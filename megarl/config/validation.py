@@ -270,6 +270,7 @@ def _validate_choices(cfg: TrainConfig) -> None:
     _one_of(cfg, "reward.on_failure")
     _one_of(cfg, "reward.model.kind")
     _one_of(cfg, "reward.model.step_aggregate")
+    _one_of(cfg, "teacher.engine")
 
 
 def _validate_trainer(cfg: TrainConfig) -> None:

@@ -132,9 +132,7 @@ def assemble(cfg: TrainConfig, model_path: str, tokenizer_dir: str) -> Parts:
     teacher = None
     if cfg.teacher.path:
         check_teacher_tokenizer(cfg.teacher.path, tok.hash, cfg.model.chat_template)
-        teacher = Teacher(cfg.teacher.path, p.tp, p.pp, vocab_multiple=cfg.model.vocab_multiple,
-                          offload=cfg.teacher.offload, sequence_parallel=p.sequence_parallel,
-                          log_prob_chunk=a.log_prob_chunk)
+        teacher = make_teacher(cfg, tok)
     critic = None
     if cfg.critic is not None:
         critic = Critic(cfg.critic, actor.model, p.tp, p.pp, total_steps, vocab_multiple=cfg.model.vocab_multiple,
@@ -175,6 +173,18 @@ def _rewards(cfg: TrainConfig, injector: Optional[FaultInjector], rank0: bool):
             rm = FaultyRewardModel(rm, injector, m.timeout_s)
         reward_models.append(rm)
     return fn, runner, tuple(reward_models)
+
+
+def make_teacher(cfg: TrainConfig, tok):
+    """``teacher``: a frozen megatron model at the actor's TP/PP, or (``teacher.engine: hf``) the
+    checkpoint served by the hf engine on rank 0."""
+    p, t = cfg.parallel, cfg.teacher
+    if t.engine == "hf":
+        from megarl.roles.served_teacher import ServedTeacher
+
+        return ServedTeacher(t.path, tok, str(device()), rank0=dist.get_rank() == 0, offload=t.offload)
+    return Teacher(t.path, p.tp, p.pp, vocab_multiple=cfg.model.vocab_multiple, offload=t.offload,
+                   sequence_parallel=p.sequence_parallel, log_prob_chunk=cfg.algo.log_prob_chunk)
 
 
 def make_judges(cfg: TrainConfig, rank0: bool) -> tuple:

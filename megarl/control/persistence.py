@@ -101,8 +101,7 @@ class RunPersistence:
             if not self.reference.refreshes:
                 self.reference.version = f"ref-0-{rid.split(':')[-1][:8]}"
         if self.teacher is not None:
-            with _on_device(self.teacher):
-                tid = self.identify(self.teacher.model)
+            tid = self.teacher.origin_id(self.identify)
             o["teacher"] = {"key": "teacher.path", "path": cfg.teacher.path, "id": tid}
             self.teacher.version = f"teacher-{tid.split(':')[-1][:8]}"
         for (key, m), rm in zip(cfg.reward.neural_models(), self.reward_models, strict=True):

@@ -30,6 +30,7 @@ from megarl.control.batch import collate, collate_trajectories
 from megarl.control.interfaces import ProducedRollout, RunProgress
 from megarl.control.state_machine import IterationStateMachine, SealEvidence
 from megarl.errors import MegarlError
+from megarl.experience.packing import unpadded_rows
 from megarl.experience.schema import ExperienceBatch, ExperienceFacts, LogProbProducer, LogProbs
 from megarl.experience.seal import save_sealed, seal, with_derived
 from megarl.experience.staleness import StalenessError, check_staleness, staleness_metrics
@@ -238,20 +239,12 @@ class ExperiencePreparer:
                 self.progress.parity_checked = True
         return old
 
-    def _rows_tokens(self, c):
-        """Each row's prompt and every real response token (an agent's environment tokens too:
-        context for the turns after them)."""
-        P = c.prompt_ids.shape[1]
-        prompts = [c.prompt_ids[b][c.attention_mask[b, :P] != 0].tolist() for b in range(c.prompt_ids.shape[0])]
-        responses = [c.response_ids[b][:int(c.attention_mask[b, P:].sum())].tolist()
-                     for b in range(c.response_ids.shape[0])]
-        return prompts, responses
-
     def _submit_proximal(self, c, v: str):
         """Send the batch to the rollout engine, which serves v (published before production)."""
         if self.proximal_engine is None:
             return None
-        return self.proximal_engine.submit_teacher_force(*self._rows_tokens(c), version=v)
+        return self.proximal_engine.submit_teacher_force(*unpadded_rows(c.prompt_ids, c.response_ids, c.attention_mask),
+                                                       version=v)
 
     def _engine_old_log_probs(self, k: int, v: str, c, job, t0: float, n: int, ntok: float, timer: StageTimer,
                               m: dict):
@@ -291,8 +284,8 @@ class ExperiencePreparer:
         mbs, pack, budget = a.forward_micro_batch_size, a.pack_sequences, a.micro_batch_tokens
         with timer.stage(stage, samples=n, tokens=int(ntok)):
             t0 = time.perf_counter()
-            vals = map_rows(lambda *t: role.log_probs(*t, mbs, pack=pack, micro_batch_tokens=budget),
-                            c.prompt_ids, c.response_ids, c.attention_mask).cpu()
+            vals = role.batch_log_probs(c.prompt_ids, c.response_ids, c.attention_mask, mbs, pack=pack,
+                                        micro_batch_tokens=budget)
             return vals, time.perf_counter() - t0
 
     def _reference_log_probs(self, c, keep, n: int, ntok: float, timer: StageTimer, m: dict):

@@ -17,6 +17,7 @@ belongs to packed token k (for a log-prob, log p(token_k | earlier tokens of its
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import List, Tuple
 
 import torch
 
@@ -122,3 +123,13 @@ def pack_response(x: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
         )
     full = torch.cat([x.new_zeros((layout.batch_size, layout.prompt_len, *x.shape[2:])), x], dim=1)
     return pack(full, layout)
+
+
+def unpadded_rows(prompt_ids: torch.Tensor, response_ids: torch.Tensor,
+                  attention_mask: torch.Tensor) -> Tuple[List[List[int]], List[List[int]]]:
+    """Each row's real prompt tokens (left-padded) and every real response token (an agent's
+    environment tokens too: context for the turns after them), as token-id lists."""
+    P = prompt_ids.shape[1]
+    prompts = [prompt_ids[b][attention_mask[b, :P] != 0].tolist() for b in range(prompt_ids.shape[0])]
+    responses = [response_ids[b][:int(attention_mask[b, P:].sum())].tolist() for b in range(response_ids.shape[0])]
+    return prompts, responses

@@ -13,6 +13,7 @@ from megarl.models.forward import response_log_probs
 from megarl.models.megatron_ckpt import load_model
 from megarl.models.weights import precision
 from megarl.roles.common import freeze
+from megarl.runtime.data_parallel import map_rows
 
 
 class FrozenRole:
@@ -46,3 +47,15 @@ class FrozenRole:
             return response_log_probs(self.model, prompt_ids, response_ids, attention_mask, micro_batch_size,
                                       pack=pack, micro_batch_tokens=micro_batch_tokens,
                                       log_prob_chunk=self.log_prob_chunk)
+
+    def batch_log_probs(self, prompt_ids: torch.Tensor, response_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        micro_batch_size: int, pack: bool = False, micro_batch_tokens: int = 0) -> torch.Tensor:
+        """``(B, R)`` over the whole batch: each DP rank forwards its rows, gathered (collective
+        over the world)."""
+        return map_rows(lambda *t: self.log_probs(*t, micro_batch_size, pack=pack, micro_batch_tokens=micro_batch_tokens),
+                        prompt_ids, response_ids, attention_mask).cpu()
+
+    def origin_id(self, identify) -> str:
+        """What a resume must find again (collective): ``identify`` of its weights."""
+        with self._on_device():
+            return identify(self.model)

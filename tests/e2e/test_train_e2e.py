@@ -1031,14 +1031,16 @@ def test_process_reward_model_steps_through_its_own_tokenizer(assets, tmp_path):
     assert "reward.models[0].step_separator: is required with kind process" in bad.stderr, bad.stderr[-2000:]
 
 
-@pytest.mark.parametrize("nproc,layout", [(1, []), (2, ["parallel.tp=2"]), (2, ["parallel.pp=2"])],
-                         ids=["single", "tp2", "pp2"])
+@pytest.mark.parametrize("nproc,layout", [(1, []), (2, ["parallel.tp=2"]), (2, ["parallel.pp=2"]),
+                                          (2, ["teacher.engine=hf"])],
+                         ids=["single", "tp2", "pp2", "hf_engine_dp2"])
 def test_on_policy_distillation_from_a_teacher_of_its_own(assets, tmp_path, nproc, layout):
     """algo.advantage=on_policy_distill with another model as the teacher (the policy's tokenizer,
     other weights).  Every sealed batch holds the teacher's log-probs as their own typed field
     (role teacher, labelled by the teacher's weights), equal to transformers' teacher-forced
     forward of that teacher on the sealed tokens at every layout (single process, TP=2, PP=2:
-    the layouts agree through it); every advantage is log T - log pi_old on the action tokens,
+    the layouts agree through it) and wherever it runs (teacher.engine=hf: the hf engine's prompt
+    log-probs on rank 0, at DP=2: every rank's rows); every advantage is log T - log pi_old on the action tokens,
     recomputed here from the sealed batch alone, and the reverse-KL metric is its mean.  Single
     process: the teacher is a run origin -- the same path with other weights refuses the resume,
     naming teacher.path -- and a teacher with another tokenizer is refused before a model loads."""
@@ -1052,7 +1054,8 @@ def test_on_policy_distillation_from_a_teacher_of_its_own(assets, tmp_path, npro
     opd = ["algo.advantage=on_policy_distill", f"teacher.path={teacher_dir}", "trainer.checkpoint_every=1", *layout]
     run_train(assets, run_dir, GRPO, nproc=nproc, extra=opd)
     origin = json.load(open(os.path.join(run_dir, "checkpoints", "iter_000002", "state.json")))["origins"]["teacher"]
-    assert origin["key"] == "teacher.path" and origin["id"].startswith("sha256:")
+    served = "teacher.engine=hf" in layout
+    assert origin["key"] == "teacher.path" and origin["id"].startswith("engine=hf weights=sha256:" if served else "sha256:")
     worst = 0.0
     for k, b in enumerate(batches(run_dir)):
         f = b.facts
