@@ -66,6 +66,14 @@ def check_estimator_needs(cfg) -> None:
     require(not cfg.teacher.path or needs.teacher or a.distill_coef, "teacher.path",
             f"is set, but nothing reads the teacher: algo.advantage={a.advantage!r} and algo.distill_coef=0 "
             "(use on_policy_distill, or a distill_coef > 0)")
+    sft = a.sft
+    require(not sft.path or sft.coef > 0, "algo.sft.coef",
+            f"is 0, but algo.sft.path={sft.path!r} is set: give the SFT term a weight > 0 (or drop the path)")
+    require(bool(sft.path) or sft.coef == 0, "algo.sft.path",
+            f"is null, but algo.sft.coef={sft.coef}: set it to a demonstration file (prompts with a "
+            f"{sft.response_field!r} field)")
+    require(not sft.path or a.routing_replay != "rollout", "algo.sft.path",
+            "with algo.routing_replay=rollout: demonstration rows have no recorded routing to replay")
     require(a.reward_placement == "last_token" or needs.token_rewards, "algo.reward_placement",
             f"recorded places rewards for a token-reward estimator ({[n for n in advantage_names() if advantage_needs(n).token_rewards]}); "
             f"algo.advantage={a.advantage!r} reads "

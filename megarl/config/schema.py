@@ -342,6 +342,21 @@ class RolloutCorrectionSettings:
 
 
 @dataclass
+class SFTSettings:
+    """A supervised (cross-entropy) term mixed into the actor's update: the negative log-likelihood
+    of demonstration responses, normalised by its own token count (megarl/algo/sft.py)."""
+
+    #: demonstrations: a prompt file read like ``data.train_path`` (``data.prompt_field`` /
+    #: ``messages_field``, the chat template, ``max_prompt_tokens``) whose rows also hold the
+    #: response; null: no SFT term
+    path: Optional[str] = None
+    coef: float = setting(0.0, range=Range(lo=0))  # its weight beside the RL loss (> 0 with a path)
+    response_field: str = "response"  # the row's demonstration response (text)
+    #: demonstration rows per optimizer step, drawn epoch after epoch by a cursor the checkpoint keeps
+    rows: int = setting(8, range=COUNT)
+
+
+@dataclass
 class AlgoConfig:
     """The algorithm: advantage estimator, policy loss, KL, epochs and batch splits."""
 
@@ -374,6 +389,7 @@ class AlgoConfig:
     sapo_tau_neg: float = setting(1.05, range=POS)
     entropy_coef: float = setting(0.0, range=Range(lo=0))  # entropy bonus coefficient
     kl: KLSettings = field(default_factory=KLSettings)
+    sft: SFTSettings = field(default_factory=SFTSettings)  # a cross-entropy term on demonstrations
     ppo_epochs: int = setting(1, range=COUNT)  # passes over each sealed batch
     num_mini_batches: int = setting(1, range=COUNT)  # optimizer steps per epoch (each over whole groups)
     #: rows per forward/backward in the update, per DP rank; 0 = the whole mini-batch at once

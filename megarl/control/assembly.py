@@ -35,6 +35,7 @@ from megarl.control.production_partial import PartialRolloutProducer
 from megarl.control.publication import EngineTimeSlice, WeightPublisher
 from megarl.control.scoring import EpisodeScorer, Scorer
 from megarl.control.state_machine import IterationStateMachine
+from megarl.data.demonstrations import Demonstrations, load_demonstrations
 from megarl.data.prompts import PromptDataset, PromptSampler, load_configured_dataset
 from megarl.data.tokenizer import TokenizerContract
 from megarl.envs.protocol import load_environment
@@ -85,6 +86,7 @@ class Parts:
     grader_runner: Optional[RewardRunner] = None
     judges: tuple = ()  # reward.judges: each GenerativeJudge on rank 0, None elsewhere
     teacher: Optional[Teacher] = None  # teacher.path: on-policy distillation's teacher
+    demonstrations: Optional[Demonstrations] = None  # algo.sft: the SFT term's rows and cursor
 
 
 @dataclass
@@ -116,6 +118,7 @@ def assemble(cfg: TrainConfig, model_path: str, tokenizer_dir: str) -> Parts:
     # data.on_missing_fields=skip
     train_data, heldout = drop_rows_missing_fields(cfg, train_data), drop_rows_missing_fields(cfg, heldout)
     sampler = PromptSampler(len(train_data), seed=cfg.trainer.seed, shuffle=d.shuffle)
+    demonstrations = load_demonstrations(cfg, tok) if cfg.algo.sft.path else None  # before any model loads
 
     p, a = cfg.parallel, cfg.algo
     total_steps = cfg.trainer.iterations * a.ppo_epochs * a.num_mini_batches
@@ -146,7 +149,7 @@ def assemble(cfg: TrainConfig, model_path: str, tokenizer_dir: str) -> Parts:
               else FixedKLController(a.kl.beta))
     return Parts(tok=tok, train_data=train_data, heldout=heldout, sampler=sampler, actor=actor, reference=reference,
                  critic=critic, injector=injector, reward_fn=reward_fn, reward_runner=runner,
-                 reward_models=reward_models, kl_ctl=kl_ctl, judges=judges,
+                 reward_models=reward_models, kl_ctl=kl_ctl, judges=judges, demonstrations=demonstrations,
                  grader_runner=grader_runner(cfg, dist.get_rank() == 0), teacher=teacher)
 
 
@@ -395,7 +398,8 @@ def wire_components(cfg: TrainConfig, parts: Parts, eng: EngineParts, *, sm: Ite
     if parts.injector is not None:
         learning_actor = FaultyActor(parts.actor, parts.injector, cfg.algo.ppo_epochs * cfg.algo.num_mini_batches)
     learner = Learner(cfg, actor=learning_actor, critic=parts.critic, sm=sm, kl_ctl=parts.kl_ctl, counters=counters,
-                      dp=dp, sync_dtype=eng.sync_dtype, rank0=rank0, ckpt_root=ckpt_root)
+                      dp=dp, sync_dtype=eng.sync_dtype, rank0=rank0, ckpt_root=ckpt_root,
+                      demonstrations=parts.demonstrations, pad_id=eng.pad_id)
     eval_scorer = episode_scorer(cfg, parts.tok, counters, quarantine, rank0) if agentic else scorer(False)
     if cfg.eval.grader is not None:  # the held-out accuracy is that rule's
         eval_scorer = grader_scorer(cfg, parts.tok, parts.grader_runner, counters, quarantine, rank0)

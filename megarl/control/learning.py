@@ -29,13 +29,13 @@ from megarl.control.batch import plan_mini_batches
 from megarl.control.state_machine import IterationStateMachine
 from megarl.errors import MegarlError
 from megarl.experience.schema import ExperienceBatch
-from megarl.models.micro_batches import padded_micro_batches, rank_rows, token_micro_batches
+from megarl.models.micro_batches import pad_columns, padded_micro_batches, rank_rows, token_micro_batches
 from megarl.models.flops import train_flops
 from megarl.models.router_replay import record_to_rows
 from megarl.models.weights import unwrap
 from megarl.observability.metrics import StageTimer
 from megarl.roles.common import sequence_length, step_tensors
-from megarl.roles.losses import policy_loss_fn, value_loss_fn
+from megarl.roles.losses import policy_loss_fn, sft_loss_fn, value_loss_fn, with_sft
 from megarl.rollout.weight_stream import TensorManifest
 from megarl.rollout.weight_sync import actor_manifest
 from megarl.runtime.data_parallel import all_ranks_agree, dp_rank, gather_objects
@@ -82,7 +82,7 @@ class Learner:
     dtype manifests are computed in; ``counters`` the run's counters."""
 
     def __init__(self, cfg, *, actor, critic, sm: IterationStateMachine, kl_ctl, counters: Counter, dp: int,
-                 sync_dtype, rank0: bool, ckpt_root: str):
+                 sync_dtype, rank0: bool, ckpt_root: str, demonstrations=None, pad_id: int = 0):
         from megarl.roles.rollback import UpdateSnapshot
 
         a = cfg.algo
@@ -96,6 +96,8 @@ class Learner:
         self.critic_version_at_snapshot = None
         #: the last update ran every planned step to the end on this rank (the commit's evidence)
         self.completed = False
+        #: algo.sft: the demonstrations and their cursor (as it stood when the update began, for a rollback)
+        self.demos, self.pad_id, self.demos_at_start = demonstrations, pad_id, None
 
     # ---- the update with its recovery --------------------------------------------------------
 
@@ -137,6 +139,8 @@ class Learner:
         from megarl.roles.rollback import RollbackError
 
         self.actor.steps = self.snapshots["actor"].restore(self.actor.ddp, self.actor.optimizer, self.actor.scheduler)
+        if self.demos is not None:  # the retried update draws the demonstrations the failed one drew
+            self.demos.sampler.load_state_dict(self.demos_at_start)
         if self.critic is not None:
             self.critic.steps = self.snapshots["critic"].restore(self.critic.ddp, self.critic.optimizer,
                                                                  self.critic.scheduler)
@@ -206,6 +210,8 @@ class Learner:
 
     def _begin_update(self) -> None:
         self.sm.begin_update()
+        if self.demos is not None:
+            self.demos_at_start = self.demos.sampler.state_dict()
         self.actor.onload()
         if self.critic is not None:
             self.critic.onload()
@@ -247,6 +253,8 @@ class Learner:
             ref_producer=f.ref_log_probs.producer if f.ref_log_probs is not None else None, kl_in_loss=kl_in_loss,
             entropy_grad=self.cfg.algo.entropy_coef > 0, log_prob_chunk=self.cfg.algo.log_prob_chunk,
             old_version=version.short_id)
+        if self.demos is not None:
+            mbs, loss_fn = self._with_demonstrations(mbs, loss_fn)
         res = self._guarded_step("actor", lambda: self.actor.train_step(mbs, loss_fn, replay_layers=replay_layers))
         log.grad_norms.append(res.grad_norm)
         log.add_seconds(res)
@@ -254,6 +262,31 @@ class Learner:
         log.actor.append(self._reduce_step_metrics(res.metrics))
         log.actor[-1].update(res.moe_losses)  # update/moe_aux_loss, update/moe_z_loss when enabled
         log.actor_steps += 1
+
+    def _with_demonstrations(self, mbs: List[dict], policy_loss):
+        """``algo.sft``: this step's demonstration rows drawn (the same on every rank), this DP
+        rank's share cut into micro-batches of the step's kind (padded: as many rows and one width
+        as the RL ones, rows that only even out the ranks masked; packed: under the same token
+        budget, as many on every rank) after the RL ones, and the loss that tells them apart."""
+        a = self.cfg.algo
+        cols = self.demos.columns(self.demos.draw(), self.pad_id)
+        tokens = int(cols["loss_mask"].sum())  # the SFT term's own normaliser: every rank's rows
+        n, rank = cols["tokens"].shape[0], dp_rank()
+        if a.micro_batch_tokens:
+            demo = token_micro_batches(cols, torch.arange(n), a.micro_batch_tokens, rank, self.dp)
+        else:
+            size = mbs[0]["tokens"].shape[0]  # every micro-batch of a padded step is [rows, width]
+            per = -(-n // self.dp)
+            per = -(-per // size) * size
+            rows = torch.arange(rank * per, (rank + 1) * per)
+            local = rank_rows(cols, rows % n, rows >= n)
+            demo = padded_micro_batches(local, size)
+            width = max(mb["tokens"].shape[1] for mb in [*mbs, *demo])
+            mbs = [dict(mb, tokens=pad_columns(mb["tokens"], width)) for mb in mbs]
+            demo = [dict(mb, tokens=pad_columns(mb["tokens"], width)) for mb in demo]
+        sft = sft_loss_fn(vocab_size=self.actor.vocab_size, coef=a.sft.coef, tokens=tokens,
+                          log_prob_chunk=a.log_prob_chunk)
+        return [*mbs, *(dict(mb, megarl_sft=True) for mb in demo)], with_sft(policy_loss, sft)
 
     def _critic_step(self, batch, cmbs, norm, log: "_StepLog"):
         vloss = value_loss_fn(response_len=batch.facts.response_len, value_clip=self.critic.value_clip,
@@ -316,7 +349,7 @@ class Learner:
         raise UpdateFailure(f"{role} update failed ({'; '.join(errors)})")
 
     #: per-micro-batch values that are shares of the step's global loss: they add up
-    _SHARES = ("pg_loss", "kl_loss", "entropy", "value_loss")
+    _SHARES = ("pg_loss", "kl_loss", "entropy", "value_loss", "sft_nll")
 
     def _reduce_step_metrics(self, local: List[Dict[str, float]]) -> Dict[str, float]:
         """One optimizer step's micro-batch metrics (they live on the last PP stage) reduced over

@@ -55,13 +55,14 @@ class RunPersistence:
 
     def __init__(self, cfg, run_dir: str, *, actor, critic, reference, sampler, kl_ctl, progress: RunProgress,
                  tok, train_data, reward_fn, reward_models=(), layout: Dict[str, int], rank0: bool,
-                 identify: Optional[Callable[[object], str]] = None, judges=(), teacher=None):
+                 identify: Optional[Callable[[object], str]] = None, judges=(), teacher=None, demonstrations=None):
         self.identify = identify or weights_identity
         self.origins: Dict[str, dict] = {}
         self._registered: Optional[set] = None  # short ids in <run_dir>/versions.jsonl
         self.cfg, self.run_dir = cfg, run_dir
         self.actor, self.critic, self.reference = actor, critic, reference
         self.teacher = teacher  # teacher.path: a run origin (a resume with another teacher is refused)
+        self.demonstrations = demonstrations  # algo.sft: a run origin (its file's content); its cursor is saved
         self.sampler, self.kl_ctl, self.progress = sampler, kl_ctl, progress
         self.tok, self.train_data, self.reward_fn = tok, train_data, reward_fn
         self.reward_models = tuple(reward_models)
@@ -122,6 +123,9 @@ class RunPersistence:
             jid = None if judge is None else (f"weights={judge.engine.active_version.weight_manifest_hash} "
                                               f"tokenizer={judge.contract.hash} judge={judge.version}")
             o[f"judge/{j.name}"] = {"key": f"reward.judges[{i}].path", "path": j.path, "id": broadcast_object(jid)}
+        if self.demonstrations is not None:
+            o["sft"] = {"key": "algo.sft.path", "path": self.demonstrations.path,
+                        "id": f"sha256:{self.demonstrations.sha256}"}
         if self.reward_fn is not None:
             o["scorer"] = {"key": "reward.fn", "path": cfg.reward.fn, "id": self.reward_fn.version}
         self.origins = o
@@ -198,6 +202,8 @@ class RunPersistence:
             "unconsumed_experience": None,
             "unconsumed_experience_note": "saved at ACTOR_COMMITTED: every sealed batch was consumed by the update",
         }
+        if self.demonstrations is not None:  # algo.sft's cursor: a resume draws the rows it would have drawn
+            state["sft_sampler"] = self.demonstrations.sampler.state_dict()
         if in_flight and "recorded" in in_flight:  # work carried over the checkpoint, restored by a resume
             state["carried_over"] = in_flight["recorded"]
         elif in_flight:
@@ -281,6 +287,8 @@ class RunPersistence:
                         f"resume from {path}: the refreshed reference loaded from the checkpoint hashes to {loaded}, "
                         f"it was saved as {saved_ref}")
         self.sampler.load_state_dict(state["sampler"])
+        if self.demonstrations is not None and "sft_sampler" in state:  # (absent: the SFT term starts here)
+            self.demonstrations.sampler.load_state_dict(state["sft_sampler"])
         self.kl_ctl.load_state_dict(state["kl_controller"])
         counters.update(state["counters"])
         self.progress.parity_checked = state["parity_checked"]

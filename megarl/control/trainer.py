@@ -86,6 +86,7 @@ class Trainer:
             cfg, run_dir, actor=parts.actor, critic=parts.critic, reference=parts.reference, sampler=parts.sampler,
             kl_ctl=parts.kl_ctl, progress=self.progress, tok=parts.tok, train_data=parts.train_data,
             reward_fn=parts.reward_fn, reward_models=parts.reward_models, judges=parts.judges, teacher=parts.teacher,
+            demonstrations=parts.demonstrations,
             layout={"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": self.dp, "world": self.world,
                     "ep": cfg.parallel.ep, "cp": cfg.parallel.cp, "vpp": cfg.parallel.vpp,
                     "distributed_optimizer": cpu_compat.use_distributed_optimizer(cfg.parallel.distributed_optimizer)},

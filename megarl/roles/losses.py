@@ -15,6 +15,7 @@ import torch
 
 from megarl.algo.objective import actor_loss
 from megarl.algo.policy_loss import PolicyLossConfig
+from megarl.algo.sft import sft_nll_loss
 from megarl.algo.value_loss import clipped_value_loss
 from megarl.experience.schema import LogProbProducer, LogProbs
 from megarl.models.forward import gather_response, token_log_probs_from_logits, vocab_parallel_entropy
@@ -45,6 +46,32 @@ def policy_loss_fn(*, vocab_size: int, response_len: int, cfg: PolicyLossConfig,
             ref_log_probs=LogProbs(mb["ref_log_probs"], ref_producer) if kl_in_loss else None,
             entropy=ent, is_weights=mb.get("is_weights"), old_version=old_version, kl_beta=kl_beta)
         return out.loss, out.metrics
+
+    return loss_fn
+
+
+def sft_loss_fn(*, vocab_size: int, coef: float, tokens: int, log_prob_chunk: int):
+    """The SFT term of one demonstration micro-batch (:func:`megarl.algo.sft.sft_nll_loss`): the
+    log-probs of its ``loss_mask``'d response tokens, weighted ``coef`` and normalised by the step's
+    demonstration ``tokens``."""
+    V, chunk = vocab_size, log_prob_chunk
+
+    def loss_fn(output, mb):
+        lp_all = next_token_terms(output, mb, lambda logits, nxt: token_log_probs_from_logits(logits, nxt, V,
+                                                                                               chunk=chunk))
+        lp = gather_response(lp_all, mb["prompt_lens"], mb["response_lens"], mb["loss_mask"].shape[1])
+        out = sft_nll_loss(lp, mb["loss_mask"], coef, tokens)
+        return out.loss, out.metrics
+
+    return loss_fn
+
+
+def with_sft(policy_loss, sft_loss):
+    """One step's loss function over its RL micro-batches and its demonstration ones (marked
+    ``megarl_sft``)."""
+
+    def loss_fn(output, mb):
+        return (sft_loss if mb.get("megarl_sft") else policy_loss)(output, mb)
 
     return loss_fn
 

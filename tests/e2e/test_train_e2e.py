@@ -1081,3 +1081,88 @@ def test_on_policy_distillation_from_a_teacher_of_its_own(assets, tmp_path, npro
                     expect=2)
     line = [x for x in bad.stderr.splitlines() if x.startswith("error:")]
     assert len(line) == 1 and "teacher.path:" in line[0] and "another tokenizer" in line[0], bad.stderr[-3000:]
+
+
+def _sft_nll(model, rows):
+    """The mean negative log-likelihood per response token of ``rows`` ((prompt ids, response
+    ids) pairs) under ``model``, and its graph."""
+    total, count = torch.zeros((), dtype=torch.float32), 0
+    for prompt, resp in rows:
+        tokens = torch.tensor([list(prompt) + list(resp)])
+        logits = model(tokens).logits[0].float()
+        lp = torch.log_softmax(logits[len(prompt) - 1:len(prompt) - 1 + len(resp)], -1)
+        total = total - lp.gather(-1, torch.tensor(resp)[:, None]).sum()
+        count += len(resp)
+    return total / count
+
+
+def test_sft_term_on_demonstrations_with_its_own_cursor(assets, tmp_path):
+    """algo.sft: demonstration rows mixed into the update under their own normaliser, drawn by a
+    cursor the checkpoint keeps.  A reward with no spread leaves every advantage 0, so at DP=2
+    (padded micro-batches, 5 rows over 2 ranks: one row only evens them out) iteration 0's SGD
+    step is exactly lr x coef x the gradient of the mean NLL of the 5 rows the cursor drew,
+    recomputed with transformers (negative control: the step with the opposite sign is far);
+    every iteration's update/sft_nll is that NLL under the iteration's export.  Resumed from the
+    checkpoint with packed micro-batches (algo.micro_batch_tokens), iteration 2 reads the rows
+    that follow the saved cursor, not the first ones again; the checkpoint names the file's
+    content as a run origin.  A file without the response field is refused before a model loads."""
+    import hashlib
+
+    import numpy as np
+    from safetensors.torch import load_file
+    import transformers
+
+    from megarl.config import load_config
+    from megarl.data.prompts import load_configured_dataset
+    from megarl.data.tokenizer import TokenizerContract
+
+    demos = tmp_path / "demos.jsonl"
+    src = [json.loads(line) for line in open(assets["train"])][:24]
+    demos.write_text("".join(json.dumps({"id": f"d{i}", "prompt": r["prompt"], "response": r["answer"]}) + "\n"
+                             for i, r in enumerate(src)))
+    run_dir = str(tmp_path / "sft")
+    coef, per_step = 0.5, 5
+    sft = [f"algo.sft.path={demos}", f"algo.sft.coef={coef}", f"algo.sft.rows={per_step}",
+           "reward.fn=tests.plugins.faulty_rewards:no_spread", "trainer.checkpoint_every=1"]
+    run_train(assets, run_dir, GRPO, nproc=2, extra=sft)
+    state = json.load(open(os.path.join(run_dir, "checkpoints", "iter_000002", "state.json")))
+    assert state["origins"]["sft"] == {"key": "algo.sft.path", "path": str(demos),
+                                       "id": "sha256:" + hashlib.sha256(demos.read_bytes()).hexdigest()}
+    assert state["sft_sampler"]["epoch"] == 0 and state["sft_sampler"]["cursor"] == 2 * per_step
+    run_train(assets, run_dir, GRPO, nproc=2, extra=[*sft, "trainer.iterations=3", "algo.micro_batch_tokens=64"])
+
+    cfg = load_config(os.path.join(run_dir, "config.yaml"))
+    tok = TokenizerContract.from_pretrained(os.path.join(run_dir, "export", "iter_0"))
+    prompts = load_configured_dataset(cfg.data, tok, str(demos))
+    rows = [(p.prompt_ids, tok.tokenizer.encode(r["answer"], add_special_tokens=False) + [tok.eos_token_id])
+            for p, r in zip(prompts, src, strict=True)]
+    order = np.random.default_rng([cfg.trainer.seed, 0]).permutation(len(rows)).tolist()
+    drawn = [[rows[i] for i in order[k * per_step:(k + 1) * per_step]] for k in range(3)]
+    ms = metrics(run_dir)
+    for k in range(3):
+        model = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "export", f"iter_{k}"),
+                                                                  dtype=torch.float32).eval()
+        with torch.no_grad():
+            want = float(_sft_nll(model, drawn[k]))
+            other = float(_sft_nll(model, drawn[0] if k else drawn[1]))
+        err = abs(ms[k]["update/sft_nll"] - want)
+        assert within(err, NET_FP32_LOGPROB, "train_e2e/sft_nll"), (k, ms[k]["update/sft_nll"], want)
+        assert abs(ms[k]["update/sft_nll"] - other) > 10 * NET_FP32_LOGPROB, (k, other)  # other rows: another value
+        assert ms[k]["update/pg_loss"] == 0.0  # no reward spread: the RL term is 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "export", "iter_0"),
+                                                              dtype=torch.float32)
+    (coef * _sft_nll(model, drawn[0])).backward()
+    w1 = load_file(os.path.join(run_dir, "export", "iter_1", "model.safetensors"))
+    with torch.no_grad():
+        worst = max(float((w1[n] - (p - LR * p.grad)).abs().max()) for n, p in model.named_parameters())
+        flipped = max(float((w1[n] - (p + LR * p.grad)).abs().max()) for n, p in model.named_parameters())
+    # SGD at lr 0.1 on fp32 gradients of two implementations (rung 3's weight budget)
+    assert within(worst, 1e-5, "train_e2e/sft_step_weights"), worst
+    assert flipped > 100 * 1e-5, flipped
+    bad_file = tmp_path / "no_response.jsonl"
+    bad_file.write_text("".join(json.dumps({"id": f"d{i}", "prompt": r["prompt"], "answer": r["answer"]}) + "\n"
+                                for i, r in enumerate(src)))
+    bad = run_train(assets, str(tmp_path / "bad"), GRPO, extra=[f"algo.sft.path={bad_file}", "algo.sft.coef=1"],
+                    expect=2)
+    line = [x for x in bad.stderr.splitlines() if x.startswith("error:")]
+    assert len(line) == 1 and "algo.sft.response_field" in line[0] and "d0" in line[0], bad.stderr[-3000:]

@@ -34,3 +34,10 @@ def flat_even_prompts(sample):
     if int(sample.group_id.rsplit("/p", 1)[1]) % 2 == 0:
         return 1.0
     return float(sample.sample_id.rsplit("/c", 1)[1])
+
+
+def no_spread(sample):
+    """The same reward for every sample: every group has zero spread, every advantage is 0, so
+    the RL loss gives no gradient and an update moves the weights only by what is added beside
+    it (the SFT term of ``algo.sft``)."""
+    return 0.0
