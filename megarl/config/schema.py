@@ -436,10 +436,26 @@ class OptimSettings:
 
 
 @dataclass
+class LoraSettings:
+    """Low-rank adapters on the policy's linears (megarl/models/lora.py): the base frozen, only
+    ``A`` and ``B`` trained, the engine fed the merged weight."""
+
+    rank: int = setting(0, range=COUNT0)  # r; 0: off (the whole model trains)
+    alpha: float = setting(16.0, range=POS)  # the adapter's scale is alpha / rank
+    dropout: float = setting(0.0, range=Range(lo=0, hi=1, hi_open=True))  # on the adapter's input
+    #: megatron's linears to adapt: linear_qkv, linear_proj (attention), linear_fc1, linear_fc2 (MLP)
+    target_modules: List[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1",
+                                                               "linear_fc2"])
+    #: kaiming: A Kaiming-uniform, B = 0 (peft's default) | gaussian: A ~ N(0, 1/r), B = 0
+    init: str = setting("kaiming", choices=("kaiming", "gaussian"))
+
+
+@dataclass
 class ActorConfig:
     """The trained policy: its optimizer."""
 
     optim: OptimSettings = field(default_factory=OptimSettings)
+    lora: LoraSettings = field(default_factory=LoraSettings)  # rank 0: full fine-tuning
     offload: bool = False  # params/grads/optimizer to host while the rollout engine runs (GPU)
     #: mixture-of-experts models: the router's load-balancing loss coefficient (megatron's
     #: aux_loss, Switch-Transformer style); 0 = off, the RL default (it is a pre-training regulariser)

@@ -271,6 +271,8 @@ def _validate_choices(cfg: TrainConfig) -> None:
     _one_of(cfg, "reward.model.kind")
     _one_of(cfg, "reward.model.step_aggregate")
     _one_of(cfg, "teacher.engine")
+    _one_of(cfg, "actor.lora.init")
+    _validate_lora(cfg)
 
 
 def _validate_trainer(cfg: TrainConfig) -> None:
@@ -443,6 +445,21 @@ def _validate_sizes(cfg: TrainConfig) -> None:
         _one_of(cfg, f"{key}.optimizer")
         _one_of(cfg, f"{key}.lr_decay_style")
         _need(o.lr > 0, f"{key}.lr", f"must be > 0, got {o.lr}")
+
+
+def _validate_lora(cfg: TrainConfig) -> None:
+    """``actor.lora``: known targets, and what the adapters do not run with yet."""
+    lo = cfg.actor.lora
+    if not lo.rank:
+        return
+    targets = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # megarl/models/lora.py TARGETS
+    unknown = sorted(set(lo.target_modules) - set(targets))
+    _need(not unknown and bool(lo.target_modules), "actor.lora.target_modules",
+          f"{unknown or 'an empty list'}: choose from {list(targets)} (megatron's names of the attention and MLP linears)")
+    _need(not cfg.parallel.sequence_parallel, "parallel.sequence_parallel",
+          "with actor.lora: the adapters do not gather a sequence-parallel input yet")
+    _need(cfg.reference.refresh_every == 0, "reference.refresh_every",
+          "with actor.lora: a refresh would copy the base weights, not the adapted ones")
 
 
 def _validate_layout(cfg: TrainConfig, world_size: int) -> int:

@@ -126,7 +126,7 @@ def assemble(cfg: TrainConfig, model_path: str, tokenizer_dir: str) -> Parts:
                   offload=cfg.actor.offload, moe_aux_loss_coeff=cfg.actor.moe_aux_loss_coeff,
                   moe_z_loss_coeff=cfg.actor.moe_z_loss_coeff, sequence_parallel=p.sequence_parallel,
                   overlap_grad_reduce=p.overlap_grad_reduce, recompute=p.recompute, log_prob_chunk=a.log_prob_chunk,
-                  distributed_optimizer=p.distributed_optimizer)
+                  distributed_optimizer=p.distributed_optimizer, lora=cfg.actor.lora, seed=cfg.trainer.seed)
     reference = None
     if cfg.reference.enabled:
         reference = Reference(cfg.reference.path or model_path, p.tp, p.pp, version="ref-0",

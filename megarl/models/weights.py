@@ -166,6 +166,15 @@ def _virtual_stages() -> int:
     return ps.get_virtual_pipeline_model_parallel_world_size() or 1
 
 
+def _read_shard(param) -> torch.Tensor:
+    """This rank's shard of ``param`` as the weight stream reads it: with a LoRA adapter beside it
+    (``actor.lora``, megarl/models/lora.py) the merged ``W + s * B A``, computed shard by shard."""
+    adapter = getattr(param, "megarl_lora", None)
+    if adapter is None or not adapter.enabled:
+        return param.detach().contiguous()
+    return adapter.merged(param.detach())
+
+
 def _merged_rules(model, spec: ModelSpec, merge):
     """Collective over the TP group (the expert TP group for a routed expert):
     ``(rule, owner stage, owner EP rank, merge(rule, TP shards) or None)`` for every rule in
@@ -186,7 +195,7 @@ def _merged_rules(model, spec: ModelSpec, merge):
             raise mapping.MappingError(
                 f"{rule.megatron_name}: expected on pipeline stage {pp_rank}"
                 + (f", expert-parallel rank {ep_rank}" if ep_owner is not None else "") + ", not found")
-        shard = p.detach().contiguous()
+        shard = _read_shard(p)
         _, n, group = _split_group(rule)
         if n > 1 and rule.kind != mapping.REPLICATED:
             shards = [torch.empty_like(shard) for _ in range(n)]

@@ -29,12 +29,19 @@ class Actor(HostOffload):
     def __init__(self, path: str, tp: int, pp: int, optim, total_steps: int, vocab_multiple: int = 128,
                  offload: bool = False, moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: Optional[float] = None,
                  sequence_parallel: bool = False, overlap_grad_reduce: bool = False, recompute=None,
-                 log_prob_chunk: int = 0, distributed_optimizer: Optional[bool] = None):
+                 log_prob_chunk: int = 0, distributed_optimizer: Optional[bool] = None, lora=None, seed: int = 0):
         self.path = path
         self.log_prob_chunk = log_prob_chunk  # algo.log_prob_chunk, for the forward-only log-probs
         self.model = load_model(path, tp=tp, pp=pp, vocab_multiple=vocab_multiple,
                                 moe_aux_loss_coeff=moe_aux_loss_coeff, moe_z_loss_coeff=moe_z_loss_coeff,
                                 sequence_parallel=sequence_parallel, recompute=recompute)
+        self.adapters = []
+        if lora is not None and lora.rank:  # actor.lora: the base frozen, the adapters trained
+            from megarl.models.lora import LoraSpec, apply_lora
+
+            self.adapters = apply_lora(self.model, LoraSpec(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                                                            targets=tuple(lora.target_modules), init=lora.init,
+                                                            seed=seed))
         self.ddp, self.optimizer = wrap_for_training(self.model, optim, overlap_grad_reduce=overlap_grad_reduce,
                                                      use_distributed_optimizer=distributed_optimizer)
         self.scheduler = lr_scheduler(self.optimizer, optim, total_steps)

@@ -1166,3 +1166,36 @@ def test_sft_term_on_demonstrations_with_its_own_cursor(assets, tmp_path):
                     expect=2)
     line = [x for x in bad.stderr.splitlines() if x.startswith("error:")]
     assert len(line) == 1 and "algo.sft.response_field" in line[0] and "d0" in line[0], bad.stderr[-3000:]
+
+
+def test_lora_actor_trains_adapters_the_engine_serves_merged(assets, tmp_path):
+    """actor.lora at TP=2: the engine serves the merged weights (its rollout log-probs pass the
+    parity check against the actor, and each iteration's sealed old log-probs equal transformers'
+    forward of that iteration's merged export); the checkpoint holds the adapters, resumed at
+    TP=1 (the gated fc1 adapter resharded) iteration 2 reads exactly the weights exported after
+    iteration 1; a rank above a target's size and an unknown target are refused naming the key."""
+    run_dir = str(tmp_path / "lora")
+    lora = ["actor.lora.rank=4", "actor.lora.alpha=8", "trainer.checkpoint_every=1", *DENSE]
+    run_train(assets, run_dir, GRPO, nproc=2, extra=[*lora, "parallel.tp=2"])
+    run_train(assets, run_dir, GRPO, extra=[*lora, "trainer.iterations=3"])
+    worst = 0.0
+    for k, b in enumerate(batches(run_dir)):
+        f = b.facts
+        _, (want, _) = hf_response_log_probs(os.path.join(run_dir, "export", f"iter_{k}"), f)
+        keep = f.response_mask != 0
+        worst = max(worst, float((f.old_log_probs.values - want).abs()[keep].max()))
+    assert k == 2
+    assert within(worst, NET_FP32_LOGPROB, "train_e2e/lora_merged_export"), worst
+    from safetensors.torch import load_file
+
+    w0 = load_file(os.path.join(run_dir, "export", "iter_0", "model.safetensors"))
+    w2 = load_file(os.path.join(run_dir, "export", "iter_2", "model.safetensors"))
+    moved = {n for n in w0 if not torch.equal(w0[n], w2[n])}
+    # only the adapted linears' merged weights move: never an embedding or a norm
+    assert moved and all(any(t in n for t in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                              "down_proj")) for n in moved), sorted(moved)
+    for extra, key in ((["actor.lora.rank=100000"], "actor.lora.rank"),
+                       (["actor.lora.rank=4", "actor.lora.target_modules=[q_proj]"], "actor.lora.target_modules")):
+        bad = run_train(assets, str(tmp_path / "bad"), GRPO, extra=extra, expect=2)
+        line = [x for x in bad.stderr.splitlines() if x.startswith("error:")]
+        assert len(line) == 1 and line[0].startswith(f"error: {key}:"), bad.stderr[-3000:]
