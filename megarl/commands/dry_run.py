@@ -69,6 +69,31 @@ def count_params(spec, vocab_multiple: int, tp: int, pp: int, value_head: bool =
     return ParamCount(total, per_shard, _DTYPE_BYTES.get(name, 2), b // (ep * etp))
 
 
+def lora_params(spec, lora, tp: int, pp: int) -> tuple:
+    """``actor.lora``'s adapter parameters: ``(total, on the heaviest tp x pp shard)``.  Per
+    adapted linear r x (in + out); the column-parallel ones (qkv, fc1) split B over tp, the
+    row-parallel ones (proj, fc2) split A; a mixture-of-experts layer adapts its attention only."""
+    h, r = spec.hidden_size, lora.rank
+    q, kv, f = spec.num_attention_heads * spec.head_dim, spec.num_query_groups * spec.head_dim, spec.ffn_hidden_size
+    sizes = {"linear_qkv": (h, q + 2 * kv, "column"), "linear_proj": (q, h, "row"),
+             "linear_fc1": (h, 2 * f, "column"), "linear_fc2": (f, h, "row")}
+    moe = getattr(spec, "moe", None)
+    per_layer = []
+    for i in range(spec.num_layers):
+        dense = moe is None or not moe.moe_layers[i]
+        total = shard = 0
+        for name in lora.target_modules:
+            if name not in sizes or (not dense and name in ("linear_fc1", "linear_fc2")):
+                continue
+            fan_in, fan_out, style = sizes[name]
+            total += r * (fan_in + fan_out)
+            shard += r * fan_in + r * fan_out // tp if style == "column" else r * fan_in // tp + r * fan_out
+        per_layer.append((total, shard))
+    per_stage = spec.num_layers // pp
+    return (sum(t for t, _ in per_layer),
+            max(sum(s for _, s in per_layer[k * per_stage:(k + 1) * per_stage]) for k in range(pp)))
+
+
 def role_memory(n: ParamCount, *, trains: bool, optimizer: str, dp: int,
                 expert_dp: Optional[int] = None) -> Dict[str, float]:
     """GiB per GPU on CUDA: weights in the checkpoint's dtype; for a trained role fp32 gradients
@@ -151,9 +176,26 @@ def _memory_lines(cfg, spec, dp: int) -> List[str]:
         lines.append(f"  {role:<13}{parts} = {_gib(mem['total'])}{note}")
 
     expert_dp = dp * p.tp // (p.ep * (p.tp if p.etp is None else p.etp))  # world / (ep x etp x pp)
-    show("actor", role_memory(actor, trains=True, optimizer=cfg.actor.optim.optimizer, dp=dp, expert_dp=expert_dp),
-         " (on the host while the rollout generates: actor.offload)" if cfg.actor.offload else "")
-    if cfg.reference.enabled:
+    lo = cfg.actor.lora
+    if lo.rank:  # the base frozen: gradients and optimizer state for the adapters only
+        total, shard = lora_params(spec, lo, p.tp, p.pp)
+        adapters = ParamCount(total, shard, actor.dtype_bytes)
+        mem = role_memory(adapters, trains=True, optimizer=cfg.actor.optim.optimizer, dp=dp)
+        mem = {"weights": actor.per_shard * actor.dtype_bytes / GiB + mem["weights"],
+               "grads": mem["grads"], "optimizer": mem["optimizer"]}
+        mem["total"] = sum(mem.values())
+        full = role_memory(actor, trains=True, optimizer=cfg.actor.optim.optimizer, dp=dp, expert_dp=expert_dp)
+        lines.append(f"  actor.lora   rank {lo.rank} on {', '.join(lo.target_modules)}: {_count(total)} trainable "
+                     f"parameters ({100 * total / actor.total:.2f}% of the model), {_count(shard)} on the heaviest "
+                     f"shard; gradients + optimizer {_gib(mem['grads'] + mem['optimizer'])} per GPU against "
+                     f"{_gib(full['grads'] + full['optimizer'])} fully fine-tuned")
+        show("actor", mem, " (on the host while the rollout generates: actor.offload)" if cfg.actor.offload else "")
+    else:
+        show("actor", role_memory(actor, trains=True, optimizer=cfg.actor.optim.optimizer, dp=dp, expert_dp=expert_dp),
+             " (on the host while the rollout generates: actor.offload)" if cfg.actor.offload else "")
+    if cfg.reference.enabled and lo.rank and cfg.reference.path is None:
+        lines.append(f"  {'reference':<13}the actor with its adapters off: no memory of its own")
+    elif cfg.reference.enabled:
         ref = actor if cfg.reference.path is None else count_params(load_spec(cfg.reference.path),
                                                                     cfg.model.vocab_multiple, p.tp, p.pp,
                                                                     ep=p.ep, etp=p.etp)

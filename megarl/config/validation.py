@@ -456,8 +456,6 @@ def _validate_lora(cfg: TrainConfig) -> None:
     unknown = sorted(set(lo.target_modules) - set(targets))
     _need(not unknown and bool(lo.target_modules), "actor.lora.target_modules",
           f"{unknown or 'an empty list'}: choose from {list(targets)} (megatron's names of the attention and MLP linears)")
-    _need(not cfg.parallel.sequence_parallel, "parallel.sequence_parallel",
-          "with actor.lora: the adapters do not gather a sequence-parallel input yet")
     _need(cfg.reference.refresh_every == 0, "reference.refresh_every",
           "with actor.lora: a refresh would copy the base weights, not the adapted ones")
 

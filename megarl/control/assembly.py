@@ -49,6 +49,7 @@ from megarl.rewards.faulty import FaultyRewardFunction
 from megarl.rewards.isolation import resolve_isolation
 from megarl.rewards.runner import RewardRunner
 from megarl.roles.actor import Actor
+from megarl.roles.adapter_reference import AdapterOffReference
 from megarl.roles.critic import Critic
 from megarl.roles.faulty_actor import FaultyActor
 from megarl.roles.faulty_reward_model import FaultyRewardModel
@@ -75,7 +76,7 @@ class Parts:
     heldout: Optional[PromptDataset]  # None without data.heldout_path
     sampler: PromptSampler
     actor: Actor
-    reference: Optional[Reference]  # None unless reference.enabled
+    reference: Optional[Union[Reference, AdapterOffReference]]  # None unless reference.enabled
     critic: Optional[Critic]  # None without a critic section
     injector: Optional[FaultInjector]  # a FaultInjector when any faults.* key is set, else None
     reward_fn: Optional[RewardFunction]  # None when the environment scores (reward.fn null)
@@ -128,7 +129,9 @@ def assemble(cfg: TrainConfig, model_path: str, tokenizer_dir: str) -> Parts:
                   overlap_grad_reduce=p.overlap_grad_reduce, recompute=p.recompute, log_prob_chunk=a.log_prob_chunk,
                   distributed_optimizer=p.distributed_optimizer, lora=cfg.actor.lora, seed=cfg.trainer.seed)
     reference = None
-    if cfg.reference.enabled:
+    if cfg.reference.enabled and cfg.actor.lora.rank and cfg.reference.path is None:
+        reference = AdapterOffReference(actor)  # the LoRA actor's base: no second copy
+    elif cfg.reference.enabled:
         reference = Reference(cfg.reference.path or model_path, p.tp, p.pp, version="ref-0",
                               vocab_multiple=cfg.model.vocab_multiple, offload=cfg.reference.offload,
                               sequence_parallel=p.sequence_parallel, log_prob_chunk=a.log_prob_chunk)

@@ -96,8 +96,7 @@ class RunPersistence:
         o["model"] = {"key": "model.path", "path": cfg.model.path, "id": self.identify(self.actor.ddp)}
         if self.reference is not None:
             key = "reference.path" if cfg.reference.path else "model.path"
-            with _on_device(self.reference):
-                rid = self.identify(self.reference.model)
+            rid = self.reference.origin_id(self.identify)
             o["reference"] = {"key": key, "path": cfg.reference.path or cfg.model.path, "id": rid}
             if not self.reference.refreshes:
                 self.reference.version = f"ref-0-{rid.split(':')[-1][:8]}"

@@ -18,6 +18,13 @@ adapter follows the layer's own split so that its output is the TP=1 output at a
   partial sum, completed by ``reduce_from_tensor_model_parallel_region`` (all-reduce forward,
   identity backward) before ``B`` -- the same reduction megatron applies to ``W x``.
 
+Under sequence parallelism each rank holds a part of the sequence where the linear does: the
+column adapter gathers ``h = A x`` over the sequence (``gather_from_sequence_parallel_region``)
+and the row adapter reduce-scatters its partial ``h`` (``reduce_scatter_to_sequence_parallel_region``),
+as the base layers do; the whole tensor that then saw only this rank's positions (the column
+``A``, the row ``B``) is marked ``sequence_parallel`` so that megatron's ``finalize_model_grads``
+sums its gradient over the TP ranks.
+
 The adapters are modules of their own beside the linear they adapt (``linear_qkv_lora`` next to
 ``linear_qkv``), added to the linear's output by a forward hook: the base's parameter names, its
 checkpoint entries and its HF mapping stay as they are.  Each adapter's initial values are drawn
@@ -88,7 +95,7 @@ class LoraAdapter(torch.nn.Module):
     ``gated``: a gated MLP's ``linear_fc1`` (its rows are [gate; up] per rank, as the base's)."""
 
     def __init__(self, spec: LoraSpec, name: str, style: str, full_in: int, full_out: int, tp_rank: int, tp: int,
-                 dtype: torch.dtype, device, gated: bool = False):
+                 dtype: torch.dtype, device, gated: bool = False, sequence_parallel: bool = False):
         super().__init__()
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
@@ -107,17 +114,25 @@ class LoraAdapter(torch.nn.Module):
             set_tensor_model_parallel_attributes(self.A, True, 1, 1)
         else:
             set_tensor_model_parallel_attributes(self.B, True, 0, 1)
+        self.sequence_parallel = sequence_parallel and tp > 1
+        if self.sequence_parallel:
+            # the whole tensor on every rank, its gradient from this rank's part of the sequence:
+            # finalize_model_grads sums it over the TP ranks (as for the norms under SP)
+            (self.B if style == "row" else self.A).sequence_parallel = True
         self.enabled = True
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
-        """``s * B A x`` for this rank's part of the linear's output."""
+        """``s * B A x`` for this rank's part of the linear's output (under sequence parallelism a
+        column linear's input and a row linear's output are this rank's part of the sequence)."""
         from megatron.core.tensor_parallel import mappings
 
         h = torch.nn.functional.linear(self.dropout(x), self.A)
         if self.style == "row":
-            h = mappings.reduce_from_tensor_model_parallel_region(h)
+            h = (mappings.reduce_scatter_to_sequence_parallel_region(h) if self.sequence_parallel
+                 else mappings.reduce_from_tensor_model_parallel_region(h))
         else:
-            h = mappings.copy_to_tensor_model_parallel_region(h)
+            h = (mappings.gather_from_sequence_parallel_region(h) if self.sequence_parallel
+                 else mappings.copy_to_tensor_model_parallel_region(h))
         return torch.nn.functional.linear(h, self.B) * self.scale
 
     def merged(self, weight: torch.Tensor) -> torch.Tensor:
@@ -213,7 +228,8 @@ def apply_lora(model, spec: LoraSpec, key: str = "actor.lora") -> List[LoraAdapt
             gated = leaf == "linear_fc1" and getattr(parent.config, "gated_linear_unit", False)
             global_name = canonical_name(f"{name}.weight", numbers, 0).removesuffix(".weight")
             adapter = LoraAdapter(spec, global_name, style, full_in, full_out, tp_rank, tp,
-                                  dtype=module.weight.dtype, device=module.weight.device, gated=gated)
+                                  dtype=module.weight.dtype, device=module.weight.device, gated=gated,
+                                  sequence_parallel=bool(getattr(parent.config, "sequence_parallel", False)))
             parent.add_module(f"{leaf}_lora", adapter)
             module.register_forward_hook(_hook(adapter))
             module.weight.megarl_lora = adapter  # the weight stream reads the merged weight

@@ -376,6 +376,26 @@ def test_param_count_matches_the_published_sizes():
     assert abs(count_params(spec_from_hf_config(LLAMA3_8B), 128, 4, 1).per_shard * 4 - 8_030_261_248) < 4 * 300_000
 
 
+def test_lora_adapter_count_by_hand():
+    """actor.lora's trainable parameters in the dry run, hand-checked on Qwen2-7B at rank 16: per
+    layer r x (in + out) of the fused qkv (3584 -> 3584 + 2 x 512), the output projection (3584 ->
+    3584), the gated fc1 (3584 -> 2 x 18944) and fc2 (18944 -> 3584); at tp 2 the column linears'
+    B and the row linears' A are halved."""
+    from types import SimpleNamespace
+
+    from megarl.commands.dry_run import lora_params
+    from megarl.models.hf_config import spec_from_hf_config
+
+    spec = spec_from_hf_config(QWEN2_7B)
+    lora = SimpleNamespace(rank=16, target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    per_layer = 16 * ((3584 + 4608) + (3584 + 3584) + (3584 + 37888) + (18944 + 3584))
+    assert lora_params(spec, lora, 1, 1) == (28 * per_layer, 28 * per_layer)
+    half = 16 * ((3584 + 4608 // 2) + (3584 // 2 + 3584) + (3584 + 37888 // 2) + (18944 // 2 + 3584))
+    assert lora_params(spec, lora, 2, 2) == (28 * per_layer, 14 * half)
+    attn_only = SimpleNamespace(rank=16, target_modules=["linear_qkv", "linear_proj"])
+    assert lora_params(spec, attn_only, 1, 1)[0] == 28 * 16 * ((3584 + 4608) + (3584 + 3584))
+
+
 def test_activation_estimate_by_recompute_sequence_parallelism_and_chunking():
     """The dry run's activation estimate (megarl/commands/activation_memory.py) for Qwen2-7B's
     layers, hand-checked: a 8192-token micro-batch at tp 2 keeps 2 bytes x 8192 x (4h/2 + (2q + 2kv)/2

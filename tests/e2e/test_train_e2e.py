@@ -1171,21 +1171,27 @@ def test_sft_term_on_demonstrations_with_its_own_cursor(assets, tmp_path):
 def test_lora_actor_trains_adapters_the_engine_serves_merged(assets, tmp_path):
     """actor.lora at TP=2: the engine serves the merged weights (its rollout log-probs pass the
     parity check against the actor, and each iteration's sealed old log-probs equal transformers'
-    forward of that iteration's merged export); the checkpoint holds the adapters, resumed at
+    forward of that iteration's merged export); the reference is the actor with its adapters off
+    (no second model), its log-probs the base checkpoint's; the checkpoint holds the adapters, resumed at
     TP=1 (the gated fc1 adapter resharded) iteration 2 reads exactly the weights exported after
     iteration 1; a rank above a target's size and an unknown target are refused naming the key."""
     run_dir = str(tmp_path / "lora")
     lora = ["actor.lora.rank=4", "actor.lora.alpha=8", "trainer.checkpoint_every=1", *DENSE]
     run_train(assets, run_dir, GRPO, nproc=2, extra=[*lora, "parallel.tp=2"])
     run_train(assets, run_dir, GRPO, extra=[*lora, "trainer.iterations=3"])
-    worst = 0.0
+    worst = worst_ref = 0.0
     for k, b in enumerate(batches(run_dir)):
         f = b.facts
         _, (want, _) = hf_response_log_probs(os.path.join(run_dir, "export", f"iter_{k}"), f)
         keep = f.response_mask != 0
         worst = max(worst, float((f.old_log_probs.values - want).abs()[keep].max()))
+        # the reference is the actor with its adapters off: the base, whatever the adapters learned
+        _, (base, _) = hf_response_log_probs(assets["model"], f)
+        worst_ref = max(worst_ref, float((f.ref_log_probs.values - base).abs()[keep].max()))
+        assert f.ref_log_probs.producer.version.startswith("ref-0-")
     assert k == 2
     assert within(worst, NET_FP32_LOGPROB, "train_e2e/lora_merged_export"), worst
+    assert within(worst_ref, NET_FP32_LOGPROB, "train_e2e/lora_reference_is_the_base"), worst_ref
     from safetensors.torch import load_file
 
     w0 = load_file(os.path.join(run_dir, "export", "iter_0", "model.safetensors"))

@@ -1,9 +1,10 @@
 """LoRA adapters on megatron's parallel linears (megarl/models/lora.py): one optimizer step of the
-adapters at TP=2, PP=2 and DP=2 equals TP=1's on the same global batch -- the merged weights the
+adapters at TP=2, PP=2, DP=2 and TP=2 with sequence parallelism equals TP=1's on the same global batch -- the merged weights the
 weight stream reads and the adapters themselves -- with SGD (the gradient) and AdamW with
 clipping (the optimizer path); the base weights never move and only the adapters train (their
 count is r x (in + out) per adapted linear); fresh adapters leave the model bitwise as it was,
-and with the adapters off it is the base model bitwise (asserted in the worker).  Negative
+and with the adapters off it is the base model bitwise, equal to a frozen copy loaded apart --
+the LoRA actor's reference (asserted in the worker).  Negative
 control: without the row-parallel adapter's reduction, TP=2 lands far from TP=1."""
 
 import json
@@ -16,7 +17,7 @@ from megarl.builtin.tiny_checkpoint import make_tiny_hf_checkpoint
 from tests._dist import torchrun
 from tests._tolerance import adam_weights_tol, within
 
-LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2)]
+LAYOUTS = [(2, 1, 1, False), (1, 2, 1, False), (1, 1, 2, False), (2, 1, 1, True)]  # the last: sequence parallel
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +25,9 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     hf = make_tiny_hf_checkpoint(str(root / "llama"), "llama", seed=3, vocab_size=300)
     torchrun("lora_step_worker.py", 1, "--hf", hf, "--out", str(root))
-    for tp, pp, dp in LAYOUTS:
-        torchrun("lora_step_worker.py", tp * pp * dp, "--tp", str(tp), "--pp", str(pp), "--hf", hf, "--out", str(root))
+    for tp, pp, dp, sp in LAYOUTS:
+        torchrun("lora_step_worker.py", tp * pp * dp, "--tp", str(tp), "--pp", str(pp), *(["--sp"] if sp else []),
+                 "--hf", hf, "--out", str(root))
     torchrun("lora_step_worker.py", 2, "--tp", "2", "--no-reduce", "--hf", hf, "--out", str(root))
     return root, hf, load_file(f"{hf}/model.safetensors")
 
@@ -37,11 +39,11 @@ def _tol(optimizer):
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-@pytest.mark.parametrize("tp,pp,dp", LAYOUTS, ids=["tp2", "pp2", "dp2"])
-def test_one_adapter_step_matches_single_rank(runs, optimizer, tp, pp, dp):
+@pytest.mark.parametrize("tp,pp,dp,sp", LAYOUTS, ids=["tp2", "pp2", "dp2", "tp2sp"])
+def test_one_adapter_step_matches_single_rank(runs, optimizer, tp, pp, dp, sp):
     root, hf, initial = runs
     ref = torch.load(root / f"lora_{optimizer}_tp1_pp1_dp1.pt")
-    got = torch.load(root / f"lora_{optimizer}_tp{tp}_pp{pp}_dp{dp}.pt")
+    got = torch.load(root / f"lora_{optimizer}_tp{tp}_pp{pp}_dp{dp}{'_sp' if sp else ''}.pt")
     moved = max((ref["merged"][k] - initial[k]).abs().max().item() for k in initial)
     assert moved > 1e-3, "the step did not change the merged weights; the comparison would be vacuous"
     for run in (ref, got):  # the base is frozen: read with the adapters off, it is the checkpoint's

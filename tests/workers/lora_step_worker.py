@@ -28,6 +28,7 @@ p.add_argument("--pp", type=int, default=1)
 p.add_argument("--hf", required=True)
 p.add_argument("--out", required=True)
 p.add_argument("--no-reduce", action="store_true")
+p.add_argument("--sp", action="store_true", help="sequence parallelism (tp > 1)")
 a = p.parse_args()
 
 rt.initialize(tp=a.tp, pp=a.pp)
@@ -89,7 +90,7 @@ def logits_of(model):
 
 for name, cfg in (("sgd", OptimSettings(optimizer="sgd", lr=0.5, clip_grad=1e9)),
                   ("adam", OptimSettings(optimizer="adam", lr=1e-3, weight_decay=0.1, clip_grad=0.05))):
-    model = load_model(a.hf, tp=a.tp, pp=a.pp)
+    model = load_model(a.hf, tp=a.tp, pp=a.pp, sequence_parallel=a.sp)
     model_spec = unwrap(model).megarl_spec
     base_lp = logits_of(model)
     adapters = apply_lora(model, SPEC)
@@ -122,9 +123,27 @@ for name, cfg in (("sgd", OptimSettings(optimizer="sgd", lr=0.5, clip_grad=1e9))
     with adapters_disabled(ddp):
         base = {k: v.clone() for k, v in iter_hf_tensors(ddp)}
         assert torch.equal(logits_of(ddp), base_lp)  # the adapters off: the base model, bitwise
+    # the LoRA actor's reference (roles/adapter_reference.py) against a frozen copy loaded apart
+    from megarl.roles.adapter_reference import AdapterOffReference
+    from megarl.roles.reference import Reference
+
+    class _Actor:
+        ddp, precision = ddp, "float32"
+
+        def log_probs(self, *t, **k):
+            from megarl.models.forward import response_log_probs
+
+            return response_log_probs(ddp, *t[:3], t[3], pack=k.get("pack", False),
+                                      micro_batch_tokens=k.get("micro_batch_tokens", 0))
+
+    frozen = Reference(a.hf, a.tp, a.pp, version="ref-0", vocab_multiple=128, sequence_parallel=a.sp)
+    am = torch.ones_like(tokens)
+    want = frozen.batch_log_probs(tokens[:, :4], tokens[:, 4:], am, 4)
+    assert torch.equal(AdapterOffReference(_Actor()).batch_log_probs(tokens[:, :4], tokens[:, 4:], am, 4), want)
+    assert not torch.equal(logits_of(ddp), base_lp)  # negative control: the adapters on, another policy
     ad = adapter_tensors(ddp)
     if rt.is_main():
-        tag = "_noreduce" if a.no_reduce else ""
+        tag = ("_noreduce" if a.no_reduce else "") + ("_sp" if a.sp else "")
         torch.save({"merged": merged, "base": base, "adapters": ad, "grad_norm": res.grad_norm,
                     "trainable": int(n_trainable.item()) // dp},
                    os.path.join(a.out, f"lora_{name}_tp{a.tp}_pp{a.pp}_dp{dp}{tag}.pt"))

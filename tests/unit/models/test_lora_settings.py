@@ -19,7 +19,6 @@ GRPO = os.path.join(ROOT, "configs", "grpo_arith_tiny.yaml")
     (["actor.lora.rank=-1"], "actor.lora.rank"),
     (["actor.lora.rank=8", "actor.lora.alpha=0"], "actor.lora.alpha"),
     (["actor.lora.rank=8", "actor.lora.dropout=1.0"], "actor.lora.dropout"),
-    (["actor.lora.rank=8", "parallel.tp=2", "parallel.sequence_parallel=true"], "parallel.sequence_parallel"),
     (["actor.lora.rank=8", "reference.refresh_every=5"], "reference.refresh_every"),
 ])
 def test_refusals_name_the_key(overrides, key):
