@@ -28,7 +28,8 @@ setup(
         "requests>=2.28",  # megarl.rewards.HttpReward (reward.fn: http), a remote reward service
     ],
     extras_require={
-        "dev": ["pytest>=8", "hypothesis>=6", "wandb>=0.19", "mlflow-skinny>=2.14", "datasets>=2.19"],
+        # peft: tests load megarl's LoRA adapter export with it (never imported by megarl itself)
+        "dev": ["pytest>=8", "hypothesis>=6", "wandb>=0.19", "mlflow-skinny>=2.14", "datasets>=2.19", "peft>=0.13"],
         # experiment trackers (trainer.loggers): imported only by a run that names them.  The
         # skinny mlflow client suffices for a file store (the default, <run_dir>/mlruns) or a
         # tracking server; a sqlite:// store needs the full mlflow (SQLAlchemy, alembic).

@@ -35,7 +35,7 @@ class Actor(HostOffload):
         self.model = load_model(path, tp=tp, pp=pp, vocab_multiple=vocab_multiple,
                                 moe_aux_loss_coeff=moe_aux_loss_coeff, moe_z_loss_coeff=moe_z_loss_coeff,
                                 sequence_parallel=sequence_parallel, recompute=recompute)
-        self.adapters = []
+        self.adapters, self.lora = [], lora if lora is not None and lora.rank else None
         if lora is not None and lora.rank:  # actor.lora: the base frozen, the adapters trained
             from megarl.models.lora import LoraSpec, apply_lora
 
@@ -95,5 +95,13 @@ class Actor(HostOffload):
         return float(self.optimizer.param_groups[0]["lr"])
 
     def export(self, out_dir: str, tokenizer_dir: Optional[str] = None) -> None:
-        """Collective: the current weights as an HF checkpoint (rank 0 writes)."""
+        """Collective: the current weights as an HF checkpoint (rank 0 writes); with LoRA the
+        merged weights, and the adapters alone in peft's format under ``<out_dir>/adapter``."""
         export_hf(self.ddp, out_dir, tokenizer_dir=tokenizer_dir)
+        if self.lora is not None:
+            import os
+
+            from megarl.models.peft_export import export_peft_adapter
+
+            export_peft_adapter(self.ddp, os.path.join(out_dir, "adapter"), rank=self.lora.rank,
+                                alpha=self.lora.alpha, dropout=self.lora.dropout, base_model=self.path)

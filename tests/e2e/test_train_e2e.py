@@ -1172,7 +1172,9 @@ def test_lora_actor_trains_adapters_the_engine_serves_merged(assets, tmp_path):
     """actor.lora at TP=2: the engine serves the merged weights (its rollout log-probs pass the
     parity check against the actor, and each iteration's sealed old log-probs equal transformers'
     forward of that iteration's merged export); the reference is the actor with its adapters off
-    (no second model), its log-probs the base checkpoint's; the checkpoint holds the adapters, resumed at
+    (no second model), its log-probs the base checkpoint's; the export's peft adapter, loaded by
+    peft onto the base, gives the merged export's logits and greedy generations; the checkpoint
+    holds the adapters, resumed at
     TP=1 (the gated fc1 adapter resharded) iteration 2 reads exactly the weights exported after
     iteration 1; a rank above a target's size and an unknown target are refused naming the key."""
     run_dir = str(tmp_path / "lora")
@@ -1200,6 +1202,25 @@ def test_lora_actor_trains_adapters_the_engine_serves_merged(assets, tmp_path):
     # only the adapted linears' merged weights move: never an embedding or a norm
     assert moved and all(any(t in n for t in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                               "down_proj")) for n in moved), sorted(moved)
+    # the adapters alone in peft's format, loaded by peft onto the base: the merged export's policy
+    import peft
+    import transformers
+
+    final = os.path.join(run_dir, "export", "iter_3")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
+    base = transformers.AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32)
+    adapted = peft.PeftModel.from_pretrained(base, os.path.join(final, "adapter")).eval()
+    cfg = json.load(open(os.path.join(final, "adapter", "adapter_config.json")))
+    assert cfg["r"] == 4 and cfg["lora_alpha"] == 8 and sorted(cfg["target_modules"]) == [
+        "down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    f = batches(run_dir)[-1].facts
+    prompts = [f.prompt_ids[b][f.attention_mask[b, :f.prompt_len] != 0][None] for b in range(0, f.batch_size, 4)]
+    with torch.no_grad():
+        gap = max(float((merged(p).logits - adapted(p).logits).abs().max()) for p in prompts)
+        same = [torch.equal(merged.generate(p, max_new_tokens=6, do_sample=False),
+                            adapted.generate(p, max_new_tokens=6, do_sample=False)) for p in prompts]
+    assert within(gap, NET_FP32_LOGPROB, "train_e2e/peft_adapter_vs_merged"), gap
+    assert all(same), same
     for extra, key in ((["actor.lora.rank=100000"], "actor.lora.rank"),
                        (["actor.lora.rank=4", "actor.lora.target_modules=[q_proj]"], "actor.lora.target_modules")):
         bad = run_train(assets, str(tmp_path / "bad"), GRPO, extra=extra, expect=2)
