@@ -64,7 +64,9 @@ def save_megatron_checkpoint(model, out_dir: str, tokenizer_dir: Optional[str] =
             copy_tokenizer_files(tokenizer_dir, out_dir)
     if dist.is_initialized():
         dist.barrier()
-    dist_checkpointing.save(chunked_sharded_state_dict(model), dist_dir)
+    adapters_only = _has_frozen_base(model)  # actor.lora: the base is model.path's, never saved again
+    sd = chunked_sharded_state_dict(model)
+    dist_checkpointing.save(_trainable_entries(sd) if adapters_only else sd, dist_dir)
     if rank0:
         meta = {
             "format": FORMAT,
@@ -75,6 +77,8 @@ def save_megatron_checkpoint(model, out_dir: str, tokenizer_dir: Optional[str] =
         }
         if spec.moe is not None:  # the expert layout it was saved at (it loads at any EP / ETP)
             meta.update(saved_ep=opts.ep, saved_etp=opts.resolved_etp)
+        if adapters_only:
+            meta["weights"] = "trainable"
         # Written last: its presence marks a complete checkpoint.
         with open(os.path.join(out_dir, META_NAME), "w") as f:
             json.dump(meta, f, indent=2)
@@ -86,18 +90,43 @@ def load_megatron_checkpoint(model, ckpt_dir: str) -> None:
     """Collective: fill ``model`` (any TP/PP) from a dist checkpoint written at any TP/PP."""
     from megatron.core import dist_checkpointing
 
-    read_meta(ckpt_dir)
+    meta = read_meta(ckpt_dir)
     dist_dir = os.path.join(ckpt_dir, DIST_DIR)
     if not os.path.isdir(dist_dir):
         raise CheckpointError(f"{dist_dir}: missing (megarl checkpoint without its dist/ folder)")
-    state = dist_checkpointing.load(chunked_sharded_state_dict(model), dist_dir)
+    adapters_only = meta.get("weights") == "trainable"
+    if adapters_only and not _has_frozen_base(model):
+        raise CheckpointError(f"{ckpt_dir}: holds only the LoRA adapters of a run (actor.lora); build the base from "
+                              "its model.path with the same actor.lora and resume, or load an export")
+    want = chunked_sharded_state_dict(model)
+    state = dist_checkpointing.load(_trainable_entries(want) if adapters_only else want, dist_dir)
     chunks = chunks_of(model)
     states = [state] if len(chunks) == 1 else [state[f"model{i}"] for i in range(len(chunks))]
     for inner, sd in zip(chunks, states, strict=True):
         missing, unexpected = inner.load_state_dict(sd, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
+        if adapters_only:  # the frozen base stays as model.path built it
+            trainable = {n for n, p in inner.named_parameters() if p.requires_grad}
+            missing = [k for k in missing if k in trainable]
         if missing:
             raise CheckpointError(f"{dist_dir}: checkpoint lacks parameters {missing}")
+
+
+def _has_frozen_base(model) -> bool:
+    """A LoRA actor (megarl/models/lora.py): some parameters train, the others are a frozen base."""
+    flags = {p.requires_grad for c in chunks_of(model) for p in c.parameters()}
+    return flags == {True, False}
+
+
+def _trainable_entries(sd: dict) -> dict:
+    """The entries of a sharded state dict (nested per model chunk) whose tensor trains."""
+    out = {}
+    for k, v in sd.items():
+        if isinstance(v, dict):
+            out[k] = _trainable_entries(v)
+        elif getattr(getattr(v, "data", None), "requires_grad", False):
+            out[k] = v
+    return out
 
 
 def chunked_sharded_state_dict(model) -> dict:

@@ -1174,12 +1174,18 @@ def test_lora_actor_trains_adapters_the_engine_serves_merged(assets, tmp_path):
     forward of that iteration's merged export); the reference is the actor with its adapters off
     (no second model), its log-probs the base checkpoint's; the export's peft adapter, loaded by
     peft onto the base, gives the merged export's logits and greedy generations; the checkpoint
-    holds the adapters, resumed at
+    holds the adapters only (the base is model.path's), resumed at
     TP=1 (the gated fc1 adapter resharded) iteration 2 reads exactly the weights exported after
     iteration 1; a rank above a target's size and an unknown target are refused naming the key."""
     run_dir = str(tmp_path / "lora")
     lora = ["actor.lora.rank=4", "actor.lora.alpha=8", "trainer.checkpoint_every=1", *DENSE]
     run_train(assets, run_dir, GRPO, nproc=2, extra=[*lora, "parallel.tp=2"])
+    ckpt = os.path.join(run_dir, "checkpoints", "iter_000002", "actor")
+    assert json.load(open(os.path.join(ckpt, "megarl_model.json")))["weights"] == "trainable"
+    saved = sum(os.path.getsize(os.path.join(d, n)) for d, _, ns in os.walk(ckpt) for n in ns)
+    base = sum(os.path.getsize(os.path.join(assets["model"], n)) for n in os.listdir(assets["model"])
+               if n.endswith(".safetensors"))
+    assert saved < base / 4, (saved, base)  # the adapters only: the base is model.path's
     run_train(assets, run_dir, GRPO, extra=[*lora, "trainer.iterations=3"])
     worst = worst_ref = 0.0
     for k, b in enumerate(batches(run_dir)):
