@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests._dist import subprocess_env
 from tests._tolerance import NET_FP32_LOGPROB, max_abs_diff, within
 from tests._train_runs import GRPO, batches, hf_response_log_probs, metrics
@@ -15,7 +17,10 @@ from tests._train_runs import GRPO, batches, hf_response_log_probs, metrics
 ITERS = 3
 
 
-def test_grpo_trains_on_what_the_real_engine_sampled_with_the_version_it_was_sent(assets, tmp_path):
+@pytest.mark.parametrize("lora", [[], ["actor.lora.rank=4", "actor.lora.alpha=8"]], ids=["full", "lora"])
+def test_grpo_trains_on_what_the_real_engine_sampled_with_the_version_it_was_sent(assets, tmp_path, lora):
+    """With ``actor.lora`` the engine is sent the merged weights (W + s B A, per TP shard): what it
+    samples is what the merged export gives, every version."""
     run_dir = str(tmp_path / "run")
     cmd = [sys.executable, "-m", "megarl.train", "--config", GRPO, f"model.path={assets['model']}",
            "model.build_tiny=false", f"data.train_path={assets['train']}", f"data.heldout_path={assets['heldout']}",
@@ -24,7 +29,7 @@ def test_grpo_trains_on_what_the_real_engine_sampled_with_the_version_it_was_sen
            "rollout.n=4", "eval.n=8", "eval.every=1", "trainer.save_experience=true", "trainer.export_every=1",
            "rollout.reuse_rollout_log_probs=true", "rollout.log_prob_parity_every=2", "actor.optim.lr=1.0e-2",
            # a dense reward (digits in the response): every group has variance, so every update moves
-           "reward.fn=tests.plugins.faulty_rewards:digit_count"]
+           "reward.fn=tests.plugins.faulty_rewards:digit_count", *lora]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), timeout=900)
     assert proc.returncode == 0, f"--- stdout ---\n{proc.stdout[-5000:]}\n--- stderr ---\n{proc.stderr[-8000:]}"
     assert os.path.isfile(os.path.join(run_dir, "DONE"))
