@@ -501,6 +501,7 @@ class CriticConfig:
     micro_batch_size: int = setting(8, range=COUNT0)
     warmup_iters: int = setting(0, range=COUNT0)  # critic-only updates before the actor starts moving
     offload: bool = False  # on the host while the rollout engine runs (GPU)
+    lora: LoraSettings = field(default_factory=LoraSettings)  # adapters on the trunk; the value head trains whole
 
 
 @dataclass

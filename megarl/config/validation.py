@@ -272,7 +272,12 @@ def _validate_choices(cfg: TrainConfig) -> None:
     _one_of(cfg, "reward.model.step_aggregate")
     _one_of(cfg, "teacher.engine")
     _one_of(cfg, "actor.lora.init")
-    _validate_lora(cfg)
+    _validate_lora(cfg.actor.lora, "actor.lora")
+    if cfg.critic is not None:
+        _one_of(cfg, "critic.lora.init")
+        _validate_lora(cfg.critic.lora, "critic.lora")
+    _need(not cfg.actor.lora.rank or cfg.reference.refresh_every == 0, "reference.refresh_every",
+          "with actor.lora: a refresh would copy the base weights, not the adapted ones")
 
 
 def _validate_trainer(cfg: TrainConfig) -> None:
@@ -447,17 +452,14 @@ def _validate_sizes(cfg: TrainConfig) -> None:
         _need(o.lr > 0, f"{key}.lr", f"must be > 0, got {o.lr}")
 
 
-def _validate_lora(cfg: TrainConfig) -> None:
-    """``actor.lora``: known targets, and what the adapters do not run with yet."""
-    lo = cfg.actor.lora
+def _validate_lora(lo, key: str) -> None:
+    """``actor.lora`` / ``critic.lora``: known, non-empty targets."""
     if not lo.rank:
         return
     targets = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # megarl/models/lora.py TARGETS
     unknown = sorted(set(lo.target_modules) - set(targets))
-    _need(not unknown and bool(lo.target_modules), "actor.lora.target_modules",
+    _need(not unknown and bool(lo.target_modules), f"{key}.target_modules",
           f"{unknown or 'an empty list'}: choose from {list(targets)} (megatron's names of the attention and MLP linears)")
-    _need(cfg.reference.refresh_every == 0, "reference.refresh_every",
-          "with actor.lora: a refresh would copy the base weights, not the adapted ones")
 
 
 def _validate_layout(cfg: TrainConfig, world_size: int) -> int:

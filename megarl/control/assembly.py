@@ -143,7 +143,7 @@ def assemble(cfg: TrainConfig, model_path: str, tokenizer_dir: str) -> Parts:
     if cfg.critic is not None:
         critic = Critic(cfg.critic, actor.model, p.tp, p.pp, total_steps, vocab_multiple=cfg.model.vocab_multiple,
                         sequence_parallel=p.sequence_parallel, overlap_grad_reduce=p.overlap_grad_reduce,
-                        recompute=p.recompute, distributed_optimizer=p.distributed_optimizer)
+                        recompute=p.recompute, distributed_optimizer=p.distributed_optimizer, seed=cfg.trainer.seed)
     injector = FaultInjector(cfg.faults, seed=cfg.faults.seed, rank=dist.get_rank(), world=dist.get_world_size())
     injector = injector if injector.active else None
     reward_fn, runner, reward_models = _rewards(cfg, injector, rank0=dist.get_rank() == 0)

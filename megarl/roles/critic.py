@@ -31,7 +31,7 @@ def value_head_spec(actor_spec):
 class Critic(HostOffload):
     def __init__(self, cfg, actor_model, tp: int, pp: int, total_steps: int, vocab_multiple: int = 128,
                  sequence_parallel: bool = False, overlap_grad_reduce: bool = False, recompute=None,
-                 distributed_optimizer: Optional[bool] = None):
+                 distributed_optimizer: Optional[bool] = None, seed: int = 0):
         if cfg.path is not None:
             self.model = load_model(cfg.path, tp=tp, pp=pp, vocab_multiple=vocab_multiple,
                                     sequence_parallel=sequence_parallel, recompute=recompute)
@@ -49,6 +49,18 @@ class Critic(HostOffload):
             self.model = build_model_chunks(spec, opts) if virtual_stages() > 1 else build_model(spec, opts)
             copy_weights(actor_model, self.model, skip=("output_layer.",))  # the trunk; V = 0 everywhere at the start
             self.init = "actor"
+        lo = getattr(cfg, "lora", None)
+        if lo is not None and lo.rank:  # critic.lora: adapters on the trunk, the value head trained whole
+            from megarl.models.lora import LoraSpec, apply_lora
+            from megarl.models.weights import chunks_of
+
+            apply_lora(self.model, LoraSpec(rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout,
+                                            targets=tuple(lo.target_modules), init=lo.init, seed=seed + 1),
+                       key="critic.lora")
+            for chunk in chunks_of(self.model):
+                for name, p in chunk.named_parameters():
+                    if name.startswith("output_layer."):
+                        p.requires_grad_(True)
         self.ddp, self.optimizer = wrap_for_training(self.model, cfg.optim, overlap_grad_reduce=overlap_grad_reduce,
                                                      use_distributed_optimizer=distributed_optimizer)
         self.scheduler = lr_scheduler(self.optimizer, cfg.optim, total_steps)

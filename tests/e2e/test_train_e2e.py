@@ -1174,7 +1174,8 @@ def test_lora_actor_trains_adapters_the_engine_serves_merged(assets, tmp_path):
     forward of that iteration's merged export); the reference is the actor with its adapters off
     (no second model), its log-probs the base checkpoint's; the export's peft adapter, loaded by
     peft onto the base, gives the merged export's logits and greedy generations; the checkpoint
-    holds the adapters only (the base is model.path's), resumed at
+    holds the adapters only (the base is model.path's; with critic.lora the critic's its adapters
+    and its value head), resumed at
     TP=1 (the gated fc1 adapter resharded) iteration 2 reads exactly the weights exported after
     iteration 1; a rank above a target's size and an unknown target are refused naming the key."""
     run_dir = str(tmp_path / "lora")
@@ -1227,6 +1228,17 @@ def test_lora_actor_trains_adapters_the_engine_serves_merged(assets, tmp_path):
                             adapted.generate(p, max_new_tokens=6, do_sample=False)) for p in prompts]
     assert within(gap, NET_FP32_LOGPROB, "train_e2e/peft_adapter_vs_merged"), gap
     assert all(same), same
+    # PPO with critic.lora: the critic's checkpoint holds its adapters and its value head, nothing else
+    from torch.distributed.checkpoint import FileSystemReader
+
+    ppo_dir = str(tmp_path / "ppo_lora")
+    run_train(assets, ppo_dir, PPO, extra=["actor.lora.rank=4", "critic.lora.rank=4", "trainer.iterations=1",
+                                           "trainer.checkpoint_every=1", *DENSE])
+    for role in ("actor", "critic"):
+        keys = set(FileSystemReader(os.path.join(ppo_dir, "checkpoints", "iter_000001", role, "dist"))
+                   .read_metadata().state_dict_metadata)
+        assert keys and all("_lora." in k or (role == "critic" and k.startswith("output_layer.")) for k in keys), keys
+        assert role == "actor" or any(k.startswith("output_layer.") for k in keys), keys
     for extra, key in ((["actor.lora.rank=100000"], "actor.lora.rank"),
                        (["actor.lora.rank=4", "actor.lora.target_modules=[q_proj]"], "actor.lora.target_modules")):
         bad = run_train(assets, str(tmp_path / "bad"), GRPO, extra=extra, expect=2)
