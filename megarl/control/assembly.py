@@ -181,6 +181,17 @@ def _rewards(cfg: TrainConfig, injector: Optional[FaultInjector], rank0: bool):
     return fn, runner, tuple(reward_models)
 
 
+def _lora_sync_names(cfg: TrainConfig, actor):
+    """A LoRA actor on the in-process hf engine: the tensors its updates change, the only ones sent
+    after the first load (the hf engine keeps the rest, proven against the manifest:
+    KeepsUnsentTensors).  None (every tensor, each time) otherwise."""
+    if not actor.adapters or cfg.rollout.backend != "hf" or cfg.placement.mode != "hybrid":
+        return None
+    from megarl.models.lora import adapted_hf_names
+
+    return adapted_hf_names(actor.ddp)
+
+
 def make_teacher(cfg: TrainConfig, tok):
     """``teacher``: a frozen megatron model at the actor's TP/PP, or (``teacher.engine: hf``) the
     checkpoint served by the hf engine on rank 0."""
@@ -376,7 +387,7 @@ def wire_components(cfg: TrainConfig, parts: Parts, eng: EngineParts, *, sm: Ite
         actor=parts.actor, critic=parts.critic, engine=eng.engine, placement=eng.placement, sm=sm,
         time_slice=time_slice, counters=counters, sync_dtype=eng.sync_dtype, bucket_mb=cfg.rollout.bucket_mb,
         max_retries=cfg.rollout.max_retries, corrupt_at=cfg.faults.corrupt_weight_sync_at, injector=parts.injector,
-        rank0=rank0)
+        rank0=rank0, changed_only=_lora_sync_names(cfg, parts.actor))
     producer_class, variant = GroupRolloutProducer, {}
     if cfg.async_rl.partial_rollouts:  # complete groups train, unfinished ones carry over
         producer_class, variant = PartialRolloutProducer, {"async_rl": cfg.async_rl}

@@ -51,11 +51,15 @@ class WeightPublisher:
 
     def __init__(self, *, actor, critic, engine, placement: Placement, sm: IterationStateMachine,
                  time_slice: EngineTimeSlice, counters: Counter, sync_dtype, bucket_mb: int, max_retries: int,
-                 corrupt_at=(), injector=None, rank0: bool = False):
+                 corrupt_at=(), injector=None, rank0: bool = False, changed_only: Optional[frozenset] = None):
         self.actor, self.critic, self.engine, self.placement, self.sm = actor, critic, engine, placement, sm
         self.time_slice, self.counters, self.sync_dtype = time_slice, counters, sync_dtype
         self.bucket_bytes, self.max_retries = bucket_mb * 1024**2, max_retries
         self.corrupt_at, self.injector, self.rank0 = tuple(corrupt_at or ()), injector, rank0
+        #: a LoRA actor's adapted tensors (HF names): after a first whole load the engine is sent
+        #: only these and keeps the rest, proven against the manifest (None: every tensor, always)
+        self.changed_only = changed_only
+        self._whole_loaded = False
 
     def publish(self, version: PolicyVersion, manifest: TensorManifest, k: Optional[int] = None) -> Dict[str, float]:
         """Load ``version`` (named by ``manifest``) into every engine; ROLLOUT_READY(v) on return.
@@ -71,14 +75,17 @@ class WeightPublisher:
             try:
                 self.time_slice.resume()
                 with phase_context(k, version.short_id) if k is not None else contextlib.nullcontext():
+                    # a retry sends everything: whatever the engine kept is not trusted again
+                    names = self.changed_only if self._whole_loaded and attempt == 0 else None
                     report = sync_actor_to_engine(self.actor.ddp, self.engine, version, manifest,
                                                   bucket_bytes=self.bucket_bytes, dtype=self.sync_dtype,
-                                                  transport=self._transport_fault(k, attempt))
+                                                  transport=self._transport_fault(k, attempt), names=names)
                     with span("weight_sync.activate"):
                         act = self.engine.activate(version) if self.engine is not None else None
             except (RolloutError, ManifestMismatchError) as e:
                 error = f"{type(e).__name__}: {e}"
             if all_ranks_agree(error is None):
+                self._whole_loaded = True
                 break
             errors = "; ".join(f"rank {i}: {e}" for i, e in enumerate(gather_objects(error)) if e is not None)
             self.sm.fail(f"loading {version.short_id} into the rollout engines failed: {errors}")

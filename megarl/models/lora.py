@@ -46,7 +46,7 @@ import torch
 from megarl.errors import ConfigError
 
 __all__ = ["LoraError", "LoraSpec", "TARGETS", "LoraAdapter", "apply_lora", "adapters_of",
-           "adapters_disabled", "trainable_parameters"]
+           "adapters_disabled", "adapted_hf_names", "trainable_parameters"]
 
 #: the megatron linears an adapter can wrap, and how each is split over the TP ranks
 TARGETS = {"linear_qkv": "column", "linear_fc1": "column", "linear_proj": "row", "linear_fc2": "row"}
@@ -271,3 +271,21 @@ def adapters_disabled(model):
                 a.enabled = was
 
     return off()
+
+
+def adapted_hf_names(model) -> frozenset:
+    """Collective: the HF names of every tensor an adapter changes (over all pipeline stages): the
+    merged weights a LoRA actor's update moves; nothing else of the model ever does."""
+    import torch.distributed as dist
+
+    from megarl.models import mapping
+    from megarl.models.weights import unwrap
+
+    mine = sorted({a.name for a in adapters_of(model)})
+    every = [mine]
+    if dist.is_initialized():
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+    names = {n for part in every for n in part}
+    return frozenset(h for r in mapping.rules(unwrap(model).megarl_spec)
+                     if r.megatron_name.removesuffix(".weight") in names for h in r.hf_names)

@@ -175,7 +175,7 @@ def _read_shard(param) -> torch.Tensor:
     return adapter.merged(param.detach())
 
 
-def _merged_rules(model, spec: ModelSpec, merge):
+def _merged_rules(model, spec: ModelSpec, merge, names: Optional[frozenset] = None):
     """Collective over the TP group (the expert TP group for a routed expert):
     ``(rule, owner stage, owner EP rank, merge(rule, TP shards) or None)`` for every rule in
     canonical order; the merge runs on the owner stage only, and for a routed expert only on
@@ -185,6 +185,8 @@ def _merged_rules(model, spec: ModelSpec, merge):
     vpp = _virtual_stages()
     mine = _stage_params(model)
     for rule in mapping.rules(spec):
+        if names is not None and not names.intersection(rule.hf_names):
+            continue  # not asked for (every rank skips it alike: nothing is gathered)
         owner = _owner_stage(rule, spec, pp, vpp)
         ep_owner = mapping.expert_owner(rule, spec, ep)
         if owner != pp_rank or (ep_owner is not None and ep_owner != ep_rank):
@@ -226,7 +228,7 @@ def iter_hf_views(model, spec: Optional[ModelSpec] = None,
 def iter_hf_tensors(model, spec: Optional[ModelSpec] = None, dtype: Optional[torch.dtype] = None,
                     device: Optional[str] = "cpu",
                     out: Optional[Callable[[str, Tuple[int, ...], torch.Tensor], torch.Tensor]] = None,
-                    ) -> Iterator[Tuple[str, torch.Tensor]]:
+                    names: Optional[frozenset] = None) -> Iterator[Tuple[str, torch.Tensor]]:
     """Collective: yield ``(hf_name, full logical tensor)`` on every rank, in canonical order.
 
     All ranks of the model-parallel group must iterate this generator to the end together.
@@ -236,6 +238,7 @@ def iter_hf_tensors(model, spec: Optional[ModelSpec] = None, dtype: Optional[tor
     e.g. on the GPU for a CUDA-IPC consumer) and cast to ``dtype`` when given.  ``out`` is
     passed to :func:`megarl.models.mapping.hf_from_shards`: where the tensors it has to build
     (the de-interleaved Q, K and V) are built, e.g. in their final place in a rollout engine.
+    ``names``: only the parameters with one of these HF names (the same set on every rank).
     """
     from megatron.core import parallel_state as ps
 
@@ -249,7 +252,7 @@ def iter_hf_tensors(model, spec: Optional[ModelSpec] = None, dtype: Optional[tor
     param_dtype = next(first.parameters()).dtype
     dev = next(first.parameters()).device
     for rule, owner, ep_owner, merged in _merged_rules(
-            model, spec, lambda rule, shards: mapping.hf_from_shards(rule, shards, spec, out=out)):
+            model, spec, lambda rule, shards: mapping.hf_from_shards(rule, shards, spec, out=out), names=names):
         for name in rule.hf_names:
             t = merged[name] if merged is not None else None
             if ep_owner is not None and ep > 1 and owner == pp_rank:

@@ -346,11 +346,15 @@ class HFRolloutEngine:
         version: PolicyVersion,
         named_tensor_buckets: Iterable[Sequence[tuple[str, torch.Tensor]]],
         expected_manifest: TensorManifest,
+        keep_unsent: bool = False,
     ) -> LoadReport:
         """Stage ``version`` into the standby model and verify it against ``expected_manifest``.
 
         Raises ManifestMismatchError (naming the tensors) when a tensor is missing, unexpected,
         or differs in shape, dtype or bytes; the active version is untouched either way.
+        ``keep_unsent`` (:class:`~megarl.rollout.protocol.KeepsUnsentTensors`): a tensor the
+        stream does not hold keeps the standby's value, checksummed where it lies and compared
+        like a received one.
         """
         rx = ManifestReceiver(version, expected_manifest)
         with self._lock:
@@ -374,6 +378,9 @@ class HFRolloutEngine:
                 for bucket in rx.buckets(named_tensor_buckets):
                     for name, tensor in bucket:
                         self._stage_tensor(rx, slot, targets, name, tensor)
+                if keep_unsent:
+                    for name in sorted(set(targets) - set(rx.received.entries)):
+                        rx.kept(name, targets[name])
             diff = rx.compare()
             missing_in_model = sorted(set(targets) - set(rx.received.entries))
             if not diff.ok or missing_in_model:

@@ -59,6 +59,12 @@ class ManifestReceiver:
         self.received.add(name, landed)
         self.n_bytes += sent.numel() * sent.element_size()
 
+    def kept(self, name: str, tensor: torch.Tensor) -> None:
+        """Record ``tensor``, the engine's own (not sent: ``keep_unsent``), as it will be served;
+        :meth:`compare` then checks it like a received one."""
+        self.refuse_repeat(name)
+        self.received.add(name, tensor)
+
     def checked(self, name: str, tensor: torch.Tensor) -> None:
         """Check ``tensor`` against the expected manifest at once, before it is handed to an
         engine that loads in place (a bad tensor is never loaded), and record it."""

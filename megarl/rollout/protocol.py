@@ -346,6 +346,20 @@ class TeacherForcingEngine(Protocol):
 
 
 @runtime_checkable
+class KeepsUnsentTensors(Protocol):
+    """A rollout engine that loads a version from some of its tensors: those not sent are kept
+    from the version it holds and proven, where they lie, against the expected manifest (a LoRA
+    actor changes only its adapted linears: ``weight_sync.sync_actor_to_engine(names=...)``)."""
+
+    def load_weights(self, version: PolicyVersion, named_tensor_buckets: Iterable[Sequence[tuple[str, torch.Tensor]]],
+                     expected_manifest: TensorManifest, keep_unsent: bool = False) -> LoadReport:
+        """As :meth:`RolloutEngine.load_weights`; ``keep_unsent``: a tensor the stream does not
+        hold is the engine's own, checksummed in place and compared like a received one (a kept
+        tensor that is not the expected one fails the load, naming it)."""
+        ...
+
+
+@runtime_checkable
 class SubmittingEngine(RolloutEngine, Protocol):
     """A rollout engine that also generates while its caller does other work (split placement's
     :class:`~megarl.rollout.remote.RemoteEngine`): the asynchronous producer submits a batch ahead
@@ -393,8 +407,9 @@ class EngineWrapper:
     def staging_target(self, name: str) -> torch.Tensor | None:
         return self.inner.staging_target(name)
 
-    def load_weights(self, version: PolicyVersion, named_tensor_buckets, expected_manifest: TensorManifest) -> LoadReport:
-        return self.inner.load_weights(version, named_tensor_buckets, expected_manifest)
+    def load_weights(self, version: PolicyVersion, named_tensor_buckets, expected_manifest: TensorManifest,
+                     **kwargs) -> LoadReport:  # keep_unsent reaches an inner engine that has it
+        return self.inner.load_weights(version, named_tensor_buckets, expected_manifest, **kwargs)
 
     def activate(self, version: PolicyVersion) -> ActivationReport:
         return self.inner.activate(version)

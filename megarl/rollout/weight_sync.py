@@ -127,8 +127,13 @@ def sync_actor_to_engine(
     bucket_bytes: int = 512 * 1024**2,
     dtype: Optional[torch.dtype] = None,
     transport: Optional[Callable[[Bucket], Bucket]] = None,
+    names: Optional[frozenset] = None,
 ) -> Optional[LoadReport]:
     """Collective: stream the actor's tensors into ``engine`` (``None`` on ranks without one).
+
+    ``names`` (the same on every rank): stream only these tensors; the engine keeps the others
+    and proves them against ``expected_manifest`` where they lie (:class:`KeepsUnsentTensors`).
+    A LoRA actor sends its adapted linears' merged weights only, after a first whole load.
 
     ``transport`` maps each bucket on its way (identity by default).  It is where a real
     transport serialises/ships a bucket, and where fault-injection tests corrupt one; with a
@@ -147,7 +152,7 @@ def sync_actor_to_engine(
     out = _BuildInEngine(engine) if engine is not None and transport is None else None
     # ranks without an engine only drain the stream (onto the CPU)
     stream = iter_hf_tensors(actor_model, dtype=dtype, device=str(engine.device) if engine is not None else "cpu",
-                             out=out)
+                             out=out, names=names)
     if engine is None:
         _drained(stream)
         return None
@@ -157,6 +162,8 @@ def sync_actor_to_engine(
         buckets = (transport(b) for b in buckets)
     try:
         with span("weight_sync.load"):
+            if names is not None:
+                return engine.load_weights(version, buckets, expected_manifest, keep_unsent=True)
             return engine.load_weights(version, buckets, expected_manifest)
     finally:
         _drained(stream)

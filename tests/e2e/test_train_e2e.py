@@ -1169,9 +1169,9 @@ def test_sft_term_on_demonstrations_with_its_own_cursor(assets, tmp_path):
 
 
 def test_lora_actor_trains_adapters_the_engine_serves_merged(assets, tmp_path):
-    """actor.lora at TP=2: the engine serves the merged weights (its rollout log-probs pass the
-    parity check against the actor, and each iteration's sealed old log-probs equal transformers'
-    forward of that iteration's merged export); the reference is the actor with its adapters off
+    """actor.lora at TP=2: the engine serves the merged weights (each iteration's sampled and old
+    log-probs equal transformers' forward of that iteration's merged export) though after its first
+    load it is sent the adapted linears only; the reference is the actor with its adapters off
     (no second model), its log-probs the base checkpoint's; the export's peft adapter, loaded by
     peft onto the base, gives the merged export's logits and greedy generations; the checkpoint
     holds the adapters only (the base is model.path's; with critic.lora the critic's its adapters
@@ -1194,12 +1194,24 @@ def test_lora_actor_trains_adapters_the_engine_serves_merged(assets, tmp_path):
         _, (want, _) = hf_response_log_probs(os.path.join(run_dir, "export", f"iter_{k}"), f)
         keep = f.response_mask != 0
         worst = max(worst, float((f.old_log_probs.values - want).abs()[keep].max()))
+        # what the engine sampled with: the merged export's log-probs, though after the first
+        # load it was sent the adapted linears only (it kept the rest, proven by the manifest)
+        worst = max(worst, float((f.rollout_log_probs.values - want).abs()[keep].max()))
         # the reference is the actor with its adapters off: the base, whatever the adapters learned
         _, (base, _) = hf_response_log_probs(assets["model"], f)
         worst_ref = max(worst_ref, float((f.ref_log_probs.values - base).abs()[keep].max()))
         assert f.ref_log_probs.producer.version.startswith("ref-0-")
     assert k == 2
     assert within(worst, NET_FP32_LOGPROB, "train_e2e/lora_merged_export"), worst
+    sent = [m["rollout/weight_sync_bytes"] for m in metrics(run_dir) if "rollout/weight_sync_bytes" in m]
+    # each process's first load is whole (iteration 0; iteration 2, resumed); after it only the
+    # adapted linears' merged weights travel (never the embeddings, the output layer or the norms)
+    from safetensors.torch import load_file
+
+    w = load_file(os.path.join(run_dir, "export", "iter_0", "model.safetensors"))
+    whole = sum(t.numel() * 4 for t in w.values())
+    adapted = sum(t.numel() * 4 for n, t in w.items() if n.endswith("_proj.weight"))
+    assert sent == [whole, adapted, whole] and adapted < whole, (sent, whole, adapted)
     assert within(worst_ref, NET_FP32_LOGPROB, "train_e2e/lora_reference_is_the_base"), worst_ref
     from safetensors.torch import load_file
 

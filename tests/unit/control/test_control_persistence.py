@@ -100,6 +100,9 @@ class FakeReference:
     def _on_device(self):
         return contextlib.nullcontext()
 
+    def origin_id(self, identify):
+        return identify(self.model)
+
 
 class FakeRewardModel:
     def __init__(self, w=0.0, tok="rm-tok", template="{{ rm }}"):

@@ -53,6 +53,11 @@ class FakeLogProbRole:
         assert prompt_ids.shape[0] == self.truth.shape[0] and mbs == 0 and pack is False and micro_batch_tokens == 0
         return self.truth + self.shift * self.mask
 
+    def batch_log_probs(self, prompt_ids, response_ids, attention_mask, mbs, pack=False, micro_batch_tokens=0):
+        """A frozen role's whole-batch forward (one process: the batch is this rank's rows)."""
+        return self.log_probs(prompt_ids, response_ids, attention_mask, mbs, pack=pack,
+                              micro_batch_tokens=micro_batch_tokens)
+
     def onload(self):
         self.calls["onload"] += 1
 

@@ -55,14 +55,14 @@ class VerifyingEngine:
         self.refuse, self.report_flush = refuse, report_flush
         self.active = self.staged = None
         self.loads, self.events, self.flushes = 0, [], 0
-        self.received = []
+        self.received, self.held = [], {}
 
     def staging_target(self, name):
         return None
 
-    def load_weights(self, version, buckets, expected):
+    def load_weights(self, version, buckets, expected, keep_unsent=False):
         self.loads += 1
-        self.events.append("load")
+        self.events.append("load" if not keep_unsent else "load_some")
         if expected.global_hash != version.weight_manifest_hash:
             raise ManifestMismatchError(f"expected manifest is not {version.short_id}'s")
         got, n_bytes, n_buckets = TensorManifest(), 0, 0
@@ -70,8 +70,13 @@ class VerifyingEngine:
             n_buckets += 1
             for name, t in bucket:
                 got.add(name, t.clone())
+                self.held[name] = t.clone()
                 n_bytes += t.numel() * t.element_size()
         self.received.append(got)
+        if keep_unsent:  # what it holds already, proven as it lies (the hf backend's KeepsUnsentTensors)
+            got = TensorManifest()
+            for name, t in self.held.items():
+                got.add(name, t)
         if self.refuse:
             self.refuse -= 1
             raise RolloutError("scheduler busy")
@@ -97,9 +102,10 @@ class VerifyingEngine:
 
 @pytest.fixture(autouse=True)
 def fake_stream(monkeypatch):
-    def iter_hf_tensors(model, dtype=None, device="cpu", out=None):
+    def iter_hf_tensors(model, dtype=None, device="cpu", out=None, names=None):
         for name, t in model.tensors:
-            yield name, (t if dtype is None else t.to(dtype)).to(device)
+            if names is None or name in names:
+                yield name, (t if dtype is None else t.to(dtype)).to(device)
 
     monkeypatch.setattr(weight_sync, "iter_hf_tensors", iter_hf_tensors)
 
@@ -237,3 +243,28 @@ def test_engine_time_slice_releases_and_resumes_only_when_enabled():
     none.release()
     none.resume()
     assert not none.enabled and not none.asleep
+
+
+def test_a_lora_actor_sends_its_adapted_tensors_after_a_whole_first_load():
+    """changed_only (a LoRA actor's adapted linears): the first load is whole; later ones send
+    only those, the engine keeping the rest proven against the manifest; a version that changed a
+    tensor outside them fails that check and is retried whole."""
+    engine = VerifyingEngine()
+    pub, sm, v0, m0, model = publisher(engine)
+    adapted = "model.layers.0.mlp.up_proj.weight"
+    pub.changed_only = frozenset({adapted})
+    pub.publish(v0, m0, k=0)
+    model.tensors[1] = (adapted, model.tensors[1][1] + 1.0)
+    v1, m1 = committed(model, step=1)
+    pub.sm = IterationStateMachine(v1)  # the next iteration's, committed v1
+    out = pub.publish(v1, m1, k=1)
+    assert list(engine.received[-1].entries) == [adapted] and engine.active == v1
+    assert out["rollout/weight_sync_bytes"] == 12 * 8 * 4 and engine.events[-1] == "load_some"
+    model.tensors[2] = ("model.norm.weight", model.tensors[2][1] * 2.0)  # outside the adapted set
+    v2, m2 = committed(model, step=2)
+    pub.sm = sm = IterationStateMachine(v2)
+    pub.publish(v2, m2, k=2)
+    assert engine.events[-2:] == ["load_some", "load"] and engine.active == v2
+    assert pub.counters["weight_load_failures"] == 1
+    (fail,) = [s for s in sm.history if s.phase is Phase.FAILED]
+    assert "model.norm.weight" in fail.reason

@@ -376,3 +376,46 @@ def test_counter_uniforms_are_splitmix64_per_row_and_step():
         assert counter_uniforms(torch.tensor(seeds[2:3]), step).tolist() == got[2:3]  # alone = in a batch
     u = counter_uniforms(torch.arange(100_000), 3)
     assert ((u >= 0) & (u < 1)).all() and abs(float(u.mean()) - 0.5) < 0.005 and abs(float(u.std()) - 12**-0.5) < 0.005
+
+
+def test_a_load_of_some_tensors_keeps_the_rest_proven_in_place(tmp_path):
+    """keep_unsent (a LoRA actor's sync): only the changed tensors are sent; the engine keeps the
+    others, checksums them where they lie and activates a version equal to a whole load's.  Not
+    sending a tensor that did change fails the load, naming it, and the engine stays where it was;
+    a whole load afterwards recovers."""
+    actor = make_actor()
+    engine = HFRolloutEngine(actor.export_config(tmp_path))
+    v0, _ = sync(engine, actor, 0)
+    changed = "model.layers.0.self_attn.q_proj.weight"
+    with torch.no_grad():
+        dict(actor.model.named_parameters())[changed].add_(0.5)
+    v1, m1 = actor.commit(1)
+    sent = [(n, t) for n, t in actor.named_tensors() if n == changed]
+    report = engine.load_weights(v1, [sent], m1, keep_unsent=True)
+    assert report.num_tensors == len(m1.entries) and report.num_bytes == sent[0][1].numel() * 4
+    engine.activate(v1)
+    out_v1 = greedy(engine)
+    whole = HFRolloutEngine(actor.export_config(tmp_path / "whole"))
+    sync(whole, actor, 1)
+    assert greedy(whole) == out_v1 and out_v1 != greedy_of(actor, v0, tmp_path)
+    # the next version changes two tensors; sending one of them is caught by name
+    other = "model.layers.1.mlp.down_proj.weight"
+    with torch.no_grad():
+        dict(actor.model.named_parameters())[changed].add_(0.5)
+        dict(actor.model.named_parameters())[other].add_(0.5)
+    v2, m2 = actor.commit(2)
+    with pytest.raises(ManifestMismatchError, match=other.replace(".", r"\.") + ": checksum"):
+        engine.load_weights(v2, [[(n, t) for n, t in actor.named_tensors() if n == changed]], m2, keep_unsent=True)
+    assert engine.active_version == v1 and greedy(engine) == out_v1
+    engine.load_weights(v2, iter_buckets(actor.named_tensors(), BUCKET), m2)
+    engine.activate(v2)
+    assert engine.active_version == v2
+
+
+def greedy_of(actor, version, tmp_path):
+    """The greedy outputs of a fresh engine on ``version``'s weights as the actor holds them now
+    (the test uses it on v0 only before moving on: a fresh actor at seed 0)."""
+    fresh_actor = make_actor()
+    fresh = HFRolloutEngine(fresh_actor.export_config(tmp_path / "v0"))
+    sync(fresh, fresh_actor, 0)
+    return greedy(fresh)
