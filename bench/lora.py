@@ -12,10 +12,10 @@ on 4 rows of 256 tokens in micro-batches of 2.  Reported per setting:
   (fp32); ``optimizer_bytes``: the optimizer's state tensors (AdamW's two moments; fp32 weights
   need no main copy);
 * ``update_s``: the median measured step (forward, backward, optimizer);
-* ``changed_bytes``: the bytes of the HF tensors whose content one step changed -- what a weight
-  sync that sends only what changed would send after the first (the weight stream is read before
-  and after a step and compared tensor by tensor); ``stream_bytes``: what megarl's weight stream
-  sends today (every tensor, each iteration).
+* ``changed_bytes``: the bytes of the HF tensors whose content one step changed (the weight
+  stream read before and after a step, compared tensor by tensor) -- what a LoRA actor sends the
+  hf engine after its first load (the adapted linears' merged weights);
+  ``stream_bytes``: every tensor, what a whole load sends.
 """
 
 from __future__ import annotations

@@ -284,6 +284,9 @@ class Actor:
     def log_probs(self, prompt_ids, response_ids, attention_mask, mbs, pack=False, routing=None, micro_batch_tokens=0):
         return self.values.clone()
 
+    def batch_log_probs(self, prompt_ids, response_ids, attention_mask, mbs, pack=False, micro_batch_tokens=0):
+        return self.values.clone()  # the reference's whole-batch forward (one process)
+
     def onload(self):
         pass
 
