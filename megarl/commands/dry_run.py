@@ -94,6 +94,17 @@ def lora_params(spec, lora, tp: int, pp: int) -> tuple:
             max(sum(s for _, s in per_layer[k * per_stage:(k + 1) * per_stage]) for k in range(pp)))
 
 
+def lora_adapted_weights(spec, lora) -> int:
+    """The parameters of the linears ``actor.lora`` adapts (their merged weights are what the
+    weight sync sends after the first load)."""
+    h = spec.hidden_size
+    q, kv, f = spec.num_attention_heads * spec.head_dim, spec.num_query_groups * spec.head_dim, spec.ffn_hidden_size
+    sizes = {"linear_qkv": h * (q + 2 * kv), "linear_proj": q * h, "linear_fc1": 2 * h * f, "linear_fc2": f * h}
+    moe = getattr(spec, "moe", None)
+    return sum(sizes[name] for i in range(spec.num_layers) for name in lora.target_modules
+               if name in sizes and (moe is None or not moe.moe_layers[i] or name in ("linear_qkv", "linear_proj")))
+
+
 def role_memory(n: ParamCount, *, trains: bool, optimizer: str, dp: int,
                 expert_dp: Optional[int] = None) -> Dict[str, float]:
     """GiB per GPU on CUDA: weights in the checkpoint's dtype; for a trained role fp32 gradients
@@ -190,6 +201,11 @@ def _memory_lines(cfg, spec, dp: int) -> List[str]:
                      f"shard; gradients + optimizer {_gib(mem['grads'] + mem['optimizer'])} per GPU against "
                      f"{_gib(full['grads'] + full['optimizer'])} fully fine-tuned")
         show("actor", mem, " (on the host while the rollout generates: actor.offload)" if cfg.actor.offload else "")
+        whole, adapted = actor.total * actor.dtype_bytes, lora_adapted_weights(spec, lo) * actor.dtype_bytes
+        after = (f"then {_gib(adapted / GiB)} (the adapted linears, merged; the engine keeps the rest)"
+                 if cfg.rollout.backend == "hf" and cfg.placement.mode == "hybrid"
+                 else f"then {_gib(whole / GiB)} again (rollout.backend={cfg.rollout.backend}: every tensor each time)")
+        lines.append(f"  weight sync  {_gib(whole / GiB)} per engine the first time, {after}")
     else:
         show("actor", role_memory(actor, trains=True, optimizer=cfg.actor.optim.optimizer, dp=dp, expert_dp=expert_dp),
              " (on the host while the rollout generates: actor.offload)" if cfg.actor.offload else "")

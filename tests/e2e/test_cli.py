@@ -394,6 +394,13 @@ def test_lora_adapter_count_by_hand():
     assert lora_params(spec, lora, 2, 2) == (28 * per_layer, 14 * half)
     attn_only = SimpleNamespace(rank=16, target_modules=["linear_qkv", "linear_proj"])
     assert lora_params(spec, attn_only, 1, 1)[0] == 28 * 16 * ((3584 + 4608) + (3584 + 3584))
+    # what the weight sync sends after the first load: the adapted linears' merged weights, i.e. the
+    # whole model but its embeddings (2 x 152064 x 3584, untied) and norms
+    from megarl.commands.dry_run import count_params, lora_adapted_weights
+
+    adapted = lora_adapted_weights(spec, lora)
+    assert adapted == 28 * (3584 * 4608 + 3584 * 3584 + 3 * 3584 * 18944)
+    assert count_params(spec, 128, 1, 1).total - adapted == 2 * 152064 * 3584 + 3584 * (2 * 28 + 1) + 28 * 4608
 
 
 def test_activation_estimate_by_recompute_sequence_parallelism_and_chunking():
