@@ -290,6 +290,14 @@ _NOT_ENTRY_POINTS = {
     "megatron.core.pipeline_parallel.get_forward_backward_func": "returns a schedule, an entry point",
     "megatron.core.tensor_parallel": "cpu_compat: random.* are entry points",
     "megatron.core.tensor_parallel.layers": "isinstance checks and parameter attributes",
+    "megatron.core.tensor_parallel.layers.set_tensor_model_parallel_attributes": "parameter attributes (the LoRA "
+                                                                                 "adapters' TP split)",
+    "megatron.core.tensor_parallel.mappings": "the LoRA adapters' TP / SP region functions, called inside the "
+                                              "model's forward (an entry point); no device literal",
+    "megatron.core.transformer.mlp.apply_swiglu_sharded_factory": "a gated fc1 adapter's checkpoint sharding "
+                                                                  "(applied by dist_checkpointing, an entry point)",
+    "megatron.core.transformer.utils.make_sharded_tensors_for_checkpoint": "sharded-tensor descriptors of the LoRA "
+                                                                           "adapters (checkpoint metadata)",
     "megatron.core.tensor_parallel.random": "patched by cpu_compat (activation recomputation)",
     "megatron.core.tensor_parallel.gather_from_sequence_parallel_region": "called by the value head inside the "
                                                                           "model's forward (an entry point)",
