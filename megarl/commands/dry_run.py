@@ -69,14 +69,19 @@ def count_params(spec, vocab_multiple: int, tp: int, pp: int, value_head: bool =
     return ParamCount(total, per_shard, _DTYPE_BYTES.get(name, 2), b // (ep * etp))
 
 
+def _lora_targets(spec) -> dict:
+    """Each linear ``actor.lora`` can adapt: ``(fan_in, fan_out, TP split)``."""
+    h = spec.hidden_size
+    q, kv, f = spec.num_attention_heads * spec.head_dim, spec.num_query_groups * spec.head_dim, spec.ffn_hidden_size
+    return {"linear_qkv": (h, q + 2 * kv, "column"), "linear_proj": (q, h, "row"),
+            "linear_fc1": (h, 2 * f, "column"), "linear_fc2": (f, h, "row")}
+
+
 def lora_params(spec, lora, tp: int, pp: int) -> tuple:
     """``actor.lora``'s adapter parameters: ``(total, on the heaviest tp x pp shard)``.  Per
     adapted linear r x (in + out); the column-parallel ones (qkv, fc1) split B over tp, the
     row-parallel ones (proj, fc2) split A; a mixture-of-experts layer adapts its attention only."""
-    h, r = spec.hidden_size, lora.rank
-    q, kv, f = spec.num_attention_heads * spec.head_dim, spec.num_query_groups * spec.head_dim, spec.ffn_hidden_size
-    sizes = {"linear_qkv": (h, q + 2 * kv, "column"), "linear_proj": (q, h, "row"),
-             "linear_fc1": (h, 2 * f, "column"), "linear_fc2": (f, h, "row")}
+    r, sizes = lora.rank, _lora_targets(spec)
     moe = getattr(spec, "moe", None)
     per_layer = []
     for i in range(spec.num_layers):
@@ -97,9 +102,7 @@ def lora_params(spec, lora, tp: int, pp: int) -> tuple:
 def lora_adapted_weights(spec, lora) -> int:
     """The parameters of the linears ``actor.lora`` adapts (their merged weights are what the
     weight sync sends after the first load)."""
-    h = spec.hidden_size
-    q, kv, f = spec.num_attention_heads * spec.head_dim, spec.num_query_groups * spec.head_dim, spec.ffn_hidden_size
-    sizes = {"linear_qkv": h * (q + 2 * kv), "linear_proj": q * h, "linear_fc1": 2 * h * f, "linear_fc2": f * h}
+    sizes = {name: fan_in * fan_out for name, (fan_in, fan_out, _) in _lora_targets(spec).items()}
     moe = getattr(spec, "moe", None)
     return sum(sizes[name] for i in range(spec.num_layers) for name in lora.target_modules
                if name in sizes and (moe is None or not moe.moe_layers[i] or name in ("linear_qkv", "linear_proj")))

@@ -14,10 +14,10 @@ import contextlib
 import torch
 
 from megarl.models.lora import adapters_disabled
-from megarl.runtime.data_parallel import map_rows
+from megarl.roles.frozen import WholeBatchLogProbs
 
 
-class AdapterOffReference:
+class AdapterOffReference(WholeBatchLogProbs):
     refreshes = 0
     offloader = None  # nothing of its own to offload: the weights are the actor's
 
@@ -40,11 +40,6 @@ class AdapterOffReference:
         with adapters_disabled(self.actor.ddp):
             return self.actor.log_probs(prompt_ids, response_ids, attention_mask, micro_batch_size, pack=pack,
                                         micro_batch_tokens=micro_batch_tokens)
-
-    def batch_log_probs(self, prompt_ids: torch.Tensor, response_ids: torch.Tensor, attention_mask: torch.Tensor,
-                        micro_batch_size: int, pack: bool = False, micro_batch_tokens: int = 0) -> torch.Tensor:
-        return map_rows(lambda *t: self.log_probs(*t, micro_batch_size, pack=pack, micro_batch_tokens=micro_batch_tokens),
-                        prompt_ids, response_ids, attention_mask).cpu()
 
     def origin_id(self, identify) -> str:
         """The base's identity (collective): what a frozen copy of the starting actor would have."""

@@ -16,7 +16,19 @@ from megarl.roles.common import freeze
 from megarl.runtime.data_parallel import map_rows
 
 
-class FrozenRole:
+class WholeBatchLogProbs:
+    """``batch_log_probs`` over a role's own ``log_probs``: what preparation calls of a frozen role
+    (the reference, the teacher, the LoRA actor's adapters-off reference)."""
+
+    def batch_log_probs(self, prompt_ids: torch.Tensor, response_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        micro_batch_size: int, pack: bool = False, micro_batch_tokens: int = 0) -> torch.Tensor:
+        """``(B, R)`` over the whole batch: each DP rank forwards its rows, gathered (collective
+        over the world)."""
+        return map_rows(lambda *t: self.log_probs(*t, micro_batch_size, pack=pack, micro_batch_tokens=micro_batch_tokens),
+                        prompt_ids, response_ids, attention_mask).cpu()
+
+
+class FrozenRole(WholeBatchLogProbs):
     def __init__(self, path: str, tp: int, pp: int, version: str, vocab_multiple: int = 128,
                  offload: bool = False, sequence_parallel: bool = False, log_prob_chunk: int = 0):
         self.log_prob_chunk = log_prob_chunk  # algo.log_prob_chunk
@@ -47,13 +59,6 @@ class FrozenRole:
             return response_log_probs(self.model, prompt_ids, response_ids, attention_mask, micro_batch_size,
                                       pack=pack, micro_batch_tokens=micro_batch_tokens,
                                       log_prob_chunk=self.log_prob_chunk)
-
-    def batch_log_probs(self, prompt_ids: torch.Tensor, response_ids: torch.Tensor, attention_mask: torch.Tensor,
-                        micro_batch_size: int, pack: bool = False, micro_batch_tokens: int = 0) -> torch.Tensor:
-        """``(B, R)`` over the whole batch: each DP rank forwards its rows, gathered (collective
-        over the world)."""
-        return map_rows(lambda *t: self.log_probs(*t, micro_batch_size, pack=pack, micro_batch_tokens=micro_batch_tokens),
-                        prompt_ids, response_ids, attention_mask).cpu()
 
     def origin_id(self, identify) -> str:
         """What a resume must find again (collective): ``identify`` of its weights."""
