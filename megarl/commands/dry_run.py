@@ -77,35 +77,49 @@ def _lora_targets(spec) -> dict:
             "linear_fc1": (h, 2 * f, "column"), "linear_fc2": (f, h, "row")}
 
 
-def lora_params(spec, lora, tp: int, pp: int) -> tuple:
-    """``actor.lora``'s adapter parameters: ``(total, on the heaviest tp x pp shard)``.  Per
-    adapted linear r x (in + out); the column-parallel ones (qkv, fc1) split B over tp, the
-    row-parallel ones (proj, fc2) split A; a mixture-of-experts layer adapts its attention only."""
-    r, sizes = lora.rank, _lora_targets(spec)
+def _lora_linears(spec, lora, i: int):
+    """Each linear ``actor.lora`` adapts in layer ``i``: ``(fan_in, fan_out, TP split, routed)``.  A
+    mixture-of-experts layer's fc1 / fc2 are each routed expert's (``routed``: split over the
+    expert TP group, each on one EP rank) and the shared expert's (an ordinary TP linear)."""
+    sizes, h = _lora_targets(spec), spec.hidden_size
     moe = getattr(spec, "moe", None)
+    for name in lora.target_modules:
+        if name not in sizes:
+            continue
+        fan_in, fan_out, style = sizes[name]
+        if moe is None or not moe.moe_layers[i] or name in ("linear_qkv", "linear_proj"):
+            yield fan_in, fan_out, style, False
+            continue
+        ffns = [(moe.ffn_hidden_size, True)] * moe.num_experts
+        ffns += [(moe.shared_expert_ffn_hidden_size, False)] if moe.shared_expert_ffn_hidden_size else []
+        for f, routed in ffns:
+            yield (h, 2 * f, style, routed) if name == "linear_fc1" else (f, h, style, routed)
+
+
+def lora_params(spec, lora, tp: int, pp: int, ep: int = 1, etp: Optional[int] = None) -> tuple:
+    """``actor.lora``'s adapter parameters: ``(total, on the heaviest tp x pp (x ep) shard)``.  Per
+    adapted linear r x (in + out); the column-parallel ones (qkv, fc1) split B over tp, the
+    row-parallel ones (proj, fc2) split A; a routed expert's split over the expert TP group
+    (``etp``, None: tp), its experts over ``ep``."""
+    r, etp = lora.rank, tp if etp is None else etp
     per_layer = []
     for i in range(spec.num_layers):
-        dense = moe is None or not moe.moe_layers[i]
-        total = shard = 0
-        for name in lora.target_modules:
-            if name not in sizes or (not dense and name in ("linear_fc1", "linear_fc2")):
-                continue
-            fan_in, fan_out, style = sizes[name]
+        total = shard = 0.0
+        for fan_in, fan_out, style, routed in _lora_linears(spec, lora, i):
+            n, share = (etp, 1 / ep) if routed else (tp, 1)
             total += r * (fan_in + fan_out)
-            shard += r * fan_in + r * fan_out // tp if style == "column" else r * fan_in // tp + r * fan_out
-        per_layer.append((total, shard))
+            shard += share * (r * fan_in + r * fan_out // n if style == "column" else r * fan_in // n + r * fan_out)
+        per_layer.append((int(total), shard))
     per_stage = spec.num_layers // pp
     return (sum(t for t, _ in per_layer),
-            max(sum(s for _, s in per_layer[k * per_stage:(k + 1) * per_stage]) for k in range(pp)))
+            int(max(sum(s for _, s in per_layer[k * per_stage:(k + 1) * per_stage]) for k in range(pp))))
 
 
 def lora_adapted_weights(spec, lora) -> int:
     """The parameters of the linears ``actor.lora`` adapts (their merged weights are what the
     weight sync sends after the first load)."""
-    sizes = {name: fan_in * fan_out for name, (fan_in, fan_out, _) in _lora_targets(spec).items()}
-    moe = getattr(spec, "moe", None)
-    return sum(sizes[name] for i in range(spec.num_layers) for name in lora.target_modules
-               if name in sizes and (moe is None or not moe.moe_layers[i] or name in ("linear_qkv", "linear_proj")))
+    return sum(fan_in * fan_out for i in range(spec.num_layers)
+               for fan_in, fan_out, _, _ in _lora_linears(spec, lora, i))
 
 
 def role_memory(n: ParamCount, *, trains: bool, optimizer: str, dp: int,
@@ -192,7 +206,7 @@ def _memory_lines(cfg, spec, dp: int) -> List[str]:
     expert_dp = dp * p.tp // (p.ep * (p.tp if p.etp is None else p.etp))  # world / (ep x etp x pp)
     lo = cfg.actor.lora
     if lo.rank:  # the base frozen: gradients and optimizer state for the adapters only
-        total, shard = lora_params(spec, lo, p.tp, p.pp)
+        total, shard = lora_params(spec, lo, p.tp, p.pp, ep=p.ep, etp=p.etp)
         adapters = ParamCount(total, shard, actor.dtype_bytes)
         mem = role_memory(adapters, trains=True, optimizer=cfg.actor.optim.optimizer, dp=dp)
         mem = {"weights": actor.per_shard * actor.dtype_bytes / GiB + mem["weights"],

@@ -25,6 +25,18 @@ as the base layers do; the whole tensor that then saw only this rank's positions
 ``A``, the row ``B``) is marked ``sequence_parallel`` so that megatron's ``finalize_model_grads``
 sums its gradient over the TP ranks.
 
+Mixture-of-experts layers: a routed expert's linears (``mlp.experts.local_experts.{e}.*``) run
+with megatron's explicit expert communication -- the token dispatcher gathers the tokens over the
+*expert* tensor-parallel group before them and sums their partial outputs after -- so the
+adapter adds no communication to its forward: the column ``A x`` is whole on every rank, the row
+``A_k x_k`` a partial sum the dispatcher completes with the base's.  Only the whole tensor's
+gradient (column ``A``, row ``B``) is a partial sum per rank; it passes through megatron's
+``copy_to_tensor_model_parallel_region`` over the expert TP group (identity forward, all-reduce
+backward).  The expert adapters carry the base's ``allreduce = False`` at EP > 1, so megatron's
+DDP reduces them over the expert data-parallel group as it does the experts; each is seeded by
+its *global* expert index, so every EP layout starts from the same adapters.  The shared expert
+is an ordinary TP linear and takes the dense path.
+
 The adapters are modules of their own beside the linear they adapt (``linear_qkv_lora`` next to
 ``linear_qkv``), added to the linear's output by a forward hook: the base's parameter names, its
 checkpoint entries and its HF mapping stay as they are.  Each adapter's initial values are drawn
@@ -95,11 +107,14 @@ class LoraAdapter(torch.nn.Module):
     ``gated``: a gated MLP's ``linear_fc1`` (its rows are [gate; up] per rank, as the base's)."""
 
     def __init__(self, spec: LoraSpec, name: str, style: str, full_in: int, full_out: int, tp_rank: int, tp: int,
-                 dtype: torch.dtype, device, gated: bool = False, sequence_parallel: bool = False):
+                 dtype: torch.dtype, device, gated: bool = False, sequence_parallel: bool = False,
+                 expert_group=None, allreduce: bool = True):
         super().__init__()
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         self.style, self.scale, self.gated, self.name = style, spec.scale, gated, name
+        #: a routed expert's linear: the expert TP group the dispatcher communicates over (None: dense)
+        self.expert_group = expert_group
         self.dropout = torch.nn.Dropout(spec.dropout) if spec.dropout > 0 else torch.nn.Identity()
         a = _initial_a(spec, name, full_in)
         if style == "row":
@@ -114,7 +129,9 @@ class LoraAdapter(torch.nn.Module):
             set_tensor_model_parallel_attributes(self.A, True, 1, 1)
         else:
             set_tensor_model_parallel_attributes(self.B, True, 0, 1)
-        self.sequence_parallel = sequence_parallel and tp > 1
+        for t in (self.A, self.B):  # False for an expert's at EP > 1: DDP reduces it over the expert DP group
+            t.allreduce = allreduce
+        self.sequence_parallel = sequence_parallel and tp > 1 and expert_group is None
         if self.sequence_parallel:
             # the whole tensor on every rank, its gradient from this rank's part of the sequence:
             # finalize_model_grads sums it over the TP ranks (as for the norms under SP)
@@ -126,6 +143,13 @@ class LoraAdapter(torch.nn.Module):
         column linear's input and a row linear's output are this rank's part of the sequence)."""
         from megatron.core.tensor_parallel import mappings
 
+        if self.expert_group is not None:  # the dispatcher gathers the input and sums the outputs
+            a, b = self.A, self.B
+            if self.style == "row":
+                b = _sum_grad_over(b, self.expert_group)
+            else:
+                a = _sum_grad_over(a, self.expert_group)
+            return torch.nn.functional.linear(torch.nn.functional.linear(self.dropout(x), a), b) * self.scale
         h = torch.nn.functional.linear(self.dropout(x), self.A)
         if self.style == "row":
             h = (mappings.reduce_scatter_to_sequence_parallel_region(h) if self.sequence_parallel
@@ -148,7 +172,7 @@ class LoraAdapter(torch.nn.Module):
         axis = {"A": 1} if self.style == "row" else {"B": 0}
         sd = make_sharded_tensors_for_checkpoint(
             {"A": self.A, "B": self.B}, prefix, axis, sharded_offsets,
-            tp_group=ps.get_tensor_model_parallel_group(),
+            tp_group=self.expert_group or ps.get_tensor_model_parallel_group(),
             dp_cp_group=(metadata or {}).get("dp_cp_group") or ps.get_data_parallel_group(with_context_parallel=True))
         if self.gated:
             from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
@@ -157,6 +181,14 @@ class LoraAdapter(torch.nn.Module):
             sd[key] = apply_swiglu_sharded_factory(sd[key], sharded_offsets,
                                                    (metadata or {}).get("singleton_local_shards", False))
         return sd
+
+
+def _sum_grad_over(t: torch.Tensor, group) -> torch.Tensor:
+    """``t`` unchanged forward; its gradient summed over ``group`` backward (each expert TP rank
+    holds a part of the whole tensor's gradient)."""
+    from megatron.core.tensor_parallel import mappings
+
+    return mappings.copy_to_tensor_model_parallel_region(t, group=group)
 
 
 def _layer_input_norm(module, x: torch.Tensor) -> torch.Tensor:
@@ -193,10 +225,10 @@ def apply_lora(model, spec: LoraSpec, key: str = "actor.lora") -> List[LoraAdapt
     """Freeze every parameter of ``model`` (a megatron model or its chunks) and add an adapter
     beside each target linear; returns the adapters.  Raises LoraError naming ``key``'s field for
     an unknown target, a target the model does not have, a rank above a target's smaller size, or
-    a model LoRA cannot wrap yet (mixture-of-experts layers)."""
+    a linear it cannot wrap (a grouped-GEMM expert block)."""
     from megatron.core import parallel_state as ps
 
-    from megarl.models.mapping import canonical_name
+    from megarl.models.mapping import canonical_name, expert_offset
     from megarl.models.weights import chunks_of
 
     unknown = sorted(set(spec.targets) - set(TARGETS))
@@ -212,24 +244,29 @@ def apply_lora(model, spec: LoraSpec, key: str = "actor.lora") -> List[LoraAdapt
             p.requires_grad_(False)
         layers = getattr(getattr(chunk, "decoder", None), "layers", [])
         numbers = [layer.layer_number for layer in layers]
+        offset = expert_offset(chunk)
         for name, module in list(chunk.named_modules()):
             parent_name, _, leaf = name.rpartition(".")
             if leaf not in spec.targets:
                 continue
-            if ".experts." in f".{name}." or ".shared_experts." in f".{name}.":
-                raise LoraError(f"{key}.target_modules: {leaf} in a mixture-of-experts layer ({name}) is not "
-                                "adapted yet; target the attention linears (linear_qkv, linear_proj) of an MoE model")
+            routed = ".experts." in f".{name}."
+            if routed and not isinstance(getattr(module, "weight", None), torch.Tensor):
+                raise LoraError(f"{key}.target_modules: {leaf} of {name} is a grouped-GEMM expert block "
+                                "(moe_grouped_gemm), which LoRA does not wrap; megarl builds SequentialMLP experts")
+            group = ps.get_expert_tensor_parallel_group() if routed else None
+            lin_tp, lin_rank = (group.size(), group.rank()) if routed else (tp, tp_rank)
             style = TARGETS[leaf]
-            full_in, full_out = _linear_sizes(module, style, tp)
+            full_in, full_out = _linear_sizes(module, style, lin_tp)
             if spec.rank > min(full_in, full_out):
                 raise LoraError(f"{key}.rank: {spec.rank} is above {leaf}'s smaller size min({full_in}, {full_out}) "
                                 f"= {min(full_in, full_out)} ({name})")
             parent = chunk.get_submodule(parent_name)
             gated = leaf == "linear_fc1" and getattr(parent.config, "gated_linear_unit", False)
-            global_name = canonical_name(f"{name}.weight", numbers, 0).removesuffix(".weight")
-            adapter = LoraAdapter(spec, global_name, style, full_in, full_out, tp_rank, tp,
+            global_name = canonical_name(f"{name}.weight", numbers, offset).removesuffix(".weight")
+            adapter = LoraAdapter(spec, global_name, style, full_in, full_out, lin_rank, lin_tp,
                                   dtype=module.weight.dtype, device=module.weight.device, gated=gated,
-                                  sequence_parallel=bool(getattr(parent.config, "sequence_parallel", False)))
+                                  sequence_parallel=bool(getattr(parent.config, "sequence_parallel", False)),
+                                  expert_group=group, allreduce=getattr(module.weight, "allreduce", True))
             parent.add_module(f"{leaf}_lora", adapter)
             module.register_forward_hook(_hook(adapter))
             module.weight.megarl_lora = adapter  # the weight stream reads the merged weight

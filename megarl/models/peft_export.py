@@ -27,31 +27,39 @@ __all__ = ["export_peft_adapter", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS"]
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
 
-def _tp_gather(t: torch.Tensor) -> List[torch.Tensor]:
-    from megatron.core import parallel_state as ps
-
-    tp = ps.get_tensor_model_parallel_world_size()
-    if tp == 1:
+def _tp_gather(t: torch.Tensor, group) -> List[torch.Tensor]:
+    n = group.size() if group is not None else 1
+    if n == 1:
         return [t.detach().contiguous()]
-    parts = [torch.empty_like(t) for _ in range(tp)]
-    dist.all_gather(parts, t.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
+    parts = [torch.empty_like(t) for _ in range(n)]
+    dist.all_gather(parts, t.detach().contiguous(), group=group)
     return parts
 
 
 def _peft_tensors(model) -> Dict[str, torch.Tensor]:
-    """This rank's stage's adapters as peft's ``{key: tensor}`` (collective over the TP group)."""
+    """This rank's adapters as peft's ``{key: tensor}`` (collective over the TP group, and the
+    expert TP group for a routed expert's), kept only where this rank is the first of the ranks
+    holding the same tensors (TP and DP rank 0; for a routed expert's, expert TP and expert DP
+    rank 0), so that every EP rank's experts are written once."""
+    from megatron.core import parallel_state as ps
+
     spec = unwrap(model).megarl_spec
     by_name = {r.megatron_name: r for r in mapping.rules(spec)}
+    dense_lead = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    expert_lead = ps.get_expert_tensor_parallel_rank() == 0 and ps.get_expert_data_parallel_rank() == 0
     out: Dict[str, torch.Tensor] = {}
     for ad in adapters_of(model):
         rule = by_name[f"{ad.name}.weight"]
+        group = ad.expert_group if ad.expert_group is not None else ps.get_tensor_model_parallel_group()
         if ad.style == "column":
             a = ad.A.detach().float()
-            parts = mapping.hf_from_shards(rule, _tp_gather(ad.B), spec)
+            parts = mapping.hf_from_shards(rule, _tp_gather(ad.B, group), spec)
             pairs = [(name, a, b.float()) for name, b in parts.items()]
         else:
-            (name, a), = mapping.hf_from_shards(rule, _tp_gather(ad.A), spec).items()
+            (name, a), = mapping.hf_from_shards(rule, _tp_gather(ad.A, group), spec).items()
             pairs = [(name, a.float(), ad.B.detach().float())]
+        if not (expert_lead if ad.expert_group is not None else dense_lead):
+            continue
         for hf_name, a, b in pairs:
             stem = "base_model.model." + hf_name.removesuffix(".weight")
             out[f"{stem}.lora_A.weight"] = a.contiguous().clone()
@@ -63,14 +71,12 @@ def export_peft_adapter(model, out_dir: str, *, rank: int, alpha: float, dropout
                         base_model: str, dtype: torch.dtype = torch.float32) -> None:
     """Collective: the adapters of ``model`` (every pipeline stage's) written by global rank 0 to
     ``out_dir`` in peft's format, ``base_model`` the checkpoint they adapt."""
-    from megatron.core import parallel_state as ps
     from safetensors.torch import save_file
 
     mine = _peft_tensors(model)
-    first_of_stage = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
     every = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
     if dist.is_initialized():
-        dist.all_gather_object(every, mine if first_of_stage else {})
+        dist.all_gather_object(every, mine)
     if dist.is_initialized() and dist.get_rank() != 0:
         dist.barrier()
         return

@@ -403,6 +403,27 @@ def test_lora_adapter_count_by_hand():
     assert count_params(spec, 128, 1, 1).total - adapted == 2 * 152064 * 3584 + 3584 * (2 * 28 + 1) + 28 * 4608
 
 
+def test_lora_adapter_count_of_a_mixture_of_experts_by_hand():
+    """With the routed experts adapted: Qwen3-30B-A3B at rank 16, per layer the attention's two
+    adapters and each of the 128 experts' fc1 (2048 -> 2 x 768) and fc2 (768 -> 2048); at tp 4 x
+    ep 8 x etp 1 (the recipe's layout) a rank holds 16 experts' adapters whole and the attention's
+    split four ways; the weight sync sends every adapted linear, the experts' included."""
+    from types import SimpleNamespace
+
+    from megarl.commands.dry_run import lora_adapted_weights, lora_params
+    from megarl.models.hf_config import spec_from_hf_config
+    from tests._moe import QWEN3_30B_A3B
+
+    spec = spec_from_hf_config(QWEN3_30B_A3B)
+    lora = SimpleNamespace(rank=16, target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    attn = 16 * ((2048 + 5120) + (4096 + 2048))
+    expert = 16 * ((2048 + 1536) + (768 + 2048))
+    assert lora_params(spec, lora, 1, 1) == (48 * (attn + 128 * expert),) * 2
+    shard = 16 * ((2048 + 5120 // 4) + (4096 // 4 + 2048)) + 16 * expert
+    assert lora_params(spec, lora, 4, 1, ep=8, etp=1) == (48 * (attn + 128 * expert), 48 * shard)
+    assert lora_adapted_weights(spec, lora) == 48 * (2048 * 5120 + 4096 * 2048 + 128 * 3 * 2048 * 768)
+
+
 def test_activation_estimate_by_recompute_sequence_parallelism_and_chunking():
     """The dry run's activation estimate (megarl/commands/activation_memory.py) for Qwen2-7B's
     layers, hand-checked: a 8192-token micro-batch at tp 2 keeps 2 bytes x 8192 x (4h/2 + (2q + 2kv)/2
