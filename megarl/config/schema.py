@@ -448,6 +448,10 @@ class LoraSettings:
                                                                "linear_fc2"])
     #: kaiming: A Kaiming-uniform, B = 0 (peft's default) | gaussian: A ~ N(0, 1/r), B = 0
     init: str = setting("kaiming", choices=("kaiming", "gaussian"))
+    #: what the rollout engine is sent: merged (W + s B A, the adapted tensors after a first whole
+    #: load) | adapter (SGLang only: the base once, then each version's adapter, applied by
+    #: SGLang's LoRA backend)
+    engine: str = setting("merged", choices=("merged", "adapter"))
 
 
 @dataclass

@@ -278,6 +278,19 @@ def _validate_choices(cfg: TrainConfig) -> None:
         _validate_lora(cfg.critic.lora, "critic.lora")
     _need(not cfg.actor.lora.rank or cfg.reference.refresh_every == 0, "reference.refresh_every",
           "with actor.lora: a refresh would copy the base weights, not the adapted ones")
+    _one_of(cfg, "actor.lora.engine")
+    if cfg.actor.lora.engine == "adapter":
+        _need(cfg.actor.lora.rank > 0, "actor.lora.engine", "'adapter' needs actor.lora.rank > 0")
+        _need(cfg.rollout.backend == "sglang", "actor.lora.engine",
+              f"'adapter' is served by SGLang's LoRA backends; rollout.backend={cfg.rollout.backend!r} "
+              "takes the merged weights (actor.lora.engine=merged)")
+        _need(cfg.placement.mode == "hybrid", "actor.lora.engine",
+              f"'adapter' is built for hybrid placement; placement.mode={cfg.placement.mode!r} takes the merged "
+              "weights (actor.lora.engine=merged)")
+    if cfg.critic is not None:
+        _one_of(cfg, "critic.lora.engine")
+        _need(cfg.critic.lora.engine == "merged", "critic.lora.engine",
+              "the critic feeds no rollout engine; leave it 'merged'")
 
 
 def _validate_trainer(cfg: TrainConfig) -> None:

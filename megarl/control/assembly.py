@@ -192,6 +192,15 @@ def _lora_sync_names(cfg: TrainConfig, actor):
     return adapted_hf_names(actor.ddp)
 
 
+def _engine_adapter(cfg: TrainConfig):
+    """``actor.lora.engine: adapter``: what the publisher tells SGLang's LoRA backend about the
+    adapter (None: the engine is sent merged weights)."""
+    lo = cfg.actor.lora
+    if not lo.rank or lo.engine != "adapter":
+        return None
+    return {"rank": lo.rank, "alpha": lo.alpha, "base_model": str(cfg.model.path)}
+
+
 def make_teacher(cfg: TrainConfig, tok):
     """``teacher``: a frozen megatron model at the actor's TP/PP, or (``teacher.engine: hf``) the
     checkpoint served by the hf engine on rank 0."""
@@ -374,7 +383,8 @@ def wire_components(cfg: TrainConfig, parts: Parts, eng: EngineParts, *, sm: Ite
     evaluation (scoring without training-only shaping)."""
     counters = progress.counters
     quarantine = os.path.join(run_dir, "quarantine.jsonl")
-    time_slice = EngineTimeSlice(eng.engine, cfg.rollout.backend == "sglang" and cfg.rollout.enable_memory_saver)
+    time_slice = EngineTimeSlice(eng.engine, cfg.rollout.backend == "sglang" and cfg.rollout.enable_memory_saver,
+                                 keep_weights=_engine_adapter(cfg) is not None)
 
     def scorer(shape_overlong: bool) -> Scorer:
         return make_scorer(cfg, parts.tok, parts.reward_runner, parts.reward_models, counters, quarantine, rank0,
@@ -387,7 +397,7 @@ def wire_components(cfg: TrainConfig, parts: Parts, eng: EngineParts, *, sm: Ite
         actor=parts.actor, critic=parts.critic, engine=eng.engine, placement=eng.placement, sm=sm,
         time_slice=time_slice, counters=counters, sync_dtype=eng.sync_dtype, bucket_mb=cfg.rollout.bucket_mb,
         max_retries=cfg.rollout.max_retries, corrupt_at=cfg.faults.corrupt_weight_sync_at, injector=parts.injector,
-        rank0=rank0, changed_only=_lora_sync_names(cfg, parts.actor))
+        rank0=rank0, changed_only=_lora_sync_names(cfg, parts.actor), adapter=_engine_adapter(cfg))
     producer_class, variant = GroupRolloutProducer, {}
     if cfg.async_rl.partial_rollouts:  # complete groups train, unfinished ones carry over
         producer_class, variant = PartialRolloutProducer, {"async_rl": cfg.async_rl}

@@ -76,6 +76,7 @@ def create_engine(cfg, placement: Placement, config_dir: str, eos_token_ids: Seq
 
     # no CUDA device: SGLang's CPU engine, through megarl's mends (inert where CUDA exists)
     sglang_cpu.prepare()
+    lora = engine_lora(cfg, config_dir)
     return create_rollout_engine(
         "sglang", config_dir, tp_size=r.tp, group=placement.process_group, eos_token_ids=list(eos_token_ids),
         mem_fraction_static=r.mem_fraction_static, seed=cfg.trainer.seed,
@@ -84,9 +85,35 @@ def create_engine(cfg, placement: Placement, config_dir: str, eos_token_ids: Seq
         # only when started with enable_return_routed_experts
         return_routed_experts=cfg.algo.routing_replay != "none",
         **sglang_cpu.backend_kwargs(),
+        lora=lora,
         engine_kwargs={"enable_memory_saver": r.enable_memory_saver,
                        **({"ep_size": r.ep} if r.ep > 1 else {}),  # SGLang's expert parallelism (MoE)
-                       **sglang_cpu.engine_kwargs()})
+                       **sglang_cpu.engine_kwargs(), **(sglang_cpu.lora_engine_kwargs() if lora else {})})
+
+
+#: the HF linears each megatron LoRA target stands for (SGLang's ``lora_target_modules``)
+HF_LORA_MODULES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+                   "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+
+
+def engine_lora(cfg, config_dir: str):
+    """``actor.lora.engine: adapter``: the LoRA set-up SGLang starts with (``{"rank",
+    "target_modules"}``), None otherwise.  A mixture-of-experts model is refused: its experts'
+    adapters are served merged (``actor.lora.engine: merged``)."""
+    lo = cfg.actor.lora
+    if not lo.rank or lo.engine != "adapter":
+        return None
+    import json
+    import os
+
+    from megarl.errors import ConfigError
+
+    with open(os.path.join(config_dir, "config.json"), encoding="utf-8") as f:
+        model = json.load(f)
+    if any(model.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+        raise ConfigError("actor.lora.engine: 'adapter' is not built for a mixture-of-experts model (SGLang's LoRA "
+                          "on routed experts is not proven here); use actor.lora.engine=merged")
+    return {"rank": lo.rank, "target_modules": [m for t in lo.target_modules for m in HF_LORA_MODULES[t]]}
 
 
 def create_remote_engine(world, config_dir: str, eos_token_ids: Sequence[int], pad_token_id: int):

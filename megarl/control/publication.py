@@ -29,15 +29,21 @@ from megarl.versions import PolicyVersion
 class EngineTimeSlice:
     """GPU time-slicing of the rollout engine: it releases its KV cache and weights while the
     trainer's forwards and update run (``rollout.enable_memory_saver`` on SGLang) and resumes
-    them before the next load.  Inert when slicing is off or this rank holds no engine."""
+    them before the next load.  Inert when slicing is off or this rank holds no engine.
+    ``keep_weights``: release the KV cache only (``actor.lora.engine: adapter``: the base the
+    adapters apply to stays loaded, so that each version sends its adapter alone)."""
 
-    def __init__(self, engine, enabled: bool):
+    def __init__(self, engine, enabled: bool, keep_weights: bool = False):
         self.engine, self.enabled = engine, enabled and engine is not None
+        self.keep_weights = keep_weights
         self.asleep = False
 
     def release(self) -> None:
         if self.enabled:
-            self.engine.sleep()
+            if self.keep_weights:  # SGLang's engine: sleep(release_weights=False)
+                self.engine.sleep(release_weights=False)
+            else:
+                self.engine.sleep()
             self.asleep = True
 
     def resume(self) -> None:
@@ -51,7 +57,8 @@ class WeightPublisher:
 
     def __init__(self, *, actor, critic, engine, placement: Placement, sm: IterationStateMachine,
                  time_slice: EngineTimeSlice, counters: Counter, sync_dtype, bucket_mb: int, max_retries: int,
-                 corrupt_at=(), injector=None, rank0: bool = False, changed_only: Optional[frozenset] = None):
+                 corrupt_at=(), injector=None, rank0: bool = False, changed_only: Optional[frozenset] = None,
+                 adapter: Optional[dict] = None):
         self.actor, self.critic, self.engine, self.placement, self.sm = actor, critic, engine, placement, sm
         self.time_slice, self.counters, self.sync_dtype = time_slice, counters, sync_dtype
         self.bucket_bytes, self.max_retries = bucket_mb * 1024**2, max_retries
@@ -60,6 +67,10 @@ class WeightPublisher:
         #: only these and keeps the rest, proven against the manifest (None: every tensor, always)
         self.changed_only = changed_only
         self._whole_loaded = False
+        #: ``actor.lora.engine: adapter`` (``{"rank", "alpha", "base_model"}``): the engine is sent
+        #: the base (adapters off) when it holds none, then each version's adapter only
+        self.adapter = adapter
+        self._base_manifest: Optional[TensorManifest] = None
 
     def publish(self, version: PolicyVersion, manifest: TensorManifest, k: Optional[int] = None) -> Dict[str, float]:
         """Load ``version`` (named by ``manifest``) into every engine; ROLLOUT_READY(v) on return.
@@ -77,9 +88,12 @@ class WeightPublisher:
                 with phase_context(k, version.short_id) if k is not None else contextlib.nullcontext():
                     # a retry sends everything: whatever the engine kept is not trusted again
                     names = self.changed_only if self._whole_loaded and attempt == 0 else None
-                    report = sync_actor_to_engine(self.actor.ddp, self.engine, version, manifest,
-                                                  bucket_bytes=self.bucket_bytes, dtype=self.sync_dtype,
-                                                  transport=self._transport_fault(k, attempt), names=names)
+                    if self.adapter is not None:
+                        report = self._load_adapter(version, manifest, k, attempt)
+                    else:
+                        report = sync_actor_to_engine(self.actor.ddp, self.engine, version, manifest,
+                                                      bucket_bytes=self.bucket_bytes, dtype=self.sync_dtype,
+                                                      transport=self._transport_fault(k, attempt), names=names)
                     with span("weight_sync.activate"):
                         act = self.engine.activate(version) if self.engine is not None else None
             except (RolloutError, ManifestMismatchError) as e:
@@ -108,6 +122,40 @@ class WeightPublisher:
         if report is not None:
             out["rollout/weight_sync_bytes"] = float(report.num_bytes)
         return out
+
+    def _load_adapter(self, version: PolicyVersion, manifest: TensorManifest, k: Optional[int], attempt: int):
+        """Collective, ``actor.lora.engine: adapter``: the base (the actor with its adapters off,
+        under its own manifest and a version named by it) streamed when an engine holds none or
+        on a retry, then the adapters in peft's format into each engine's LoRA backend, which
+        checks them by sha256 and the base by its manifest hash (:class:`ServesAdapters`)."""
+        import dataclasses
+
+        import torch
+
+        from megarl.models.lora import adapters_disabled
+        from megarl.models.peft_export import gather_peft_tensors, peft_config
+        from megarl.rollout.weight_sync import actor_manifest
+
+        ddp, engine = self.actor.ddp, self.engine
+        if self._base_manifest is None:
+            with adapters_disabled(ddp):
+                self._base_manifest = actor_manifest(ddp, self.sync_dtype)
+        base = self._base_manifest
+        holds = engine is None or engine.active_version is not None
+        num_bytes = 0
+        if attempt > 0 or not self._whole_loaded or not all_ranks_agree(holds):
+            base_version = dataclasses.replace(version, weight_manifest_hash=base.global_hash)
+            with adapters_disabled(ddp):
+                loaded = sync_actor_to_engine(ddp, engine, base_version, base, bucket_bytes=self.bucket_bytes,
+                                              dtype=self.sync_dtype, transport=self._transport_fault(k, attempt))
+            num_bytes += loaded.num_bytes if loaded is not None else 0
+        tensors = gather_peft_tensors(ddp, self.sync_dtype or (engine.dtype if engine is not None else torch.float32))
+        if engine is None:
+            return None
+        config = peft_config(tensors, rank=self.adapter["rank"], alpha=self.adapter["alpha"], dropout=0.0,
+                             base_model=self.adapter["base_model"])
+        report = engine.load_adapter(version, tensors, config, base.global_hash, manifest)
+        return dataclasses.replace(report, num_bytes=report.num_bytes + num_bytes)
 
     def _transport_fault(self, k: Optional[int], attempt: int):
         """``faults.corrupt_weight_sync_at``: one value of the first bucket flipped in transit on

@@ -22,7 +22,7 @@ from megarl.models import mapping
 from megarl.models.lora import adapters_of
 from megarl.models.weights import unwrap
 
-__all__ = ["export_peft_adapter", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS"]
+__all__ = ["export_peft_adapter", "gather_peft_tensors", "peft_config", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS"]
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
@@ -67,27 +67,39 @@ def _peft_tensors(model) -> Dict[str, torch.Tensor]:
     return out
 
 
+def gather_peft_tensors(model, dtype: torch.dtype = torch.float32) -> Dict[str, torch.Tensor]:
+    """Collective: every adapter of ``model`` (all pipeline stages, all EP ranks' experts) as peft's
+    ``{key: tensor}`` in ``dtype``, the same on every rank (what the export writes and what an
+    engine's LoRA backend loads)."""
+    mine = _peft_tensors(model)
+    every = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
+    if dist.is_initialized():
+        dist.all_gather_object(every, mine)
+    return {k: v.to(dtype) for part in every for k, v in (part or {}).items()}
+
+
+def peft_config(tensors: Dict[str, torch.Tensor], *, rank: int, alpha: float, dropout: float,
+                base_model: str) -> dict:
+    """peft's ``adapter_config.json`` for ``tensors`` (its target modules: the HF linears they adapt)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+            "lora_dropout": dropout, "target_modules": sorted({k.split(".")[-3] for k in tensors}), "bias": "none",
+            "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+            "inference_mode": True, "base_model_name_or_path": base_model}
+
+
 def export_peft_adapter(model, out_dir: str, *, rank: int, alpha: float, dropout: float,
                         base_model: str, dtype: torch.dtype = torch.float32) -> None:
     """Collective: the adapters of ``model`` (every pipeline stage's) written by global rank 0 to
     ``out_dir`` in peft's format, ``base_model`` the checkpoint they adapt."""
     from safetensors.torch import save_file
 
-    mine = _peft_tensors(model)
-    every = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
-    if dist.is_initialized():
-        dist.all_gather_object(every, mine)
+    tensors = gather_peft_tensors(model, dtype)
     if dist.is_initialized() and dist.get_rank() != 0:
         dist.barrier()
         return
-    tensors = {k: v.to(dtype) for part in every for k, v in (part or {}).items()}
-    targets = sorted({k.split(".")[-3] for k in tensors})
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
-              "lora_dropout": dropout, "target_modules": targets, "bias": "none", "fan_in_fan_out": False,
-              "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
-              "base_model_name_or_path": base_model}
+    config = peft_config(tensors, rank=rank, alpha=alpha, dropout=dropout, base_model=base_model)
     with open(os.path.join(out_dir, ADAPTER_CONFIG), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
     if dist.is_initialized():

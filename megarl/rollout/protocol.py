@@ -360,6 +360,23 @@ class KeepsUnsentTensors(Protocol):
 
 
 @runtime_checkable
+class ServesAdapters(Protocol):
+    """A rollout engine that serves a LoRA policy as its base plus an adapter it applies itself
+    (SGLang's LoRA backends; ``actor.lora.engine: adapter``): the base is loaded once by
+    :meth:`RolloutEngine.load_weights` under its own manifest, each version after that as its
+    adapter's tensors only."""
+
+    def load_adapter(self, version: PolicyVersion, tensors: Mapping[str, torch.Tensor], config: dict,
+                     base_manifest_hash: str, expected_manifest: TensorManifest) -> LoadReport:
+        """Stage ``version`` as the base this engine holds plus the peft-format adapter ``tensors``
+        (``config``: its ``adapter_config.json``).  Refused unless the engine's loaded base is the
+        one whose manifest hash is ``base_manifest_hash``; each tensor is checked by its sha256
+        where the engine deserialised it.  ``expected_manifest`` is the version's (the merged
+        weights'), reported on activation."""
+        ...
+
+
+@runtime_checkable
 class SubmittingEngine(RolloutEngine, Protocol):
     """A rollout engine that also generates while its caller does other work (split placement's
     :class:`~megarl.rollout.remote.RemoteEngine`): the asynchronous producer submits a batch ahead

@@ -58,6 +58,7 @@ from megarl.rollout.sglang_release import (
     LOG_PROB_ENV_VARS,
     TRAINER_ENV_VARS,
     WEIGHTS,
+    WeightUpdateRejectedError,
     call_success,
     captures_logical_ids,
     generate_accepts,
@@ -151,6 +152,7 @@ class SGLangRolloutEngine(InferenceGroup):
         engine_kwargs: dict | None = None,
         return_routed_experts: bool = False,
         verify_writes: str = "first",
+        lora: dict | None = None,
     ):
         sglang = import_sglang()
         if verify_writes not in VERIFY_WRITES:
@@ -187,6 +189,16 @@ class SGLangRolloutEngine(InferenceGroup):
         )
         if deterministic_inference:
             kwargs["enable_deterministic_inference"] = True
+        #: ``actor.lora.engine: adapter``: ``{"rank", "target_modules"}`` (HF module names); the
+        #: engine applies the adapter itself (:meth:`load_adapter`), on the base it was loaded with
+        self.lora = dict(lora) if lora else None
+        if self.lora:
+            kwargs.update(enable_lora=True, max_lora_rank=int(self.lora["rank"]),
+                          lora_target_modules=list(self.lora["target_modules"]), max_loras_per_batch=1)
+        self._base_hash: str | None = None  # the manifest hash of the base a whole load left (adapter mode)
+        self._adapter: str | None = None  # the active version's adapter name
+        self._staged_adapter: str | None = None
+        self._adapter_loads = 0
         kwargs.update(engine_kwargs or {})
         self.moe_layout: MoELayout | None = None
         config_path = os.path.join(os.fspath(model_path), "config.json")
@@ -268,6 +280,7 @@ class SGLangRolloutEngine(InferenceGroup):
         bucket_cls = get_flattened_tensor_bucket_class()  # SGLang's own, never megarl's (weight_stream)
         self._versions.begin_load(version)
         self._staged_manifest = None
+        self._base_hash, self._staged_adapter = None, None
         verify = self.verify_writes == "every" or (self.verify_writes == "first" and not self._loads_verified)
         written_before: dict[str, str] | None = None  # group rank 0: checksums of the reset parameters
         rx.start()
@@ -318,6 +331,7 @@ class SGLangRolloutEngine(InferenceGroup):
             self.flush_cache()
             self._versions.stage(version)
             self._staged_manifest = rx.received
+            self._base_hash = rx.received.global_hash
             self.last_load_error = None
         except BaseException as e:
             self.last_load_error = f"{version.short_id}: {type(e).__name__}: {e}"
@@ -422,8 +436,65 @@ class SGLangRolloutEngine(InferenceGroup):
     def activate(self, version: PolicyVersion) -> ActivationReport:
         self._versions.require_staged(version)
         self.flush_cache()
+        previous, self._adapter = self._adapter, self._staged_adapter
+        self._staged_adapter = None
         self._versions.activate(version)
+        if previous is not None and previous != self._adapter:  # the older adapter is served no more
+            self._leader_call(f"unload_lora_adapter({previous})", lambda: self._lora_status(
+                self._engine.unload_lora_adapter(previous)), RolloutError)
         return ActivationReport(version.short_id, self._staged_manifest.global_hash, True, True)
+
+    # ---- LoRA adapters (actor.lora.engine: adapter) ----
+
+    @staticmethod
+    def _lora_status(out) -> tuple[bool, str]:
+        if not hasattr(out, "success"):
+            raise RolloutError(f"SGLang's LoRA call returned {out!r}; expected a LoRAUpdateOutput (success, "
+                               "error_message) -- has the API changed?")
+        return bool(out.success), str(getattr(out, "error_message", ""))
+
+    def load_adapter(self, version: PolicyVersion, tensors, config: dict, base_manifest_hash: str,
+                     expected_manifest: TensorManifest) -> LoadReport:
+        """:class:`~megarl.rollout.protocol.ServesAdapters`: ``version`` as the loaded base plus
+        ``tensors`` (peft format), loaded under a new adapter name through SGLang's
+        ``LoadLoRAAdapterFromTensorsReqInput`` with each tensor's sha256, which every TP worker
+        checks where it deserialised it.  The adapter in use until :meth:`activate` keeps serving."""
+        import time
+
+        from megarl.rollout.sglang_release import adapter_sha256, load_adapter_request
+
+        t0 = time.perf_counter()
+        if self.lora is None:
+            raise RolloutError(f"load_adapter({version.short_id}): the engine was not started with LoRA "
+                               "(actor.lora.engine=adapter)")
+        if self.asleep:
+            raise EngineAsleepError(f"load_adapter({version.short_id}): engine is asleep; wake() first")
+        self._versions.refuse_second_load(version)
+        if self._base_hash is None or self._base_hash != base_manifest_hash:
+            raise ManifestMismatchError(f"{version.short_id}: the adapter is for the base {base_manifest_hash}, the "
+                                        f"engine holds {self._base_hash or 'no verified base'}; load the base first")
+        self._versions.begin_load(version)
+        name = f"megarl-{version.short_id}-{self._adapter_loads}"
+        try:
+            def load():
+                request = load_adapter_request(name, tensors, config, self.tp_size,
+                                               {k: adapter_sha256(t) for k, t in tensors.items()})
+                out = self._engine.loop.run_until_complete(
+                    self._engine.tokenizer_manager.load_lora_adapter_from_tensors(request, None))
+                return self._lora_status(out)
+
+            self._leader_call(f"load_lora_adapter_from_tensors({name})", load, WeightUpdateRejectedError)
+            self._adapter_loads += 1
+            self._versions.stage(version)
+            self._staged_manifest, self._staged_adapter = expected_manifest, name
+            self.last_load_error = None
+        except BaseException as e:
+            self.last_load_error = f"{version.short_id}: {type(e).__name__}: {e}"
+            raise
+        finally:
+            self._versions.end_load()
+        return LoadReport(version.short_id, expected_manifest.global_hash, len(tensors),
+                          sum(t.numel() * t.element_size() for t in tensors.values()), 1, time.perf_counter() - t0)
 
     def flush_cache(self) -> None:
         status = (True, "")
@@ -451,6 +522,7 @@ class SGLangRolloutEngine(InferenceGroup):
         self._released += tags
         if WEIGHTS in self._released:
             self._versions.release()
+            self._base_hash = None  # an adapter needs its base loaded again
 
     def wake(self) -> None:
         """Resume exactly the tags sleep() released (resuming others kills SGLang's scheduler, and
@@ -495,6 +567,8 @@ class SGLangRolloutEngine(InferenceGroup):
         if self.rank_in_group == 0 and rows:
             try:
                 extra = {"return_routed_experts": True} if sampling.return_routed_experts else {}
+                if self._adapter is not None:  # the active version is the base plus this adapter
+                    extra["lora_path"] = [self._adapter] * len(rows)
                 outs = self._engine.generate(
                     input_ids=[list(r.prompt_ids) for r, _ in rows],
                     sampling_params=[sglang_sampling_params(sampling, s, self._with_seed, self.eos_token_ids)

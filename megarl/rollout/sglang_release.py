@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from megarl.rollout.protocol import RolloutError
 from megarl.rollout.sglang_outputs import moe_layout_from_config
 
@@ -146,3 +148,42 @@ def restore_env(saved: dict) -> None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+def adapter_sha256(t: torch.Tensor) -> str:
+    """A tensor's checksum as SGLang's LoRA loader computes it on each TP worker
+    (``tp_worker.load_lora_adapter_from_tensors``, ``expected_checksums``): sha256 of its bytes."""
+    import hashlib
+
+    return hashlib.sha256(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def load_adapter_request(name: str, tensors, config: dict, tp_size: int, checksums: dict):
+    """SGLang's ``LoadLoRAAdapterFromTensorsReqInput`` as ``Engine.load_lora_adapter_from_tensors``
+    builds it (one serialised copy per TP rank), with ``expected_checksums``, which that method
+    does not pass on: every TP worker checks each tensor it deserialised."""
+    import dataclasses as dc
+
+    try:
+        from sglang.srt.managers.io_struct import LoadLoRAAdapterFromTensorsReqInput
+    except ImportError as e:
+        raise RolloutError(f"actor.lora.engine=adapter needs SGLang's LoadLoRAAdapterFromTensorsReqInput (SGLang "
+                           f"0.5.23); installed: {_installed_version()}: {e}") from e
+    fields = {f.name for f in dc.fields(LoadLoRAAdapterFromTensorsReqInput)} if dc.is_dataclass(
+        LoadLoRAAdapterFromTensorsReqInput) else set(getattr(LoadLoRAAdapterFromTensorsReqInput, "__annotations__", {}))
+    if "expected_checksums" not in fields:
+        raise RolloutError("actor.lora.engine=adapter: this SGLang's LoadLoRAAdapterFromTensorsReqInput has no "
+                           f"expected_checksums (installed: {_installed_version()}); the adapter could not be verified")
+    payload = sglang_serializer().serialize(dict(tensors))
+    return LoadLoRAAdapterFromTensorsReqInput(lora_name=name, config_dict=config,
+                                              serialized_named_tensors=[payload] * tp_size,
+                                              expected_checksums=checksums)
+
+
+def _installed_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("sglang")
+    except Exception:  # noqa: BLE001 - only for the message
+        return "?"

@@ -17,10 +17,15 @@ from tests._train_runs import GRPO, batches, hf_response_log_probs, metrics
 ITERS = 3
 
 
-@pytest.mark.parametrize("lora", [[], ["actor.lora.rank=4", "actor.lora.alpha=8"]], ids=["full", "lora"])
+LORA = ["actor.lora.rank=4", "actor.lora.alpha=8"]
+
+
+@pytest.mark.parametrize("lora", [[], LORA, [*LORA, "actor.lora.engine=adapter"]], ids=["full", "lora", "lora_adapter"])
 def test_grpo_trains_on_what_the_real_engine_sampled_with_the_version_it_was_sent(assets, tmp_path, lora):
     """With ``actor.lora`` the engine is sent the merged weights (W + s B A, per TP shard): what it
-    samples is what the merged export gives, every version."""
+    samples is what the merged export gives, every version.  With ``actor.lora.engine=adapter`` it
+    is sent the base once and then each version's adapter only, which SGLang's own LoRA backend
+    (torch-native on CPU) applies: it samples what the merged export gives all the same."""
     run_dir = str(tmp_path / "run")
     cmd = [sys.executable, "-m", "megarl.train", "--config", GRPO, f"model.path={assets['model']}",
            "model.build_tiny=false", f"data.train_path={assets['train']}", f"data.heldout_path={assets['heldout']}",
@@ -55,6 +60,9 @@ def test_grpo_trains_on_what_the_real_engine_sampled_with_the_version_it_was_sen
             _, (prev, _) = hf_response_log_probs(os.path.join(run_dir, "export", f"iter_{k - 1}"), f)
             assert max_abs_diff(prev, f.rollout_log_probs.values, f.response_mask.bool()) > 100 * NET_FP32_LOGPROB
     assert "eval/accuracy" in ms[0] and "eval/accuracy" in ms[-1]
+    if "actor.lora.engine=adapter" in lora:  # after the base, each version's adapter only
+        first, later = ms[0]["rollout/weight_sync_bytes"], [m["rollout/weight_sync_bytes"] for m in ms[1:]]
+        assert all(0 < b < first / 10 for b in later), (first, later)
     # what the real engine reports per request: its prefix cache's share of the prompt tokens (the 4
     # candidates of a prompt share it), each request's end-to-end latency and its retractions (a
     # KV pool this size never runs out for the tiny batch: none)

@@ -4,7 +4,9 @@ SGLang has a CPU path (``SGLANG_USE_CPU_ENGINE=1``: torch-native layers, the ``t
 attention backend).  On a machine with neither a GPU nor SGLang's CPU kernel package (not on the
 package index; its fast kernels need AMX anyway) five things stand in its way; each is mended
 here, and each mend checks that what it mends is still there, failing loudly (naming the SGLang
-version) when a release moves it.  The five, and why: docs/cpu.md, "SGLang on a CPU".
+version) when a release moves it.  The five, and why: docs/cpu.md, "SGLang on a CPU".  A sixth
+lets SGLang's torch-native LoRA backend run (``actor.lora.engine: adapter``): its layers pin
+their host buffers, which needs CUDA.
 
 Use: call :func:`prepare` before anything imports ``sglang``, and build the backend with
 :func:`backend_kwargs` and the engine with :func:`engine_kwargs`.  All do nothing where
@@ -71,3 +73,11 @@ def engine_kwargs(max_total_tokens: int = 4096) -> dict:
         return {}
     return {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_graph": True,
             "enable_memory_saver": False, "max_total_tokens": int(max_total_tokens)}
+
+
+def lora_engine_kwargs() -> dict:
+    """SGLang's LoRA backend on CPU (``{}`` where CUDA exists: SGLang's default there): the
+    torch-native one, its pinned host buffers plain host memory (the mend in :mod:`.mends`)."""
+    if not needed():
+        return {}
+    return {"lora_backend": "torch_native"}

@@ -69,8 +69,59 @@ def _mend_host_register(module) -> None:
     setattr(module, name, register)
 
 
+#: SGLang's LoRA modules, which allocate their host-side index buffers pinned (``pin_memory=True``)
+LORA_PINNED = ("sglang.srt.lora.layers", "sglang.srt.lora.backend.torch_backend")
+#: the torch factories those modules call with ``pin_memory=True``
+PINNED_FACTORIES = ("tensor", "empty", "zeros", "ones", "full", "arange")
+
+
+class _Unpinned:
+    """``torch`` as a LoRA module sees it: without CUDA, a factory asked for pinned memory gives
+    plain host memory (pinning is a CUDA transfer optimisation; nothing else changes)."""
+
+    def __init__(self, torch):
+        self._torch = torch
+
+    def __getattr__(self, name):
+        attr = getattr(self._torch, name)
+        if name not in PINNED_FACTORIES:
+            return attr
+        torch = self._torch
+
+        def factory(*args, **kwargs):
+            if kwargs.get("pin_memory") and not torch.cuda.is_available():
+                kwargs["pin_memory"] = False
+            return attr(*args, **kwargs)
+
+        return factory
+
+
+def _mend_lora_pinned(module) -> None:
+    """SGLang's LoRA layers and torch-native LoRA backend (``lora_backend="torch_native"``) pin their
+    host buffers; without CUDA they get plain host memory (``Tensor.pin_memory()`` included)."""
+    import torch
+
+    if getattr(module, "torch", None) is not torch and not isinstance(getattr(module, "torch", None), _Unpinned):
+        raise AccommodationError(f"SGLang {_sglang_version()}: {module.__name__} no longer imports torch as a "
+                                 "module global; megarl's CPU mend for its pinned LoRA buffers must follow it")
+    module.torch = _Unpinned(torch)
+    original = torch.Tensor.pin_memory
+    if getattr(original, "__megarl_mend__", False):
+        return
+
+    def pin_memory(self, *args, **kwargs):
+        if torch.cuda.is_available():
+            return original(self, *args, **kwargs)
+        return self
+
+    pin_memory.__megarl_mend__ = True
+    pin_memory.__wrapped__ = original
+    torch.Tensor.pin_memory = pin_memory
+
+
 #: module name -> its mend, run once the module has loaded
-MENDS = {"torch": _mend_device_module, HOST_REGISTER[0]: _mend_host_register}
+MENDS = {"torch": _mend_device_module, HOST_REGISTER[0]: _mend_host_register,
+         **{name: _mend_lora_pinned for name in LORA_PINNED}}
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

@@ -97,3 +97,31 @@ def test_the_stand_in_kernel_and_the_cpu_server_args():
     kw = sglang_cpu.engine_kwargs(2048)
     assert kw == {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_graph": True,
                   "enable_memory_saver": False, "max_total_tokens": 2048}
+
+
+def test_the_lora_mend_gives_plain_host_memory_for_pinned_requests():
+    """SGLang's LoRA layers ask torch for pinned host buffers, which needs CUDA: on CPU the mended
+    module's ``torch`` gives plain ones (same values), ``Tensor.pin_memory()`` returns the tensor;
+    a module that no longer holds ``torch`` as a global fails naming itself."""
+    import torch
+
+    with pytest.raises(mends.AccommodationError, match="sglang.srt.lora.layers no longer imports torch"):
+        mends._mend_lora_pinned(types.SimpleNamespace(__name__="sglang.srt.lora.layers"))
+    module = types.SimpleNamespace(__name__="sglang.srt.lora.layers", torch=torch)
+    original = torch.Tensor.pin_memory
+    try:
+        if not torch.cuda.is_available():  # negative control: unmended, the request fails without CUDA
+            with pytest.raises(RuntimeError):
+                torch.tensor([0, 3], dtype=torch.int32, pin_memory=True)
+        mends._mend_lora_pinned(module)
+        mends._mend_lora_pinned(module)  # idempotent
+        t = module.torch.tensor([0, 3], dtype=torch.int32, device="cpu", pin_memory=True)
+        assert torch.equal(t, torch.tensor([0, 3], dtype=torch.int32))
+        assert module.torch.empty((2,), pin_memory=True).shape == (2,)
+        assert module.torch.int32 is torch.int32  # everything else is torch's own
+        if not torch.cuda.is_available():
+            assert t.pin_memory() is t
+    finally:
+        torch.Tensor.pin_memory = getattr(torch.Tensor.pin_memory, "__wrapped__", original)
+    assert torch.Tensor.pin_memory is original
+    assert sglang_cpu.lora_engine_kwargs() == ({} if torch.cuda.is_available() else {"lora_backend": "torch_native"})
