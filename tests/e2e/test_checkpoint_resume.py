@@ -41,7 +41,8 @@ DISTOPT = ["parallel.distributed_optimizer=true"]
     (GRPO, 2, []),  # DP=2
     (PPO, 2, PPO_EXTRA + ["reference.refresh_every=2"]),  # DP=2; the checkpoint holds a refreshed reference
     (GRPO, 2, DISTOPT),  # DP=2, megatron's distributed optimizer (ZeRO-1): its checkpoint format too
-], ids=["grpo-1proc", "ppo-1proc", "grpo-dp2", "ppo-dp2-refreshed-ref", "grpo-dp2-distopt"])
+    (GRPO, 1, ["actor.lora.rank=4", "actor.lora.alpha=8"]),  # the checkpoint holds the adapters only
+], ids=["grpo-1proc", "ppo-1proc", "grpo-dp2", "ppo-dp2-refreshed-ref", "grpo-dp2-distopt", "grpo-lora"])
 def test_exact_resume_after_kill(assets, tmp_path, tmp_path_factory, recipe, nproc, extra):
     """Killed while holding after iteration 2, resumed from checkpoint 2: the rest of the run is
     bitwise the uninterrupted one's.  With reference.refresh_every=2 the checkpoint holds a
