@@ -107,6 +107,44 @@ def ensure_builtin_model(cfg) -> None:
             _wait_for(os.path.join(m.path, MARKER), "the tiny model")
 
 
+def teacher_build_recipe(recipe: str) -> str:
+    """``teacher.build.recipe`` as a file: the path itself, or one under the project's root (where
+    ``configs/`` is).  ConfigError naming the key otherwise."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for candidate in (recipe, os.path.join(root, recipe)):
+        if os.path.isfile(candidate):
+            return os.path.abspath(candidate)
+    raise ConfigError(f"teacher.build.recipe: {recipe!r} is not a file (looked in the working directory and {root})")
+
+
+def ensure_teacher(cfg) -> None:
+    """``teacher.build``: make the teacher when ``teacher.path`` is missing, by training
+    ``teacher.build.recipe`` into ``teacher.build.run_dir`` (rank 0, a plain single process; the
+    other ranks wait for the run's DONE marker).  Afterwards ``teacher.path`` must exist: else
+    one error naming it and the exports the build left."""
+    import sys
+
+    t = cfg.teacher
+    if not t.path or not t.build.recipe or os.path.isfile(os.path.join(t.path, "config.json")):
+        return
+    run_dir = t.build.run_dir
+    done = os.path.join(run_dir, "DONE")
+    if int(os.environ.get("RANK", "0")) == 0:
+        cmd = [sys.executable, "-m", "megarl.train", "--config", teacher_build_recipe(t.build.recipe),
+               *t.build.overrides, f"trainer.run_dir={run_dir}"]
+        env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+        env["PYTHONUNBUFFERED"] = "1"
+        print(f"teacher.path {t.path} is missing: training the teacher ({' '.join(cmd[3:])})", flush=True)
+        if subprocess.run(cmd, env=env).returncode != 0:
+            raise MegarlError(f"teacher.build: training the teacher into {run_dir} failed (see above)")
+    else:
+        _wait_for(done, "the teacher")
+    if not os.path.isfile(os.path.join(t.path, "config.json")):
+        exports = sorted(os.listdir(os.path.join(run_dir, "export"))) if os.path.isdir(os.path.join(run_dir, "export")) else []
+        raise ConfigError(f"teacher.path: {t.path!r} is not among what teacher.build made in {run_dir} "
+                          f"(its exports: {exports or 'none'})")
+
+
 def _run_build(cmd: list[str], path: str) -> None:
     env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
     env["PYTHONUNBUFFERED"] = "1"  # the build's progress reaches a redirected log as it happens, not at its exit

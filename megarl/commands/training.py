@@ -10,7 +10,7 @@ from typing import Optional
 
 from megarl.commands.run_checks import check_run
 from megarl.commands.startup import (check_model, check_reward, check_start_paths, ensure_builtin_model,
-                                     ensure_builtin_task, write_run_files)
+                                     ensure_builtin_task, ensure_teacher, write_run_files)
 from megarl.checkpointing.run_dir import inspect_run_dir, start_decision
 from megarl.config import config_hash, default_run_dir, require_installed
 from megarl.rewards.dataset_fields import check_datasets_against_reward
@@ -46,6 +46,7 @@ def prepare_start(cfg, world: int) -> Start:
     ensure_builtin_task(cfg)
     check_datasets_against_reward(cfg)  # every row carries what the reward reads (data.on_missing_fields)
     ensure_builtin_model(cfg)
+    ensure_teacher(cfg)  # teacher.build: made from its recipe when teacher.path is missing
     return Start(dp, sources=check_model(cfg))
 
 

@@ -479,6 +479,19 @@ class ReferenceConfig:
 
 
 @dataclass
+class TeacherBuild:
+    """A teacher made before the run when ``teacher.path`` is missing: ``megarl.train`` on
+    ``recipe`` (a path, or one under the project's ``configs/``) with ``overrides``, into
+    ``run_dir``; ``teacher.path`` must then be one of that run's exports.  Rank 0 builds (a
+    plain single process; a build that was stopped resumes from its checkpoints), the other
+    ranks wait for it."""
+
+    recipe: Optional[str] = None  # null: no build (teacher.path must exist)
+    run_dir: Optional[str] = None
+    overrides: List[str] = field(default_factory=list)
+
+
+@dataclass
 class TeacherConfig:
     """On-policy distillation's teacher: a frozen model teacher-forced on the student's samples
     (``algo.advantage: on_policy_distill``, or ``algo.distill_coef`` beside another estimator)."""
@@ -491,6 +504,7 @@ class TeacherConfig:
     #: reference) or ``hf`` (the checkpoint served by the hf rollout engine on rank 0, its prompt
     #: log-probs of the rollout's tokens broadcast to every rank)
     engine: str = setting("megatron", choices=("megatron", "hf"))
+    build: TeacherBuild = field(default_factory=TeacherBuild)
 
 
 @dataclass

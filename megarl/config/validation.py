@@ -5,6 +5,7 @@ would ignore, a KL with no reference -- checked before any model is built, each 
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable, Mapping, Optional, Sequence
 
 from megarl.config.ranges import lookup, range_errors
@@ -271,6 +272,17 @@ def _validate_choices(cfg: TrainConfig) -> None:
     _one_of(cfg, "reward.model.kind")
     _one_of(cfg, "reward.model.step_aggregate")
     _one_of(cfg, "teacher.engine")
+    b = cfg.teacher.build
+    if b.recipe is not None:
+        _need(bool(cfg.teacher.path), "teacher.build.recipe", "builds the teacher at teacher.path: set teacher.path "
+              "to the export of the build's run that is the teacher (e.g. <run_dir>/export/iter_N)")
+        _need(bool(b.run_dir), "teacher.build.run_dir", "the run directory the teacher is trained in (its exports "
+              "hold teacher.path)")
+        _need(not b.run_dir or not cfg.trainer.run_dir or os.path.abspath(b.run_dir) != os.path.abspath(cfg.trainer.run_dir),
+              "teacher.build.run_dir", "must not be this run's trainer.run_dir")
+    else:
+        _need(not b.run_dir and not b.overrides, "teacher.build.recipe", "teacher.build.run_dir / overrides are set "
+              "but no recipe to build the teacher with")
     _one_of(cfg, "actor.lora.init")
     _validate_lora(cfg.actor.lora, "actor.lora")
     if cfg.critic is not None:

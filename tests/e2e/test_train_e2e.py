@@ -1096,6 +1096,37 @@ def _sft_nll(model, rows):
     return total / count
 
 
+def test_a_missing_teacher_is_trained_first_from_its_recipe(assets, tmp_path):
+    """teacher.build: the distillation run finds teacher.path missing, trains the teacher from its
+    recipe into teacher.build.run_dir (one GRPO iteration here), and distils from that run's
+    export -- the teacher's log-probs in every sealed batch are transformers' of it; a second run
+    finds it there and builds nothing.  A teacher.path the build does not make is refused naming
+    teacher.path and listing the exports it made."""
+    teacher_run = str(tmp_path / "teacher_run")
+    build = [f"model.path={assets['model']}", "model.build_tiny=false", f"data.train_path={assets['train']}",
+             f"data.heldout_path={assets['heldout']}", "data.task.build=false", "trainer.iterations=1",
+             f"trainer.prompts_per_iteration={B}", f"rollout.n={G}", "eval.every=0", "actor.optim.lr=1e-3"]
+    teacher = ["algo.advantage=on_policy_distill", f"teacher.path={teacher_run}/export/iter_1",
+               "teacher.build.recipe=configs/grpo_arith_tiny.yaml", f"teacher.build.run_dir={teacher_run}",
+               f"teacher.build.overrides=[{','.join(build)}]"]
+    run_dir = str(tmp_path / "opd")
+    out = run_train(assets, run_dir, GRPO, extra=[*teacher, "trainer.iterations=1"])
+    assert "is missing: training the teacher" in out.stdout, out.stdout[-3000:]
+    assert os.path.isfile(os.path.join(teacher_run, "DONE"))
+    (b,) = batches(run_dir)
+    _, (want, _) = hf_response_log_probs(os.path.join(teacher_run, "export", "iter_1"), b.facts)
+    keep = b.facts.response_mask != 0
+    assert within(float((b.facts.teacher_log_probs.values - want).abs()[keep].max()), NET_FP32_LOGPROB,
+                  "train_e2e/built_teacher")
+    again = run_train(assets, str(tmp_path / "opd2"), GRPO, extra=[*teacher, "trainer.iterations=1"])
+    assert "training the teacher" not in again.stdout
+    bad = run_train(assets, str(tmp_path / "opd3"), GRPO, expect=2,
+                    extra=[*teacher[:1], f"teacher.path={teacher_run}/export/iter_7", *teacher[2:],
+                           "trainer.iterations=1"])
+    line = [x for x in bad.stderr.splitlines() if x.startswith("error:")]
+    assert len(line) == 1 and "teacher.path:" in line[0] and "iter_1" in line[0], bad.stderr[-2000:]
+
+
 def test_sft_term_on_demonstrations_with_its_own_cursor(assets, tmp_path):
     """algo.sft: demonstration rows mixed into the update under their own normaliser, drawn by a
     cursor the checkpoint keeps.  A reward with no spread leaves every advantage 0, so at DP=2

@@ -87,6 +87,14 @@ def test_whole_batch_micro_batches_fit_any_group_size():
     (["algo.rollout_correction.seq_mask_stat=median"], "algo.rollout_correction.seq_mask_stat"),
     (["reward.overlong_buffer=7"], "reward.overlong_buffer"),   # longer than rollout.max_new_tokens=6
     (["reward.overlong_buffer=0"], "reward.overlong_buffer"),
+    # teacher.build: it makes teacher.path, in a run dir of its own
+    (["teacher.build.recipe=configs/grpo_arith_tiny.yaml", "teacher.build.run_dir=/tmp/t"], "teacher.build.recipe"),
+    (["algo.advantage=on_policy_distill", "teacher.path=/tmp/t/export/iter_1",
+      "teacher.build.recipe=configs/grpo_arith_tiny.yaml"], "teacher.build.run_dir"),
+    (["algo.advantage=on_policy_distill", "teacher.path=/tmp/t/export/iter_1", "teacher.build.run_dir=/tmp/t"],
+     "teacher.build.recipe"),
+    (["algo.advantage=on_policy_distill", "teacher.path=/tmp/t/export/iter_1", "trainer.run_dir=/tmp/t",
+      "teacher.build.recipe=configs/grpo_arith_tiny.yaml", "teacher.build.run_dir=/tmp/t"], "teacher.build.run_dir"),
 ])
 def test_bad_grpo_config_names_key(overrides, key):
     _fail(GRPO, overrides, key)
