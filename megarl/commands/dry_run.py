@@ -235,11 +235,13 @@ def _memory_lines(cfg, spec, dp: int) -> List[str]:
         show("reference", role_memory(ref, trains=False, optimizer="", dp=dp),
              " (on the host between its forwards)" if cfg.reference.offload else "")
     if cfg.teacher.path and os.path.isfile(os.path.join(cfg.teacher.path, "config.json")):
-        served = cfg.teacher.engine == "hf"  # the whole model in the hf engine on rank 0
+        served = cfg.teacher.engine in ("hf", "sglang")  # the whole model in an engine on rank 0
         teacher = count_params(load_spec(cfg.teacher.path), cfg.model.vocab_multiple, *((1, 1) if served else (p.tp, p.pp)),
                                ep=1 if served else p.ep, etp=None if served else p.etp)
         show("teacher", role_memory(teacher, trains=False, optimizer="", dp=dp),
-             (" (the hf engine, rank 0 only)" if served else "")
+             (f" (the {cfg.teacher.engine} engine, rank 0 only"
+              + (f", mem_fraction_static {cfg.teacher.mem_fraction_static}" if cfg.teacher.engine == "sglang" else "")
+              + ")" if served else "")
              + (" (on the host between its forwards)" if cfg.teacher.offload else ""))
     elif cfg.teacher.path:
         lines.append(f"  {'teacher':<13}teacher.path {cfg.teacher.path} has no config.json yet: not counted")

@@ -501,9 +501,11 @@ class TeacherConfig:
     path: Optional[str] = None
     offload: bool = False  # on the host between its forwards (GPU)
     #: where its forward runs: ``megatron`` (a frozen model at the actor's TP/PP, like the
-    #: reference) or ``hf`` (the checkpoint served by the hf rollout engine on rank 0, its prompt
-    #: log-probs of the rollout's tokens broadcast to every rank)
-    engine: str = setting("megatron", choices=("megatron", "hf"))
+    #: reference), ``hf`` (the checkpoint served by an hf engine on rank 0, its prompt log-probs of
+    #: the rollout's tokens broadcast to every rank) or ``sglang`` (the same with an SGLang engine)
+    engine: str = setting("megatron", choices=("megatron", "hf", "sglang"))
+    #: ``teacher.engine: sglang``: the share of the device its SGLang engine takes (beside the rollout's)
+    mem_fraction_static: float = setting(0.2, range=Range(lo=0, hi=1, lo_open=True, hi_open=True))
     build: TeacherBuild = field(default_factory=TeacherBuild)
 
 

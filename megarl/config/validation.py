@@ -207,7 +207,8 @@ def _validate_placement(cfg: TrainConfig, world_size: int) -> None:
               "is 'engine', which needs placement.mode=split and async_rl.max_staleness > 0 (synchronously the "
               "rollout's own log-probs are the proximal ones: rollout.reuse_rollout_log_probs=true)")
         _need(r.backend == "hf", "async_rl.proximal_log_probs",
-              f"is 'engine', which the {r.backend} backend cannot serve yet (teacher forcing is built for rollout.backend=hf)")
+              f"is 'engine', which is built for rollout.backend=hf only (the split placement's {r.backend} rollout "
+              "ranks do not offer teacher forcing yet)")
         _need(cfg.algo.routing_replay == "none", "async_rl.proximal_log_probs",
               "is 'engine', but algo.routing_replay needs the actor's forward with the recorded routing")
     if an.correction is not None:
@@ -577,6 +578,9 @@ def missing_packages(cfg: TrainConfig) -> list:
     if cfg.rollout.backend == "sglang" and importlib.util.find_spec("sglang") is None:
         out.append(("rollout.backend", "'sglang' is not installed here; install the GPU extra: "
                                        'pip install -e ".[gpu]" (or use the Dockerfile)'))
+    if cfg.teacher.path and cfg.teacher.engine == "sglang" and importlib.util.find_spec("sglang") is None:
+        out.append(("teacher.engine", "'sglang' is not installed here; install the GPU extra: "
+                                      'pip install -e ".[gpu]" (or use the Dockerfile), or use teacher.engine=hf'))
     return out
 
 

@@ -202,13 +202,14 @@ def _engine_adapter(cfg: TrainConfig):
 
 
 def make_teacher(cfg: TrainConfig, tok):
-    """``teacher``: a frozen megatron model at the actor's TP/PP, or (``teacher.engine: hf``) the
-    checkpoint served by the hf engine on rank 0."""
+    """``teacher``: a frozen megatron model at the actor's TP/PP, or (``teacher.engine: hf | sglang``)
+    the checkpoint served by an engine of its own on rank 0."""
     p, t = cfg.parallel, cfg.teacher
-    if t.engine == "hf":
+    if t.engine in ("hf", "sglang"):
         from megarl.roles.served_teacher import ServedTeacher
 
-        return ServedTeacher(t.path, tok, str(device()), rank0=dist.get_rank() == 0, offload=t.offload)
+        return ServedTeacher(t.path, tok, str(device()), rank0=dist.get_rank() == 0, offload=t.offload,
+                             backend=t.engine, mem_fraction_static=t.mem_fraction_static)
     return Teacher(t.path, p.tp, p.pp, vocab_multiple=cfg.model.vocab_multiple, offload=t.offload,
                    sequence_parallel=p.sequence_parallel, log_prob_chunk=cfg.algo.log_prob_chunk)
 

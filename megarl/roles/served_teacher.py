@@ -1,5 +1,5 @@
-"""On-policy distillation's teacher served by an inference engine (``teacher.engine: hf``): the
-teacher's checkpoint loaded into the hf rollout engine in-process through the verified weight path
+"""On-policy distillation's teacher served by an inference engine (``teacher.engine: hf | sglang``):
+the teacher's checkpoint loaded into an engine of its own in-process through the verified weight path
 (manifest, activate), and its prompt log-probs -- the engine's teacher forcing of the rollout's own
 tokens -- are the record's ``teacher_log_probs`` (producer role ``teacher``).
 
@@ -30,11 +30,13 @@ class ServedTeacher:
     ``contract`` the actor's TokenizerContract (eos and pad); ``device`` where the engine runs;
     ``rank0`` whether this rank holds the engine; ``offload``: the engine sleeps between forwards."""
 
-    def __init__(self, path: str, contract, device: str, rank0: bool, offload: bool = False):
+    def __init__(self, path: str, contract, device: str, rank0: bool, offload: bool = False, backend: str = "hf",
+                 mem_fraction_static: float = 0.2):
         from megarl.rollout.served_checkpoint import serve_checkpoint
 
-        self.path, self.offload = path, offload
-        self.engine = serve_checkpoint(path, contract, device, run_id="teacher") if rank0 else None
+        self.path, self.offload, self.backend = path, offload, backend
+        self.engine = (serve_checkpoint(path, contract, device, run_id="teacher", backend=backend,
+                                        mem_fraction_static=mem_fraction_static) if rank0 else None)
         if self.engine is not None and offload:
             self.engine.sleep()
         dtype = self.engine.dtype if self.engine is not None else None
@@ -48,7 +50,8 @@ class ServedTeacher:
 
     def origin_id(self, identify) -> str:
         """What a resume must find again (collective): the engine's verified weight manifest."""
-        mine = None if self.engine is None else f"engine=hf weights={self.engine.active_version.weight_manifest_hash}"
+        mine = (None if self.engine is None
+                else f"engine={self.backend} weights={self.engine.active_version.weight_manifest_hash}")
         return broadcast_object(mine)
 
     def batch_log_probs(self, prompt_ids: torch.Tensor, response_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -69,7 +72,7 @@ class ServedTeacher:
                     self.engine.sleep()
         rows, failure = broadcast_object((rows, failure))
         if failure is not None:
-            raise RolloutError(f"teacher.engine=hf: the teacher's forward on rank 0 failed: {failure}")
+            raise RolloutError(f"teacher.engine={self.backend}: the teacher's forward on rank 0 failed: {failure}")
         out = torch.zeros(response_ids.shape, dtype=torch.float32)
         for b, row in enumerate(rows):
             out[b, :len(row)] = row

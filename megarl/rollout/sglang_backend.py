@@ -444,6 +444,54 @@ class SGLangRolloutEngine(InferenceGroup):
                 self._engine.unload_lora_adapter(previous)), RolloutError)
         return ActivationReport(version.short_id, self._staged_manifest.global_hash, True, True)
 
+    # ---- teacher forcing ----
+
+    def teacher_force(
+        self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]
+    ) -> tuple[PolicyVersion, list[torch.Tensor]]:
+        """Raw log-probs of ``responses`` after ``prompts`` under the active version
+        (:class:`~megarl.rollout.protocol.TeacherForcingEngine`): SGLang's input-token log-probs
+        from ``logprob_start_len = len(prompt) - 1`` (its first entry, the prompt's last token, has
+        none), at temperature 1 in the raw log-prob space (``LOG_PROB_ENV_VARS``), one token
+        generated and dropped.  Every rank of the group gets the rows."""
+        if len(prompts) != len(responses):
+            raise InvalidRequestError(f"teacher_force: {len(prompts)} prompts for {len(responses)} responses")
+        for i, p in enumerate(prompts):
+            if not p:
+                raise InvalidRequestError(f"teacher_force: row {i} has an empty prompt")
+        self._versions.refuse_while_loading("teacher_force")
+        if self.asleep:
+            raise EngineAsleepError("teacher_force refused: engine is asleep; wake() first")
+        version = self._versions.require_active("teacher_force", " (none loaded)")
+        rows = [i for i, r in enumerate(responses) if len(r)]
+        out: list[torch.Tensor] = [torch.zeros(0, dtype=torch.float32) for _ in prompts]
+        values, failure, error = None, None, None
+        if self.rank_in_group == 0 and rows:
+            try:
+                extra = {"lora_path": [self._adapter] * len(rows)} if self._adapter is not None else {}
+                outs = self._engine.generate(
+                    input_ids=[list(prompts[i]) + list(responses[i]) for i in rows],
+                    sampling_params=[{"max_new_tokens": 1, "temperature": 1.0}] * len(rows),
+                    return_logprob=True, logprob_start_len=[len(prompts[i]) - 1 for i in rows], **extra)
+                values = []
+                for i, o in zip(rows, outs, strict=True):
+                    entries = o["meta_info"]["input_token_logprobs"][1:]
+                    ids = [int(e[1]) for e in entries]
+                    if ids != [int(t) for t in responses[i]]:
+                        raise RolloutError(f"teacher_force: row {i}: SGLang scored tokens {ids[:8]}..., not the "
+                                           f"response {list(responses[i])[:8]}...")
+                    values.append([float(e[0]) for e in entries])
+            except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks know
+                error, failure = e, f"{type(e).__name__}: {e}"
+        values, failure = self._broadcast((values, failure))
+        if error is not None:
+            raise error
+        if failure is not None:
+            raise RolloutError(f"teacher_force failed on the inference group's first rank: {failure}")
+        for i, v in zip(rows, values or [], strict=True):
+            out[i] = torch.tensor(v, dtype=torch.float32)
+        return version, out
+
     # ---- LoRA adapters (actor.lora.engine: adapter) ----
 
     @staticmethod

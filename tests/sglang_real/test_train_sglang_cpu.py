@@ -70,3 +70,39 @@ def test_grpo_trains_on_what_the_real_engine_sampled_with_the_version_it_was_sen
         assert 0.0 <= m["rollout/prefix_cache_hit_rate"] <= 1.0, m
         assert m["rollout/preemptions"] == 0.0 and m["rollout/preempted_share"] == 0.0, m
         assert 0.0 < m["rollout/first_completion_s"] <= m["rollout/group_completion_s_max"], m
+
+
+def test_distillation_from_a_teacher_served_by_sglang(assets, tmp_path):
+    """teacher.engine=sglang beside rollout.backend=sglang: two SGLang engines in the trainer's
+    process, the teacher's loaded from its checkpoint through the verified weight path.  Every
+    sealed teacher log-prob (SGLang's input-token log-probs of the rollout's own tokens) equals
+    transformers' teacher-forced forward of the teacher; the run origin names the engine and the
+    teacher's weights."""
+    import json
+
+    from megarl.builtin.tiny_checkpoint import make_tiny_hf_checkpoint
+
+    teacher_dir = str(tmp_path / "teacher")
+    make_tiny_hf_checkpoint(teacher_dir, "llama", seed=7, vocab_size=112, hidden_size=32, num_layers=2, num_heads=2,
+                            num_kv_heads=2, intermediate_size=64, tokenizer_dir=assets["model"])
+    run_dir = str(tmp_path / "run")
+    cmd = [sys.executable, "-m", "megarl.train", "--config", GRPO, f"model.path={assets['model']}",
+           "model.build_tiny=false", f"data.train_path={assets['train']}", f"data.heldout_path={assets['heldout']}",
+           "data.task.build=false", "rollout.backend=sglang", "trainer.iterations=2", f"trainer.run_dir={run_dir}",
+           "trainer.prompts_per_iteration=4", "rollout.n=4", "eval.every=0", "trainer.save_experience=true",
+           "trainer.checkpoint_every=1", "algo.advantage=on_policy_distill", f"teacher.path={teacher_dir}",
+           "teacher.engine=sglang"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), timeout=900)
+    assert proc.returncode == 0, f"--- stdout ---\n{proc.stdout[-5000:]}\n--- stderr ---\n{proc.stderr[-8000:]}"
+    origin = json.load(open(os.path.join(run_dir, "checkpoints", "iter_000002", "state.json")))["origins"]["teacher"]
+    assert origin["id"].startswith("engine=sglang weights=sha256:"), origin
+    sealed = batches(run_dir)
+    assert len(sealed) == 2
+    for b in sealed:
+        f = b.facts
+        assert f.teacher_log_probs.producer.role == "teacher"
+        _, (want, _) = hf_response_log_probs(teacher_dir, f)
+        err = max_abs_diff(want, f.teacher_log_probs.values, f.response_mask.bool())
+        assert within(err, NET_FP32_LOGPROB, "sglang_cpu/teacher_vs_transformers"), err
+        # negative control: the student's own log-probs are another model's
+        assert max_abs_diff(f.old_log_probs.values, f.teacher_log_probs.values, f.response_mask.bool()) > 1e-2
