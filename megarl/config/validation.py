@@ -273,6 +273,9 @@ def _validate_choices(cfg: TrainConfig) -> None:
     _one_of(cfg, "reward.model.kind")
     _one_of(cfg, "reward.model.step_aggregate")
     _one_of(cfg, "teacher.engine")
+    _need(not (cfg.teacher.engine == "sglang" and cfg.teacher.offload), "teacher.offload",
+          "with teacher.engine=sglang: SGLang's engine gives its weights up when it sleeps (the teacher would be "
+          "gone); its share of the device is teacher.mem_fraction_static")
     b = cfg.teacher.build
     if b.recipe is not None:
         _need(bool(cfg.teacher.path), "teacher.build.recipe", "builds the teacher at teacher.path: set teacher.path "

@@ -93,6 +93,8 @@ def test_whole_batch_micro_batches_fit_any_group_size():
       "teacher.build.recipe=configs/grpo_arith_tiny.yaml"], "teacher.build.run_dir"),
     (["algo.advantage=on_policy_distill", "teacher.path=/tmp/t/export/iter_1", "teacher.build.run_dir=/tmp/t"],
      "teacher.build.recipe"),
+    (["algo.advantage=on_policy_distill", "teacher.path=/tmp/t", "teacher.engine=sglang", "teacher.offload=true"],
+     "teacher.offload"),
     (["algo.advantage=on_policy_distill", "teacher.path=/tmp/t/export/iter_1", "trainer.run_dir=/tmp/t",
       "teacher.build.recipe=configs/grpo_arith_tiny.yaml", "teacher.build.run_dir=/tmp/t"], "teacher.build.run_dir"),
 ])
