@@ -62,18 +62,10 @@ def _layer_bytes(spec, i: int, T: int, tp: int, etp: int, sp: bool, drop: set) -
     return 2 * T * (norms_in + norms_out + attn + mlp + router)
 
 
-def activation_lines(cfg, spec, dp: int) -> List[str]:
-    """The dry run's lines on the update's activation memory (per layer: :func:`_layer_bytes`).
-
-    Under 1F1B the first pipeline stage holds ``min(pp, micro-batches)`` micro-batches in flight; with
-    ``parallel.vpp`` virtual stages (interleaved 1F1B, Narayanan et al. 2021, arXiv 2104.04473) it
-    holds ``vpp pp + pp - 1`` chunk forwards of ``1/vpp`` of its layers each (megatron's warm-up on
-    rank 0 plus one), that is ``pp + (pp - 1) / vpp`` micro-batches' worth.  The last
-    stage adds the logits (``2 T V/tp``), their gradient (the same) and, without
-    ``algo.log_prob_chunk``, the fp32 softmax megatron's cross-entropy keeps (``4 T V/tp``).  Context
-    parallelism (``parallel.cp``) gives each rank ``T / cp`` of a micro-batch's tokens: every term
-    above is per rank's tokens.
-    """
+def activation_estimate(cfg, spec, dp: int) -> dict:
+    """The numbers behind :func:`activation_lines`: ``total`` bytes per GPU in the update, and
+    its parts (``kept`` per micro-batch, ``inflight`` micro-batches, ``logits``) with the words
+    that describe them."""
     p, a = cfg.parallel, cfg.algo
     tokens, how = micro_batch_tokens(cfg, dp)
     T = -(-tokens // p.cp)  # this context-parallel rank's share of them
@@ -108,6 +100,27 @@ def activation_lines(cfg, spec, dp: int) -> List[str]:
     fp32_note = (f"chunked: {a.log_prob_chunk} positions at a time" if a.log_prob_chunk
                  else f"incl. the fp32 softmax {4 * T * vocab / GiB:.1f} GiB; algo.log_prob_chunk drops it")
     total = inflight * kept + logits
+    return dict(tokens=tokens, how=how, T=T, sp=sp, mode=mode, layers=layers, inflight=inflight, kept=kept,
+                schedule=schedule, logits=logits, fp32_note=fp32_note, total=total)
+
+
+def activation_lines(cfg, spec, dp: int) -> List[str]:
+    """The dry run's lines on the update's activation memory (per layer: :func:`_layer_bytes`).
+
+    Under 1F1B the first pipeline stage holds ``min(pp, micro-batches)`` micro-batches in flight; with
+    ``parallel.vpp`` virtual stages (interleaved 1F1B, Narayanan et al. 2021, arXiv 2104.04473) it
+    holds ``vpp pp + pp - 1`` chunk forwards of ``1/vpp`` of its layers each (megatron's warm-up on
+    rank 0 plus one), that is ``pp + (pp - 1) / vpp`` micro-batches' worth.  The last
+    stage adds the logits (``2 T V/tp``), their gradient (the same) and, without
+    ``algo.log_prob_chunk``, the fp32 softmax megatron's cross-entropy keeps (``4 T V/tp``).  Context
+    parallelism (``parallel.cp``) gives each rank ``T / cp`` of a micro-batch's tokens: every term
+    above is per rank's tokens.
+    """
+    p = cfg.parallel
+    e = activation_estimate(cfg, spec, dp)
+    tokens, how, T, sp, mode = e["tokens"], e["how"], e["T"], e["sp"], e["mode"]
+    layers, inflight, kept, schedule = e["layers"], e["inflight"], e["kept"], e["schedule"]
+    logits, fp32_note, total = e["logits"], e["fp32_note"], e["total"]
     return [
         f"activations per GPU in the update (bf16, flash attention; arXiv 2205.05198's accounting): a micro-batch "
         f"of {tokens} tokens ({how}){f', {T} on each of cp {p.cp} ranks' if p.cp > 1 else ''}; "

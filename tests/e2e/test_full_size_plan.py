@@ -1,0 +1,115 @@
+"""``python -m megarl.plan``: every shipped recipe, and the models the anchors train at scale, built
+at full size on the meta device at a published or documented layout, every rank brought up on a
+fake process group (megarl/commands/full_size.py).  Each proof: the HF tensors of the real
+``config.json`` (tests/data/hf_configs) covered exactly once by the shards megarl's own mapping
+reads, the parameters over the positions equal to the published count, memory per rank per phase
+against the device.  Planted faults -- a TP that does not divide the attention heads, a layer count
+PP does not divide, an architecture the mapping does not cover, a mapping that leaves a slice of a
+tensor out -- are each one ``error:`` line naming what a launch would hit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests._dist import ROOT, subprocess_env
+
+CONFIGS = os.path.join(ROOT, "tests", "data", "hf_configs")
+DATA = ["data.train_path=/nonexistent/train.jsonl"]  # never read: the plan loads no data
+
+#: (id, recipe, world, device GiB, overrides, published parameters in billions, where the layout is from)
+PLANS = [
+    ("qwen2_7b", "grpo_qwen2_7b.yaml", 8, 80, [], 7.62, "the recipe"),
+    ("llama3_8b_ppo", "ppo_llama3_8b.yaml", 8, 80, [f"model.path={CONFIGS}/llama3_8b", "reward.fn=arithmetic"], 8.03,
+     "the recipe"),
+    ("qwen3_30b_a3b", "grpo_qwen3_30b_a3b.yaml", 8, 141, [], 30.53, "the recipe (slime's layout)"),
+    # NeMo-RL's grpo-qwen3-235b-16n8g: TP 2 + SP, CP 2, EP 16, PP 8 with uneven stages (11 first and
+    # last), engine TP 16 on 128 H100s; megarl splits layers evenly, so PP 2 (47 layers a stage)
+    ("qwen3_235b_a22b", "grpo_qwen3_30b_a3b.yaml", 128, 80,
+     [f"model.path={CONFIGS}/qwen3_235b_a22b", "parallel.tp=2", "parallel.pp=2", "parallel.cp=2", "parallel.ep=16",
+      "rollout.tp=16", "algo.routing_replay=none"], 235.09, "NeMo-RL's, PP 8 -> 2"),
+    ("llama3_70b", "grpo_qwen2_7b.yaml", 32, 80,
+     [f"model.path={CONFIGS}/llama3_70b", "parallel.tp=8", "parallel.pp=4", "rollout.tp=8"], 70.55,
+     "documented here: TP 8 x PP 4, 32 GPUs"),
+]
+DEFAULT_MODEL = {"grpo_qwen2_7b.yaml": "qwen2_7b", "grpo_qwen3_30b_a3b.yaml": "qwen3_30b_a3b"}
+
+
+def _plan(recipe, world, device_gib, overrides, expect=0):
+    model = [] if any(o.startswith("model.path=") for o in overrides) else [
+        f"model.path={CONFIGS}/{DEFAULT_MODEL[recipe]}"]
+    cmd = [sys.executable, "-m", "megarl.plan", "--config", os.path.join(ROOT, "configs", recipe),
+           "--world-size", str(world), "--device-gib", str(device_gib), *DATA, *model, *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), timeout=600)
+    assert proc.returncode == expect, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+@pytest.mark.parametrize("name,recipe,world,gib,overrides,billions,layout", PLANS, ids=[p[0] for p in PLANS])
+def test_the_recipe_builds_at_full_size_on_every_rank(name, recipe, world, gib, overrides, billions, layout):
+    out = _plan(recipe, world, gib, overrides).stdout
+    lines = out.splitlines()
+    head = next(x for x in lines if x.startswith("full-size plan of"))
+    assert f"{billions:.2f} B parameters" in head, head
+    assert any(f"{world} ranks brought up" in x for x in lines), out
+    shards = next(x for x in lines if x.lstrip().startswith("shards"))
+    assert "covered exactly once" in shards, shards
+    for phase in ("update", "generate"):
+        row = next(x for x in lines if x.lstrip().startswith(phase))
+        assert "DOES NOT FIT" not in row, row  # each recipe's memory per rank fits its device
+
+
+def test_what_a_launch_would_hit_is_refused_by_name():
+    """A TP that does not divide the attention heads; NeMo-RL's PP 8 for Qwen3-235B (94 layers);
+    DeepSeek-V3's architecture (not mapped yet): one error line each, naming the key and number."""
+    bad = _plan("grpo_qwen2_7b.yaml", 8, 80, ["parallel.tp=8"], expect=2)
+    assert "num_attention_heads=28 is not divisible by" in bad.stderr and "tp=8" in bad.stderr, bad.stderr[-2000:]
+    bad = _plan("grpo_qwen3_30b_a3b.yaml", 128, 80, [f"model.path={CONFIGS}/qwen3_235b_a22b", "parallel.tp=2",
+                                                     "parallel.pp=8", "parallel.cp=2", "parallel.ep=16",
+                                                     "algo.routing_replay=none"], expect=2)
+    assert "num_hidden_layers=94 is not divisible by" in bad.stderr and "pp=8" in bad.stderr, bad.stderr[-2000:]
+
+
+def test_an_architecture_the_mapping_does_not_cover_is_named(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
+        "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128, "vocab_size": 129280,
+        "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 256, "kv_lora_rank": 512,
+        "q_lora_rank": 1536, "torch_dtype": "bfloat16"}))
+    bad = _plan("grpo_qwen3_30b_a3b.yaml", 8, 141, [f"model.path={tmp_path}"], expect=2)
+    line = [x for x in bad.stderr.splitlines() if x.startswith("error:")]
+    assert len(line) == 1 and "'DeepseekV3ForCausalLM' is not supported" in line[0], bad.stderr[-2000:]
+
+
+PLANTED = r"""
+import sys
+from megarl.models import mapping
+original = mapping.shard_from_hf
+def leaky(rule, read, spec, tp_rank, tp, padded):
+    # the output projection's last TP rank reads one column short: a slice no shard covers
+    if rule.kind == mapping.ROW and tp_rank == tp - 1 and rule.megatron_name.endswith("layers.5.self_attention.linear_proj.weight"):
+        def short(name, dim, start, stop):
+            return read(name, dim, start, stop - 1)
+        import torch
+        part = original(rule, short, spec, tp_rank, tp, padded)
+        return torch.cat([part, part[:, :1]], 1)  # the shape still fits: only the coverage check can tell
+    return original(rule, read, spec, tp_rank, tp, padded)
+mapping.shard_from_hf = leaky
+from megarl.plan import main
+main(sys.argv[1:])
+"""
+
+
+def test_a_shard_plan_that_leaves_a_slice_out_is_caught():
+    cmd = [sys.executable, "-c", PLANTED, "--config", os.path.join(ROOT, "configs", "grpo_qwen2_7b.yaml"),
+           "--world-size", "8", *DATA, f"model.path={CONFIGS}/qwen2_7b"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), timeout=600)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    line = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert len(line) == 1 and "'model.layers.5.self_attn.o_proj.weight' [3583:3584] along dim 1 is read by no rank" \
+        in line[0], line
