@@ -72,6 +72,31 @@ class PlanReport:
     lines: List[str]
 
 
+def _gpu_device(dev) -> bool:
+    if isinstance(dev, int):  # torch.cuda.current_device()
+        return True
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    return isinstance(dev, torch.device) and dev.type == "cuda"
+
+
+class _OnMeta(torch.overrides.TorchFunctionMode):
+    """While a plan's model is built, a tensor meant for a GPU stays on the meta device
+    (``device=cuda`` in a factory, ``Tensor.cuda()``, ``.to(cuda)``; megatron moves a tied
+    embedding's copy with ``.cuda()``): the full-size model takes no memory, on a machine with a
+    GPU or without."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if _gpu_device(kwargs.get("device")):
+            kwargs["device"] = "meta"
+        if func is torch.Tensor.to and len(args) > 1 and _gpu_device(args[1]):
+            args = (args[0], "meta", *args[2:])
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def _fake_rank(rank: int, world: int, layout):
     """This process as global ``rank`` of ``world`` on a fake process group, with megatron's
@@ -192,7 +217,7 @@ def plan(cfg, world: int, device_gib: float = 80.0) -> PlanReport:
     logical = {"held": 0, "seen": set()}
 
     def build():
-        with torch.device("meta"):
+        with torch.device("meta"), _OnMeta():
             return build_model_chunks(spec, opts) if p.vpp > 1 else [build_model(spec, opts)]
 
     def on_model(chunks):

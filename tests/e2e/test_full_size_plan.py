@@ -31,6 +31,9 @@ PLANS = [
     ("qwen3_235b_a22b", "grpo_qwen3_30b_a3b.yaml", 128, 80,
      [f"model.path={CONFIGS}/qwen3_235b_a22b", "parallel.tp=2", "parallel.pp=2", "parallel.cp=2", "parallel.ep=16",
       "rollout.tp=16", "algo.routing_replay=none"], 235.09, "NeMo-RL's, PP 8 -> 2"),
+    # tied embeddings across pipeline stages: the last stage holds its own copy of the embedding
+    ("qwen2_5_1_5b_tied_pp2", "grpo_qwen2_7b.yaml", 8, 80,
+     [f"model.path={CONFIGS}/qwen2_5_1_5b", "parallel.tp=2", "parallel.pp=2"], 1.54, "TP 2 x PP 2"),
     ("llama3_70b", "grpo_qwen2_7b.yaml", 32, 80,
      [f"model.path={CONFIGS}/llama3_70b", "parallel.tp=8", "parallel.pp=4", "rollout.tp=8"], 70.55,
      "documented here: TP 8 x PP 4, 32 GPUs"),
@@ -57,6 +60,8 @@ def test_the_recipe_builds_at_full_size_on_every_rank(name, recipe, world, gib, 
     assert any(f"{world} ranks brought up" in x for x in lines), out
     shards = next(x for x in lines if x.lstrip().startswith("shards"))
     assert "covered exactly once" in shards, shards
+    if "tied" in name:  # the last stage's copy of the tied embedding: 151936 x 1536 more
+        assert "+ 233,373,696 (vocabulary padding, tied copies)" in shards, shards
     for phase in ("update", "generate"):
         row = next(x for x in lines if x.lstrip().startswith(phase))
         assert "DOES NOT FIT" not in row, row  # each recipe's memory per rank fits its device
