@@ -255,6 +255,13 @@ def plan(cfg, world: int, device_gib: float = 80.0) -> PlanReport:
     if problems:
         raise PlanError(f"{len(problems)} HF tensor(s) not covered exactly once at tp {p.tp} pp {p.pp} ep {p.ep}: "
                         + "; ".join(problems[:5]))
+    from megarl.commands.engine_plan import engine_reads
+
+    r = cfg.rollout
+    problems = _coverage(shapes, engine_reads(spec, r.tp, r.ep))
+    if problems:
+        raise PlanError(f"SGLang at rollout.tp={r.tp} (rollout.ep={r.ep}) would not hold {len(problems)} HF tensor(s) "
+                        "exactly once: " + "; ".join(problems[:5]))
     hf_params = sum(int(torch.Size(s).numel()) for s in shapes.values())
     tied_copy = spec.vocab_size * spec.hidden_size if (spec.tie_word_embeddings and p.pp > 1) else 0
     padding = (padded - spec.vocab_size) * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
@@ -274,6 +281,8 @@ def plan(cfg, world: int, device_gib: float = 80.0) -> PlanReport:
              "on the meta device",
              f"  shards   every one of {len(shapes)} HF tensors covered exactly once; the positions hold "
              f"{held:,} = the checkpoint's {hf_params:,} + {padding:,} (vocabulary padding, tied copies)",
+             f"  engine   SGLang at rollout.tp {r.tp}" + (f", rollout.ep {r.ep}" if r.ep > 1 else "")
+             + f": its ranks' shards of the streamed tensors tile each of them once",
              f"  per rank {min(x.params for x in positions) / 1e9:.3f}-{max(x.params for x in positions) / 1e9:.3f} B "
              f"parameters"]
     for phase, parts in memory.items():

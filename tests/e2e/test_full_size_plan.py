@@ -2,8 +2,9 @@
 at full size on the meta device at a published or documented layout, every rank brought up on a
 fake process group (megarl/commands/full_size.py).  Each proof: the HF tensors of the real
 ``config.json`` (tests/data/hf_configs) covered exactly once by the shards megarl's own mapping
-reads, the parameters over the positions equal to the published count, memory per rank per phase
-against the device.  Planted faults -- a TP that does not divide the attention heads, a layer count
+reads, and by the shards SGLang's ranks keep of the streamed tensors at ``rollout.tp``; the
+parameters over the positions equal to the published count; memory per rank per phase against the
+device.  Planted faults -- a TP that does not divide the attention heads, a layer count
 PP does not divide, an architecture the mapping does not cover, a mapping that leaves a slice of a
 tensor out -- are each one ``error:`` line naming what a launch would hit."""
 
@@ -62,6 +63,7 @@ def test_the_recipe_builds_at_full_size_on_every_rank(name, recipe, world, gib, 
     assert "covered exactly once" in shards, shards
     if "tied" in name:  # the last stage's copy of the tied embedding: 151936 x 1536 more
         assert "+ 233,373,696 (vocabulary padding, tied copies)" in shards, shards
+    assert any(x.lstrip().startswith("engine") and "tile each of them once" in x for x in lines), out
     for phase in ("update", "generate"):
         row = next(x for x in lines if x.lstrip().startswith(phase))
         assert "DOES NOT FIT" not in row, row  # each recipe's memory per rank fits its device
@@ -118,3 +120,33 @@ def test_a_shard_plan_that_leaves_a_slice_out_is_caught():
     line = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert len(line) == 1 and "'model.layers.5.self_attn.o_proj.weight' [3583:3584] along dim 1 is read by no rank" \
         in line[0], line
+
+
+ENGINE_LEAK = r"""
+import sys
+from megarl.commands import engine_plan
+original = engine_plan._slice
+def leaky(spec, name, leaf, kind, shape, r, tp, *rest):
+    # SGLang's last TP rank keeps nothing of one layer's down projection: a tensor the plan leaves out
+    if name == "model.layers.3.mlp.down_proj.weight" and r == tp - 1:
+        return ("not held",)
+    return original(spec, name, leaf, kind, shape, r, tp, *rest)
+engine_plan._slice = leaky
+from megarl.plan import main
+main(sys.argv[1:])
+"""
+
+
+def test_the_engine_shard_plan_is_checked_too():
+    """SGLang's own sharding of the streamed tensors (megarl/commands/engine_plan.py): an engine
+    TP that does not divide the attention heads is refused naming rollout.tp; a plan whose last
+    engine rank keeps no part of one tensor is caught naming it."""
+    bad = _plan("grpo_qwen2_7b.yaml", 8, 80, ["rollout.tp=8"], expect=2)
+    assert "error: rollout.tp: SGLang splits num_attention_heads=28 over 8 ranks" in bad.stderr, bad.stderr[-2000:]
+    cmd = [sys.executable, "-c", ENGINE_LEAK, "--config", os.path.join(ROOT, "configs", "grpo_qwen2_7b.yaml"),
+           "--world-size", "8", *DATA, f"model.path={CONFIGS}/qwen2_7b"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), timeout=600)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    line = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert len(line) == 1 and "SGLang at rollout.tp=2" in line[0] and \
+        "'model.layers.3.mlp.down_proj.weight' [9472:18944] along dim 1 is read by no rank" in line[0], line
