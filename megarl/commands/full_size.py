@@ -103,8 +103,15 @@ def _fake_rank(rank: int, world: int, layout):
     parallel state at ``layout`` (a ParallelLayout)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    try:  # torch's fake process group (its own tests' tool): collectives that do nothing
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as e:
+        raise PlanError(f"torch {torch.__version__} has no fake process group "
+                        f"(torch.testing._internal.distributed.fake_pg): {e}") from e
+    if dist.is_initialized():
+        raise PlanError("the full-size plan brings up its own fake world; run it in a process of its own "
+                        "(python -m megarl.plan), not under torchrun")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         ps.initialize_model_parallel(
