@@ -14,8 +14,10 @@ import torch
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 #: the mixture-of-experts families (4 experts, top-2 by default): Qwen3-MoE (q/k norm, top-k
 #: renormalised), Qwen2-MoE (q/k/v bias, a shared expert behind a sigmoid gate, raw top-k
-#: weights) and Mixtral (block_sparse_moe w1/w2/w3)
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+#: weights), Mixtral (block_sparse_moe w1/w2/w3) and DeepSeek-V3 (multi-latent attention, sigmoid
+#: routing with an expert-score bias over groups, scaled weights, a shared expert, a first dense layer)
+#: and GLM-4.5 (q/k/v bias, q/k norm, half the head rotary, DeepSeek-V3's routing)
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe")
 
 
 def tiny_hf_config(family: str, vocab_size: int = 300, hidden_size: int = 64, num_layers: int = 2,
@@ -46,7 +48,29 @@ def tiny_hf_config(family: str, vocab_size: int = 300, hidden_size: int = 64, nu
         moe = dict(num_experts_per_tok=extra.pop("num_experts_per_tok", 2))
         experts = extra.pop("num_experts", 4)
         tie = bool(tie_word_embeddings)
-        if family == "mixtral":
+        if family == "deepseek_v3":
+            # every head its own key and value (MLA): num_kv_heads does not apply; two groups of
+            # experts, one chosen (DeepSeek's group score, the two best, is megatron's at top-2)
+            common["num_key_value_heads"] = num_heads
+            mla = dict(kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+                       n_group=2, topk_group=1, first_k_dense_replace=1 if num_layers > 1 else 0,
+                       n_shared_experts=1, routed_scaling_factor=2.5, num_nextn_predict_layers=0)
+            mla.update({k: extra.pop(k) for k in list(extra) if k in mla})
+            cfg = transformers.DeepseekV3Config(**common, n_routed_experts=experts, tie_word_embeddings=tie,
+                                                moe_intermediate_size=extra.pop("moe_intermediate_size",
+                                                                                intermediate_size // 2),
+                                                **moe, **mla, **extra)
+        elif family == "glm4_moe":
+            glm = dict(n_group=2, topk_group=1, first_k_dense_replace=1 if num_layers > 1 else 0, n_shared_experts=1,
+                       routed_scaling_factor=2.5, num_nextn_predict_layers=0, attention_bias=True, use_qk_norm=True,
+                       partial_rotary_factor=0.5)
+            glm.update({k: extra.pop(k) for k in list(extra) if k in glm})
+            cfg = transformers.Glm4MoeConfig(**common, head_dim=hidden_size // num_heads, n_routed_experts=experts,
+                                             tie_word_embeddings=tie,
+                                             moe_intermediate_size=extra.pop("moe_intermediate_size",
+                                                                             intermediate_size // 2),
+                                             **moe, **glm, **extra)
+        elif family == "mixtral":
             cfg = transformers.MixtralConfig(**common, num_local_experts=experts, sliding_window=None,
                                              tie_word_embeddings=tie, **moe, **extra)
         else:
@@ -95,6 +119,9 @@ def make_tiny_hf_checkpoint(out_dir: str, family: str = "llama", seed: int = 0,
             elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight")):
                 # routers (and the shared expert's gate): decisive, far from ties between experts
                 p.copy_(torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3: the bias moves some choices
+                b.copy_(0.1 * torch.randn_like(b))
     model = model.to(dtype)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)

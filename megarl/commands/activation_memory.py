@@ -51,6 +51,11 @@ def _layer_bytes(spec, i: int, T: int, tp: int, etp: int, sp: bool, drop: set) -
     seq = tp if sp else 1
     norms_in, norms_out = 2 * h / seq, (0 if "layernorm" in drop else 2 * h / seq)
     attn = (2 * q + 2 * kv) / tp
+    mla = getattr(spec, "mla", None)
+    if mla is not None:  # the gathered latents (whole on every TP rank), then q, k, v and the output
+        latents = (mla.q_lora_rank or 0) + mla.kv_lora_rank + mla.qk_rope_head_dim
+        n = spec.num_attention_heads
+        attn = 2 * latents + (2 * n * spec.head_dim + 2 * n * mla.v_head_dim) / tp
     moe = getattr(spec, "moe", None)
     if moe is not None and moe.moe_layers[i]:
         inner = 0 if drop & {"moe", "moe_act"} else moe.top_k * 3 * moe.ffn_hidden_size / etp

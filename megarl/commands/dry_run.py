@@ -35,13 +35,27 @@ class ParamCount:
     per_shard_experts: int = 0
 
 
+def attention_params(spec) -> int:
+    """One layer's attention parameters: grouped-query (q, k, v, o, their biases, q/k norms) or
+    multi-latent (the q and kv down and up projections, their latent norms, o)."""
+    h, d = spec.hidden_size, spec.head_dim
+    mla = getattr(spec, "mla", None)
+    if mla is not None:
+        n = spec.num_attention_heads
+        q = h * n * d if mla.q_lora_rank is None else (h + 1 + n * d) * mla.q_lora_rank
+        kv = h * (mla.kv_lora_rank + mla.qk_rope_head_dim) + mla.kv_lora_rank * (1 + n * (mla.qk_nope_head_dim
+                                                                                       + mla.v_head_dim))
+        return q + kv + n * mla.v_head_dim * h
+    q, kv = spec.num_attention_heads * d, spec.num_query_groups * d
+    return h * (q + 2 * kv) + q * h + ((q + 2 * kv) if spec.qkv_bias else 0) + (2 * d if spec.qk_norm else 0)
+
+
 def count_params(spec, vocab_multiple: int, tp: int, pp: int, value_head: bool = False, ep: int = 1,
                  etp: Optional[int] = None) -> ParamCount:
     """Parameters of ``spec``: the whole model, and the heaviest shard (routed experts split over
     ``ep`` x ``etp``, everything else over ``tp``; the router is counted with the latter)."""
-    h, d = spec.hidden_size, spec.head_dim
-    q, kv = spec.num_attention_heads * d, spec.num_query_groups * d
-    attn = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if spec.qkv_bias else 0) + (2 * d if spec.qk_norm else 0)
+    h = spec.hidden_size
+    attn = attention_params(spec)
     dense_mlp = 3 * h * spec.ffn_hidden_size  # SwiGLU: gate, up, down
     moe = getattr(spec, "moe", None)
     etp = tp if etp is None else etp
@@ -51,7 +65,8 @@ def count_params(spec, vocab_multiple: int, tp: int, pp: int, value_head: bool =
         if moe is not None and moe.moe_layers[i]:
             shared = 3 * h * (moe.shared_expert_ffn_hidden_size or 0) + (h if moe.shared_expert_gate else 0)
             routed = moe.num_experts * 3 * h * moe.ffn_hidden_size
-            per_layer.append((attn + 2 * h + moe.num_experts * h + shared, routed))
+            router = moe.num_experts * (h + (1 if moe.router_expert_bias else 0))
+            per_layer.append((attn + 2 * h + router + shared, routed))
         else:
             per_layer.append((attn + 2 * h + dense_mlp, 0))
     vocab = spec.padded_vocab_size(vocab_multiple)

@@ -14,7 +14,11 @@ megarl streams whole HF tensors; each SGLang TP rank keeps its part as SGLang's 
   then split in equal row ranges (the padding rows are no HF rows);
 * a mixture-of-experts layer (``FusedMoE``): the routed experts split over ``ep`` ranks
   (``num_experts % ep == 0``), each expert's intermediate size over ``moe_tp = tp / ep`` ranks;
-  the router, norms and a shared expert's gate replicated; a shared expert is a dense MLP at ``tp``.
+  the router, norms and a shared expert's gate replicated; a shared expert is a dense MLP at ``tp``;
+* multi-latent attention (``models/deepseek_v2.py``): the down projections ``q_a_proj`` and
+  ``kv_a_proj_with_mqa`` and the latent norms replicated, ``q_b_proj`` / ``q_proj`` and
+  ``kv_b_proj`` column-parallel (rows per head), ``o_proj`` row-parallel; the router's expert-score
+  bias replicated.
 
 Each rule here returns the slice a rank holds; the proof checks that the ranks' slices tile
 every HF tensor once (the same check as the training side's), and a size that does not divide
@@ -98,6 +102,8 @@ def _slice(spec, name, leaf, kind, shape, r, tp, ep, moe_tp, heads, kv_per_rank,
         return (0, head * d, (head + kv_per_rank) * d)
     if leaf == "o_proj":
         return (1, *_rows(shape[1], tp, r, "the attention output width", "rollout.tp")) if kind == "weight" else None
+    if leaf in ("q_b_proj", "kv_b_proj"):  # multi-latent attention's up projections: rows per head
+        return (0, *_rows(shape[0], tp, r, "the heads' rows of " + leaf, "rollout.tp"))
     if leaf in ("gate_proj", "up_proj"):
         return (0, *_rows(shape[0], tp, r, "intermediate_size", "rollout.tp"))
     if leaf == "down_proj":

@@ -98,6 +98,22 @@ class _OnMeta(torch.overrides.TorchFunctionMode):
 
 
 @contextlib.contextmanager
+def _device_index_without_cuda():
+    """``torch.cuda.current_device()`` answering 0 on a machine without CUDA while a plan's model is
+    built (multi-latent attention builds its RoPE table on it, whatever ``use_cpu_initialization``
+    says): :class:`_OnMeta` puts what lands on that index on the meta device."""
+    if torch.cuda.is_available():
+        yield
+        return
+    original = torch.cuda.current_device
+    torch.cuda.current_device = lambda: 0
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = original
+
+
+@contextlib.contextmanager
 def _fake_rank(rank: int, world: int, layout):
     """This process as global ``rank`` of ``world`` on a fake process group, with megatron's
     parallel state at ``layout`` (a ParallelLayout)."""
@@ -224,7 +240,10 @@ def plan(cfg, world: int, device_gib: float = 80.0) -> PlanReport:
     logical = {"held": 0, "seen": set()}
 
     def build():
-        with torch.device("meta"), _OnMeta():
+        from megarl.runtime import cpu_compat
+
+        cpu_compat.patch_mla_te_flag()  # inert where transformer-engine is installed
+        with torch.device("meta"), _OnMeta(), _device_index_without_cuda():
             return build_model_chunks(spec, opts) if p.vpp > 1 else [build_model(spec, opts)]
 
     def on_model(chunks):
@@ -234,7 +253,7 @@ def plan(cfg, world: int, device_gib: float = 80.0) -> PlanReport:
         etp, etp_rank = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
         rules = {r.megatron_name: r for r in mapping.rules(spec)}
         for chunk in chunks:
-            params = dict(chunk.named_parameters())
+            params = dict(mapping.named_mapped_tensors(chunk))
             local_rules = dict(rules)
             if spec.tie_word_embeddings and not spec.value_head:
                 local_rules["output_layer.weight"] = mapping.ParamRule(

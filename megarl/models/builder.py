@@ -119,16 +119,19 @@ def padded_vocab_size(spec: ModelSpec, opts: BuildOptions) -> int:
 
 
 def transformer_config(spec: ModelSpec, opts: BuildOptions):
-    """megatron ``TransformerConfig`` realising ``spec`` exactly (dropout 0, no fusions on CPU)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    """megatron ``TransformerConfig`` realising ``spec`` exactly (dropout 0, no fusions on CPU);
+    ``MLATransformerConfig`` for multi-latent attention (:func:`mla_transformer_config`)."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     problem = cpu_compat.params_dtype_problem(opts.params_dtype)
     if problem is not None:
         raise ModelConfigError(f"model.dtype={opts.params_dtype}: {problem}")
     bf16 = opts.params_dtype == torch.bfloat16
     fp16 = opts.params_dtype == torch.float16
-    return TransformerConfig(**cpu_compat.adjust_transformer_config(dict(
+    cls = MLATransformerConfig if spec.mla is not None else TransformerConfig
+    return cls(**cpu_compat.adjust_transformer_config(dict(
         **moe_transformer_config(spec, opts),
+        **mla_transformer_config(spec),
         **_recompute_config(opts),
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -142,7 +145,7 @@ def transformer_config(spec: ModelSpec, opts: BuildOptions):
         activation_func=F.silu,
         add_bias_linear=spec.linear_bias,
         add_qkv_bias=spec.qkv_bias,
-        qk_layernorm=spec.qk_norm,
+        qk_layernorm=spec.qk_norm or spec.mla is not None,  # under MLA: the q and kv latent norms
         hidden_dropout=0.0,
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
@@ -170,6 +173,26 @@ def transformer_config(spec: ModelSpec, opts: BuildOptions):
     )))
 
 
+def mla_transformer_config(spec: ModelSpec) -> dict:
+    """The multi-latent attention fields of megatron's ``MLATransformerConfig`` ({} without MLA).
+
+    RoPE on the ``qk_rope_head_dim`` part only: unscaled (``rope_type="rope"``, scaling factor 1:
+    the softmax scale is ``1 / sqrt(qk_nope + qk_rope)``) or YaRN (``rope_type="yarn"``)."""
+    mla = spec.mla
+    if mla is None:
+        return {}
+    out = dict(q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank, qk_head_dim=mla.qk_nope_head_dim,
+               qk_pos_emb_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim, rope_type="rope",
+               rotary_base=spec.rope_theta, rotary_percent=1.0, rotary_scaling_factor=1.0, mscale=1.0,
+               mscale_all_dim=0.0)
+    if mla.yarn is not None:  # YaRN (hf_config.YarnScaling): megatron's YarnRotaryEmbedding and softmax scale
+        y = mla.yarn
+        out.update(rope_type="yarn", rotary_scaling_factor=y.factor,
+                   original_max_position_embeddings=y.original_max_position_embeddings, beta_fast=y.beta_fast,
+                   beta_slow=y.beta_slow, mscale=y.mscale, mscale_all_dim=y.mscale_all_dim)
+    return out
+
+
 def moe_transformer_config(spec: ModelSpec, opts: BuildOptions) -> dict:
     """The MoE fields of megatron's ``TransformerConfig`` for ``spec`` ({} for a dense model).
 
@@ -193,6 +216,9 @@ def moe_transformer_config(spec: ModelSpec, opts: BuildOptions) -> dict:
         moe_router_group_topk=moe.group_topk,
         moe_router_topk_scaling_factor=moe.routed_scaling_factor,
         moe_router_enable_expert_bias=moe.router_expert_bias,
+        # the checkpoint's expert bias is part of the function: it moves only with the weights,
+        # not by megatron's aux-loss-free balancing update (a pre-training device, off in RL)
+        moe_router_bias_update_rate=0.0,
         moe_router_dtype="fp32",
         moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=opts.moe_aux_loss_coeff,
@@ -227,10 +253,59 @@ def layer_spec(spec: ModelSpec, opts: BuildOptions, config=None, vp_stage: Optio
         built = gpt_layer_specs.get_gpt_layer_local_spec(
             qk_layernorm=spec.qk_norm, normalization="RMSNorm"
         )
+    if spec.mla is not None:
+        built = mla_duplicated_down_projections(built, opts.resolved_te())
     if opts.resolved_te() or not cpu_compat.use_local_layer_stand_ins():
         return built
     # megatron's local layers refuse packed sequences, context and sequence parallelism
     return cpu_layers.local_spec(built, config, vp_stage)
+
+
+def mla_duplicated_down_projections(block, te: bool):
+    """The MLA layers of ``block`` with their q and kv down projections duplicated on every TP rank
+    (each rank the whole weight, its gradient summed over the TP ranks under sequence parallelism).
+
+    That is megatron's transformer-engine spec (``TELinear``, ``parallel_mode="duplicated"``); its
+    local spec builds them column-parallel instead, and then the RoPE part of the kv latent
+    (``k_pos_emb``, cut out after the all-gather) takes only this rank's heads' gradient: the
+    rows of ``kv_a_proj_with_mqa`` that make it, and everything before, train on a partial sum.
+    megatron's ``Linear`` (``post_training/modelopt/layers.py``, a ``torch.nn.Linear`` marked
+    ``sequence_parallel``) is the duplicated linear MLA accepts without transformer-engine."""
+    if te:
+        return block
+    from megatron.core.post_training.modelopt.layers import Linear
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    def fix(layer):
+        attn = layer.submodules.self_attention
+        if attn.module is not MLASelfAttention:
+            return layer
+        sub = attn.submodules
+        changes = {k: Linear for k in ("linear_q_down_proj", "linear_kv_down_proj")
+                   if getattr(sub, k) is ColumnParallelLinear}
+        attn = dataclasses.replace(attn, submodules=dataclasses.replace(sub, **changes))
+        return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=attn))
+
+    return dataclasses.replace(block, layer_specs=[fix(layer) for layer in block.layer_specs])
+
+
+def set_latent_norm_eps(model, eps: float) -> None:
+    """Give MLA's q and kv latent norms ``eps`` (transformers builds them with 1e-6 whatever
+    ``rms_norm_eps`` is; megatron with ``layernorm_epsilon``): the torch norms of the local spec,
+    or the norms transformer-engine fuses into the up projections."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    for module in model.modules():
+        if not isinstance(module, MLASelfAttention):
+            continue
+        for norm, fused in (("q_layernorm", "linear_q_up_proj"), ("kv_layernorm", "linear_kv_up_proj")):
+            target = getattr(module, norm, None)
+            if target is not None and hasattr(target, "eps"):
+                target.eps = eps
+            up = getattr(module, fused, None)
+            if up is not None and hasattr(up, "layer_norm_weight") and hasattr(up, "eps"):
+                up.eps = eps
 
 
 class ScalarValueHead(torch.nn.Module):
@@ -362,6 +437,7 @@ def build_model(spec: ModelSpec, opts: BuildOptions, seed: int = 1234, vp_stage:
         parallel_output=True,
         share_embeddings_and_output_weights=spec.tie_word_embeddings and not spec.value_head,
         position_embedding_type="rope",
+        rotary_percent=spec.rotary_percent,
         rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
         rope_scaling=False,
         **virtual,
@@ -382,6 +458,8 @@ def build_model(spec: ModelSpec, opts: BuildOptions, seed: int = 1234, vp_stage:
                                              sequence_parallel=opts.resolved_sp).to(
             next(model.parameters()).device
         )
+    if spec.mla is not None:
+        set_latent_norm_eps(model, spec.mla.latent_norm_eps)
     if not opts.init_weights:
         _ensure_tp_attributes(model)
     model = cpu_compat.model_to_device(model)

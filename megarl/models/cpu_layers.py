@@ -173,8 +173,14 @@ class LocalAttention(DotProductAttention):
 
     takes_thd = True  # read by models/forward.py before a packed forward
 
-    def __init__(self, config, *args, **kwargs):
+    def __init__(self, config, *args, k_channels=None, v_channels=None, **kwargs):
         local_attention_init(DotProductAttention.__init__, self, config, *args, **kwargs)
+        if v_channels is not None:
+            # multi-latent attention: keys of k_channels, values of v_channels per head (TE's
+            # attention takes both; megatron's local one assumes kv_channels for both)
+            tp = self.pg_collection.tp.size()
+            self.hidden_size_per_partition = v_channels * config.num_attention_heads // tp
+            self.hidden_size_per_attention_head = k_channels
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):

@@ -4,7 +4,8 @@ The PaLM convention (Chowdhery et al. 2022, "PaLM: Scaling Language Modeling wit
 Appendix B): a token of a sequence of length T costs ``6 N + 12 L H Q T`` FLOPs in a forward and
 backward pass, N the parameters its matrix multiplications touch (attention and MLP projections
 and the output layer: no embedding lookup, norm or bias), L the layers, H the attention heads and
-Q the head dimension; the second term is the attention scores and their weighted sum, counted in
+Q the head dimension (multi-latent attention: the mean of its query/key and value widths, and N
+its latent projections); the second term is the attention scores and their weighted sum, counted in
 full (not halved for the causal mask) as PaLM counts it.  A mixture-of-experts layer touches its
 router, its shared expert and ``top_k`` routed experts per token.  MFU is these FLOPs over the
 step's seconds times the devices' declared peak (``trainer.peak_flops``): recomputed activations
@@ -24,6 +25,13 @@ def matmul_params_per_token(spec, vocab_size: int) -> int:
     h, d = spec.hidden_size, spec.head_dim
     q, kv = spec.num_attention_heads * d, spec.num_query_groups * d
     attn = h * (q + 2 * kv) + q * h
+    mla = getattr(spec, "mla", None)
+    if mla is not None:  # the down and up projections of the q and kv latents, and o
+        n = spec.num_attention_heads
+        attn = (h * n * d if mla.q_lora_rank is None else (h + n * d) * mla.q_lora_rank)
+        attn += h * (mla.kv_lora_rank + mla.qk_rope_head_dim) + mla.kv_lora_rank * n * (mla.qk_nope_head_dim
+                                                                                     + mla.v_head_dim)
+        attn += n * mla.v_head_dim * h
     moe = getattr(spec, "moe", None)
     n = 0
     for i in range(spec.num_layers):
@@ -41,4 +49,7 @@ def train_flops(spec, vocab_size: int, lengths: Iterable[int]) -> float:
     backward of each)."""
     n = matmul_params_per_token(spec, vocab_size)
     lhq = spec.num_layers * spec.num_attention_heads * spec.head_dim
+    mla = getattr(spec, "mla", None)
+    if mla is not None:  # scores over q_head_dim, the weighted sum over v_head_dim: 6 L H (Q + V) T
+        lhq = spec.num_layers * spec.num_attention_heads * (spec.head_dim + mla.v_head_dim) / 2
     return float(sum((6 * n + 12 * lhq * t) * t for t in lengths))

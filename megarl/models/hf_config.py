@@ -11,6 +11,7 @@ silently different model is worse than not starting.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -41,16 +42,25 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": ("qwen3_moe", "lm"),
     "Qwen2MoeForCausalLM": ("qwen2_moe", "lm"),
     "MixtralForCausalLM": ("mixtral", "lm"),
+    "DeepseekV3ForCausalLM": ("deepseek_v3", "lm"),
+    "Glm4MoeForCausalLM": ("glm4_moe", "lm"),
 }
-MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral"}
+MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe"}
 #: model_type -> the architecture a config without ``architectures`` gets
 _DEFAULT_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
 #: mixture-of-experts family -> the dense family whose attention it shares, and the HF tensor
 #: naming of its MoE block (:data:`megarl.models.mapping.MOE_HF_NAMES`)
 MOE_FAMILIES = {"qwen3_moe": ("qwen3", "qwen_moe"), "qwen2_moe": ("qwen2", "qwen_moe"),
-                "mixtral": ("mistral", "mixtral")}
+                "mixtral": ("mistral", "mixtral"), "deepseek_v3": ("deepseek_v3", "deepseek"),
+                # GLM-4.5: grouped-query attention of its own, DeepSeek-V3's MoE block and routing
+                "glm4_moe": ("glm4_moe", "deepseek")}
+#: families whose attention is multi-latent attention (:class:`MLASpec`)
+MLA_FAMILIES = {"deepseek_v3"}
+#: families whose RoPE turns only the first ``partial_rotary_factor`` of each head (rotate-half)
+PARTIAL_ROTARY_FAMILIES = {"glm4_moe"}
 
 # Keys that describe bookkeeping, generation defaults or HF runtime switches: they do not
 # change the function the network computes, so they are accepted and carried along.
@@ -85,6 +95,22 @@ _MOE_SEMANTIC_KEYS = {
     "qwen2_moe": {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                   "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size", "qkv_bias"},
     "mixtral": {"num_local_experts", "num_experts_per_tok", "router_jitter_noise"},
+    # DeepSeek-V3 (transformers' DeepseekV3Config, and the keys of DeepSeek's own config.json):
+    # ``aux_loss_alpha`` / ``seq_aux`` are its training-time balance loss and ``ep_size`` a
+    # parallel hint, carried like ``router_aux_loss_coef``; ``head_dim`` / ``qk_head_dim`` are
+    # derived by transformers (checked against the MLA sizes)
+    "deepseek_v3": {"n_routed_experts", "num_local_experts", "n_shared_experts", "routed_scaling_factor",
+                    "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim",
+                    "qk_head_dim", "n_group", "topk_group", "num_experts_per_tok", "first_k_dense_replace",
+                    "norm_topk_prob", "moe_intermediate_size", "rope_interleave", "num_nextn_predict_layers",
+                    "num_mtp_layers", "moe_layer_freq", "topk_method", "scoring_func", "ep_size",
+                    "aux_loss_alpha", "seq_aux"},
+    # GLM-4.5 / GLM-4.5-Air (transformers' Glm4MoeConfig): q/k/v bias (``attention_bias``, o_proj
+    # without), optional per-head q/k norm, partial rotary, DeepSeek-V3's routing
+    "glm4_moe": {"n_routed_experts", "num_local_experts", "n_shared_experts", "routed_scaling_factor", "n_group",
+                 "topk_group", "num_experts_per_tok", "first_k_dense_replace", "norm_topk_prob",
+                 "moe_intermediate_size", "use_qk_norm", "num_nextn_predict_layers", "num_mtp_layers",
+                 "moe_layer_freq", "topk_method", "scoring_func"},
 }
 
 
@@ -94,6 +120,52 @@ class Llama3RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN RoPE scaling as DeepSeek-V3 configures it (arXiv:2309.00071; transformers'
+    ``_compute_yarn_parameters`` and ``yarn_apply_mscale``; megatron-core's
+    ``YarnRotaryEmbedding``): the rotary frequencies interpolated by ``factor`` outside the
+    ``[beta_slow, beta_fast]`` rotation band of ``original_max_position_embeddings``; cos and sin
+    scaled by ``m(mscale) / m(mscale_all_dim)`` and the softmax scale by ``m(mscale_all_dim)**2``,
+    ``m(x) = 0.1 x ln(factor) + 1``."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-latent attention (DeepSeek-V2/V3; megatron-core ``MLASelfAttention``).
+
+    Per token: ``c_q = RMSNorm(W_qa x)`` (``q_lora_rank`` wide; without it ``q = W_q x``),
+    ``q = W_qb c_q`` split per head into a ``qk_nope_head_dim`` part and a ``qk_rope_head_dim``
+    part that takes RoPE; ``[c_kv; k_rope] = W_kva x``, ``c_kv`` RMS-normalised and expanded per
+    head by ``W_kvb`` into ``[k_nope; v]`` (``qk_nope_head_dim`` + ``v_head_dim``), ``k_rope`` one
+    RoPE'd vector shared by every head.  Attention scores use ``qk_nope + qk_rope`` wide keys
+    scaled by ``1 / sqrt(qk_nope + qk_rope)``.  DeepSeek-V2 (arXiv:2405.04434), section 2.1.
+
+    ``rope_interleave``: DeepSeek's checkpoints hold the RoPE dimensions as interleaved pairs;
+    megatron's MLA takes them so (its ``apply_rotary_pos_emb`` de-interleaves for MLA), as
+    transformers does with ``rope_interleave=true``.  The latent norms take ``latent_norm_eps``
+    (transformers builds them with its default 1e-6, not ``rms_norm_eps``)."""
+
+    q_lora_rank: Optional[int]
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    latent_norm_eps: float = 1e-6
+    yarn: Optional[YarnScaling] = None
+
+    @property
+    def q_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -160,6 +232,9 @@ class ModelSpec:
     #: that is not ``pad_token_id`` (:func:`sequence_score_positions`); the per-token outputs exist too
     sequence_score: bool = False
     moe: Optional[MoESpec] = None  # mixture-of-experts families; None: every layer is dense
+    #: the fraction of each head's dimensions RoPE turns (GLM-4.5: 0.5; rotate-half on the first part)
+    rotary_percent: float = 1.0
+    mla: Optional[MLASpec] = None  # multi-latent attention (DeepSeek-V3); None: grouped-query attention
     raw_config: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -207,11 +282,6 @@ def _rope(cfg: dict, where: str) -> tuple[float, Optional[Llama3RopeScaling]]:
         key = "rope_scaling"
     if theta is None:
         raise ModelConfigError(f"{where}: required key 'rope_theta' is missing")
-    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ModelConfigError(
-            f"{where}: partial_rotary_factor={cfg['partial_rotary_factor']} is not supported "
-            "(only full rotary embeddings)"
-        )
     if not scaling:
         return float(theta), None
     rope_type = scaling.get("rope_type", scaling.get("type"))
@@ -286,6 +356,11 @@ def _biases(cfg: dict, family: str, attn_family: str, moe_family: bool, where: s
     ``add_bias_linear`` covers o_proj and the MLP together, and MoE experts take none."""
     attention_bias = bool(cfg.get("attention_bias", False))
     mlp_bias = bool(cfg.get("mlp_bias", False))
+    if attn_family == "glm4_moe":  # q/k/v take attention_bias, o_proj and the MLPs no bias
+        return attention_bias, False
+    if family in MLA_FAMILIES and attention_bias:
+        raise ModelConfigError(f"{where}: attention_bias=true is not supported for {family} (megatron-core's "
+                               "multi-latent attention builds its projections without a bias)")
     if attn_family == "qwen2":
         return bool(cfg.get("qkv_bias", True)), False
     if moe_family and (attention_bias or mlp_bias):
@@ -325,7 +400,11 @@ def spec_from_hf_config(cfg: dict, where: str = "config.json") -> ModelSpec:
         raise ModelConfigError(f"{where}: hidden_act='{act}' is not supported (expected 'silu')")
 
     hidden = int(_require(cfg, "hidden_size", where))
-    heads, groups, head_dim = _attention_heads(cfg, hidden, where)
+    mla = _mla_spec(cfg, where) if family in MLA_FAMILIES else None
+    if mla is not None:
+        heads, groups, head_dim = _mla_heads(cfg, mla, where)
+    else:
+        heads, groups, head_dim = _attention_heads(cfg, hidden, where)
     qkv_bias, linear_bias = _biases(cfg, family, attn_family, moe_family, where)
 
     sliding_window = cfg.get("sliding_window")
@@ -335,7 +414,13 @@ def spec_from_hf_config(cfg: dict, where: str = "config.json") -> ModelSpec:
                 f"{where}: use_sliding_window=true is not supported (sliding window attention)"
             )
         sliding_window = None
-    theta, rope_scaling = _rope(cfg, where)
+    if mla is not None:
+        yarn, cfg_no_yarn = _split_yarn(cfg, where)
+        mla = dataclasses.replace(mla, yarn=yarn)
+        theta, rope_scaling = _rope(cfg_no_yarn, where)
+    else:
+        theta, rope_scaling = _rope(cfg, where)
+    rotary = _rotary_fraction(cfg, family, head_dim, where)
     if rope_scaling is not None and family != "llama":
         raise ModelConfigError(f"{where}: llama3 rope scaling on family '{family}' is unexpected")
 
@@ -366,15 +451,98 @@ def spec_from_hf_config(cfg: dict, where: str = "config.json") -> ModelSpec:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         linear_bias=linear_bias,
-        qk_norm=(attn_family == "qwen3"),
+        qk_norm=(attn_family == "qwen3") or (attn_family == "glm4_moe" and bool(cfg.get("use_qk_norm", False))),
+        rotary_percent=rotary,
         rope_scaling=rope_scaling,
         sliding_window=int(sliding_window) if sliding_window else None,
         value_head=head in ("value", "sequence"),
         value_head_bias=(head == "value") and bool(cfg.get("token_classification_bias", True)),
         sequence_score=(head == "sequence"),
         moe=moe,
+        mla=mla,
         raw_config=dict(cfg),
     )
+
+
+def _mla_spec(cfg: dict, where: str) -> MLASpec:
+    """The :class:`MLASpec` of a DeepSeek-V3 config (sizes named on refusal)."""
+    q_rank = cfg.get("q_lora_rank")
+    mla = MLASpec(q_lora_rank=int(q_rank) if q_rank else None,
+                  kv_lora_rank=int(_require(cfg, "kv_lora_rank", where)),
+                  qk_nope_head_dim=int(_require(cfg, "qk_nope_head_dim", where)),
+                  qk_rope_head_dim=int(_require(cfg, "qk_rope_head_dim", where)),
+                  v_head_dim=int(_require(cfg, "v_head_dim", where)))
+    if not cfg.get("rope_interleave", True):
+        # megatron's MLA always reads the RoPE part as interleaved pairs (DeepSeek's layout)
+        raise ModelConfigError(f"{where}: rope_interleave=false is not supported (megatron-core's multi-latent "
+                               "attention takes the RoPE dimensions as interleaved pairs, DeepSeek's layout)")
+    if mla.qk_rope_head_dim % 2:
+        raise ModelConfigError(f"{where}: qk_rope_head_dim={mla.qk_rope_head_dim} must be even (RoPE rotates pairs)")
+    for key, want in (("qk_head_dim", mla.q_head_dim), ("head_dim", mla.qk_rope_head_dim)):
+        if key in cfg and cfg[key] is not None and int(cfg[key]) != want:
+            raise ModelConfigError(f"{where}: {key}={cfg[key]} disagrees with the MLA sizes (expected {want}: "
+                                   "qk_nope_head_dim + qk_rope_head_dim, and qk_rope_head_dim for head_dim)")
+    return mla
+
+
+def _rotary_fraction(cfg: dict, family: str, head_dim: int, where: str) -> float:
+    """``partial_rotary_factor`` (top level, or in transformers 5's ``rope_parameters``): the
+    fraction of each head RoPE turns; refused where the family turns the whole head."""
+    params = cfg.get("rope_parameters") or {}
+    frac = float(cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)) or 1.0)
+    if frac == 1.0:
+        return 1.0
+    if family not in PARTIAL_ROTARY_FAMILIES:
+        raise ModelConfigError(f"{where}: partial_rotary_factor={frac} is not supported for {family} "
+                               "(only full rotary embeddings)")
+    if not 0 < frac < 1 or (head_dim * frac) % 2:
+        raise ModelConfigError(f"{where}: partial_rotary_factor={frac} of head_dim={head_dim} does not give an "
+                               "even number of rotary dimensions")
+    return frac
+
+
+def _split_yarn(cfg: dict, where: str) -> tuple[Optional[YarnScaling], dict]:
+    """DeepSeek-V3's YaRN scaling (``rope_scaling`` / ``rope_parameters`` of type yarn), and the
+    config without it (for :func:`_rope`, which reads theta and refuses every other type)."""
+    key = "rope_parameters" if cfg.get("rope_parameters") is not None else "rope_scaling"
+    scaling = cfg.get(key) or {}
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return None, cfg
+    known = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
+             "beta_slow", "mscale", "mscale_all_dim", "truncate"}
+    unknown = sorted(set(scaling) - known)
+    if unknown:
+        raise ModelConfigError(f"{where}: {key} of type yarn has key(s) {unknown} megarl does not realise")
+    if scaling.get("truncate", True) is not True:
+        raise ModelConfigError(f"{where}: {key}.truncate=false is not supported (megatron-core rounds the "
+                               "correction range to whole dimensions)")
+    try:
+        yarn = YarnScaling(factor=float(scaling["factor"]),
+                           original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+                           beta_fast=float(scaling.get("beta_fast") or 32), beta_slow=float(scaling.get("beta_slow") or 1),
+                           mscale=float(scaling.get("mscale") or 1.0),
+                           mscale_all_dim=float(scaling.get("mscale_all_dim") or 0.0))
+    except KeyError as e:
+        raise ModelConfigError(f"{where}: {key} of type yarn lacks key {e}") from None
+    if yarn.mscale != 1.0 and not yarn.mscale_all_dim:
+        # transformers then ignores mscale (attention factor m(1)); megatron divides m(mscale) by m(0)
+        raise ModelConfigError(f"{where}: {key}.mscale={yarn.mscale} without mscale_all_dim is not supported "
+                               "(transformers and megatron-core scale cos/sin differently there)")
+    rest = dict(cfg)
+    rest[key] = {"rope_type": "default", "rope_theta": scaling["rope_theta"]} if "rope_theta" in scaling else None
+    return yarn, rest
+
+
+def _mla_heads(cfg: dict, mla: MLASpec, where: str) -> tuple[int, int, int]:
+    """``(heads, query groups, head_dim)`` of multi-latent attention: every head has its own key
+    and value (expanded from the shared latent), so the groups are the heads; head_dim is the
+    query/key width."""
+    heads = int(_require(cfg, "num_attention_heads", where))
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    if kv_heads != heads:
+        raise ModelConfigError(f"{where}: num_key_value_heads={kv_heads} with multi-latent attention must equal "
+                               f"num_attention_heads={heads} (each head's key and value come from the latent)")
+    return heads, heads, mla.q_head_dim
 
 
 def _moe_spec(cfg: dict, family: str, num_layers: int, intermediate: int, where: str) -> MoESpec:
@@ -392,6 +560,8 @@ def _moe_spec(cfg: dict, family: str, num_layers: int, intermediate: int, where:
                 f"{where}: router_jitter_noise={jitter} is not supported (transformers scales the "
                 "experts' input by the noise too; megatron's moe_input_jitter_eps only the router's)"
             )
+    elif family in ("deepseek_v3", "glm4_moe"):
+        return _deepseek_moe_spec(cfg, num_layers, where)
     else:
         key = "num_experts" if "num_experts" in cfg else "num_local_experts"
         experts = int(_require(cfg, key, where))
@@ -423,6 +593,57 @@ def _moe_spec(cfg: dict, family: str, num_layers: int, intermediate: int, where:
     return MoESpec(num_experts=experts, top_k=top_k, ffn_hidden_size=expert_ffn, norm_topk_prob=norm_topk,
                    moe_layers=moe_layers, shared_expert_ffn_hidden_size=shared,
                    shared_expert_gate=shared is not None, hf_layout=layout)
+
+
+def _deepseek_moe_spec(cfg: dict, num_layers: int, where: str) -> MoESpec:
+    """DeepSeek-V3's routing, GLM-4.5's too (arXiv:2412.19437, section 2.1.2; transformers'
+    ``DeepseekV3TopkRouter``, ``Glm4MoeTopkRouter``):
+    ``s = sigmoid(W_r x)`` in fp32; experts are chosen on ``s + b`` (``e_score_correction_bias``),
+    first the ``topk_group`` best of ``n_group`` groups by the sum of each group's two best, then
+    the ``num_experts_per_tok`` best inside them; the weights are the chosen *unbiased* ``s``,
+    normalised to sum 1 and scaled by ``routed_scaling_factor``.  ``n_shared_experts`` always-on
+    experts of ``moe_intermediate_size`` each; the first ``first_k_dense_replace`` layers are dense.
+    megatron-core: sigmoid score function, expert bias, group-limited top-k (its group score is the
+    sum of the ``topk / group_topk`` best, which is DeepSeek's two only when that ratio is 2)."""
+    key = "n_routed_experts" if "n_routed_experts" in cfg else "num_local_experts"
+    experts = int(_require(cfg, key, where))
+    top_k = int(_require(cfg, "num_experts_per_tok", where))
+    for k, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if k in cfg and cfg[k] != want:
+            raise ModelConfigError(f"{where}: {k}={cfg[k]!r} is not supported (transformers' DeepseekV3 computes "
+                                   f"{k}={want!r})")
+    freq = int(cfg.get("moe_layer_freq", 1) or 1)
+    if freq != 1:
+        raise ModelConfigError(f"{where}: moe_layer_freq={freq} is not supported (transformers' DeepseekV3 makes "
+                               "every layer after first_k_dense_replace a mixture-of-experts layer)")
+    if not cfg.get("norm_topk_prob", True) and top_k > 1:
+        raise ModelConfigError(f"{where}: norm_topk_prob=false is not supported with sigmoid routing "
+                               "(megatron-core always normalises the chosen sigmoid scores)")
+    groups = int(cfg.get("n_group") or 1)
+    group_topk = int(cfg.get("topk_group") or 1)
+    if groups > 1:
+        if experts % groups:
+            raise ModelConfigError(f"{where}: n_group={groups} does not divide {key}={experts}")
+        if not 1 <= group_topk <= groups or top_k % group_topk or top_k // group_topk != 2:
+            raise ModelConfigError(
+                f"{where}: n_group={groups} with topk_group={group_topk} and num_experts_per_tok={top_k} is not "
+                "supported: megatron-core scores a group by its num_experts_per_tok / topk_group best experts, "
+                "transformers by its 2 best; they agree only when that ratio is 2")
+    first_dense = int(cfg.get("first_k_dense_replace") or 0)
+    if not 0 <= first_dense < num_layers:
+        raise ModelConfigError(f"{where}: first_k_dense_replace={first_dense} leaves no mixture-of-experts layer "
+                               f"among num_hidden_layers={num_layers}")
+    ffn = int(_require(cfg, "moe_intermediate_size", where))
+    n_shared = int(cfg.get("n_shared_experts") or 0)
+    scale = float(cfg.get("routed_scaling_factor") or 1.0)
+    if not 1 <= top_k <= experts:
+        raise ModelConfigError(f"{where}: num_experts_per_tok={top_k} must be in [1, {experts}]")
+    return MoESpec(num_experts=experts, top_k=top_k, ffn_hidden_size=ffn, norm_topk_prob=True,
+                   moe_layers=tuple(i >= first_dense for i in range(num_layers)),
+                   shared_expert_ffn_hidden_size=n_shared * ffn if n_shared else None, shared_expert_gate=False,
+                   hf_layout="deepseek", score_function="sigmoid",
+                   num_groups=groups if groups > 1 else None, group_topk=group_topk if groups > 1 else None,
+                   routed_scaling_factor=scale if scale != 1.0 else None, router_expert_bias=True)
 
 
 def load_spec(model_dir: str) -> ModelSpec:

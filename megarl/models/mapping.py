@@ -39,13 +39,20 @@ from megarl.models.hf_config import ModelSpec
 REPLICATED = "replicated"
 VOCAB = "vocab"
 ROW = "row"  # TP-split along dim 1
+COLUMN = "column"  # TP-split along dim 0, one HF tensor (multi-latent attention's projections)
 QKV = "qkv"
 GATE_UP = "gate_up"
 
 _TE_ALIASES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    # multi-latent attention: TE fuses the latent norms into the up projections
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
 }
+#: buffers the mapping carries like parameters: DeepSeek-V3's expert-score bias (megatron keeps it
+#: a float32 buffer of the router; it is part of the function and of the checkpoint)
+MAPPED_BUFFERS = ("mlp.router.expert_bias",)
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _LOCAL_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 
@@ -69,17 +76,19 @@ class MoEHFNames:
     down: str
     shared: Optional[str] = None  # the shared expert MLP
     shared_gate: Optional[str] = None  # its sigmoid gate (Qwen2-MoE)
+    router_bias: Optional[str] = None  # the expert-score bias the choice adds (DeepSeek-V3)
 
 
-#: MoESpec.hf_layout -> the HF names of that family's MoE block.  DeepSeek-V3 would be one more
-#: entry (``mlp.gate.weight``, ``mlp.experts.{e}.*``, ``mlp.shared_experts.*`` without a gate, plus
-#: the router's ``e_score_correction_bias``).
+#: MoESpec.hf_layout -> the HF names of that family's MoE block
 MOE_HF_NAMES = {
     "qwen_moe": MoEHFNames(block="mlp", router="gate.weight", expert="experts.{e}", gate="gate_proj",
                            up="up_proj", down="down_proj", shared="shared_expert",
                            shared_gate="shared_expert_gate.weight"),
     "mixtral": MoEHFNames(block="block_sparse_moe", router="gate.weight", expert="experts.{e}", gate="w1",
                           up="w3", down="w2"),
+    "deepseek": MoEHFNames(block="mlp", router="gate.weight", expert="experts.{e}", gate="gate_proj",
+                           up="up_proj", down="down_proj", shared="shared_experts",
+                           router_bias="gate.e_score_correction_bias"),
 }
 
 
@@ -111,11 +120,12 @@ def rules(spec: ModelSpec) -> List[ParamRule]:
         m, h = f"decoder.layers.{i}", f"model.layers.{i}"
         attn = f"{h}.self_attn"
         mlp = f"{h}.mlp"
-        r = [
-            ParamRule(f"{m}.input_layernorm.weight", (f"{h}.input_layernorm.weight",), REPLICATED, i),
-            ParamRule(f"{m}.self_attention.linear_qkv.weight",
-                      (f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight"), QKV, i),
-        ]
+        r = [ParamRule(f"{m}.input_layernorm.weight", (f"{h}.input_layernorm.weight",), REPLICATED, i)]
+        if spec.mla is not None:
+            r.extend(_mla_rules(spec, i))
+        else:
+            r.append(ParamRule(f"{m}.self_attention.linear_qkv.weight",
+                               (f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight"), QKV, i))
         if spec.qkv_bias:
             r.append(ParamRule(f"{m}.self_attention.linear_qkv.bias",
                                (f"{attn}.q_proj.bias", f"{attn}.k_proj.bias", f"{attn}.v_proj.bias"), QKV, i))
@@ -147,6 +157,47 @@ def rules(spec: ModelSpec) -> List[ParamRule]:
     return out
 
 
+def _mla_rules(spec: ModelSpec, i: int) -> List[ParamRule]:
+    """Multi-latent attention of layer ``i`` (megatron-core ``MLASelfAttention``; HF
+    ``DeepseekV3Attention``), every projection one HF tensor:
+
+    * ``linear_q_down_proj`` = ``q_a_proj`` and ``linear_kv_down_proj`` = ``kv_a_proj_with_mqa``
+      (rows ``[c_kv; k_rope]``): duplicated, whole on every TP rank
+      (:func:`megarl.models.builder.mla_duplicated_down_projections`), before the latent norms
+      ``q_layernorm`` = ``q_a_layernorm`` and ``kv_layernorm`` = ``kv_a_layernorm``;
+    * ``linear_q_up_proj`` = ``q_b_proj`` (``linear_q_proj`` = ``q_proj`` without a q latent) and
+      ``linear_kv_up_proj`` = ``kv_b_proj``: rows per head, ``[q_nope; q_rope]`` and
+      ``[k_nope; v]`` in both, so a TP rank's rows are its heads;
+    * ``linear_proj`` = ``o_proj``, row-parallel over ``heads x v_head_dim`` (in :func:`rules`).
+    """
+    m, a = f"decoder.layers.{i}.self_attention", f"model.layers.{i}.self_attn"
+    if spec.mla.q_lora_rank is None:
+        out = [ParamRule(f"{m}.linear_q_proj.weight", (f"{a}.q_proj.weight",), COLUMN, i)]
+    else:
+        out = [ParamRule(f"{m}.linear_q_down_proj.weight", (f"{a}.q_a_proj.weight",), REPLICATED, i),
+               ParamRule(f"{m}.q_layernorm.weight", (f"{a}.q_a_layernorm.weight",), REPLICATED, i),
+               ParamRule(f"{m}.linear_q_up_proj.weight", (f"{a}.q_b_proj.weight",), COLUMN, i)]
+    return out + [ParamRule(f"{m}.linear_kv_down_proj.weight", (f"{a}.kv_a_proj_with_mqa.weight",), REPLICATED, i),
+                  ParamRule(f"{m}.kv_layernorm.weight", (f"{a}.kv_a_layernorm.weight",), REPLICATED, i),
+                  ParamRule(f"{m}.linear_kv_up_proj.weight", (f"{a}.kv_b_proj.weight",), COLUMN, i)]
+
+
+def mla_hf_shapes(spec: ModelSpec, i: int) -> Dict[str, Tuple[int, ...]]:
+    """The HF shapes of layer ``i``'s multi-latent attention (o_proj included)."""
+    mla, H, n = spec.mla, spec.hidden_size, spec.num_attention_heads
+    a = f"model.layers.{i}.self_attn"
+    out = {f"{a}.kv_a_proj_with_mqa.weight": (mla.kv_lora_rank + mla.qk_rope_head_dim, H),
+           f"{a}.kv_a_layernorm.weight": (mla.kv_lora_rank,),
+           f"{a}.kv_b_proj.weight": (n * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank),
+           f"{a}.o_proj.weight": (H, n * mla.v_head_dim)}
+    if mla.q_lora_rank is None:
+        out[f"{a}.q_proj.weight"] = (n * mla.q_head_dim, H)
+    else:
+        out.update({f"{a}.q_a_proj.weight": (mla.q_lora_rank, H), f"{a}.q_a_layernorm.weight": (mla.q_lora_rank,),
+                    f"{a}.q_b_proj.weight": (n * mla.q_head_dim, mla.q_lora_rank)})
+    return out
+
+
 def hf_names_in_order(spec: ModelSpec) -> List[str]:
     """Every HF tensor name of ``spec`` once, in the canonical order of :func:`rules` (the order of
     the weight stream and of a weight manifest's entries, whatever the layout)."""
@@ -170,6 +221,8 @@ def _moe_rules(spec: ModelSpec, i: int) -> List[ParamRule]:
     names = MOE_HF_NAMES[moe.hf_layout]
     m, blk = f"decoder.layers.{i}.mlp", f"model.layers.{i}.{names.block}"
     out = [ParamRule(f"{m}.router.weight", (f"{blk}.{names.router}",), REPLICATED, i)]
+    if moe.router_expert_bias:
+        out.append(ParamRule(f"{m}.router.expert_bias", (f"{blk}.{names.router_bias}",), REPLICATED, i))
     F = moe.ffn_hidden_size
     for e in range(moe.num_experts):
         x, hx = f"{m}.experts.local_experts.{e}", f"{blk}.{names.expert.format(e=e)}"
@@ -202,14 +255,17 @@ def hf_shapes(spec: ModelSpec) -> Dict[str, Tuple[int, ...]]:
     for i in range(spec.num_layers):
         h = f"model.layers.{i}"
         a, m = f"{h}.self_attn", f"{h}.mlp"
-        shapes.update({
-            f"{h}.input_layernorm.weight": (H,), f"{h}.post_attention_layernorm.weight": (H,),
-            f"{a}.q_proj.weight": (q, H), f"{a}.k_proj.weight": (kv, H), f"{a}.v_proj.weight": (kv, H),
-            f"{a}.o_proj.weight": (H, q),
-        })
+        shapes.update({f"{h}.input_layernorm.weight": (H,), f"{h}.post_attention_layernorm.weight": (H,)})
+        if spec.mla is not None:
+            shapes.update(mla_hf_shapes(spec, i))
+        else:
+            shapes.update({f"{a}.q_proj.weight": (q, H), f"{a}.k_proj.weight": (kv, H),
+                           f"{a}.v_proj.weight": (kv, H), f"{a}.o_proj.weight": (H, q)})
         if spec.moe is not None and spec.moe.moe_layers[i]:
             for rule in _moe_rules(spec, i):
-                if rule.kind == REPLICATED:  # the router [experts, H]; the shared expert's gate [1, H]
+                if rule.megatron_name.endswith("router.expert_bias"):
+                    shapes[rule.hf_names[0]] = (spec.moe.num_experts,)
+                elif rule.kind == REPLICATED:  # the router [experts, H]; the shared expert's gate [1, H]
                     rows = spec.moe.num_experts if rule.megatron_name.endswith("router.weight") else 1
                     shapes[rule.hf_names[0]] = (rows, H)
                 for name in rule.hf_names if rule.kind != REPLICATED else ():
@@ -273,9 +329,18 @@ def stage_param_names(model) -> Dict[str, str]:
     numbers = [layer.layer_number for layer in layers]
     offset = expert_offset(model)
     out = {}
-    for local_name, _ in model.named_parameters():
+    for local_name, _ in named_mapped_tensors(model):
         out[canonical_name(local_name, numbers, offset)] = local_name
     return out
+
+
+def named_mapped_tensors(model):
+    """``(local name, tensor)`` of every tensor the mapping moves: the parameters, and the buffers of
+    :data:`MAPPED_BUFFERS` (``dict(...)`` of it is what :func:`stage_param_names` names)."""
+    yield from model.named_parameters()
+    for name, buf in model.named_buffers():
+        if buf is not None and name.endswith(MAPPED_BUFFERS):
+            yield name, buf
 
 
 # --------------------------------------------------------------------------------------
@@ -301,10 +366,15 @@ def shard_from_hf(rule: ParamRule, read: SliceReader, spec: ModelSpec, tp_rank: 
         return read(rule.hf_names[0], None, 0, 0)
     if rule.kind == ROW:
         name = rule.hf_names[0]
-        full = rule.ffn if rule.ffn is not None else {"o_proj": spec.num_attention_heads * spec.head_dim,
+        heads_width = spec.num_attention_heads * (spec.mla.v_head_dim if spec.mla is not None else spec.head_dim)
+        full = rule.ffn if rule.ffn is not None else {"o_proj": heads_width,
                                                       "down_proj": spec.ffn_hidden_size}[name.split(".")[-2]]
         a, b = _chunk(full, tp, tp_rank, rule.megatron_name)
         return read(name, 1, a, b)
+    if rule.kind == COLUMN:
+        name = rule.hf_names[0]
+        a, b = _chunk(mla_hf_shapes(spec, rule.layer)[name][0], tp, tp_rank, rule.megatron_name)
+        return read(name, 0, a, b)
     if rule.kind == VOCAB:
         a, b = _chunk(padded_vocab, tp, tp_rank, rule.megatron_name)
         real_b = min(b, spec.vocab_size)
@@ -359,6 +429,8 @@ def hf_views_from_shards(rule: ParamRule, shards: Sequence[torch.Tensor], spec: 
         return {rule.hf_names[0]: same(shards[0])}
     if rule.kind == ROW:
         return {rule.hf_names[0]: same(_cat(shards, 1))}
+    if rule.kind == COLUMN:
+        return {rule.hf_names[0]: same(_cat(shards, 0))}
     if rule.kind == VOCAB:
         return {rule.hf_names[0]: same(_cat(shards, 0)[: spec.vocab_size])}
     if rule.kind == GATE_UP:

@@ -95,6 +95,10 @@ class HFCheckpointReader:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
+    def names(self) -> list:
+        """Every tensor name the checkpoint holds."""
+        return list(self._where)
+
     def path_of(self, name: str) -> str:
         if name not in self._where:
             raise CheckpointError(f"{self.model_dir}: tensor '{name}' is missing from the checkpoint")

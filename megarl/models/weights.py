@@ -19,6 +19,7 @@ All layout knowledge comes from :mod:`megarl.models.mapping`.
 from __future__ import annotations
 
 import os
+import re
 from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
@@ -113,7 +114,7 @@ def load_hf_weights(model, hf_dir: str, spec: Optional[ModelSpec] = None, show_p
     config_path = os.path.join(hf_dir, "config.json")
 
     local = mapping.stage_param_names(model)
-    params = dict(model.named_parameters())
+    params = dict(mapping.named_mapped_tensors(model))
     rules = {r.megatron_name: r for r in mapping.rules(spec)}
     if spec.tie_word_embeddings and not spec.value_head and "output_layer.weight" in local:
         # PP>1 with tied embeddings: the last stage keeps its own copy of the embedding.
@@ -132,6 +133,7 @@ def load_hf_weights(model, hf_dir: str, spec: Optional[ModelSpec] = None, show_p
     unknown = sorted(set(local) - set(rules))
     if unknown:
         raise mapping.MappingError(f"megatron parameters without a mapping rule: {unknown}")
+    _refuse_unmapped_layers(reader, spec, config_path)
     items = sorted(local.items())
     it = items
     if show_progress:
@@ -151,11 +153,30 @@ def load_hf_weights(model, hf_dir: str, spec: Optional[ModelSpec] = None, show_p
         p.data.copy_(shard.to(device=p.device, dtype=p.dtype))
 
 
+def _refuse_unmapped_layers(reader: HFCheckpointReader, spec: ModelSpec, config_path: str) -> None:
+    """A checkpoint holding decoder layers past ``num_hidden_layers`` -- DeepSeek-V3's
+    multi-token-prediction layers (``num_nextn_predict_layers``: ``model.layers.61.*``), which
+    transformers skips on load too -- is refused naming them: megarl maps no MTP layer, and a
+    load that skipped them would drop them from every export in silence."""
+    extra = sorted({int(m.group(1)) for m in map(_HF_LAYER_RE.match, reader.names()) if m
+                    and int(m.group(1)) >= spec.num_layers})
+    if extra:
+        n = spec.raw_config.get("num_nextn_predict_layers", 0)
+        raise CheckpointError(
+            f"{os.path.dirname(config_path)}: the checkpoint holds decoder layer(s) {extra} "
+            f"(model.layers.{extra[0]}.*) past num_hidden_layers={spec.num_layers}"
+            + (f": multi-token prediction (num_nextn_predict_layers={n})" if n else "")
+            + "; megarl does not map them. Remove their tensors from the checkpoint to train without them")
+
+
+_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+
+
 def _stage_params(model) -> Dict[str, torch.Tensor]:
     """``{canonical name: parameter}`` over this rank's chunks (names are global: no clashes)."""
     out = {}
     for chunk in chunks_of(model):
-        params = dict(chunk.named_parameters())
+        params = dict(mapping.named_mapped_tensors(chunk))
         out.update({canon: params[name] for canon, name in mapping.stage_param_names(chunk).items()})
     return out
 
@@ -253,19 +274,23 @@ def iter_hf_tensors(model, spec: Optional[ModelSpec] = None, dtype: Optional[tor
     dev = next(first.parameters()).device
     for rule, owner, ep_owner, merged in _merged_rules(
             model, spec, lambda rule, shards: mapping.hf_from_shards(rule, shards, spec, out=out), names=names):
+        # a mapped buffer (DeepSeek-V3's expert-score bias) is float32 whatever the weights are, and
+        # stays so in the stream: the dtype megatron routes with and the checkpoints hold
+        buffer = rule.megatron_name.endswith(mapping.MAPPED_BUFFERS)
+        held_dtype = torch.float32 if buffer else param_dtype
         for name in rule.hf_names:
             t = merged[name] if merged is not None else None
             if ep_owner is not None and ep > 1 and owner == pp_rank:
                 # a routed expert: from its EP rank to the other EP ranks of the owner stage
-                t = t.contiguous() if ep_owner == ep_rank else torch.empty(shapes[name], dtype=param_dtype, device=dev)
+                t = t.contiguous() if ep_owner == ep_rank else torch.empty(shapes[name], dtype=held_dtype, device=dev)
                 dist.broadcast(t, src=dist.get_global_rank(ep_group, ep_owner), group=ep_group)
             if pp > 1:
                 if owner == pp_rank:
                     t = t.contiguous()
                 else:
-                    t = torch.empty(shapes[name], dtype=param_dtype, device=dev)
+                    t = torch.empty(shapes[name], dtype=held_dtype, device=dev)
                 dist.broadcast(t, src=dist.get_global_rank(pp_group, owner), group=pp_group)
-            t = t.to(device=device or t.device, dtype=dtype or t.dtype)
+            t = t.to(device=device or t.device, dtype=torch.float32 if buffer else (dtype or t.dtype))
             yield name, t
         del merged
 

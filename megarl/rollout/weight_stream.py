@@ -433,7 +433,7 @@ _LAYER_MLP = re.compile(r"^(?P<layer>(?:.*\.)?layers\.\d+)\.mlp\.(?P<rest>.+)$")
 
 def _per_expert_views(model: torch.nn.Module, name: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
     """``(checkpoint name, tensor)`` for one parameter of a transformers model: itself, except in
-    the MoE block of a Qwen2-MoE / Qwen3-MoE / Mixtral layer.  There, the inverse of transformers'
+    the MoE block of a Qwen2-MoE / Qwen3-MoE / Mixtral / DeepSeek-V3 layer.  There, the inverse of transformers'
     load-time conversion (``transformers/conversion_mapping.py``: ``MergeModulelist(dim=0)`` then
     ``Concatenate(dim=1)`` of gate and up; Mixtral also renames ``block_sparse_moe`` to ``mlp``):
     expert e's gate is ``gate_up_proj[e, :F]``, its up ``gate_up_proj[e, F:]``, its down
@@ -441,12 +441,13 @@ def _per_expert_views(model: torch.nn.Module, name: str, t: torch.Tensor) -> Ite
     (the checkpoint's names, which the megatron mapping uses too)."""
     m = _LAYER_MLP.match(name)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if m is None or model_type not in ("qwen2_moe", "qwen3_moe", "mixtral"):
-        yield name, t
-        return
+    from megarl.models.hf_config import MOE_FAMILIES
     from megarl.models.mapping import MOE_HF_NAMES
 
-    names = MOE_HF_NAMES["mixtral" if model_type == "mixtral" else "qwen_moe"]
+    if m is None or model_type not in MOE_FAMILIES:
+        yield name, t
+        return
+    names = MOE_HF_NAMES[MOE_FAMILIES[model_type][1]]
     block, rest = f"{m['layer']}.{names.block}", m["rest"]
     if rest not in ("experts.gate_up_proj", "experts.down_proj"):
         yield f"{block}.{rest}", t  # the router, the shared expert and its gate: renamed only

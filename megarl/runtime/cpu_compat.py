@@ -254,6 +254,7 @@ def install() -> bool:
     _wrap_entry_points()
     _patch_grad_clipping()
     _patch_router_gemm()
+    patch_mla_te_flag()
     _patch_checkpoint_rng()
     _patch_distributed_optimizer_step_state()
     _INSTALLED = True
@@ -380,6 +381,21 @@ def _patch_router_gemm() -> None:
 
     if "te_general_gemm" not in vars(moe_utils):
         moe_utils.te_general_gemm = None
+
+
+def patch_mla_te_flag() -> None:
+    """Set ``multi_latent_attention.HAVE_TE`` False when transformer-engine is not installed.
+
+    Its import guard imports megatron's TE extension, which imports without TE and binds
+    ``TELinear`` to a placeholder (not a class), so the flag reads True and MLA's constructor
+    fails on ``isinstance(self.linear_proj, TELinear)``.  With the flag False it takes the path it
+    takes without the extension (the local spec's column-parallel projections)."""
+    import importlib.util
+
+    from megatron.core.transformer import multi_latent_attention
+
+    if importlib.util.find_spec("transformer_engine") is None and not isinstance(multi_latent_attention.TELinear, type):
+        multi_latent_attention.HAVE_TE = False
 
 
 def seed_megatron_rng(seed: int) -> None:

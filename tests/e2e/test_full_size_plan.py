@@ -70,8 +70,8 @@ def test_the_recipe_builds_at_full_size_on_every_rank(name, recipe, world, gib, 
 
 
 def test_what_a_launch_would_hit_is_refused_by_name():
-    """A TP that does not divide the attention heads; NeMo-RL's PP 8 for Qwen3-235B (94 layers);
-    DeepSeek-V3's architecture (not mapped yet): one error line each, naming the key and number."""
+    """A TP that does not divide the attention heads; NeMo-RL's PP 8 for Qwen3-235B (94 layers):
+    one error line each, naming the key and number."""
     bad = _plan("grpo_qwen2_7b.yaml", 8, 80, ["parallel.tp=8"], expect=2)
     assert "num_attention_heads=28 is not divisible by" in bad.stderr and "tp=8" in bad.stderr, bad.stderr[-2000:]
     bad = _plan("grpo_qwen3_30b_a3b.yaml", 128, 80, [f"model.path={CONFIGS}/qwen3_235b_a22b", "parallel.tp=2",
@@ -84,13 +84,13 @@ def test_an_architecture_the_mapping_does_not_cover_is_named(tmp_path):
     import json
 
     (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
-        "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128, "vocab_size": 129280,
-        "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 256, "kv_lora_rank": 512,
-        "q_lora_rank": 1536, "torch_dtype": "bfloat16"}))
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880,
+        "num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+        "vocab_size": 201088, "intermediate_size": 2880, "num_local_experts": 128, "num_experts_per_tok": 4,
+        "torch_dtype": "bfloat16"}))
     bad = _plan("grpo_qwen3_30b_a3b.yaml", 8, 141, [f"model.path={tmp_path}"], expect=2)
     line = [x for x in bad.stderr.splitlines() if x.startswith("error:")]
-    assert len(line) == 1 and "'DeepseekV3ForCausalLM' is not supported" in line[0], bad.stderr[-2000:]
+    assert len(line) == 1 and "'GptOssForCausalLM' is not supported" in line[0], bad.stderr[-2000:]
 
 
 PLANTED = r"""

@@ -318,6 +318,12 @@ _NOT_ENTRY_POINTS = {
     "megatron.core.transformer.spec_utils.ModuleSpec": "layer specs",
     "megatron.core.transformer.transformer_block": "layer specs (cpu_layers.local_spec)",
     "megatron.core.optimizer.distrib_optimizer": "read (HAVE_APEX_OR_TE) and patched by cpu_compat (its step state)",
+    "megatron.core.post_training.modelopt.layers.Linear": "a layer-spec class (MLA's duplicated down projections, "
+                                                          "built inside GPTModel.__init__, an entry point)",
+    "megatron.core.tensor_parallel.layers.ColumnParallelLinear": "an identity check in a layer spec",
+    "megatron.core.transformer.multi_latent_attention": "patched by cpu_compat (its HAVE_TE flag)",
+    "megatron.core.transformer.multi_latent_attention.MLASelfAttention": "isinstance checks and layer specs",
+    "megatron.core.transformer.transformer_config.MLATransformerConfig": "configuration",
 }
 
 
@@ -452,8 +458,35 @@ def test_local_attention_context_parallel_surface():
     original = DotProductAttention.__init__
     assert "Context parallelism is only supported by TEDotProductAttention" in inspect.getsource(original)
     assert list(inspect.signature(original).parameters)[:2] == ["self", "config"]
-    assert [p[0] for p in _parameters(LocalAttention.__init__)] == ["self", "config", "args", "kwargs"]
+    assert [p[0] for p in _parameters(LocalAttention.__init__)] == ["self", "config", "args", "k_channels",
+                                                                    "v_channels", "kwargs"]
     assert "pin_memory=True" in inspect.getsource(rope_utils.get_pos_emb_on_this_cp_rank)
+    # multi-latent attention passes k_channels / v_channels, which megatron's local attention does
+    # not take (TE's does): LocalAttention takes them (else that part of the stand-in can go)
+    assert "k_channels" not in inspect.signature(original).parameters
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None,
+                    reason="with transformer-engine MLA's HAVE_TE is true and right")
+def test_mla_fails_without_the_accommodation_and_builds_with_it():
+    """Without transformer-engine, megatron's multi-latent attention reads HAVE_TE as true (its
+    guard imports megatron's TE extension, which imports without TE) and fails on
+    ``isinstance(..., TELinear)``; ``cpu_compat.patch_mla_te_flag`` sets it false, and a tiny
+    DeepSeek-V3 builds."""
+    code = (
+        "from megatron.core.transformer import multi_latent_attention as m\n"
+        "print(m.HAVE_TE, isinstance(m.TELinear, type))\n"
+        "from megarl.runtime import distributed as rt\n"
+        "rt.initialize(tp=1, pp=1)\n"
+        "print(m.HAVE_TE)\n"
+        "from megarl.builtin.tiny_checkpoint import tiny_hf_config\n"
+        "from megarl.models.builder import BuildOptions, build_model\n"
+        "from megarl.models.hf_config import spec_from_hf_config\n"
+        "spec = spec_from_hf_config(tiny_hf_config('deepseek_v3', hidden_size=32, num_heads=4).to_dict())\n"
+        "model = build_model(spec, BuildOptions())\n"
+        "print(type(model.decoder.layers[0].self_attention).__name__)\n"
+    )
+    assert _run_without_cuda(code) == ["True", "False", "False", "MLASelfAttention"]
 
 
 def test_local_norm_stand_in_surface():

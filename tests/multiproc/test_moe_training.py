@@ -280,6 +280,7 @@ def test_engine_names_fused_experts_as_the_checkpoint(tmp_path):
             assert torch.equal(held[name], t) and held[name].is_contiguous(), (fam, name)
         with open(os.path.join(d, "config.json")) as f:
             cfg = hf_config_for_export(spec_from_hf_config(json.load(f)), torch.float32)
-        key = "num_local_experts" if fam == "mixtral" else "num_experts"
+        key = {"mixtral": "num_local_experts", "deepseek_v3": "n_routed_experts", "glm4_moe": "n_routed_experts"}.get(
+            fam, "num_experts")
         assert cfg[key] == 4, fam
 

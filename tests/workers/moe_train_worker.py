@@ -84,12 +84,12 @@ def sync_and_read(actor_ddp, engine, version, manifest):
             "num_buckets": report.num_buckets, "buckets": buckets}, {n: e.checksum for n, e in served.entries.items()}
 
 
-def train_layout(a, ep, tp=1, sp=False, budget=0, cp=1):
-    rt.initialize(tp=tp, pp=1, ep=ep, cp=cp)
+def train_layout(a, ep, tp=1, sp=False, budget=0, cp=1, pp=1, etp=None):
+    rt.initialize(tp=tp, pp=pp, ep=ep, cp=cp, etp=etp)
     from megatron.core import parallel_state as ps
 
     cfg = load_config(GRPO_RECIPE, OVERRIDES + [f"algo.micro_batch_tokens={budget}"])
-    actor = Actor(a.hf, tp, 1, cfg.actor.optim, total_steps=4, sequence_parallel=sp)
+    actor = Actor(a.hf, tp, pp, cfg.actor.optim, total_steps=4, sequence_parallel=sp)
     out = {"ep": ps.get_expert_model_parallel_world_size(), "dp": ps.get_data_parallel_world_size(),
            "edp": ps.get_expert_data_parallel_world_size(),
            # megatron DDP: expert grads in their own buffers, reduced over the expert-data-parallel group
@@ -149,17 +149,23 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--hf", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--layouts", nargs="+", default=None, help="these layouts only (default: the first seven)")
     p.add_argument("--train", nargs=argparse.REMAINDER, default=None,
                    help="then run megarl.train's main with these arguments in the same processes")
     a = p.parse_args()
     import time
 
     results, seconds = {}, {}
-    for tag, run in (("ep1", lambda: train_layout(a, 1)), ("ep2", lambda: train_layout(a, 2)),
-                     ("tp2sp", lambda: train_layout(a, 1, tp=2, sp=True)), ("pp2", lambda: manifest_layout(a, 1, 2)),
-                     ("ep2tok", lambda: train_layout(a, 2, budget=TOKEN_BUDGET)),
-                     ("cp2ep2", lambda: train_layout(a, 2, cp=2)),
-                     ("cp2ep2tok", lambda: train_layout(a, 2, cp=2, budget=TOKEN_BUDGET))):
+    layouts = {"ep1": lambda: train_layout(a, 1), "ep2": lambda: train_layout(a, 2),
+               "tp2sp": lambda: train_layout(a, 1, tp=2, sp=True), "pp2": lambda: manifest_layout(a, 1, 2),
+               "ep2tok": lambda: train_layout(a, 2, budget=TOKEN_BUDGET),
+               "cp2ep2": lambda: train_layout(a, 2, cp=2),
+               "cp2ep2tok": lambda: train_layout(a, 2, cp=2, budget=TOKEN_BUDGET),
+               # TP=2 x EP=2 in two processes: the experts whole (expert TP 1), EP over the TP ranks
+               "tp2ep2": lambda: train_layout(a, 2, tp=2, sp=True, etp=1),
+               "pp2update": lambda: train_layout(a, 1, pp=2)}
+    for tag in a.layouts or list(layouts)[:7]:
+        run = layouts[tag]
         t0 = time.perf_counter()
         results[tag] = run()
         seconds[tag] = time.perf_counter() - t0

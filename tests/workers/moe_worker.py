@@ -103,7 +103,8 @@ def main():
     placement = [None] * dist.get_world_size()
     dist.all_gather_object(placement, {"ep_rank": ps.get_expert_model_parallel_rank(),
                                        "etp_rank": ps.get_expert_tensor_parallel_rank(),
-                                       "tp_rank": ps.get_tensor_model_parallel_rank(), "experts": held,
+                                       "tp_rank": ps.get_tensor_model_parallel_rank(),
+                                       "pp_rank": ps.get_pipeline_model_parallel_rank(), "experts": held,
                                        "train_refused": train_refused})
     if rt.is_main():
         with open(os.path.join(a.out, f"placement_{tag}.json"), "w") as f:
