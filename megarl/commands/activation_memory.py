@@ -78,7 +78,12 @@ def activation_estimate(cfg, spec, dp: int) -> dict:
     etp = p.etp or p.tp
     sp = bool(p.sequence_parallel and tp > 1)
     rc = p.recompute
-    layers = -(-spec.num_layers // pp)  # the first stage's
+    if p.first_stage_layers is not None or p.last_stage_layers is not None:  # the heaviest stage's
+        from megarl.models.stages import stage_layer_counts
+
+        layers = max(stage_layer_counts(spec.num_layers, pp, p.first_stage_layers, p.last_stage_layers))
+    else:
+        layers = -(-spec.num_layers // pp)  # the first stage's
     drop = set(rc.modules) if rc.granularity == "selective" else set()
     per_layer = [_layer_bytes(spec, i, T, tp, etp, sp, drop) for i in range(layers)]
     if rc.granularity == "full":
@@ -126,11 +131,13 @@ def activation_lines(cfg, spec, dp: int) -> List[str]:
     tokens, how, T, sp, mode = e["tokens"], e["how"], e["T"], e["sp"], e["mode"]
     layers, inflight, kept, schedule = e["layers"], e["inflight"], e["kept"], e["schedule"]
     logits, fp32_note, total = e["logits"], e["fp32_note"], e["total"]
+    uneven = p.first_stage_layers is not None or p.last_stage_layers is not None
     return [
         f"activations per GPU in the update (bf16, flash attention; arXiv 2205.05198's accounting): a micro-batch "
         f"of {tokens} tokens ({how}){f', {T} on each of cp {p.cp} ranks' if p.cp > 1 else ''}; "
         f"sequence parallelism {'on' if sp else 'off'}; recompute {mode}",
-        f"  layers  {layers} on the first stage x {inflight:g} micro-batch(es) in flight ({schedule}): "
+        f"  layers  {layers} on the {'heaviest' if uneven else 'first'} stage x {inflight:g} micro-batch(es) in flight "
+        f"({schedule}): "
         f"{inflight * kept / GiB:.1f} GiB ({kept / max(layers, 1) / GiB * 1024:.0f} MiB a layer a micro-batch)",
         f"  logits  {logits / GiB:.1f} GiB on the last stage ({fp32_note})",
         f"  total   ~{total / GiB:.1f} GiB (left out: the sequence gathered under SP while a layer runs, the MoE "

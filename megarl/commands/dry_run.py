@@ -35,6 +35,17 @@ class ParamCount:
     per_shard_experts: int = 0
 
 
+def _split_stages(per_layer: list, pp: int, stage_layers: tuple) -> list:
+    """``per_layer`` cut into the pipeline stages' runs of layers (megarl/models/stages.py)."""
+    from megarl.models.stages import stage_layer_counts
+
+    out, start = [], 0
+    for n in stage_layer_counts(len(per_layer), pp, *stage_layers):
+        out.append(per_layer[start:start + n])
+        start += n
+    return out
+
+
 def attention_params(spec) -> int:
     """One layer's attention parameters: grouped-query (q, k, v, o, their biases, q/k norms) or
     multi-latent (the q and kv down and up projections, their latent norms, o)."""
@@ -51,7 +62,7 @@ def attention_params(spec) -> int:
 
 
 def count_params(spec, vocab_multiple: int, tp: int, pp: int, value_head: bool = False, ep: int = 1,
-                 etp: Optional[int] = None) -> ParamCount:
+                 etp: Optional[int] = None, stage_layers: tuple = (None, None)) -> ParamCount:
     """Parameters of ``spec``: the whole model, and the heaviest shard (routed experts split over
     ``ep`` x ``etp``, everything else over ``tp``; the router is counted with the latter)."""
     h = spec.hidden_size
@@ -73,8 +84,7 @@ def count_params(spec, vocab_multiple: int, tp: int, pp: int, value_head: bool =
     emb = vocab * h
     head = h + (1 if spec.value_head_bias else 0) if value_head else (0 if spec.tie_word_embeddings else vocab * h)
     total = sum(a + b for a, b in per_layer) + emb + head + h
-    per_stage = spec.num_layers // pp
-    stages = [tuple(map(sum, zip(*per_layer[k * per_stage:(k + 1) * per_stage], strict=True))) for k in range(pp)]
+    stages = [tuple(map(sum, zip(*part, strict=True))) for part in _split_stages(per_layer, pp, stage_layers)]
     a, b = max(stages, key=lambda ab: ab[0] / tp + ab[1] / (ep * etp))
     # pp > 1: the first stage holds the embedding, the last the output layer (a copy of the
     # embedding when tied)
@@ -111,7 +121,8 @@ def _lora_linears(spec, lora, i: int):
             yield (h, 2 * f, style, routed) if name == "linear_fc1" else (f, h, style, routed)
 
 
-def lora_params(spec, lora, tp: int, pp: int, ep: int = 1, etp: Optional[int] = None) -> tuple:
+def lora_params(spec, lora, tp: int, pp: int, ep: int = 1, etp: Optional[int] = None,
+                stage_layers: tuple = (None, None)) -> tuple:
     """``actor.lora``'s adapter parameters: ``(total, on the heaviest tp x pp (x ep) shard)``.  Per
     adapted linear r x (in + out); the column-parallel ones (qkv, fc1) split B over tp, the
     row-parallel ones (proj, fc2) split A; a routed expert's split over the expert TP group
@@ -125,9 +136,8 @@ def lora_params(spec, lora, tp: int, pp: int, ep: int = 1, etp: Optional[int] = 
             total += r * (fan_in + fan_out)
             shard += share * (r * fan_in + r * fan_out // n if style == "column" else r * fan_in // n + r * fan_out)
         per_layer.append((int(total), shard))
-    per_stage = spec.num_layers // pp
     return (sum(t for t, _ in per_layer),
-            int(max(sum(s for _, s in per_layer[k * per_stage:(k + 1) * per_stage]) for k in range(pp))))
+            int(max(sum(s for _, s in part) for part in _split_stages(per_layer, pp, stage_layers))))
 
 
 def lora_adapted_weights(spec, lora) -> int:
@@ -210,7 +220,8 @@ def _memory_lines(cfg, spec, dp: int) -> List[str]:
     from megarl.models.hf_config import load_spec
 
     p = cfg.parallel
-    actor = count_params(spec, cfg.model.vocab_multiple, p.tp, p.pp, ep=p.ep, etp=p.etp)
+    split = (p.first_stage_layers, p.last_stage_layers)
+    actor = count_params(spec, cfg.model.vocab_multiple, p.tp, p.pp, ep=p.ep, etp=p.etp, stage_layers=split)
     lines = [f"memory per GPU (CUDA; from config.json: {_count(actor.total)} parameters, "
              f"{_count(actor.per_shard)} on the heaviest tp x pp shard, {actor.dtype_bytes}-byte weights):"]
 
@@ -221,7 +232,7 @@ def _memory_lines(cfg, spec, dp: int) -> List[str]:
     expert_dp = dp * p.tp // (p.ep * (p.tp if p.etp is None else p.etp))  # world / (ep x etp x pp)
     lo = cfg.actor.lora
     if lo.rank:  # the base frozen: gradients and optimizer state for the adapters only
-        total, shard = lora_params(spec, lo, p.tp, p.pp, ep=p.ep, etp=p.etp)
+        total, shard = lora_params(spec, lo, p.tp, p.pp, ep=p.ep, etp=p.etp, stage_layers=split)
         adapters = ParamCount(total, shard, actor.dtype_bytes)
         mem = role_memory(adapters, trains=True, optimizer=cfg.actor.optim.optimizer, dp=dp)
         mem = {"weights": actor.per_shard * actor.dtype_bytes / GiB + mem["weights"],
@@ -262,11 +273,12 @@ def _memory_lines(cfg, spec, dp: int) -> List[str]:
         lines.append(f"  {'teacher':<13}teacher.path {cfg.teacher.path} has no config.json yet: not counted")
     if cfg.critic is not None:
         cspec = spec if cfg.critic.path is None else load_spec(cfg.critic.path)
-        crit = count_params(cspec, cfg.model.vocab_multiple, p.tp, p.pp, value_head=True)
+        crit = count_params(cspec, cfg.model.vocab_multiple, p.tp, p.pp, value_head=True, stage_layers=split)
         show("critic", role_memory(crit, trains=True, optimizer=cfg.critic.optim.optimizer, dp=dp),
              " (on the host while the rollout generates)" if cfg.critic.offload else "")
     if cfg.reward.model.path:
-        rm = count_params(load_spec(cfg.reward.model.path), cfg.model.vocab_multiple, p.tp, p.pp, value_head=True)
+        rm = count_params(load_spec(cfg.reward.model.path), cfg.model.vocab_multiple, p.tp, p.pp, value_head=True,
+                          stage_layers=split)
         show("reward model", role_memory(rm, trains=False, optimizer="", dp=dp),
              " (on the host between its forwards)" if cfg.reward.model.offload else "")
     r = cfg.rollout
@@ -332,7 +344,8 @@ def _placement_lines(cfg, world: int, dp: int) -> list:
     lines = []
     split = cfg.placement.mode == "split"
     trainers = world - cfg.placement.rollout_ranks if split else world
-    lines.append(f"plan: {'trainer ranks' if split else 'world'} {trainers} = tp {p.tp} x pp {p.pp} x dp {dp}"
+    cp_part = f" x cp {p.cp}" if p.cp > 1 else ""
+    lines.append(f"plan: {'trainer ranks' if split else 'world'} {trainers} = tp {p.tp} x pp {p.pp}{cp_part} x dp {dp}"
                  f"{f' (pp with {p.vpp} virtual stages each: interleaved 1F1B)' if p.vpp > 1 else ''} (actor, "
                  f"reference{', critic' if cfg.critic is not None else ''}{', teacher' if cfg.teacher.path else ''}"
                  f"{', reward model' if cfg.reward.model.path else ''})")

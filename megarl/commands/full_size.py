@@ -92,6 +92,8 @@ class _OnMeta(torch.overrides.TorchFunctionMode):
             return args[0]
         if _gpu_device(kwargs.get("device")):
             kwargs["device"] = "meta"
+        if kwargs.get("pin_memory") and not torch.cuda.is_available():  # megatron's CP index pins; no GPU here
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.to and len(args) > 1 and _gpu_device(args[1]):
             args = (args[0], "meta", *args[2:])
         return func(*args, **kwargs)
@@ -99,14 +101,14 @@ class _OnMeta(torch.overrides.TorchFunctionMode):
 
 @contextlib.contextmanager
 def _device_index_without_cuda():
-    """``torch.cuda.current_device()`` answering 0 on a machine without CUDA while a plan's model is
-    built (multi-latent attention builds its RoPE table on it, whatever ``use_cpu_initialization``
-    says): :class:`_OnMeta` puts what lands on that index on the meta device."""
+    """``torch.cuda.current_device()`` answering "meta" on a machine without CUDA while a plan's
+    model is built (multi-latent attention builds its RoPE tables on it, whatever
+    ``use_cpu_initialization`` says, some inside ``with torch.device(...)``)."""
     if torch.cuda.is_available():
         yield
         return
     original = torch.cuda.current_device
-    torch.cuda.current_device = lambda: 0
+    torch.cuda.current_device = lambda: "meta"
     try:
         yield
     finally:
@@ -193,10 +195,10 @@ def _coverage(shapes: Dict[str, Tuple[int, ...]], reads: Dict[str, set]) -> List
 
 def _positions(world: int, layout, build, on_model) -> Tuple[List[Position], int]:
     """Bring up every rank once.  A model is built (``build()``, on meta) once per pipeline stage
-    and EP rank -- the TP, expert-TP and DP ranks of a stage hold parameters of the same shapes,
-    -- and each distinct (PP, TP, EP, expert-TP, CP) position maps its shards on it
-    (``on_model(chunks)``).  Returns the positions and
-    the number of models built."""
+    -- the TP, EP, expert-TP, CP and DP ranks of a stage hold parameters of the same shapes; an EP
+    rank's experts are named by the global index of its first one at mapping, from the rank's own
+    parallel state -- and each distinct (PP, TP, EP, expert-TP, CP) position maps its shards on it
+    (``on_model(chunks)``).  Returns the positions and the number of models built."""
     built: Dict[tuple, list] = {}
     seen, out = set(), []
     for rank in range(world):
@@ -207,7 +209,7 @@ def _positions(world: int, layout, build, on_model) -> Tuple[List[Position], int
             if key in seen:
                 continue
             seen.add(key)
-            stage = (key[0], key[2])
+            stage = key[0]
             if stage not in built:
                 built[stage] = build()
             chunks = built[stage]
@@ -238,6 +240,7 @@ def plan(cfg, world: int, device_gib: float = 80.0) -> PlanReport:
     recorder = _SliceRecorder(shapes)
     padded = padded_vocab_size(spec, opts)
     logical = {"held": 0, "seen": set()}
+    rules = {r.megatron_name: r for r in mapping.rules(spec)}  # once: DeepSeek-V3's are 45k
 
     def build():
         from megarl.runtime import cpu_compat
@@ -251,7 +254,6 @@ def plan(cfg, world: int, device_gib: float = 80.0) -> PlanReport:
 
         tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
         etp, etp_rank = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
-        rules = {r.megatron_name: r for r in mapping.rules(spec)}
         for chunk in chunks:
             params = dict(mapping.named_mapped_tensors(chunk))
             local_rules = dict(rules)
@@ -276,7 +278,14 @@ def plan(cfg, world: int, device_gib: float = 80.0) -> PlanReport:
                     logical["seen"].add(shard_key)
                     logical["held"] += params[local].numel()
 
-    positions, models = _positions(world, layout, build, on_model)
+    from megarl.runtime import distributed as rt
+
+    before = rt.stage_layers()
+    rt.set_stage_layers(p.first_stage_layers, p.last_stage_layers)  # an uneven pipeline split, if any
+    try:
+        positions, models = _positions(world, layout, build, on_model)
+    finally:
+        rt.set_stage_layers(*before)
     problems = _coverage(shapes, recorder.reads)
     if problems:
         raise PlanError(f"{len(problems)} HF tensor(s) not covered exactly once at tp {p.tp} pp {p.pp} ep {p.ep}: "
@@ -345,7 +354,8 @@ def _memory(cfg, spec, world: int, positions: List[Position], model_params: int,
     if cfg.actor.lora.rank:  # the base frozen: gradients and optimizer state for the adapters only
         from megarl.commands.dry_run import lora_params
 
-        trained = lora_params(spec, cfg.actor.lora, p.tp, p.pp, ep=p.ep, etp=p.etp)[1]
+        trained = lora_params(spec, cfg.actor.lora, p.tp, p.pp, ep=p.ep, etp=p.etp,
+                              stage_layers=(p.first_stage_layers, p.last_stage_layers))[1]
         dense, experts = trained, 0
     opt = (dense / (dp if shard else 1) + experts / (expert_dp if shard else 1)) * state
     actor = {"weights": heavy.params * wb / GiB, "grads": trained * 4 / GiB, "optimizer": opt / GiB}

@@ -75,7 +75,8 @@ def run(cfg, world: int) -> dict:
     torch.manual_seed(cfg.trainer.seed)
     contract, data = load_pairs(cfg)  # every pair is checked before the model loads
     p = cfg.parallel
-    rt.initialize(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, vpp=p.vpp, seed=cfg.trainer.seed)
+    rt.initialize(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, vpp=p.vpp, seed=cfg.trainer.seed,
+                  first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers)
     run_dir = _run_dir(cfg)
     model = ScoreModel(cfg.model.path, cfg.optim, cfg.trainer.steps, contract.pad_token_id or 0, p.tp, p.pp,
                        cfg.model.vocab_multiple, sequence_parallel=p.sequence_parallel, recompute=p.recompute,

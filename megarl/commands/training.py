@@ -69,7 +69,8 @@ def run_training(cfg, world: int, start: Start) -> dict:
             world_side.close()
             return {"role": "rollout", **stats}
     p = cfg.parallel
-    rt.initialize(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, vpp=p.vpp, seed=cfg.trainer.seed)
+    rt.initialize(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, vpp=p.vpp, seed=cfg.trainer.seed,
+                  first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers)
     # a rank lost mid-run is named within parallel.peer_timeout_s (split placement beats on its own)
     watch = start_peer_watch(p.peer_timeout_s) if world_side is None else None
     try:

@@ -173,6 +173,13 @@ class ParallelConfig:
     #: Micro-batch counts are filled to a multiple of pp (the filler carries no loss).  Not yet
     #: with MoE routing replay
     vpp: int = setting(1, range=COUNT)
+    #: an uneven pipeline split: the decoder layers of the first / last stage (null: an even share),
+    #: the layers left split evenly over the other stages (megatron-core's
+    #: num_layers_in_first/last_pipeline_stage; megarl/models/stages.py).  For a layer count no pp
+    #: divides (DeepSeek-V3's 61 at pp 8: 7, 6 x 8, 6), or to lighten the stages that also hold the
+    #: embedding and the output layer.  Needs pp > 1 and vpp = 1
+    first_stage_layers: Optional[int] = setting(None, range=Range(lo=1, null=True))
+    last_stage_layers: Optional[int] = setting(None, range=Range(lo=1, null=True))
     #: context-parallel size: each sequence split over cp ranks along its length (zig-zag, 2 x cp
     #: chunks; sequences padded to a multiple of 2 x cp, times tp with sequence parallelism);
     #: attention and activation memory per rank / cp; packed sequences split one by one.  Not yet

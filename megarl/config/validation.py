@@ -511,6 +511,12 @@ def _validate_layout(cfg: TrainConfig, world_size: int) -> int:
                   f"is {getattr(cfg.actor, key)} with parallel.cp={p.cp}: the router's losses are not scaled for "
                   "context-parallel ranks yet; leave them off (or parallel.cp=1)")
     _need(p.vpp >= 1, "parallel.vpp", f"must be >= 1, got {p.vpp}")
+    for key in ("first_stage_layers", "last_stage_layers"):
+        n = getattr(p, key)
+        if n is not None:
+            _need(p.pp > 1 and p.vpp == 1, f"parallel.{key}",
+                  f"is {n} with parallel.pp={p.pp} and parallel.vpp={p.vpp}: an uneven pipeline split needs pp > 1 "
+                  "and no virtual stages")
     if p.vpp > 1:
         _need(p.pp > 1, "parallel.vpp", f"is {p.vpp} with parallel.pp={p.pp}: virtual pipeline stages interleave "
               "the chunks of several pipeline ranks; set parallel.pp > 1 (or parallel.vpp=1)")

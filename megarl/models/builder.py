@@ -398,7 +398,11 @@ def build_model(spec: ModelSpec, opts: BuildOptions, seed: int = 1234, vp_stage:
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    check_parallel_fit(spec, opts.tp, opts.pp, ep=opts.ep, etp=opts.resolved_etp)
+    from megarl.runtime import distributed as rt
+
+    first, last = rt.stage_layers()
+    check_parallel_fit(spec, opts.tp, opts.pp, ep=opts.ep, etp=opts.resolved_etp, first_stage_layers=first,
+                       last_stage_layers=last)
     ps = parallel_state
     vpp = virtual_stages()
     if (vpp > 1) != (vp_stage is not None):
@@ -424,6 +428,9 @@ def build_model(spec: ModelSpec, opts: BuildOptions, seed: int = 1234, vp_stage:
         config = transformer_config(spec, opts)
         if vpp > 1:
             config.virtual_pipeline_model_parallel_size = vpp
+        if first is not None or last is not None:  # an uneven split (megarl/models/stages.py)
+            config.num_layers_in_first_pipeline_stage = first
+            config.num_layers_in_last_pipeline_stage = last
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     virtual = {} if vp_stage is None else {"vp_stage": vp_stage}

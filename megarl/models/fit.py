@@ -34,7 +34,8 @@ def validate_model_fit(cfg, spec, where: str) -> None:
     expert TP (config.json only)."""
     p = cfg.parallel
     try:
-        check_parallel_fit(spec, p.tp, p.pp, where=where, experts=False)
+        check_parallel_fit(spec, p.tp, p.pp, where=where, experts=False, first_stage_layers=p.first_stage_layers,
+                           last_stage_layers=p.last_stage_layers)
     except ModelConfigError as e:
         raise ConfigError(f"parallel.tp/parallel.pp: {e}") from None
     require(p.vpp == 1 or spec.num_layers % (p.pp * p.vpp) == 0, "parallel.vpp",

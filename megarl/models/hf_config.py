@@ -660,7 +660,8 @@ def load_spec(model_dir: str) -> ModelSpec:
 
 
 def check_parallel_fit(spec: ModelSpec, tp: int, pp: int, where: str = "config.json", ep: int = 1,
-                       etp: Optional[int] = None, experts: bool = True) -> None:
+                       etp: Optional[int] = None, experts: bool = True, first_stage_layers: Optional[int] = None,
+                       last_stage_layers: Optional[int] = None) -> None:
     """Raise a named error if the model cannot be split at this TP/PP (and, with ``experts``,
     its experts placed at this EP / expert TP: :func:`check_expert_fit`)."""
     if spec.num_attention_heads % tp:
@@ -678,11 +679,19 @@ def check_parallel_fit(spec: ModelSpec, tp: int, pp: int, where: str = "config.j
         raise ModelConfigError(
             f"{where}: intermediate_size={spec.ffn_hidden_size} is not divisible by tp={tp}"
         )
-    if spec.num_layers % pp:
-        raise ModelConfigError(
-            f"{where}: num_hidden_layers={spec.num_layers} is not divisible by pipeline "
-            f"parallel size pp={pp}"
-        )
+    if first_stage_layers is None and last_stage_layers is None:
+        if spec.num_layers % pp:
+            raise ModelConfigError(
+                f"{where}: num_hidden_layers={spec.num_layers} is not divisible by pipeline "
+                f"parallel size pp={pp}"
+            )
+    else:
+        from megarl.models.stages import StageSplitError, stage_layer_counts
+
+        try:
+            stage_layer_counts(spec.num_layers, pp, first_stage_layers, last_stage_layers)
+        except StageSplitError as e:
+            raise ModelConfigError(f"{where}: {e}") from None
     if experts:
         check_expert_fit(spec, tp, ep, etp, where)
 

@@ -58,12 +58,16 @@ def chunks_of(model) -> list:
 
 def _owner_stage(rule: mapping.ParamRule, spec: ModelSpec, pp: int, vpp: int = 1) -> int:
     """The PP rank holding ``rule``: layers go to global chunks of ``num_layers / (pp x vpp)``,
-    and global chunk c lives on PP rank ``c mod pp`` (interleaved; c itself without virtual stages)."""
+    and global chunk c lives on PP rank ``c mod pp`` (interleaved; c itself without virtual stages);
+    or to stages of the uneven split this process was initialised with (megarl/models/stages.py)."""
+    from megarl.models.stages import layer_stage
+    from megarl.runtime import distributed as rt
+
     if rule.where == "first":
         return 0
     if rule.where == "last":
         return pp - 1
-    return (rule.layer // (spec.num_layers // (pp * vpp))) % pp
+    return layer_stage(rule.layer, spec.num_layers, pp, vpp, *rt.stage_layers())
 
 
 def _pp_tp():

@@ -111,6 +111,8 @@ def initialize(
     timeout_minutes: int = 30,
     etp: Optional[int] = None,
     vpp: int = 1,
+    first_stage_layers: Optional[int] = None,
+    last_stage_layers: Optional[int] = None,
 ) -> ParallelLayout:
     """Bring up torch.distributed and megatron-core parallel state; seed every rank.
 
@@ -121,7 +123,12 @@ def initialize(
     megatron's schedules interleave them).  Raises :class:`ParallelConfigError` (before touching any
     process group) when the layout does not fit the world size.
     """
+    global _STAGE_LAYERS
     layout = ParallelLayout(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, vpp=vpp)
+    if (first_stage_layers is not None or last_stage_layers is not None) and (pp < 2 or vpp > 1):
+        raise ParallelConfigError(f"parallel.first_stage_layers / parallel.last_stage_layers: an uneven pipeline "
+                                  f"split needs pp > 1 and no virtual stages (pp={pp}, vpp={vpp})")
+    _STAGE_LAYERS = (first_stage_layers, last_stage_layers)
     # split placement brought up the trainer ranks' own world already (megarl.runtime.split)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     layout.validate(world)
@@ -144,6 +151,22 @@ def initialize(
     )
     cpu_compat.seed_megatron_rng(seed)
     return layout
+
+
+#: (first, last): the decoder layers of the first and last pipeline stages when they are not an
+#: even share (``parallel.first_stage_layers`` / ``last_stage_layers``; megarl/models/stages.py)
+_STAGE_LAYERS: tuple = (None, None)
+
+
+def stage_layers() -> tuple:
+    """``(first, last)`` pipeline-stage layer counts this process was initialised with (None: even)."""
+    return _STAGE_LAYERS
+
+
+def set_stage_layers(first: Optional[int], last: Optional[int]) -> None:
+    """Set them without (re)initialising the process groups (the full-size plan's fake ranks)."""
+    global _STAGE_LAYERS
+    _STAGE_LAYERS = (first, last)
 
 
 def shutdown() -> None:

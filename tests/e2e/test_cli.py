@@ -286,6 +286,15 @@ def _recipes(tmp_path):
         "architectures": ["LlamaForSequenceClassification"], "model_type": "llama", "num_labels": 1, "vocab_size": 112,
         "hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
         "intermediate_size": 256, "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "pad_token_id": 0})
+    def published(name):  # tests/data/hf_configs: the real config.json files the full-size plan runs on
+        with open(os.path.join(ROOT, "tests", "data", "hf_configs", name, "config.json")) as f:
+            return json.load(f)
+
+    moonlight = _fake_hf(tmp_path / "moonlight_16b_a3b", published("moonlight_16b_a3b"))
+    glm_air = _fake_hf(tmp_path / "glm4_5_air", published("glm4_5_air"))
+    dsv3 = published("deepseek_v3")
+    dsv3.pop("quantization_config")  # the bf16 checkpoint's config (configs/grpo_deepseek_v3.yaml)
+    dsv3 = _fake_hf(tmp_path / "deepseek_v3_bf16", dsv3)
     out = {"grpo_arith_tiny.yaml": (1, []), "ppo_arith_tiny.yaml": (1, []), "grpo_moe_tiny.yaml": (1, []),
            "grpo_arith_async_tiny.yaml": (2, []),  # 1 trainer rank + 1 rollout rank
            "grpo_calc_tiny.yaml": (1, []), "grpo_two_turn_tiny.yaml": (1, []), "grpo_rsum_tiny.yaml": (1, []),
@@ -297,7 +306,10 @@ def _recipes(tmp_path):
            "grpo_qwen2_7b.yaml": (8, [f"model.path={qwen}", f"data.train_path={data}"]),
            # the recipe names the Hub id; without network the test points it at config.json only
            "grpo_qwen3_30b_a3b.yaml": (8, [f"model.path={qwen3_moe}", f"data.train_path={data}"]),
-           "ppo_llama3_8b.yaml": (8, [f"model.path={llama}", f"data.train_path={data}", f"reward.model.path={rm}"])}
+           "ppo_llama3_8b.yaml": (8, [f"model.path={llama}", f"data.train_path={data}", f"reward.model.path={rm}"]),
+           "grpo_moonlight_16b_a3b.yaml": (8, [f"model.path={moonlight}", f"data.train_path={data}"]),
+           "grpo_glm4_5_air.yaml": (64, [f"model.path={glm_air}", f"data.train_path={data}"]),
+           "grpo_deepseek_v3.yaml": (256, [f"model.path={dsv3}", f"data.train_path={data}"])}
     train_recipes = sorted(n for n in os.listdir(CONFIGS) if n.endswith(".yaml") and n != "quickstart_tiny.yaml")
     assert sorted(out) == train_recipes  # quickstart_tiny.yaml is megarl.quickstart's, not a training recipe
     return out
@@ -334,7 +346,9 @@ def test_print_config_and_dry_run_on_every_recipe(tmp_path):
             assert f"plan: trainer ranks {trainers} = tp {tp} x pp {pp} x dp {trainers // (tp * pp)}" in out
             assert f"placement split: the last {cfg.placement.rollout_ranks} rank(s) of {world} only generate" in out
         else:
-            assert f"plan: world {world} = tp {tp} x pp {pp} x dp {world // (tp * pp)}" in out
+            cp = cfg.parallel.cp
+            assert f"plan: world {world} = tp {tp} x pp {pp}{f' x cp {cp}' if cp > 1 else ''} x dp " \
+                   f"{world // (tp * pp * cp)}" in out
         if name.endswith("_tiny.yaml"):
             assert "would build the built-in tiny model" in out and not cache.exists()
         else:

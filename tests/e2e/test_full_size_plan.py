@@ -27,11 +27,21 @@ PLANS = [
     ("llama3_8b_ppo", "ppo_llama3_8b.yaml", 8, 80, [f"model.path={CONFIGS}/llama3_8b", "reward.fn=arithmetic"], 8.03,
      "the recipe"),
     ("qwen3_30b_a3b", "grpo_qwen3_30b_a3b.yaml", 8, 141, [], 30.53, "the recipe (slime's layout)"),
-    # NeMo-RL's grpo-qwen3-235b-16n8g: TP 2 + SP, CP 2, EP 16, PP 8 with uneven stages (11 first and
-    # last), engine TP 16 on 128 H100s; megarl splits layers evenly, so PP 2 (47 layers a stage)
+    # NeMo-RL's grpo-qwen3-235b-16n8g: TP 2 + SP, CP 2, EP 16, PP 8 with uneven stages (11 layers on
+    # the first and the last, 12 on the six others), engine TP 16 on 128 H100s
     ("qwen3_235b_a22b", "grpo_qwen3_30b_a3b.yaml", 128, 80,
-     [f"model.path={CONFIGS}/qwen3_235b_a22b", "parallel.tp=2", "parallel.pp=2", "parallel.cp=2", "parallel.ep=16",
-      "rollout.tp=16", "algo.routing_replay=none"], 235.09, "NeMo-RL's, PP 8 -> 2"),
+     [f"model.path={CONFIGS}/qwen3_235b_a22b", "parallel.tp=2", "parallel.pp=8", "parallel.first_stage_layers=11",
+      "parallel.last_stage_layers=11", "parallel.cp=2", "parallel.ep=16", "rollout.tp=16",
+      "algo.routing_replay=none"], 235.09, "NeMo-RL's"),
+    # DeepSeek-V3's architecture on one node (multi-latent attention without a q latent)
+    ("moonlight_16b_a3b", "grpo_moonlight_16b_a3b.yaml", 8, 80, [], 15.96, "the recipe"),
+    ("glm4_5_air", "grpo_glm4_5_air.yaml", 64, 80, [], 106.85, "the recipe"),
+    # GLM-4.5 (355B-A32B) on 16 nodes: 23 layers a stage, each expert's width over expert TP 2
+    ("glm4_5", "grpo_glm4_5_air.yaml", 128, 80,
+     [f"model.path={CONFIGS}/glm4_5", "parallel.tp=4", "parallel.pp=4", "parallel.ep=16", "parallel.etp=2",
+      "rollout.tp=16", "rollout.ep=16"], 352.80, "documented here: TP 4 x PP 4 x EP 16 x expert TP 2"),
+    # DeepSeek-V3 (671B) on 32 nodes at NeMo-RL's layout (the bf16 checkpoint's config: see below)
+    ("deepseek_v3", "grpo_deepseek_v3.yaml", 256, 80, [], 671.03, "the recipe (NeMo-RL's)"),
     # tied embeddings across pipeline stages: the last stage holds its own copy of the embedding
     ("qwen2_5_1_5b_tied_pp2", "grpo_qwen2_7b.yaml", 8, 80,
      [f"model.path={CONFIGS}/qwen2_5_1_5b", "parallel.tp=2", "parallel.pp=2"], 1.54, "TP 2 x PP 2"),
@@ -39,10 +49,30 @@ PLANS = [
      [f"model.path={CONFIGS}/llama3_70b", "parallel.tp=8", "parallel.pp=4", "rollout.tp=8"], 70.55,
      "documented here: TP 8 x PP 4, 32 GPUs"),
 ]
-DEFAULT_MODEL = {"grpo_qwen2_7b.yaml": "qwen2_7b", "grpo_qwen3_30b_a3b.yaml": "qwen3_30b_a3b"}
+DEFAULT_MODEL = {"grpo_qwen2_7b.yaml": "qwen2_7b", "grpo_qwen3_30b_a3b.yaml": "qwen3_30b_a3b",
+                 "grpo_moonlight_16b_a3b.yaml": "moonlight_16b_a3b", "grpo_glm4_5_air.yaml": "glm4_5_air"}
+
+
+def bf16_deepseek_v3(root):
+    """DeepSeek-V3's published config.json without its ``quantization_config``: the config of the
+    bf16 checkpoint DeepSeek's ``fp8_cast_bf16.py`` writes (megarl maps bf16 tensors, not fp8 with
+    their scales)."""
+    import json
+
+    with open(os.path.join(CONFIGS, "deepseek_v3", "config.json")) as f:
+        cfg = json.load(f)
+    cfg.pop("quantization_config")
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return root
 
 
 def _plan(recipe, world, device_gib, overrides, expect=0):
+    if recipe == "grpo_deepseek_v3.yaml" and not any(o.startswith("model.path=") for o in overrides):
+        import tempfile
+
+        overrides = [f"model.path={bf16_deepseek_v3(os.path.join(tempfile.mkdtemp(), 'dsv3_bf16'))}", *overrides]
     model = [] if any(o.startswith("model.path=") for o in overrides) else [
         f"model.path={CONFIGS}/{DEFAULT_MODEL[recipe]}"]
     cmd = [sys.executable, "-m", "megarl.plan", "--config", os.path.join(ROOT, "configs", recipe),
@@ -78,6 +108,12 @@ def test_what_a_launch_would_hit_is_refused_by_name():
                                                      "parallel.pp=8", "parallel.cp=2", "parallel.ep=16",
                                                      "algo.routing_replay=none"], expect=2)
     assert "num_hidden_layers=94 is not divisible by" in bad.stderr and "pp=8" in bad.stderr, bad.stderr[-2000:]
+
+
+def test_deepseek_v3_as_published_is_refused_naming_its_fp8_quantization():
+    bad = _plan("grpo_deepseek_v3.yaml", 256, 80, [f"model.path={CONFIGS}/deepseek_v3"], expect=2)
+    line = [x for x in bad.stderr.splitlines() if x.startswith("error:")]
+    assert len(line) == 1 and "['quantization_config'] are not understood" in line[0], bad.stderr[-2000:]
 
 
 def test_an_architecture_the_mapping_does_not_cover_is_named(tmp_path):

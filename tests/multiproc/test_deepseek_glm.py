@@ -208,8 +208,12 @@ def test_multi_token_prediction_layers_in_a_checkpoint_are_refused(tmp_path, meg
         load_model(d)
 
 
-#: the update's checkpoints: DeepSeek-V3 with YaRN, GLM-4.5 as tiny_checkpoint makes it
-UPDATE_FAMILIES = {"deepseek_v3": YARN_KW, "glm4_moe": dict(num_kv_heads=2)}
+#: the update's checkpoints: DeepSeek-V3 with YaRN (3 layers: the first dense), GLM-4.5 as
+#: tiny_checkpoint makes it (2 layers)
+UPDATE_FAMILIES = {"deepseek_v3": dict(YARN_KW, num_layers=3), "glm4_moe": dict(num_kv_heads=2)}
+#: PP=2: an uneven split of DeepSeek-V3's 3 layers (the dense one alone on the first stage), an even
+#: one of GLM's 2
+PP_LAYOUT = {"deepseek_v3": "pp2uneven", "glm4_moe": "pp2update"}
 
 
 @pytest.fixture(scope="module", params=sorted(UPDATE_FAMILIES))
@@ -217,19 +221,24 @@ def family_update(request, tmp_path_factory):
     fam = request.param
     root = tmp_path_factory.mktemp(f"{fam}_update")
     hf = make_tiny_hf_checkpoint(str(root / fam), fam, seed=13, vocab_size=64, **UPDATE_FAMILIES[fam], **SMALL)
-    torchrun("moe_train_worker.py", 2, "--hf", hf, "--out", str(root), "--layouts", "ep1", "ep2", "tp2ep2",
-             "pp2update")
-    return hf, {tag: torch.load(root / f"{tag}.pt") for tag in ("ep1", "ep2", "tp2ep2", "pp2update")}
+    tags = ("ep1", "ep2", "tp2ep2", PP_LAYOUT[fam])
+    torchrun("moe_train_worker.py", 2, "--hf", hf, "--out", str(root), "--layouts", *tags)
+    res = {tag: torch.load(root / f"{tag}.pt") for tag in tags}
+    res["pp2"] = res.pop(PP_LAYOUT[fam])
+    return fam, hf, res
 
 
-@pytest.mark.parametrize("tag", ["ep2", "tp2ep2", "pp2update"])
+@pytest.mark.parametrize("tag", ["ep2", "tp2ep2", "pp2"])
 def test_an_update_at_a_layout_equals_one_process(family_update, tag):
     """One GRPO update (two mini-batches, AdamW, clipping) at EP=2, at TP=2 x EP=2 (sequence
-    parallelism, the experts whole on each EP rank) and at PP=2 gives the weights of EP=1, within
-    the Adam bound of fp32 gradients summed in another order; every expert, the routers, the MLA
-    projections and their latent norms moved (the comparison is not vacuous for any tensor)."""
-    hf, res = family_update
+    parallelism, the experts whole on each EP rank) and at PP=2 (for DeepSeek-V3 an uneven split:
+    parallel.first_stage_layers=1 of 3) gives the weights of EP=1, within the Adam bound of fp32
+    gradients summed in another order; every expert, the routers, the MLA projections and their
+    latent norms moved (the comparison is not vacuous for any tensor)."""
+    fam, hf, res = family_update
     ref, got = res["ep1"], res[tag]
+    if tag == "pp2" and fam == "deepseek_v3":  # the dense layer alone on the first stage, its experts none
+        assert got["held_experts"] == [[], [0, 1, 2, 3]], got["held_experts"]
     initial = load_file(os.path.join(hf, "model.safetensors"))
     assert set(got["weights"]) == set(initial)
     assert ref["metrics"]["update/optimizer_steps"] == got["metrics"]["update/optimizer_steps"] == 2

@@ -84,8 +84,9 @@ def sync_and_read(actor_ddp, engine, version, manifest):
             "num_buckets": report.num_buckets, "buckets": buckets}, {n: e.checksum for n, e in served.entries.items()}
 
 
-def train_layout(a, ep, tp=1, sp=False, budget=0, cp=1, pp=1, etp=None):
-    rt.initialize(tp=tp, pp=pp, ep=ep, cp=cp, etp=etp)
+def train_layout(a, ep, tp=1, sp=False, budget=0, cp=1, pp=1, etp=None, stage_layers=(None, None)):
+    rt.initialize(tp=tp, pp=pp, ep=ep, cp=cp, etp=etp, first_stage_layers=stage_layers[0],
+                  last_stage_layers=stage_layers[1])
     from megatron.core import parallel_state as ps
 
     cfg = load_config(GRPO_RECIPE, OVERRIDES + [f"algo.micro_batch_tokens={budget}"])
@@ -163,7 +164,9 @@ def main():
                "cp2ep2tok": lambda: train_layout(a, 2, cp=2, budget=TOKEN_BUDGET),
                # TP=2 x EP=2 in two processes: the experts whole (expert TP 1), EP over the TP ranks
                "tp2ep2": lambda: train_layout(a, 2, tp=2, sp=True, etp=1),
-               "pp2update": lambda: train_layout(a, 1, pp=2)}
+               "pp2update": lambda: train_layout(a, 1, pp=2),
+               # an uneven pipeline split: the first stage holds one layer, the last the rest
+               "pp2uneven": lambda: train_layout(a, 1, pp=2, stage_layers=(1, None))}
     for tag in a.layouts or list(layouts)[:7]:
         run = layouts[tag]
         t0 = time.perf_counter()
