@@ -424,6 +424,8 @@ def build_model(spec: ModelSpec, opts: BuildOptions, seed: int = 1234, vp_stage:
     elif opts.cp != cp:
         raise ModelConfigError(f"build options cp={opts.cp} disagree with the initialised parallel state cp={cp}")
     cpu_compat.seed_megatron_rng(seed)
+    if spec.mla is not None:
+        cpu_compat.patch_mla_te_flag()
     if config is None:
         config = transformer_config(spec, opts)
         if vpp > 1:

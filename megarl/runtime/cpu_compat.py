@@ -254,7 +254,6 @@ def install() -> bool:
     _wrap_entry_points()
     _patch_grad_clipping()
     _patch_router_gemm()
-    patch_mla_te_flag()
     _patch_checkpoint_rng()
     _patch_distributed_optimizer_step_state()
     _INSTALLED = True
@@ -389,7 +388,11 @@ def patch_mla_te_flag() -> None:
     Its import guard imports megatron's TE extension, which imports without TE and binds
     ``TELinear`` to a placeholder (not a class), so the flag reads True and MLA's constructor
     fails on ``isinstance(self.linear_proj, TELinear)``.  With the flag False it takes the path it
-    takes without the extension (the local spec's column-parallel projections)."""
+    takes without the extension.  Called by the builder before it builds multi-latent attention, not
+    by :func:`install`: importing megatron's attention module must wait for SGLang's CPU stand-ins
+    (``megarl.rollout.sglang_cpu.prepare``: SGLang's ``flash_mla`` raises ``OSError`` without CUDA)."""
+    if not on_cpu():
+        return
     import importlib.util
 
     from megatron.core.transformer import multi_latent_attention
