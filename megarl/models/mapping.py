@@ -171,15 +171,16 @@ def _mla_rules(spec: ModelSpec, i: int) -> List[ParamRule]:
     * ``linear_proj`` = ``o_proj``, row-parallel over ``heads x v_head_dim`` (in :func:`rules`).
     """
     m, a = f"decoder.layers.{i}.self_attention", f"model.layers.{i}.self_attn"
+    kv_down = ParamRule(f"{m}.linear_kv_down_proj.weight", (f"{a}.kv_a_proj_with_mqa.weight",), REPLICATED, i)
+    kv_rest = [ParamRule(f"{m}.kv_layernorm.weight", (f"{a}.kv_a_layernorm.weight",), REPLICATED, i),
+               ParamRule(f"{m}.linear_kv_up_proj.weight", (f"{a}.kv_b_proj.weight",), COLUMN, i)]
     if spec.mla.q_lora_rank is None:
-        out = [ParamRule(f"{m}.linear_q_proj.weight", (f"{a}.q_proj.weight",), COLUMN, i)]
-    else:
-        out = [ParamRule(f"{m}.linear_q_down_proj.weight", (f"{a}.q_a_proj.weight",), REPLICATED, i),
-               ParamRule(f"{m}.q_layernorm.weight", (f"{a}.q_a_layernorm.weight",), REPLICATED, i),
-               ParamRule(f"{m}.linear_q_up_proj.weight", (f"{a}.q_b_proj.weight",), COLUMN, i)]
-    return out + [ParamRule(f"{m}.linear_kv_down_proj.weight", (f"{a}.kv_a_proj_with_mqa.weight",), REPLICATED, i),
-                  ParamRule(f"{m}.kv_layernorm.weight", (f"{a}.kv_a_layernorm.weight",), REPLICATED, i),
-                  ParamRule(f"{m}.linear_kv_up_proj.weight", (f"{a}.kv_b_proj.weight",), COLUMN, i)]
+        return [ParamRule(f"{m}.linear_q_proj.weight", (f"{a}.q_proj.weight",), COLUMN, i), kv_down, *kv_rest]
+    # the two down projections next to each other in the stream: SGLang fuses them into one
+    # parameter and loads it only from a call that holds both (weight_stream.iter_buckets)
+    return [ParamRule(f"{m}.linear_q_down_proj.weight", (f"{a}.q_a_proj.weight",), REPLICATED, i), kv_down,
+            ParamRule(f"{m}.q_layernorm.weight", (f"{a}.q_a_layernorm.weight",), REPLICATED, i),
+            ParamRule(f"{m}.linear_q_up_proj.weight", (f"{a}.q_b_proj.weight",), COLUMN, i), *kv_rest]
 
 
 def mla_hf_shapes(spec: ModelSpec, i: int) -> Dict[str, Tuple[int, ...]]:

@@ -379,6 +379,22 @@ class TensorManifest:
         return json.dumps(self.to_dict(), sort_keys=True)
 
 
+#: ``(first, second)`` name suffixes of tensors an engine takes only together, in one load call:
+#: SGLang's DeepSeek-V2/V3 loader fuses a layer's ``q_a_proj`` and ``kv_a_proj_with_mqa`` into one
+#: parameter (``fused_qkv_a_proj_with_mqa``) from a cache that lives for one ``load_weights`` call
+#: (``deepseek_common/deepseek_weight_loader.py``); split over two, neither is written
+#: (megarl's check after the load names the parameter).  The mapping streams them next to each other.
+TRAVEL_TOGETHER = (("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),)
+
+
+def _travels_with(previous: str, name: str) -> bool:
+    for first, second in TRAVEL_TOGETHER:
+        if previous.endswith(first) and name.endswith(second) and \
+                previous[:-len(first)] == name[:-len(second)]:
+            return True
+    return False
+
+
 def iter_buckets(
     named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -386,7 +402,8 @@ def iter_buckets(
 
     A tensor larger than the bucket travels alone.  Tensors are not copied: the producer owns
     them until the consumer has taken the bucket (same contract as verl's
-    ``get_named_tensor_buckets``, minus its defensive clone, which doubles peak memory).
+    ``get_named_tensor_buckets``, minus its defensive clone, which doubles peak memory).  A pair of
+    :data:`TRAVEL_TOGETHER` tensors next to each other in the stream is never split over two buckets.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
@@ -394,7 +411,7 @@ def iter_buckets(
     size = 0
     for name, tensor in named_tensors:
         nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
+        if bucket and size + nbytes > bucket_bytes and not _travels_with(bucket[-1][0], name):
             yield bucket
             bucket, size = [], 0
         bucket.append((name, tensor))

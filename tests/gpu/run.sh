@@ -6,7 +6,8 @@
 # minutes): SGLang's routed experts returned and replayed in the actor on one GPU, and EP=2
 # weight sync into SGLang on two GPUs (a SKIP row, not a failure, when only one is present),
 # then context parallelism on transformer-engine's attention (tests/gpu/test_context_parallel_te.py,
-# CP=2 = CP=1 on two GPUs; a SKIP row with one; MEGARL_GPU_CP_TIMEOUT, default 240).
+# CP=2 = CP=1 on two GPUs; a SKIP row with one; MEGARL_GPU_CP_TIMEOUT, default 240), then DeepSeek-V3
+# and GLM-4.5 on TE and SGLang (tests/gpu/test_frontier_sglang.py; MEGARL_GPU_FRONTIER_TIMEOUT, default 300).
 # Exit status 0 only if every row passed (or was skipped).  Run it in the Docker image (see Dockerfile):
 #
 #   docker run --gpus all --ipc=host --shm-size=16g megarl:gpu bash tests/gpu/run.sh
@@ -58,4 +59,15 @@ else
 fi
 cp_rc=$?
 [ "$rc" -eq 0 ] && rc=$cp_rc
+frontier_json="${MEGARL_GPU_CHECK_JSON:+${MEGARL_GPU_CHECK_JSON%.json}_frontier.json}"
+frontier_json="${frontier_json:-${OUT:+$OUT/gpu_frontier_check.json}}"
+frontier_args=()
+[ -n "$frontier_json" ] && frontier_args+=(--json "$frontier_json")
+timeout --signal=TERM --kill-after=20 "${MEGARL_GPU_FRONTIER_TIMEOUT:-300}" \
+    python3 tests/gpu/test_frontier_sglang.py "${frontier_args[@]}"
+frontier_rc=$?
+if [ "$frontier_rc" -eq 124 ]; then
+    echo "frontier-family GPU check: timed out after ${MEGARL_GPU_FRONTIER_TIMEOUT:-300} s (rows printed above finished)"
+fi
+[ "$rc" -eq 0 ] && rc=$frontier_rc
 exit "$rc"

@@ -96,6 +96,30 @@ def test_buckets_preserve_stream_and_respect_size(sizes, bucket):
         assert sum(t.numel() for _, t in prev) + nxt[0][1].numel() > bucket
 
 
+def test_deepseek_down_projections_are_never_split_over_two_buckets():
+    """SGLang fuses a layer's q_a_proj and kv_a_proj_with_mqa from one load call: the pair stays in one
+    bucket however small the buckets (the mapping streams it adjacent); another layer's is its own;
+    negative control: two unrelated tensors are split as usual."""
+    a = "model.layers.3.self_attn."
+    tensors = [(a + "q_a_proj.weight", torch.zeros(8, dtype=torch.uint8)),
+               (a + "kv_a_proj_with_mqa.weight", torch.zeros(8, dtype=torch.uint8)),
+               ("model.layers.4.self_attn.kv_a_proj_with_mqa.weight", torch.zeros(8, dtype=torch.uint8)),
+               ("x", torch.zeros(8, dtype=torch.uint8)), ("y", torch.zeros(8, dtype=torch.uint8))]
+    buckets = [[n for n, _ in b] for b in iter_buckets(tensors, 10)]
+    assert buckets == [[a + "q_a_proj.weight", a + "kv_a_proj_with_mqa.weight"],
+                       ["model.layers.4.self_attn.kv_a_proj_with_mqa.weight"], ["x"], ["y"]]
+
+
+def test_the_mapping_streams_the_fused_pair_next_to_each_other():
+    from megarl.builtin.tiny_checkpoint import tiny_hf_config
+    from megarl.models import mapping
+    from megarl.models.hf_config import spec_from_hf_config
+
+    names = mapping.hf_names_in_order(spec_from_hf_config(tiny_hf_config("deepseek_v3", hidden_size=32).to_dict()))
+    i = names.index("model.layers.0.self_attn.q_a_proj.weight")
+    assert names[i + 1] == "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+
+
 def test_bucket_size_must_be_positive():
     with pytest.raises(ValueError, match="bucket_bytes"):
         list(iter_buckets([], 0))
