@@ -14,3 +14,14 @@ def full_logits(model, tokens: torch.Tensor, micro_batch_size: int = 0) -> torch
     outs = forward_only(model, list(tokens.split(micro_batch_size or tokens.shape[0], 0)),
                         lambda out, _t: gather_vocab(out, V).float())
     return torch.cat(outs, 0)
+
+
+def transformers_log_probs(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
+    """transformers' fp32 log-prob of each next token of ``tokens`` ``(b, s - 1)``: the reference the
+    parity tests hold megarl's models to."""
+    import transformers
+
+    m = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = m(tokens).logits.float()
+    return torch.log_softmax(logits, -1)[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0]

@@ -243,9 +243,6 @@ def plan(cfg, world: int, device_gib: float = 80.0) -> PlanReport:
     rules = {r.megatron_name: r for r in mapping.rules(spec)}  # once: DeepSeek-V3's are 45k
 
     def build():
-        from megarl.runtime import cpu_compat
-
-        cpu_compat.patch_mla_te_flag()  # inert where transformer-engine is installed
         with torch.device("meta"), _OnMeta(), _device_index_without_cuda():
             return build_model_chunks(spec, opts) if p.vpp > 1 else [build_model(spec, opts)]
 

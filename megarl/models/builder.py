@@ -293,7 +293,8 @@ def mla_duplicated_down_projections(block, te: bool):
 def set_latent_norm_eps(model, eps: float) -> None:
     """Give MLA's q and kv latent norms ``eps`` (transformers builds them with 1e-6 whatever
     ``rms_norm_eps`` is; megatron with ``layernorm_epsilon``): the torch norms of the local spec,
-    or the norms transformer-engine fuses into the up projections."""
+    or the norms transformer-engine fuses into the up projections (that path never run here: no GPU;
+    tests/gpu/test_frontier_sglang.py checks it)."""
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
     for module in model.modules():

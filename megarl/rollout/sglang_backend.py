@@ -465,29 +465,24 @@ class SGLangRolloutEngine(InferenceGroup):
         version = self._versions.require_active("teacher_force", " (none loaded)")
         rows = [i for i, r in enumerate(responses) if len(r)]
         out: list[torch.Tensor] = [torch.zeros(0, dtype=torch.float32) for _ in prompts]
-        values, failure, error = None, None, None
-        if self.rank_in_group == 0 and rows:
-            try:
-                extra = {"lora_path": [self._adapter] * len(rows)} if self._adapter is not None else {}
-                outs = self._engine.generate(
-                    input_ids=[list(prompts[i]) + list(responses[i]) for i in rows],
-                    sampling_params=[{"max_new_tokens": 1, "temperature": 1.0}] * len(rows),
-                    return_logprob=True, logprob_start_len=[len(prompts[i]) - 1 for i in rows], **extra)
-                values = []
-                for i, o in zip(rows, outs, strict=True):
-                    entries = o["meta_info"]["input_token_logprobs"][1:]
-                    ids = [int(e[1]) for e in entries]
-                    if ids != [int(t) for t in responses[i]]:
-                        raise RolloutError(f"teacher_force: row {i}: SGLang scored tokens {ids[:8]}..., not the "
-                                           f"response {list(responses[i])[:8]}...")
-                    values.append([float(e[0]) for e in entries])
-            except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks know
-                error, failure = e, f"{type(e).__name__}: {e}"
-        values, failure = self._broadcast((values, failure))
-        if error is not None:
-            raise error
-        if failure is not None:
-            raise RolloutError(f"teacher_force failed on the inference group's first rank: {failure}")
+
+        def score():
+            extra = {"lora_path": [self._adapter] * len(rows)} if self._adapter is not None else {}
+            outs = self._engine.generate(
+                input_ids=[list(prompts[i]) + list(responses[i]) for i in rows],
+                sampling_params=[{"max_new_tokens": 1, "temperature": 1.0}] * len(rows),
+                return_logprob=True, logprob_start_len=[len(prompts[i]) - 1 for i in rows], **extra)
+            values = []
+            for i, o in zip(rows, outs, strict=True):
+                entries = o["meta_info"]["input_token_logprobs"][1:]
+                ids = [int(e[1]) for e in entries]
+                if ids != [int(t) for t in responses[i]]:
+                    raise RolloutError(f"teacher_force: row {i}: SGLang scored tokens {ids[:8]}..., not the "
+                                       f"response {list(responses[i])[:8]}...")
+                values.append([float(e[0]) for e in entries])
+            return values
+
+        values = self._leader_result("teacher_force", score, run=bool(rows))
         for i, v in zip(rows, values or [], strict=True):
             out[i] = torch.tensor(v, dtype=torch.float32)
         return version, out
@@ -611,35 +606,30 @@ class SGLangRolloutEngine(InferenceGroup):
         version_id = self._versions.active.short_id
         rows = [(r, c) for r in requests for c in r.candidates(sampling.n)]
         seeds = [candidate_seed(sampling.seed, r.request_id, c) for r, c in rows]
-        results, failure, error = None, None, None
-        if self.rank_in_group == 0 and rows:
-            try:
-                extra = {"return_routed_experts": True} if sampling.return_routed_experts else {}
-                if self._adapter is not None:  # the active version is the base plus this adapter
-                    extra["lora_path"] = [self._adapter] * len(rows)
-                outs = self._engine.generate(
-                    input_ids=[list(r.prompt_ids) for r, _ in rows],
-                    sampling_params=[sglang_sampling_params(sampling, s, self._with_seed, self.eos_token_ids)
-                                     for s in seeds],
-                    return_logprob=True,
-                    **extra,
-                )
-                honoured = self._with_seed and not sampling.greedy
-                results = [
-                    result_from_sglang_output(o, r, c, sampling, self.eos_token_ids, version_id, s if honoured else None)
-                    for o, (r, c), s in zip(outs, rows, seeds, strict=True)
-                ]
-                if sampling.return_routed_experts:
-                    results = [dataclasses.replace(res, routed_experts=routed_experts_from_sglang_output(
-                        o["meta_info"], len(res.prompt_ids) + len(res.response_ids) - 1, self.moe_layout,
-                        f"{res.request_id}/{res.candidate_index}"))
-                        if res.finish_reason is not FinishReason.ABORT else res
-                        for o, res in zip(outs, results, strict=True)]
-            except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks know
-                error, failure = e, f"{type(e).__name__}: {e}"
-        results, failure = self._broadcast((results, failure))
-        if error is not None:
-            raise error
-        if failure is not None:
-            raise RolloutError(f"generate failed on the inference group's first rank: {failure}")
+
+        def sample():
+            extra = {"return_routed_experts": True} if sampling.return_routed_experts else {}
+            if self._adapter is not None:  # the active version is the base plus this adapter
+                extra["lora_path"] = [self._adapter] * len(rows)
+            outs = self._engine.generate(
+                input_ids=[list(r.prompt_ids) for r, _ in rows],
+                sampling_params=[sglang_sampling_params(sampling, s, self._with_seed, self.eos_token_ids)
+                                 for s in seeds],
+                return_logprob=True,
+                **extra,
+            )
+            honoured = self._with_seed and not sampling.greedy
+            results = [
+                result_from_sglang_output(o, r, c, sampling, self.eos_token_ids, version_id, s if honoured else None)
+                for o, (r, c), s in zip(outs, rows, seeds, strict=True)
+            ]
+            if sampling.return_routed_experts:
+                results = [dataclasses.replace(res, routed_experts=routed_experts_from_sglang_output(
+                    o["meta_info"], len(res.prompt_ids) + len(res.response_ids) - 1, self.moe_layout,
+                    f"{res.request_id}/{res.candidate_index}"))
+                    if res.finish_reason is not FinishReason.ABORT else res
+                    for o, res in zip(outs, results, strict=True)]
+            return results
+
+        results = self._leader_result("generate", sample, run=bool(rows))
         return results or []

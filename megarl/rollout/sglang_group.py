@@ -46,6 +46,23 @@ class InferenceGroup:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _leader_result(self, what: str, fn, run: bool = True):
+        """``fn()`` on the group's first rank (when ``run``), its result broadcast to every rank (None
+        where it did not run).  An exception is raised on every rank: itself on the first, a
+        :class:`RolloutError` naming ``what`` on the others (the broadcast is also the sync point)."""
+        result, failure, error = None, None, None
+        if self.rank_in_group == 0 and run:
+            try:
+                result = fn()
+            except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks know
+                error, failure = e, f"{type(e).__name__}: {e}"
+        result, failure = self._broadcast((result, failure))
+        if error is not None:
+            raise error
+        if failure is not None:
+            raise RolloutError(f"{what} failed on the inference group's first rank: {failure}")
+        return result
+
     def _leader_call(self, what: str, fn, error: type[RolloutError] = WeightUpdateRejectedError) -> None:
         """Run ``fn() -> (ok, message)`` on the group's first rank; every rank raises ``error`` if
         it failed (one broadcast: also the sync point, so no rank is left waiting)."""

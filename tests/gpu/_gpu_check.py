@@ -24,6 +24,25 @@ MAX_NEW = 16
 # with its init std).  Not run yet: no GPU has been lent.
 
 
+def run_as_pytest(script: str, timeout_var: str, default_timeout: float) -> None:
+    """The pytest entry of a GPU check program: skip (saying why) where it cannot run, else run
+    ``script`` in a fresh process (SGLang's schedulers are processes) within ``$timeout_var``
+    seconds and fail with its output unless it exits 0."""
+    import os
+    import subprocess
+
+    import pytest
+
+    if SKIP_REASON:
+        pytest.skip(SKIP_REASON)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, os.path.abspath(script)], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=root),
+                          timeout=float(os.environ.get(timeout_var, default_timeout)) + 30)
+    print(proc.stdout[-8000:])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
 # ---- the table -------------------------------------------------------------------------------------
 
 

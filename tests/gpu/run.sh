@@ -32,20 +32,23 @@ rc=$?
 if [ "$rc" -eq 124 ]; then
     echo "GPU check: timed out after ${MEGARL_GPU_CHECK_TIMEOUT:-470} s (rows printed above finished)"
 fi
-moe_json="${MEGARL_GPU_CHECK_JSON:+${MEGARL_GPU_CHECK_JSON%.json}_moe.json}"
-moe_json="${moe_json:-${OUT:+$OUT/gpu_moe_check.json}}"
-moe_args=()
-[ -n "$moe_json" ] && moe_args+=(--json "$moe_json")
+# one more check program on one GPU: its rows' JSON beside the dense one's, bounded by its timeout
+run_program() {  # NAME SUFFIX TIMEOUT_SECONDS SCRIPT
+    local json="${MEGARL_GPU_CHECK_JSON:+${MEGARL_GPU_CHECK_JSON%.json}_$2.json}"
+    json="${json:-${OUT:+$OUT/gpu_$2_check.json}}"
+    local args=()
+    [ -n "$json" ] && args+=(--json "$json")
+    timeout --signal=TERM --kill-after=20 "$3" python3 "$4" "${args[@]}"
+    local prc=$?
+    if [ "$prc" -eq 124 ]; then
+        echo "$1 GPU check: timed out after $3 s (rows printed above finished)"
+    fi
+    [ "$rc" -eq 0 ] && rc=$prc
+}
 if [ -z "${MEGARL_GPU_EP_DEVICES:-}" ] && [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
     export MEGARL_GPU_EP_DEVICES=0,1
 fi
-timeout --signal=TERM --kill-after=20 "${MEGARL_GPU_MOE_TIMEOUT:-300}" \
-    python3 tests/gpu/test_moe_sglang.py "${moe_args[@]}"
-moe_rc=$?
-if [ "$moe_rc" -eq 124 ]; then
-    echo "MoE GPU check: timed out after ${MEGARL_GPU_MOE_TIMEOUT:-300} s (rows printed above finished)"
-fi
-[ "$rc" -eq 0 ] && rc=$moe_rc
+run_program MoE moe "${MEGARL_GPU_MOE_TIMEOUT:-300}" tests/gpu/test_moe_sglang.py
 cp_json="${MEGARL_GPU_CHECK_JSON:+${MEGARL_GPU_CHECK_JSON%.json}_cp.json}"
 cp_json="${cp_json:-${OUT:+$OUT/gpu_cp_check.json}}"
 cp_args=()
@@ -59,15 +62,5 @@ else
 fi
 cp_rc=$?
 [ "$rc" -eq 0 ] && rc=$cp_rc
-frontier_json="${MEGARL_GPU_CHECK_JSON:+${MEGARL_GPU_CHECK_JSON%.json}_frontier.json}"
-frontier_json="${frontier_json:-${OUT:+$OUT/gpu_frontier_check.json}}"
-frontier_args=()
-[ -n "$frontier_json" ] && frontier_args+=(--json "$frontier_json")
-timeout --signal=TERM --kill-after=20 "${MEGARL_GPU_FRONTIER_TIMEOUT:-300}" \
-    python3 tests/gpu/test_frontier_sglang.py "${frontier_args[@]}"
-frontier_rc=$?
-if [ "$frontier_rc" -eq 124 ]; then
-    echo "frontier-family GPU check: timed out after ${MEGARL_GPU_FRONTIER_TIMEOUT:-300} s (rows printed above finished)"
-fi
-[ "$rc" -eq 0 ] && rc=$frontier_rc
+run_program frontier-family frontier "${MEGARL_GPU_FRONTIER_TIMEOUT:-300}" tests/gpu/test_frontier_sglang.py
 exit "$rc"

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from types import SimpleNamespace
@@ -36,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
-from tests.gpu._gpu_check import SKIP_REASON, TOKENIZER_HASH, Table  # noqa: E402
+from tests.gpu._gpu_check import SKIP_REASON, TOKENIZER_HASH, Table, run_as_pytest  # noqa: E402
 
 from tests._tolerance import bf16_logprob_tol  # noqa: E402
 
@@ -155,15 +154,7 @@ def main(argv=None) -> int:
 
 def test_gpu_frontier_check():
     """pytest entry: the check in a fresh process (SGLang's schedulers are processes)."""
-    import pytest
-
-    if SKIP_REASON:
-        pytest.skip(SKIP_REASON)
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=ROOT),
-                          timeout=float(os.environ.get("MEGARL_GPU_FRONTIER_TIMEOUT", 300)) + 30)
-    print(proc.stdout[-8000:])
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    run_as_pytest(__file__, "MEGARL_GPU_FRONTIER_TIMEOUT", 300)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
-from tests.gpu._gpu_check import MAX_NEW, SKIP_REASON, TOKENIZER_HASH, Table  # noqa: E402
+from tests.gpu._gpu_check import MAX_NEW, SKIP_REASON, TOKENIZER_HASH, Table, run_as_pytest  # noqa: E402
 
 from tests._tolerance import bf16_logprob_tol, bf16_near_tie  # noqa: E402
 
@@ -365,15 +365,7 @@ def main(argv=None) -> int:
 
 def test_gpu_moe_check():
     """pytest entry: the MoE check in a fresh process (SGLang's schedulers are processes)."""
-    import pytest
-
-    if SKIP_REASON:
-        pytest.skip(SKIP_REASON)
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=ROOT),
-                          timeout=float(os.environ.get("MEGARL_GPU_MOE_TIMEOUT", 300)) + 30)
-    print(proc.stdout[-8000:])
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    run_as_pytest(__file__, "MEGARL_GPU_MOE_TIMEOUT", 300)
 
 
 if __name__ == "__main__":

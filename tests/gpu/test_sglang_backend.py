@@ -50,7 +50,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 from tests._tolerance import bf16_logprob_tol, bf16_near_tie  # noqa: E402
-from tests.gpu._gpu_check import MAX_NEW, SKIP_REASON, TOKENIZER_HASH, Table  # noqa: E402
+from tests.gpu._gpu_check import MAX_NEW, SKIP_REASON, TOKENIZER_HASH, Table, run_as_pytest  # noqa: E402
 
 # bf16 TE forward vs bf16 SGLang kernels: log-prob parity within tests._tolerance.bf16_logprob_tol and
 # greedy divergences accepted under bf16_near_tie, both from the model's depth and the largest
@@ -548,17 +548,7 @@ def test_gpu_check():
     """pytest entry: the dense check in a fresh process (SGLang's schedulers are processes).  The
     MoE program is test_moe_sglang.py's own entry: ``pytest tests/gpu/`` runs each program once
     (bash tests/gpu/run.sh runs both, as programs)."""
-    import subprocess
-
-    import pytest
-
-    if SKIP_REASON:
-        pytest.skip(SKIP_REASON)
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=ROOT),
-                          timeout=float(os.environ.get("MEGARL_GPU_CHECK_TIMEOUT", 470)) + 30)
-    print(proc.stdout[-8000:])
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    run_as_pytest(__file__, "MEGARL_GPU_CHECK_TIMEOUT", 470)
 
 
 if __name__ == "__main__":

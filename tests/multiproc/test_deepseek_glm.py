@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from megarl.builtin.tiny_checkpoint import make_tiny_hf_checkpoint, tiny_hf_config
 from megarl.models.hf_config import ModelConfigError, check_parallel_fit, spec_from_hf_config
 from tests._dist import torchrun
+from tests._logits import transformers_log_probs
 from tests._tolerance import NET_FP32_LOGPROB, adam_weights_tol, within
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_heads=4)
@@ -81,15 +82,6 @@ def test_deepseek_v3_refuses_what_it_does_not_realise():
         spec_from_hf_config(cfg)
 
 
-def _reference_log_probs(hf_dir, tokens):
-    import transformers
-
-    m = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = m(tokens).logits.float()
-    return torch.log_softmax(logits, -1)[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0]
-
-
 def _sharpen_attention(hf_dir, scale=6.0):
     """Scale the query and key projections up: a random tiny model's attention is near uniform,
     blind to its temperature and positions; sharpened, YaRN's softmax scale and frequencies show."""
@@ -118,7 +110,7 @@ def test_deepseek_v3_yarn_and_q_proj_match_transformers_with_negative_controls(t
     for name, kw in cases.items():
         d = make_tiny_hf_checkpoint(str(tmp_path / name), "deepseek_v3", seed=31, vocab_size=260, **SMALL, **kw)
         _sharpen_attention(d)
-        ref = _reference_log_probs(d, tokens)
+        ref = transformers_log_probs(d, tokens)
         model = load_model(d)
         err = (teacher_forced_log_probs(model, tokens) - ref).abs().max().item()
         assert within(err, NET_FP32_LOGPROB, f"deepseek_v3/{name}_vs_transformers"), (name, err)
@@ -172,7 +164,7 @@ def test_glm4_moe_matches_transformers_and_the_whole_head_rotated_does_not(tmp_p
     d = make_tiny_hf_checkpoint(str(tmp_path / "glm"), "glm4_moe", seed=33, vocab_size=270, num_kv_heads=2,
                                 **SMALL)
     _sharpen_attention(d)
-    ref = _reference_log_probs(d, tokens)
+    ref = transformers_log_probs(d, tokens)
     model = load_model(d)
     err = (teacher_forced_log_probs(model, tokens) - ref).abs().max().item()
     assert within(err, NET_FP32_LOGPROB, "glm4_moe/one_process_vs_transformers"), err

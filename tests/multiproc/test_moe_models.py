@@ -20,6 +20,7 @@ from megarl.builtin.tiny_checkpoint import MOE_FAMILIES, make_tiny_hf_checkpoint
 from megarl.models.hf_config import ModelConfigError, check_parallel_fit, spec_from_hf_config
 from tests._dist import ROOT, torchrun
 from tests._hf_tensors import assert_bitwise, load_all
+from tests._logits import transformers_log_probs
 from tests._routing import forced_routing, moe_layer_indices
 from tests._tolerance import LAYOUT_FP32_LOGPROB, NET_FP32_LOGPROB, within
 from tests._moe import QWEN3_30B_A3B
@@ -38,15 +39,6 @@ OVERRIDES = {
 SMALL = dict(hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2)
 
 
-def _reference_log_probs(hf_dir, tokens):
-    import transformers
-
-    m = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = m(tokens).logits.float()
-    return torch.log_softmax(logits, -1)[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0]
-
-
 @pytest.fixture(scope="module")
 def moe_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
@@ -57,7 +49,7 @@ def moe_dirs(tmp_path_factory):
                             mlp_only_layers=[0], **SMALL)
     tokens = torch.randint(0, 256, (5, 19), generator=torch.Generator().manual_seed(0))
     torch.save(tokens, root / "tokens.pt")
-    refs = {fam: _reference_log_probs(str(root / fam), tokens) for fam in MOE_FAMILIES + ("qwen3_moe_dense0",)}
+    refs = {fam: transformers_log_probs(str(root / fam), tokens) for fam in MOE_FAMILIES + ("qwen3_moe_dense0",)}
     return root, tokens, refs
 
 
