@@ -49,7 +49,7 @@ def _du(path: str) -> int:
 def bench_save_load(name: str, config: dict, workdir: str) -> dict:
     from megarl.builtin.tiny_checkpoint import write_random_hf_checkpoint
     from megarl.config import OptimSettings
-    from megarl.models.forward import token_log_probs_from_logits
+    from megarl.models.vocab_parallel import token_log_probs_from_logits
     from megarl.models.megatron_ckpt import load_model
     from megarl.models.optim import train_step, wrap_for_training
     from megarl.roles.offload import ActorOffloader

@@ -115,7 +115,8 @@ def bench_stages(workdir, repeats, batch, prompt_len, new_tokens) -> list:
     from megarl.algo.objective import actor_loss
     from megarl.algo.policy_loss import PolicyLossConfig
     from megarl.experience.schema import LogProbProducer, LogProbs
-    from megarl.models.forward import gather_response, response_log_probs, token_log_probs_from_logits
+    from megarl.models.forward import gather_response, response_log_probs
+    from megarl.models.vocab_parallel import token_log_probs_from_logits
     from megarl.models.micro_batches import position_ids_for
     from megarl.builtin.tiny_checkpoint import write_random_hf_checkpoint
     from megarl.models.optim import train_step

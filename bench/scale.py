@@ -17,8 +17,11 @@ Three tables:
   tokens, micro-batches of 2 rows, log-probs 256 positions at a time (so the layers' activations,
   not the logits, are what is measured): ``parallel.recompute`` none / selective (core_attn) /
   full (uniform, 1 layer).
-* **logits** -- a ~60M-parameter Llama (hidden 512, 8 layers, vocabulary 32,000), the same batch, ``algo.log_prob_chunk`` 0 (megatron's kernel on an fp32
-  copy of the whole logits) against 256 positions at a time: the update, and the forward-only
+* **logits** -- a Llama with Qwen's 151,936-token vocabulary (hidden 512, 4 layers: 170M
+  parameters, most of them the embedding and the output layer), the same batch,
+  ``algo.log_prob_chunk`` 0 (the model's output layer makes the whole logits, megatron's kernel
+  takes an fp32 copy) against 256 positions at a time (the output layer applied to the hidden
+  states a chunk at a time, ``megarl/models/fused_output.py``): the update, and the forward-only
   log-prob pass (what the old and reference log-probs run).
 * **budget** -- a ~15M-parameter Llama (hidden 256, 4 layers, vocabulary 8,000), 32 rows whose
   lengths follow a heavy tail (8-1024 tokens, Pareto, median ~16): padded micro-batches of 4 rows
@@ -41,8 +44,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MODELS = {
-    "60m": dict(vocab_size=32000, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
-                intermediate_size=1408, max_position_embeddings=2048),
+    "152k": dict(vocab_size=151936, hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4,
+                 intermediate_size=1408, max_position_embeddings=2048),
     "50m": dict(vocab_size=8000, hidden_size=512, num_layers=12, num_heads=8, num_kv_heads=4,
                 intermediate_size=1408, max_position_embeddings=2048),
     "15m": dict(vocab_size=8000, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
@@ -237,17 +240,17 @@ def main():
                   f"{r['seconds']:>8.2f} {r['seconds'] / rows[0]['seconds']:>7.2f}x", flush=True)
         results["memory"] = rows
     if "logits" in only:
-        print("\nlog-probs from the logits, whole vs 256 positions at a time (60M Llama, vocabulary 32,000, "
-              "4 x 1024 tokens)")
+        print("\nlog-probs: whole logits vs the output layer 256 positions at a time (Llama, vocabulary "
+              "151,936, hidden 512; 4 x 1024 tokens)")
         print(f"{'pass':<10} {'chunk':>6} {'peak MiB':>9} {'seconds':>8}")
         rows = []
         for what in ("log_probs", "update"):
             for chunk in (0, 256):
-                r = launch(dict(common, what=what, model="60m", lengths="fixed", rows=4, mbs=2 if what == "update" else 4,
+                r = launch(dict(common, what=what, model="152k", lengths="fixed", rows=4, mbs=2 if what == "update" else 4,
                                 chunk=chunk))
                 rows.append(r)
                 print(f"{what:<10} {chunk:>6} {mib(r['peak_bytes']):>9} {r['seconds']:>8.2f}", flush=True)
-        logits_bytes = 4 * 1024 * 32000 * 4
+        logits_bytes = 4 * 1024 * 151936 * 4
         print(f"(the fp32 logits of the 4 rows: {mib(logits_bytes)} MiB; of one 2-row micro-batch: "
               f"{mib(logits_bytes / 2)} MiB)")
         results["logits"] = rows

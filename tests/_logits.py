@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from megarl.models.forward import forward_only, gather_vocab, unwrap
+from megarl.models.forward import forward_only, unwrap
+from megarl.models.vocab_parallel import gather_vocab
 
 
 def full_logits(model, tokens: torch.Tensor, micro_batch_size: int = 0) -> torch.Tensor:

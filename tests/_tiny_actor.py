@@ -9,7 +9,7 @@ import torch
 
 from megarl.builtin.tiny_checkpoint import make_tiny_hf_checkpoint
 from megarl.config import OptimSettings
-from megarl.models.forward import token_log_probs_from_logits
+from megarl.models.vocab_parallel import token_log_probs_from_logits
 from megarl.models.megatron_ckpt import load_model
 from megarl.models.optim import train_step, wrap_for_training
 

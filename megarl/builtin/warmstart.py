@@ -234,7 +234,7 @@ def build(out_dir: str, source_cls: type, settings, run: WarmStartRun, shape: Mo
     """Build the tiny model warm-started on the sequences of ``source_cls`` (a task's
     ``WarmStart``, its ``settings``) into ``out_dir``; return its info (``tiny_model.json``)."""
     from megarl.data.tokenizer import TokenizerContract
-    from megarl.models.forward import token_log_probs_from_logits
+    from megarl.models.vocab_parallel import token_log_probs_from_logits
     from megarl.models.megatron_ckpt import load_model
     from megarl.models.optim import train_step, wrap_for_training
     from megarl.models.weights import export_hf

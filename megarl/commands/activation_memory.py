@@ -106,9 +106,13 @@ def activation_estimate(cfg, spec, dp: int) -> dict:
         inflight = min(p.vpp * pp + pp - 1, filled * p.vpp) / p.vpp
         schedule = f"interleaved 1F1B at pp {pp} x vpp {p.vpp}"
     vocab = spec.padded_vocab_size(cfg.model.vocab_multiple) / tp
-    logits = 2 * 2 * T * vocab + (0 if a.log_prob_chunk else 4 * T * vocab)
-    fp32_note = (f"chunked: {a.log_prob_chunk} positions at a time" if a.log_prob_chunk
-                 else f"incl. the fp32 softmax {4 * T * vocab / GiB:.1f} GiB; algo.log_prob_chunk drops it")
+    if a.log_prob_chunk:  # megarl/models/fused_output.py: three fp32 chunks and dW's fp32 sum
+        logits = 3 * 4 * min(a.log_prob_chunk, T) * vocab + 4 * vocab * spec.hidden_size
+        fp32_note = (f"the output layer {a.log_prob_chunk} positions at a time: no full logits; "
+                     f"incl. its fp32 weight-gradient sum {4 * vocab * spec.hidden_size / GiB:.1f} GiB")
+    else:
+        logits = 2 * 2 * T * vocab + 4 * T * vocab
+        fp32_note = f"incl. the fp32 softmax {4 * T * vocab / GiB:.1f} GiB; algo.log_prob_chunk drops it"
     total = inflight * kept + logits
     return dict(tokens=tokens, how=how, T=T, sp=sp, mode=mode, layers=layers, inflight=inflight, kept=kept,
                 schedule=schedule, logits=logits, fp32_note=fp32_note, total=total)
@@ -121,8 +125,9 @@ def activation_lines(cfg, spec, dp: int) -> List[str]:
     ``parallel.vpp`` virtual stages (interleaved 1F1B, Narayanan et al. 2021, arXiv 2104.04473) it
     holds ``vpp pp + pp - 1`` chunk forwards of ``1/vpp`` of its layers each (megatron's warm-up on
     rank 0 plus one), that is ``pp + (pp - 1) / vpp`` micro-batches' worth.  The last
-    stage adds the logits (``2 T V/tp``), their gradient (the same) and, without
-    ``algo.log_prob_chunk``, the fp32 softmax megatron's cross-entropy keeps (``4 T V/tp``).  Context
+    stage adds the logits (``2 T V/tp``), their gradient (the same) and the fp32 softmax megatron's
+    cross-entropy keeps (``4 T V/tp``); with ``algo.log_prob_chunk`` = c instead three fp32 chunks
+    (``12 c V/tp``) and the output weight's fp32 gradient sum (``4 V/tp h``).  Context
     parallelism (``parallel.cp``) gives each rank ``T / cp`` of a micro-batch's tokens: every term
     above is per rank's tokens.
     """

@@ -410,8 +410,9 @@ class AlgoConfig:
     #: tokens (a longer row gets one of its own) instead of cutting micro_batch_size /
     #: forward_micro_batch_size rows; every DP rank runs as many micro-batches
     micro_batch_tokens: int = setting(0, range=COUNT0)
-    #: log-probs and entropy from the logits a chunk of this many positions at a time, with no fp32
-    #: copy of the whole logits (megarl/models/chunked_logits.py); 0: the whole micro-batch at once
+    #: log-probs and entropy with the output layer applied to the last hidden states a chunk of
+    #: this many positions at a time, so no full-vocabulary logits exist in the forward-only passes
+    #: or the update (megarl/models/fused_output.py); 0: the model's logits, the whole micro-batch
     log_prob_chunk: int = setting(0, range=COUNT0)
     dynamic_sampling: DynamicSampling = field(default_factory=DynamicSampling)
     partial_groups: str = setting("drop", choices=("drop", "allow_partial"))  # drop | allow_partial

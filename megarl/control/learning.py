@@ -31,6 +31,7 @@ from megarl.errors import MegarlError
 from megarl.experience.schema import ExperienceBatch
 from megarl.models.micro_batches import pad_columns, padded_micro_batches, rank_rows, token_micro_batches
 from megarl.models.flops import train_flops
+from megarl.models.fused_output import output_head
 from megarl.models.router_replay import record_to_rows
 from megarl.models.weights import unwrap
 from megarl.observability.metrics import StageTimer
@@ -247,15 +248,17 @@ class Learner:
     def _actor_step(self, batch, version, mbs, norm, kl_beta: float, replay_layers, log: "_StepLog"):
         f = batch.facts
         kl_in_loss = self.policy_cfg.kl.placement == "loss"
-        loss_fn = policy_loss_fn(
-            vocab_size=self.actor.vocab_size, response_len=f.response_len, cfg=self.policy_cfg, normaliser=norm,
-            kl_beta=kl_beta, old_producer=f.old_log_probs.producer,
-            ref_producer=f.ref_log_probs.producer if f.ref_log_probs is not None else None, kl_in_loss=kl_in_loss,
-            entropy_grad=self.cfg.algo.entropy_coef > 0, log_prob_chunk=self.cfg.algo.log_prob_chunk,
-            old_version=version.short_id)
-        if self.demos is not None:
-            mbs, loss_fn = self._with_demonstrations(mbs, loss_fn)
-        res = self._guarded_step("actor", lambda: self.actor.train_step(mbs, loss_fn, replay_layers=replay_layers))
+        chunk = self.cfg.algo.log_prob_chunk  # the model's output: logits, or hidden states (fused_output)
+        with output_head(self.actor.ddp if chunk else None, self.actor.vocab_size, chunk) as head:
+            loss_fn = policy_loss_fn(
+                head=head, response_len=f.response_len, cfg=self.policy_cfg, normaliser=norm, kl_beta=kl_beta,
+                old_producer=f.old_log_probs.producer,
+                ref_producer=f.ref_log_probs.producer if f.ref_log_probs is not None else None,
+                kl_in_loss=kl_in_loss, entropy_grad=self.cfg.algo.entropy_coef > 0, old_version=version.short_id)
+            if self.demos is not None:
+                mbs, loss_fn = self._with_demonstrations(mbs, loss_fn, head)
+            res = self._guarded_step("actor", lambda: self.actor.train_step(mbs, loss_fn,
+                                                                            replay_layers=replay_layers))
         log.grad_norms.append(res.grad_norm)
         log.add_seconds(res)
         log.skipped += 0 if res.update_successful else 1
@@ -263,7 +266,7 @@ class Learner:
         log.actor[-1].update(res.moe_losses)  # update/moe_aux_loss, update/moe_z_loss when enabled
         log.actor_steps += 1
 
-    def _with_demonstrations(self, mbs: List[dict], policy_loss):
+    def _with_demonstrations(self, mbs: List[dict], policy_loss, head):
         """``algo.sft``: this step's demonstration rows drawn (the same on every rank), this DP
         rank's share cut into micro-batches of the step's kind (padded: as many rows and one width
         as the RL ones, rows that only even out the ranks masked; packed: under the same token
@@ -284,8 +287,7 @@ class Learner:
             width = max(mb["tokens"].shape[1] for mb in [*mbs, *demo])
             mbs = [dict(mb, tokens=pad_columns(mb["tokens"], width)) for mb in mbs]
             demo = [dict(mb, tokens=pad_columns(mb["tokens"], width)) for mb in demo]
-        sft = sft_loss_fn(vocab_size=self.actor.vocab_size, coef=a.sft.coef, tokens=tokens,
-                          log_prob_chunk=a.log_prob_chunk)
+        sft = sft_loss_fn(head=head, coef=a.sft.coef, tokens=tokens)
         return [*mbs, *(dict(mb, megarl_sft=True) for mb in demo)], with_sft(policy_loss, sft)
 
     def _critic_step(self, batch, cmbs, norm, log: "_StepLog"):

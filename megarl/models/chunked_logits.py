@@ -1,8 +1,8 @@
 """Log-probs and entropy from vocab-parallel logits, a chunk of positions at a time.
 
-The straightforward path (:func:`megarl.models.forward.token_log_probs_from_logits`) hands
+The straightforward path (:func:`megarl.models.vocab_parallel.token_log_probs_from_logits`) hands
 megatron's ``vocab_parallel_cross_entropy`` an fp32 copy of the whole ``(b, s, V/tp)`` logits,
-which it keeps for its backward (the softmax), and :func:`~megarl.models.forward.vocab_parallel_entropy`
+which it keeps for its backward (the softmax), and :func:`~megarl.models.vocab_parallel.vocab_parallel_entropy`
 keeps several more of that size.  For long responses and large vocabularies that copy is the
 biggest tensor of the update: 8k tokens x 152k vocabulary / TP 2 is 2.5 GB in fp32 per micro-batch
 (slime#1951 is a 58 GiB logits buffer).  Here the logits are read ``chunk`` positions at a time:

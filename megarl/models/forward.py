@@ -1,7 +1,5 @@
 """Teacher-forced forwards through a (TP x PP x CP sharded) megatron model.
 
-* :func:`token_log_probs_from_logits`, :func:`vocab_parallel_entropy`: vocab-parallel log-probs and
-  entropies, exact with a padded vocabulary, differentiable.
 * :func:`forward_only`: micro-batches through the pipeline without gradients, each result broadcast
   from the last stage to every rank; :func:`teacher_forced_log_probs`, :func:`scalar_values` and
   :func:`response_log_probs` over rows of any lengths.
@@ -29,66 +27,6 @@ from megarl.models.micro_batches import (MicroBatch, ModelInput, PackedMicroBatc
                                          sequence_multiple, sp_aligned, tokens_of)
 from megarl.models.router_replay import RecordRouting, RouterTargets, RoutingStats, RowRouting, record_to_rows
 from megarl.models.weights import as_chunks, unwrap
-
-
-def mask_padded_vocab(logits_shard: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Set logits of padding vocabulary rows (ids >= ``vocab_size``) to -inf on this TP shard.
-
-    Padding rows are zero weights, so their logits are 0, not -inf: left in, they would add
-    ``exp(0)`` terms to the softmax and bias every log-prob.
-    """
-    from megatron.core import parallel_state as ps
-
-    per = logits_shard.shape[-1]
-    start = ps.get_tensor_model_parallel_rank() * per
-    n_pad = start + per - vocab_size
-    if n_pad <= 0:
-        return logits_shard
-    keep = torch.arange(start, start + per, device=logits_shard.device) < vocab_size
-    return logits_shard.masked_fill(~keep, float("-inf"))
-
-
-def token_log_probs_from_logits(logits_shard: torch.Tensor, targets: torch.Tensor, vocab_size: int,
-                                temperature: float = 1.0, chunk: int = 0) -> torch.Tensor:
-    """``log softmax(logits / T)[target]`` from vocab-parallel logits.
-
-    Args:
-        logits_shard: ``(b, s, V_padded / tp)`` this TP rank's slice of the logits.
-        targets: ``(b, s)`` token ids (global vocabulary).
-        chunk: ``algo.log_prob_chunk``: positions at a time, without an fp32 copy of the whole
-            logits (:mod:`megarl.models.chunked_logits`: the same values, bitwise); 0: all at once.
-    Returns:
-        ``(b, s)`` log-probs, identical on every TP rank, with gradient to the logits.
-    """
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    if chunk:
-        from megarl.models.chunked_logits import chunked_token_log_probs
-
-        return chunked_token_log_probs(logits_shard, targets, vocab_size, temperature, chunk)
-
-    logits = mask_padded_vocab(logits_shard, vocab_size)
-    if temperature != 1.0:
-        logits = logits / temperature
-    # megatron's kernel expects [s, b, v], returns the negative log-likelihood, and works in place
-    # on what it is given: always a copy (for one row in fp32, transpose, contiguous and float
-    # would all hand it the model's own logits, which the entropy then read exponentiated)
-    nll = vocab_parallel_cross_entropy(logits.transpose(0, 1).to(torch.float32, copy=True,
-                                                                  memory_format=torch.contiguous_format),
-                                       targets.transpose(0, 1).contiguous())
-    return -nll.transpose(0, 1)
-
-
-def gather_vocab(logits_shard: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Full ``(b, s, vocab_size)`` logits from the TP shards (for tests and inspection)."""
-    from megatron.core import parallel_state as ps
-
-    tp = ps.get_tensor_model_parallel_world_size()
-    if tp > 1:
-        parts = [torch.empty_like(logits_shard) for _ in range(tp)]
-        dist.all_gather(parts, logits_shard.contiguous(), group=ps.get_tensor_model_parallel_group())
-        logits_shard = torch.cat(parts, -1)
-    return logits_shard[..., :vocab_size]
 
 
 @dataclass(frozen=True)
@@ -337,14 +275,16 @@ def teacher_forced_log_probs(model, tokens: torch.Tensor, micro_batch_size: int 
     rows of similar length and skip the padding; positions past a row's length are 0.
     ``pack=True``: each micro-batch runs as one packed (THD) sequence (see the module doc);
     ``micro_batch_tokens``: packed micro-batches cut by that token budget.  ``log_prob_chunk``:
-    log-probs from the logits that many positions at a time (:func:`token_log_probs_from_logits`).
+    the output layer applied that many positions at a time, the full logits never made
+    (:mod:`megarl.models.fused_output`).
     ``routing`` (MoE): the rows' routing, replayed and / or compared (:class:`Routing`)."""
-    V = unwrap(model).megarl_spec.vocab_size
+    from megarl.models.fused_output import output_head
 
-    on_output = PositionWise(lambda out, nxt: token_log_probs_from_logits(out, nxt, V, temperature,
-                                                                           log_prob_chunk).float(), shift=True)
-    return _by_length(model, tokens, lengths, micro_batch_size, on_output, trim=1, pack=pack, routing=routing,
-                      micro_batch_tokens=micro_batch_tokens)
+    V = unwrap(model).megarl_spec.vocab_size
+    with output_head(model, V, log_prob_chunk) as head:
+        on_output = PositionWise(lambda out, nxt: head.log_probs(out, nxt, temperature).float(), shift=True)
+        return _by_length(model, tokens, lengths, micro_batch_size, on_output, trim=1, pack=pack, routing=routing,
+                          micro_batch_tokens=micro_batch_tokens)
 
 
 def scalar_values(model, tokens: torch.Tensor, micro_batch_size: int = 0,
@@ -412,7 +352,7 @@ def response_log_probs(model, prompt_ids: torch.Tensor, response_ids: torch.Tens
     ``response_ids`` (0 at padding), from experience-layout tensors.  Collective over the
     model-parallel group; same result on every rank.  ``pack``: packed (THD) micro-batches;
     ``micro_batch_tokens``: packed ones cut by that token budget; ``log_prob_chunk``: see
-    :func:`token_log_probs_from_logits`.
+    :func:`teacher_forced_log_probs`.
     ``routing`` (MoE): the record's routing of these rows, replayed and / or compared."""
     tokens, plen, rlen = right_align(prompt_ids, response_ids, attention_mask)
     rt = None
@@ -423,38 +363,3 @@ def response_log_probs(model, prompt_ids: torch.Tensor, response_ids: torch.Tens
     lp = teacher_forced_log_probs(model, tokens, micro_batch_size, temperature, lengths=plen + rlen, pack=pack,
                                   routing=rt, micro_batch_tokens=micro_batch_tokens, log_prob_chunk=log_prob_chunk)
     return gather_response(lp, plen, rlen, response_ids.shape[1])
-
-
-def vocab_parallel_entropy(logits_shard: torch.Tensor, vocab_size: int, chunk: int = 0) -> torch.Tensor:
-    """Entropy ``-sum_v p_v log p_v`` of softmax(logits) from vocab-parallel logits, ``(b, s)``.
-
-    H = log Z - sum_v p_v z_v with Z = sum_v exp(z_v): the two sums are all-reduced over the TP
-    group by megatron's ``reduce_from_tensor_model_parallel_region``, whose backward is the
-    identity: every TP rank computes the same loss from the reduced sums, so each shard's gradient
-    is its own part of that one loss's.  (``torch.distributed.nn.functional.all_reduce`` sums the
-    gradients in its backward instead, which scaled an entropy bonus's gradient by tp.)  Padded
-    vocabulary rows are excluded.  ``chunk`` (``algo.log_prob_chunk``): that many positions at a
-    time (:mod:`megarl.models.chunked_logits`: the same values, bitwise; gradients to fp32 noise).
-    """
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
-
-    if chunk:
-        from megarl.models.chunked_logits import chunked_entropy
-
-        return chunked_entropy(logits_shard, vocab_size, chunk)
-
-    z = mask_padded_vocab(logits_shard, vocab_size).float()
-    group = ps.get_tensor_model_parallel_group()
-    tp = ps.get_tensor_model_parallel_world_size()
-    m = z.detach().max(dim=-1, keepdim=True).values
-    if tp > 1:
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    finite = torch.isfinite(z)
-    e = torch.where(finite, torch.exp(z - m), torch.zeros((), dtype=z.dtype, device=z.device))
-    s = e.sum(-1)
-    ez = (e * torch.where(finite, z - m, torch.zeros((), dtype=z.dtype, device=z.device))).sum(-1)
-    if tp > 1:
-        s = reduce_from_tensor_model_parallel_region(s)
-        ez = reduce_from_tensor_model_parallel_region(ez)
-    return torch.log(s) - ez / s

@@ -263,7 +263,7 @@ def next_token_terms(output: torch.Tensor, mb, fn: Callable[[torch.Tensor, torch
     (position t of a row: the output at its token t against its token t + 1), whether the model ran
     them padded (``output`` ``(b, w, ...)``) or packed (``mb["packed"]``; ``output`` ``(1, total,
     ...)`` over the real packed tokens: computed there, then unpacked to the rows).  ``fn`` maps
-    ``(n, t, ...)`` outputs and ``(n, t)`` tokens to ``(n, t)``."""
+    ``(n, t, ...)`` outputs and ``(n, t)`` tokens to ``(n, t)`` (or ``(n, t, k)``: k terms each)."""
     p = mb.get("packed")
     run = mb.get("context_parallel_width")
     if run is not None:  # this CP rank's positions of the rows padded to run (module context_parallel)
@@ -271,12 +271,13 @@ def next_token_terms(output: torch.Tensor, mb, fn: Callable[[torch.Tensor, torch
                                                                       mb["tokens"].shape[1])
     if p is not None and mb.get("context_parallel_packed"):  # this CP rank's positions of each sequence
         vals = PositionWise(fn, shift=True).on_context_parallel_share(output, p.tokens, p.real_tokens, p.cu_seqlens())
-        return unpack(torch.cat([vals[0], vals.new_zeros(1)]), p.layout)[:, :mb["tokens"].shape[1] - 1]
+        vals = torch.cat([vals[0], vals.new_zeros((1,) + vals.shape[2:])])
+        return unpack(vals, p.layout)[:, :mb["tokens"].shape[1] - 1]
     if p is None:
         return fn(output[:, :-1], mb["tokens"][:, 1:])
     vals = fn(output[:, :-1], p.tokens[:, 1:p.real_tokens])[0]
     # a row's last token predicts the next row's first: that entry lands past the row's end
-    return unpack(torch.cat([vals, vals.new_zeros(1)]), p.layout)[:, :-1]
+    return unpack(torch.cat([vals, vals.new_zeros((1,) + vals.shape[1:])]), p.layout)[:, :-1]
 
 
 def token_terms(values: torch.Tensor, mb) -> torch.Tensor:

@@ -18,28 +18,27 @@ from megarl.algo.policy_loss import PolicyLossConfig
 from megarl.algo.sft import sft_nll_loss
 from megarl.algo.value_loss import clipped_value_loss
 from megarl.experience.schema import LogProbProducer, LogProbs
-from megarl.models.forward import gather_response, token_log_probs_from_logits, vocab_parallel_entropy
+from megarl.models.forward import gather_response
 from megarl.models.micro_batches import next_token_terms, token_terms
 
 
-def policy_loss_fn(*, vocab_size: int, response_len: int, cfg: PolicyLossConfig, normaliser, kl_beta: float,
+def policy_loss_fn(*, head, response_len: int, cfg: PolicyLossConfig, normaliser, kl_beta: float,
                    old_producer: LogProbProducer, ref_producer: Optional[LogProbProducer], kl_in_loss: bool,
-                   entropy_grad: bool, log_prob_chunk: int, old_version: str):
+                   entropy_grad: bool, old_version: str):
     """The actor's policy loss of one micro-batch from its logits (:func:`megarl.algo.objective.actor_loss`):
     the response tokens' log-probs and entropies under the current weights against the micro-batch's
     ``old_log_probs``, ``advantages``, ``loss_mask`` (and ``ref_log_probs`` when the KL is in the loss,
     ``is_weights`` under rollout correction).  ``entropy_grad``: the entropy bonus is trained
-    (``algo.entropy_coef > 0``); otherwise the entropy is reported from detached logits."""
-    V, R, chunk = vocab_size, response_len, log_prob_chunk
+    (``algo.entropy_coef > 0``); otherwise the entropy is reported without a gradient.  ``head``:
+    what the model's output is (:func:`megarl.models.fused_output.output_head`: logits, or the last
+    hidden states under ``algo.log_prob_chunk``)."""
+    R = response_len
 
     def loss_fn(output, mb):
-        lp_all = next_token_terms(output, mb, lambda logits, nxt: token_log_probs_from_logits(logits, nxt, V,
-                                                                                               chunk=chunk))
+        lp_all, ent_all = head.next_token_log_probs_and_entropy(output, mb, entropy_grad)
         lp = gather_response(lp_all, mb["prompt_lens"], mb["response_lens"], R)
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            ent = next_token_terms(output if entropy_grad else output.detach(), mb,
-                                   lambda logits, _nxt: vocab_parallel_entropy(logits, V, chunk))
-            ent = gather_response(ent, mb["prompt_lens"], mb["response_lens"], R)
+            ent = gather_response(ent_all, mb["prompt_lens"], mb["response_lens"], R)
         out = actor_loss(
             lp, old_log_probs=LogProbs(mb["old_log_probs"], old_producer), advantages=mb["advantages"],
             loss_mask=mb["loss_mask"], cfg=cfg, normaliser=normaliser,
@@ -50,15 +49,13 @@ def policy_loss_fn(*, vocab_size: int, response_len: int, cfg: PolicyLossConfig,
     return loss_fn
 
 
-def sft_loss_fn(*, vocab_size: int, coef: float, tokens: int, log_prob_chunk: int):
+def sft_loss_fn(*, head, coef: float, tokens: int):
     """The SFT term of one demonstration micro-batch (:func:`megarl.algo.sft.sft_nll_loss`): the
     log-probs of its ``loss_mask``'d response tokens, weighted ``coef`` and normalised by the step's
-    demonstration ``tokens``."""
-    V, chunk = vocab_size, log_prob_chunk
+    demonstration ``tokens``; ``head`` as :func:`policy_loss_fn`'s."""
 
     def loss_fn(output, mb):
-        lp_all = next_token_terms(output, mb, lambda logits, nxt: token_log_probs_from_logits(logits, nxt, V,
-                                                                                               chunk=chunk))
+        lp_all = next_token_terms(output, mb, head.log_probs)
         lp = gather_response(lp_all, mb["prompt_lens"], mb["response_lens"], mb["loss_mask"].shape[1])
         out = sft_nll_loss(lp, mb["loss_mask"], coef, tokens)
         return out.loss, out.metrics

@@ -374,7 +374,10 @@ def test_print_config_and_dry_run_on_every_recipe(tmp_path):
     assert "actor        weights 7.5 GiB + grads 14.9 GiB + optimizer 42.7 GiB = 65.1 GiB" in out
     assert ("a micro-batch of 16384 tokens (algo.micro_batch_tokens=16384); sequence parallelism on; recompute full "
             "(uniform, 1 layer(s) a chunk)") in out
-    assert "logits  2.3 GiB on the last stage (chunked: 4096 positions at a time)" in out
+    # the output layer 1024 positions at a time over V/tp = 37,984 rows: three fp32 chunks (0.43 GiB) and the
+    # output weight's fp32 gradient sum (4 x 37,984 x 2048: 0.29 GiB)
+    assert ("logits  0.7 GiB on the last stage (the output layer 1024 positions at a time: no full logits; "
+            "incl. its fp32 weight-gradient sum 0.3 GiB)") in out
     assert "left out:" in out and "the K/V chunks context parallelism exchanges" in out
 
 

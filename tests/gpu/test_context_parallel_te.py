@@ -56,7 +56,8 @@ def skip_reason():
 
 
 def measure(hf: str, cp: int, tokens: torch.Tensor, lengths: torch.Tensor):
-    from megarl.models.forward import teacher_forced_log_probs, token_log_probs_from_logits
+    from megarl.models.forward import teacher_forced_log_probs
+    from megarl.models.vocab_parallel import token_log_probs_from_logits
     from megarl.models.micro_batches import next_token_terms
     from megarl.models.megatron_ckpt import load_model
     from megarl.config.schema import OptimSettings

@@ -30,8 +30,9 @@ Rows (each a pass/fail with its figures; a row whose inputs failed is "not run")
    log-prob over the whole trajectory, environment tokens included as context.
 10. (after the packed forward) ``algo.micro_batch_tokens`` and ``algo.log_prob_chunk``: one optimizer step
    on packed token-budget micro-batches (THD through TE's attention, in training) has the padded
-   step's gradient norm (bf16: 2e-2 relative); chunked log-probs equal megatron's kernel's, and the
-   log-prob pass's peak CUDA memory with and without chunking is reported.
+   step's gradient norm (bf16: 2e-2 relative); log-probs with the output layer a chunk at a time
+   equal the whole logits' to a bf16 rounding, and the log-prob pass's peak CUDA memory drops by
+   more than half.
 """
 
 from __future__ import annotations
@@ -277,7 +278,7 @@ def check_sleep_wake(ctx):
 
 
 def check_offload(ctx):
-    from megarl.models.forward import token_log_probs_from_logits
+    from megarl.models.vocab_parallel import token_log_probs_from_logits
     from megarl.models.optim import train_step
     from megarl.models.weights import unwrap
     from megarl.roles.offload import ActorOffloader
@@ -435,10 +436,11 @@ def check_packed(ctx):
 def check_token_budget(ctx):
     """algo.micro_batch_tokens and algo.log_prob_chunk on CUDA: one optimizer step on packed
     token-budget micro-batches (THD through TE's attention, in training) has the padded step's
-    gradient norm, and chunked log-probs equal megatron's kernel's while the pass's peak CUDA memory
-    drops by about the fp32 logits."""
+    gradient norm, and the log-probs with the output layer a chunk at a time equal the whole logits'
+    to a bf16 rounding while the pass's peak CUDA memory drops by more than half."""
     from megarl.experience.token_budget import first_fit
-    from megarl.models.forward import response_log_probs, token_log_probs_from_logits
+    from megarl.models.forward import response_log_probs
+    from megarl.models.vocab_parallel import token_log_probs_from_logits
     from megarl.models.micro_batches import PackedMicroBatch, next_token_terms
     from megarl.models.optim import train_step
 
@@ -481,9 +483,14 @@ def check_token_budget(ctx):
         base = torch.cuda.memory_allocated()
         outs[chunk] = response_log_probs(ctx.ddp, prompt, resp, attn, 0, log_prob_chunk=chunk)
         peaks[chunk] = torch.cuda.max_memory_allocated() - base
-    assert torch.equal(outs[0], outs[64]), "chunked log-probs differ from megatron's kernel's"
+    # the output layer a chunk at a time (megarl/models/fused_output.py): the same bf16 logits up to
+    # the matmul kernel's choice for another row count, one bf16 rounding of a logit (|z| <~ 20: 2^-8 x 20)
+    err = (outs[0] - outs[64]).abs().max().item()
+    assert err < 0.08, f"log-probs with the output layer 64 positions at a time differ by {err:.4f} from the whole's"
+    assert peaks[64] < peaks[0] / 2, f"the chunked pass's peak {peaks[64]} is not below half the whole's {peaks[0]}"
     return (f"grad norm padded {norms[0]:.5f}, token budget {norms[1]:.5f} ({len(padded)} vs {len(packed)} "
-            f"micro-batches); log-prob pass peak {peaks[0] / 2**20:.0f} MiB whole, {peaks[64] / 2**20:.0f} MiB chunked")
+            f"micro-batches); log-prob pass peak {peaks[0] / 2**20:.0f} MiB whole, {peaks[64] / 2**20:.0f} MiB "
+            f"chunked, max |diff| {err:.2e}")
 
 
 def unwrap_spec(model):

@@ -321,6 +321,11 @@ _NOT_ENTRY_POINTS = {
     "megatron.core.post_training.modelopt.layers.Linear": "a layer-spec class (MLA's duplicated down projections, "
                                                           "built inside GPTModel.__init__, an entry point)",
     "megatron.core.tensor_parallel.layers.ColumnParallelLinear": "an identity check in a layer spec",
+    "megatron.core.tensor_parallel.ColumnParallelLinear": "an isinstance check (the output layer the fused "
+                                                          "log-probs stand in for)",
+    "megatron.core.tensor_parallel.copy_to_tensor_model_parallel_region": "the fused log-probs' stand-in output "
+                                                                          "layer, called inside the model's forward "
+                                                                          "(an entry point); no device literal",
     "megatron.core.transformer.multi_latent_attention": "patched by cpu_compat (its HAVE_TE flag)",
     "megatron.core.transformer.multi_latent_attention.MLASelfAttention": "isinstance checks and layer specs",
     "megatron.core.transformer.transformer_config.MLATransformerConfig": "configuration",

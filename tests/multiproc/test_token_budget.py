@@ -8,8 +8,9 @@
   two SGD steps, at TP=2, PP=2, DP=2 and TP=2 with sequence parallelism (one launch,
   ``tests/workers/token_budget_worker.py``).  EP=2 (GRPO, MoE) is in ``tests/multiproc/test_moe_training.py``.
   The loss keeps the global normaliser, so only the order of the sums changes: fp32 rounding.
-* Chunked log-probs and entropy (``algo.log_prob_chunk``, ``megarl/models/chunked_logits.py``) in
-  the same launch: the functions against megatron's kernel at TP=2, and the update with them.
+* Chunked log-probs and entropy (``algo.log_prob_chunk``: ``megarl/models/fused_output.py``, the
+  output layer a chunk at a time, and ``megarl/models/chunked_logits.py``) in the same launch: the
+  functions against megatron's kernel at TP=2, and the forward-only pass and the update with them.
 """
 
 import random
@@ -106,26 +107,46 @@ def test_update_on_token_budget_equals_padded(runs, layout):
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "tp2sp"])
 def test_chunked_log_probs_change_no_number_of_the_update(runs, layout):
-    """algo.log_prob_chunk (3 positions at a time, no fp32 copy of the whole logits) on the same
-    token-budget update: the log-prob path is megatron's kernel's operations in its order (values
-    and gradients bitwise), the entropy bonus's gradient only its rounding -- fp32 noise."""
+    """algo.log_prob_chunk (3 positions at a time: the output layer applied to the hidden states a
+    chunk at a time, megarl/models/fused_output.py) on the same token-budget update and on the
+    forward-only log-probs: no tensor of the vocabulary's width holds more than 3 positions, and
+    the numbers are the whole logits' up to fp32 rounding (the matmul's and dW's sums in another
+    order)."""
     results, _ = runs
-    tokens, chunked = results[layout]["tokens"], results[layout]["chunked"]
-    # the feature ran: turning the logits into log-probs and entropy created no fp32 tensor of more
-    # than CHUNK positions of the vocabulary; the whole-tensor path (the negative control) copies
-    # all of them to fp32
-    seen, whole, chunk = chunked["logit_probe"], tokens["logit_probe"], results["chunk"]
-    assert 0 < seen["max_positions"] <= chunk < seen["positions"], seen
-    assert whole["max_positions"] == whole["positions"] > chunk, whole
-    # the first step's loss is computed before any gradient: bitwise; after it, the entropy bonus's
-    # gradient (fp32 rounding) has moved the weights by ~1e-9
-    assert chunked["metrics"]["update/first_step_pg_loss"] == tokens["metrics"]["update/first_step_pg_loss"]
-    for key in ("update/grad_norm", "update/critic_grad_norm", "update/pg_loss", "update/entropy", "update/kl_loss"):
+    tokens, chunked, chunk = results[layout]["tokens"], results[layout]["chunked"], results["chunk"]
+    # the feature ran: nothing anywhere in the pass -- model forward, loss, backward, optimizer --
+    # made a tensor of more than CHUNK positions of the vocabulary shard; the negative control (the
+    # model's own output layer) makes the whole micro-batch's logits
+    for phase in ("forward", "update"):
+        assert 0 < chunked["probe"][phase] <= chunk, (phase, chunked["probe"])
+        assert tokens["probe"][phase] > 4 * chunk, (phase, tokens["probe"])
+    if layout != "pp2":  # rank 0 holds the last stage
+        assert "algo.log_prob_chunk=3" in chunked["value_head_refusal"], chunked["value_head_refusal"]
+        assert "ScalarValueHead" in chunked["value_head_refusal"]
+    # forward-only log-probs of the rollout's tokens: |log p| <= ~10 in fp32, rounding ~1e-6
+    err = (chunked["forward_log_probs"] - tokens["forward_log_probs"]).abs().max().item()
+    assert within(err, 1e-5, f"token_budget/{layout}/fused_forward_log_probs"), err
+    assert tokens["forward_log_probs"].abs().max() > 0.5
+    for key in ("update/first_step_pg_loss", "update/grad_norm", "update/critic_grad_norm", "update/pg_loss",
+                "update/entropy", "update/kl_loss"):
         rel = abs(chunked["metrics"][key] - tokens["metrics"][key]) / abs(tokens["metrics"][key])
         assert within(rel, 1e-6, f"token_budget/{layout}/chunked_{key}"), (key, rel)
     for role in ("actor", "critic"):
         err = max((chunked[role][k] - tokens[role][k]).abs().max().item() for k in tokens[role])
         assert within(err, 1e-6, f"token_budget/{layout}/chunked_{role}_weights"), (role, err)
+
+
+def test_fused_functions_at_tp2(runs):
+    """The fused output layer (temperature 0.7, a padded vocabulary split over two TP ranks) against
+    the whole logits through megatron's kernel and the whole entropy: values, the hidden states'
+    gradient and the weight shard's, to fp32 rounding (the same terms summed in another order)."""
+    f = runs[0]["fused_functions_tp2"]
+    whole, fused = f["whole"], f["fused"]
+    assert bool((whole["log_probs"] < 0).all()) and whole["weight_grad"].abs().max() > 0.1
+    # |terms| <= ~10 summed over 24 (matmul) or 57 (dW) of them in fp32: ~1e-5 absolute at worst
+    for key, tol in (("log_probs", 1e-5), ("entropy", 1e-5), ("hidden_grad", 1e-5), ("weight_grad", 1e-5)):
+        err = (whole[key] - fused[key]).abs().max().item()
+        assert within(err, tol, f"token_budget/fused_{key}_tp2"), (key, err)
 
 
 def test_chunked_functions_at_tp2(runs):

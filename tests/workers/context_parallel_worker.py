@@ -109,7 +109,8 @@ def run_layout(a, tp, pp, sp, budget=0):
 def labels_shifted_per_share(a):
     """The anchors' bug as a control: every CP rank shifts its own share of the tokens (the last
     position of each chunk then predicts the chunk's own next token, not the next chunk's first)."""
-    from megarl.models.forward import forward_only, gather_response, right_align, token_log_probs_from_logits
+    from megarl.models.forward import forward_only, gather_response, right_align
+    from megarl.models.vocab_parallel import token_log_probs_from_logits
     from megarl.models.micro_batches import PositionWise, round_up, sequence_multiple
     from megarl.models.weights import unwrap
 

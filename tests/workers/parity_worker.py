@@ -6,7 +6,8 @@ import os
 import torch
 
 from megarl.models.builder import BuildOptions, build_model
-from megarl.models.forward import forward_only, scalar_values, teacher_forced_log_probs, token_log_probs_from_logits
+from megarl.models.forward import forward_only, scalar_values, teacher_forced_log_probs
+from megarl.models.vocab_parallel import token_log_probs_from_logits
 from megarl.models.micro_batches import PackedMicroBatch
 from megarl.roles.critic import value_head_spec
 from tests._logits import full_logits

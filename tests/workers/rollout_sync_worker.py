@@ -26,12 +26,8 @@ from megarl.control.state_machine import (
 )
 from megarl.data.tokenizer import TokenizerContract
 from megarl.experience.schema import check_mask_layout
-from megarl.models.forward import (
-    gather_response,
-    response_log_probs,
-    right_align,
-    token_log_probs_from_logits,
-)
+from megarl.models.forward import gather_response, response_log_probs, right_align
+from megarl.models.vocab_parallel import token_log_probs_from_logits
 from megarl.models.megatron_ckpt import load_model
 from megarl.models.optim import train_step, wrap_for_training
 from megarl.models.weights import export_hf

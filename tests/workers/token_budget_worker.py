@@ -48,7 +48,7 @@ def chunked_functions():
     one set of logits (a padded vocabulary, a temperature): values, and gradients of a weighted sum."""
     from megatron.core import parallel_state as ps
 
-    from megarl.models.forward import token_log_probs_from_logits, vocab_parallel_entropy
+    from megarl.models.vocab_parallel import token_log_probs_from_logits, vocab_parallel_entropy
 
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     gen = torch.Generator().manual_seed(3)
@@ -67,6 +67,41 @@ def chunked_functions():
             (val * weights).sum().backward()
             got[chunk] = (val.detach(), x.grad)
         out[name] = got
+    return out
+
+
+def fused_functions():
+    """megarl/models/fused_output.py against megatron's kernel and the whole entropy on the logits
+    ``h W^T`` of this TP rank's shard of one output weight (a padded vocabulary, temperature 0.7):
+    values, and the gradients of a weighted sum to the hidden states (summed over TP, as the output
+    layer's input region does) and to the weight shard."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+    from megarl.models.vocab_parallel import token_log_probs_from_logits, vocab_parallel_entropy
+    from megarl.models.fused_output import fused_log_probs
+
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    gen = torch.Generator().manual_seed(5)
+    V, padded, h, T = 301, 304, 24, 0.7
+    hidden = torch.randn(3, 19, h, generator=gen)
+    weight = torch.randn(padded, h, generator=gen) * 0.5
+    weight[V:] = 0  # megatron's padding rows
+    shard = weight[rank * padded // tp:(rank + 1) * padded // tp]
+    targets = torch.randint(0, V, (3, 19), generator=gen)
+    w_lp, w_ent = torch.randn(3, 19, generator=gen), torch.randn(3, 19, generator=gen)
+    out = {}
+    for mode in ("whole", "fused"):
+        x, w = hidden.clone().requires_grad_(), shard.clone().requires_grad_()
+        xin = copy_to_tensor_model_parallel_region(x)
+        if mode == "whole":
+            logits = torch.nn.functional.linear(xin, w)
+            lp = token_log_probs_from_logits(logits, targets, V, T)
+            ent = vocab_parallel_entropy(logits / T, V)
+        else:
+            lp, ent = fused_log_probs(xin, w, targets, V, T, chunk=4)
+        ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+        out[mode] = {"log_probs": lp.detach(), "entropy": ent.detach(), "hidden_grad": x.grad, "weight_grad": w.grad}
     return out
 
 
@@ -104,7 +139,8 @@ def update(a, tp, pp, sp, budget, chunk=0):
     from megatron.core import parallel_state as ps
 
     cfg = load_config(PPO_RECIPE, OVERRIDES + [f"algo.micro_batch_tokens={budget}", f"algo.log_prob_chunk={chunk}"])
-    actor = Actor(a.hf, tp, pp, cfg.actor.optim, total_steps=4, vocab_multiple=16, sequence_parallel=sp)
+    actor = Actor(a.hf, tp, pp, cfg.actor.optim, total_steps=4, vocab_multiple=16, sequence_parallel=sp,
+                  log_prob_chunk=chunk)
     critic = Critic(cfg.critic, actor.model, tp, pp, total_steps=4, vocab_multiple=16, sequence_parallel=sp)
     v, batch = ppo_batch()
     learner = Learner(cfg, actor=actor, critic=critic, sm=sm_sealed(v, batch.facts.batch_size, GROUPS),
@@ -124,55 +160,60 @@ def update(a, tp, pp, sp, budget, chunk=0):
 
     recording(actor)
     recording(critic)
-    with logit_probe() as probe:
+    shard = 304 // tp  # the padded vocabulary (300 -> 304) over the TP ranks
+    f = batch.facts
+    with vocab_probe(shard) as forward_probe:  # the forward-only log-probs of the rollout's tokens
+        forward_lp = actor.log_probs(f.prompt_ids, f.response_ids, f.attention_mask, 2, micro_batch_tokens=budget)
+    with vocab_probe(shard) as update_probe:
         metrics = learner.update(0, batch, v)
-    both = torch.tensor([probe["max_positions"], probe["positions"]])
-    torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX)  # the last stage computes the loss
-    probe = {"max_positions": int(both[0]), "positions": int(both[1])}
+    refusal = None
+    if chunk and ps.is_pipeline_last_stage():
+        try:  # a value head is no vocabulary output layer: refused by key, never silently the logits
+            with critic_head(critic, chunk):
+                pass
+        except ValueError as e:
+            refusal = str(e)
     return {"metrics": metrics, "micro_batches": seen, "actor": {k: t.clone() for k, t in iter_hf_tensors(actor.ddp)},
-            "critic": {k: t.clone() for k, t in iter_hf_tensors(critic.ddp)}, "logit_probe": probe}
+            "critic": {k: t.clone() for k, t in iter_hf_tensors(critic.ddp)}, "forward_log_probs": forward_lp,
+            "probe": {"forward": max_over_ranks(forward_probe[0]), "update": max_over_ranks(update_probe[0])},
+            "value_head_refusal": refusal}
+
+
+def critic_head(critic, chunk):
+    from megarl.models.fused_output import output_head
+
+    return output_head(critic.ddp, 300, chunk)
+
+
+def max_over_ranks(n: int) -> int:
+    """The most over the ranks (the last pipeline stage holds the logits)."""
+    t = torch.tensor([n])
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return int(t)
 
 
 @contextlib.contextmanager
-def logit_probe():
-    """While the update's loss turns logits into log-probs and entropy (the forward of those two
-    functions): the most positions of the vocabulary shard any fp32 tensor they create holds,
-    against the positions of the logits they were given (``{"max_positions", "positions"}``)."""
+def vocab_probe(vocab_shard: int):
+    """While open: the most positions of this rank's vocabulary shard that any tensor created holds
+    -- the model's forward, the loss, the backward, the optimizer step -- as ``probe[0]``.  A tensor whose last dimension is the shard's ``vocab_shard`` columns holds
+    ``numel / vocab_shard`` positions of it; a view or an in-place op of an input is no new tensor."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from megarl.roles import losses
-
-    probe = {"max_positions": 0, "positions": 0}
+    probe = [0]
 
     class Record(TorchDispatchMode):
-        def __init__(self, vocab_shard):
-            super().__init__()
-            self.vocab_shard = vocab_shard
-
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             given = {x.untyped_storage().data_ptr() for x in (*args, *(kwargs or {}).values())
                      if isinstance(x, torch.Tensor)}
             for t in (out if isinstance(out, (tuple, list)) else (out,)):
-                # a view (or an in-place op) of what it was given is no new tensor
-                if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() and \
-                        t.shape[-1] == self.vocab_shard and t.untyped_storage().data_ptr() not in given:
-                    probe["max_positions"] = max(probe["max_positions"], t.numel() // self.vocab_shard)
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() and \
+                        t.shape[-1] == vocab_shard and t.untyped_storage().data_ptr() not in given:
+                    probe[0] = max(probe[0], t.numel() // vocab_shard)
             return out
 
-    def watched(fn):
-        def call(logits, *args, **kw):
-            probe["positions"] = max(probe["positions"], logits.numel() // logits.shape[-1])
-            with Record(logits.shape[-1]):
-                return fn(logits, *args, **kw)
-        return call
-
-    saved = losses.token_log_probs_from_logits, losses.vocab_parallel_entropy
-    losses.token_log_probs_from_logits, losses.vocab_parallel_entropy = (watched(f) for f in saved)
-    try:
+    with Record():
         yield probe
-    finally:
-        losses.token_log_probs_from_logits, losses.vocab_parallel_entropy = saved
 
 
 def main():
@@ -187,6 +228,7 @@ def main():
                         "chunked": update(a, tp, pp, sp, BUDGET, chunk=CHUNK)}
         if tag == "tp2":
             results["chunked_functions_tp2"] = chunked_functions()
+            results["fused_functions_tp2"] = fused_functions()
     if rt.is_main():
         torch.save(results, os.path.join(a.out, "token_budget.pt"))
     rt.shutdown()

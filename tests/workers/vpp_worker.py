@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from megarl.models.builder import BuildOptions, build_model_chunks
 from megarl.config.schema import OptimSettings
-from megarl.models.forward import teacher_forced_log_probs, token_log_probs_from_logits
+from megarl.models.forward import teacher_forced_log_probs
+from megarl.models.vocab_parallel import token_log_probs_from_logits
 from megarl.models.optim import train_step, wrap_for_training
 from megarl.models.hf_config import load_spec
 from megarl.models.megatron_ckpt import load_model, save_megatron_checkpoint

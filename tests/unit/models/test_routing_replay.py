@@ -167,7 +167,8 @@ def _replay_batch(c, vocab_size: int, packed: bool = False):
     """The rollout ``c`` as update micro-batches of 5 rows carrying its recorded routing, and a
     token-mean NLL loss over its real tokens.  ``packed``: each micro-batch also as one packed
     sequence of its rows (``algo.micro_batch_tokens``' form), which is what the model then runs."""
-    from megarl.models.forward import right_align, token_log_probs_from_logits
+    from megarl.models.forward import right_align
+    from megarl.models.vocab_parallel import token_log_probs_from_logits
     from megarl.models.micro_batches import PackedMicroBatch, next_token_terms
 
     tokens, plen, rlen = right_align(c.prompt_ids, c.response_ids, c.attention_mask)
