@@ -300,7 +300,7 @@ def _recipes(tmp_path):
            "grpo_calc_tiny.yaml": (1, []), "grpo_two_turn_tiny.yaml": (1, []), "grpo_rsum_tiny.yaml": (1, []),
            "grpo_rsum_process_tiny.yaml": (1, []),
            # its teacher is grpo_arith_tiny.yaml's export (a dry run loads no model)
-           "opd_arith_tiny.yaml": (1, []),
+           "opd_arith_tiny.yaml": (1, []), "opd_rsum_tiny.yaml": (1, []),
            # its reward model is configs/train_rm/arith_tiny.yaml's export: a config.json-only one here
            "ppo_arith_rm_tiny.yaml": (1, [f"reward.models=[{{name: arith_rm, path: {tiny_rm}}}]"]),
            "grpo_qwen2_7b.yaml": (8, [f"model.path={qwen}", f"data.train_path={data}"]),
@@ -331,7 +331,8 @@ def test_print_config_and_dry_run_on_every_recipe(tmp_path):
         if name.endswith("_tiny.yaml"):
             family = "qwen3_moe" if name == "grpo_moe_tiny.yaml" else "llama"
             built = {"grpo_calc_tiny.yaml": "calc", "grpo_two_turn_tiny.yaml": "two_turn",
-                     "grpo_rsum_tiny.yaml": "rsum", "grpo_rsum_process_tiny.yaml": "rsum"}.get(name, "arith")
+                     "grpo_rsum_tiny.yaml": "rsum", "grpo_rsum_process_tiny.yaml": "rsum",
+                     "opd_rsum_tiny.yaml": "rsum"}.get(name, "arith")
             assert printed["model"]["path"] == f"{cache}/tiny_{built}_{family}"  # resolved
             assert printed["model"]["tiny"]["family"] == family
         args = ["--config", path, "--dry-run", *overrides] + (["--world-size", str(world)] if world > 1 else [])
