@@ -573,6 +573,11 @@ class JudgeConfig:
     temperature: float = setting(0.0, range=Range(lo=0))  # 0: greedy
     weight: float = setting(1.0, range=Range())  # weight of the verdict in the total
     batch_size: int = setting(64, range=COUNT)  # judge prompts per generate call
+    #: where it generates: hf (transformers in-process) | sglang (an SGLang engine of its own on
+    #: rank 0, beside the rollout's, taking mem_fraction_static of the device)
+    engine: str = setting("hf", choices=("hf", "sglang"))
+    mem_fraction_static: float = setting(0.1, range=Range(lo=0, hi=1, lo_open=True, hi_open=True))
+    offload: bool = False  # engine hf: its weights on the host except while it judges (GPU)
 
 
 @dataclass
@@ -593,10 +598,10 @@ class RewardConfig:
     #: scored on its own rendering and recorded as the component of its name: a list of
     #: {name, path, tokenizer, chat_template, weight, offload, timeout_s}
     models: List[RewardModelConfig] = field(default_factory=list)
-    #: generative judges (rank 0, through the hf rollout engine), each its own component: a list of
-    #: {name, path, tokenizer, chat_template, prompt, verdict, yes, no, probability, pattern,
-    #: max_new_tokens, temperature, weight, batch_size}; an unparseable or truncated verdict is
-    #: status invalid, never a score
+    #: generative judges (rank 0, through an inference engine of their own: hf or SGLang), each its
+    #: own component: a list of {name, path, tokenizer, chat_template, prompt, verdict, yes, no,
+    #: probability, pattern, max_new_tokens, temperature, weight, batch_size, engine,
+    #: mem_fraction_static, offload}; an unparseable or truncated verdict is status invalid, never a score
     judges: List[JudgeConfig] = field(default_factory=list)
     #: per-call timeout in seconds (null: none)
     timeout_s: Optional[float] = setting(30.0, range=Range(lo=0, lo_open=True, null=True))

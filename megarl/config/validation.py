@@ -435,6 +435,9 @@ def _validate_judges(cfg: TrainConfig) -> None:
             _need(choices is None or v in choices, f"{key}.{f.name}", f"{v!r} is not one of {list(choices or ())}")
         _need(not j.probability or j.verdict == "yes_no", f"{key}.probability", "reads P(yes) / (P(yes) + P(no)): "
               "it needs verdict yes_no")
+        _need(not (j.engine == "sglang" and j.offload), f"{key}.offload",
+              f"with {key}.engine=sglang: SGLang's engine gives its weights up when it sleeps (the judge would be "
+              f"gone); its share of the device is {key}.mem_fraction_static")
     # (the prompt template and the verdict rule: megarl/rewards/config_checks.py check_judges)
 
 
@@ -590,6 +593,10 @@ def missing_packages(cfg: TrainConfig) -> list:
     if cfg.teacher.path and cfg.teacher.engine == "sglang" and importlib.util.find_spec("sglang") is None:
         out.append(("teacher.engine", "'sglang' is not installed here; install the GPU extra: "
                                       'pip install -e ".[gpu]" (or use the Dockerfile), or use teacher.engine=hf'))
+    for i, j in enumerate(cfg.reward.judges):
+        if j.engine == "sglang" and importlib.util.find_spec("sglang") is None:
+            out.append((f"reward.judges[{i}].engine", "'sglang' is not installed here; install the GPU extra: "
+                                                      'pip install -e ".[gpu]" (or use the Dockerfile), or use engine hf'))
     return out
 
 

@@ -2,8 +2,10 @@
 and chat template, writes a verdict through a rollout engine, and has it parsed by a declared
 rule (:mod:`megarl.rewards.verdicts`).
 
-It runs where the rule runner runs (rank 0) on the hf rollout engine in-process; the verdicts
-are broadcast like the rule's records.  Its identity -- the weights' manifest, its tokenizer, its
+It runs where the rule runner runs (rank 0) on an engine of its own (``engine``: the hf rollout
+engine in-process, or an SGLang engine beside the rollout's taking ``mem_fraction_static`` of the
+device; with ``offload``, the hf engine's weights wait on the host between scorings); the
+verdicts are broadcast like the rule's records.  Its identity -- the weights' manifest, its tokenizer, its
 template, its prompt and its sampling -- is its ``version``; a resume that would judge with
 another is refused (megarl/control/persistence.py, origins).
 """
@@ -28,15 +30,21 @@ class GenerativeJudge:
         self.cfg, self.key = cfg, key
         self.contract = TokenizerContract.load(cfg.tokenizer or cfg.path, cfg.chat_template)
         self.rule = VerdictRule(cfg.verdict, cfg.yes, cfg.no, cfg.pattern)
-        self.engine = serve_checkpoint(cfg.path, self.contract, device, run_id=f"judge-{cfg.name}")
+        self.engine = serve_checkpoint(cfg.path, self.contract, device, run_id=f"judge-{cfg.name}", backend=cfg.engine,
+                                       mem_fraction_static=cfg.mem_fraction_static)
+        if cfg.offload:  # hf: the weights on the host until the next scoring (GPU; on CPU nothing moves)
+            self.engine.sleep()
         from megarl.rollout.protocol import SamplingParams
 
         self.sampling = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, n=1)
         h = lambda text: hashlib.sha256((text or "").encode()).hexdigest()[:8]  # noqa: E731
         rule = f"{cfg.verdict}:{cfg.yes}/{cfg.no}/{cfg.pattern}/p{int(cfg.probability)}"
+        # the engine is part of the identity (its kernels are not the hf engine's); hf, the first
+        # engine, keeps the identity it always had
+        engine = "" if cfg.engine == "hf" else f"-e{cfg.engine}"
         self.version = (f"judge-{self.contract.hash[7:15]}-tpl{h(self.contract.chat_template)}-p{h(cfg.prompt)}-"
-                        f"v{h(rule)}-t{cfg.temperature:g}x{cfg.max_new_tokens}-w{weights_manifest_digest(cfg.path)[:8]}-"
-                        f"{cfg.path}")
+                        f"v{h(rule)}-t{cfg.temperature:g}x{cfg.max_new_tokens}{engine}-"
+                        f"w{weights_manifest_digest(cfg.path)[:8]}-{cfg.path}")
 
     def render(self, messages: Optional[Sequence[dict]], prompt_text: str, response_text: str) -> List[int]:
         """The judge's input: its prompt filled with the sample, as one user turn through its
@@ -49,6 +57,15 @@ class GenerativeJudge:
     def judge(self, inputs: Sequence[Sequence[int]], request_ids: Sequence[str]) -> List[Verdict]:
         """One verdict per input, generated in batches of ``batch_size`` (``request_ids``: one per
         input, which seed a sampled verdict)."""
+        if self.cfg.offload:
+            self.engine.wake()
+        try:
+            return self._judge(inputs, request_ids)
+        finally:
+            if self.cfg.offload:
+                self.engine.sleep()
+
+    def _judge(self, inputs: Sequence[Sequence[int]], request_ids: Sequence[str]) -> List[Verdict]:
         from megarl.rollout.protocol import FinishReason, GenerationRequest
 
         out: List[Verdict] = []

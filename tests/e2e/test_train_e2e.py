@@ -21,6 +21,7 @@ import torch
 
 from megarl.versions import PolicyVersion
 from tests._dist import ROOT, free_port, subprocess_env
+from tests._judges import yes_no_judge
 from tests._tolerance import LAYOUT_FP32_LOGPROB, NET_FP32_LOGPROB, formula_tol, max_abs_diff, within
 from tests._train_runs import GRPO, PPO, batches, hf_response_log_probs, metrics
 
@@ -878,26 +879,6 @@ def test_reuse_rollout_log_probs_after_parity_check(assets, tmp_path):
     assert bad.returncode == 2 and "rollout.log_prob_parity_tol" in bad.stderr, bad.stderr[-3000:]
 
 
-def _yes_no_judge(path, tokenizer_dir, seed):
-    """A random causal LM whose head leans on the words yes and no, so that its greedy text holds a
-    verdict that depends on what it read (a judge's output, without training one)."""
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoTokenizer
-
-    from megarl.builtin.tiny_checkpoint import make_tiny_hf_checkpoint
-
-    make_tiny_hf_checkpoint(path, "llama", seed=seed, vocab_size=112, hidden_size=32, num_layers=2, num_heads=2,
-                            num_kv_heads=1, intermediate_size=64, tokenizer_dir=tokenizer_dir)
-    tok = AutoTokenizer.from_pretrained(path)
-    sd = load_file(os.path.join(path, "model.safetensors"))
-    w, g = sd["lm_head.weight"], torch.Generator().manual_seed(seed)
-    w.mul_(0.1)
-    lean = torch.randn(w.shape[1], generator=g)  # yes along it, no against it: the hidden state decides
-    w[tok.convert_tokens_to_ids("yes")], w[tok.convert_tokens_to_ids("no")] = lean, -lean
-    save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    return path
-
-
 def test_generative_judges_score_their_own_verdicts(assets, tmp_path):
     """A rule and two generative judges in one run (reward.judges): each judge reads its own
     rendering of (prompt, response) -- its prompt, through its template -- and generates greedily
@@ -906,14 +887,15 @@ def test_generative_judges_score_their_own_verdicts(assets, tmp_path):
     transformers' greedy generation of the same judge input, parsed by the same rule, and the
     probability transformers' softmax there; a sample without a verdict is status invalid with
     the judge's text (here penalised to -1), never a 0.  The judges' identities are the run's
-    origins, and the held-out accuracy is the rule's (eval.grader)."""
+    origins, and the held-out accuracy is the rule's (eval.grader).  The soft judge is offloaded
+    between scorings (``offload``: its engine asleep, woken to judge)."""
     import transformers
 
     from megarl.data.tokenizer import TokenizerContract
     from megarl.rewards.verdicts import VerdictRule, parse_verdict
 
-    hard = _yes_no_judge(str(tmp_path / "judge_a"), assets["model"], seed=5)
-    soft = _yes_no_judge(str(tmp_path / "judge_b"), assets["model"], seed=6)
+    hard = yes_no_judge(str(tmp_path / "judge_a"), assets["model"], seed=5)
+    soft = yes_no_judge(str(tmp_path / "judge_b"), assets["model"], seed=6)
     # the strict judge's own template ends on the response (its last digit steers the verdict)
     prompt, tpl = "question : {prompt} answer : {response}", tmp_path / "judge.jinja"
     tpl.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
@@ -921,7 +903,7 @@ def test_generative_judges_score_their_own_verdicts(assets, tmp_path):
     run_train(assets, run_dir, GRPO, extra=[
         f"reward.judges=[{{name: strict, path: {hard}, weight: 0.5, max_new_tokens: 3, prompt: '{prompt}', "
         f"chat_template: {tpl}}}, "
-        f"{{name: soft, path: {soft}, probability: true, weight: 2.0, max_new_tokens: 4}}]",
+        f"{{name: soft, path: {soft}, probability: true, weight: 2.0, max_new_tokens: 4, offload: true}}]",
         "reward.penalty.invalid=-1", "eval.every=0", "eval.grader=arithmetic", "trainer.iterations=1",
         "trainer.checkpoint_every=1"])
     f = batches(run_dir)[0].facts
