@@ -109,13 +109,13 @@ def test_distillation_from_a_teacher_served_by_sglang(assets, tmp_path):
 
 
 def test_a_generative_judge_on_sglang_scores_as_on_the_hf_engine(assets, tmp_path):
-    """reward.judges[0].engine=sglang: the judge's own SGLang engine beside the trainer (rank 0,
+    """reward.judges[i].engine=sglang: the judge's own SGLang engine beside the trainer (rank 0,
     loaded from its checkpoint through the verified weight path) writes the verdicts the hf engine
-    writes on the same samples -- two runs of one seed whose rollouts are the hf engine's, so the
-    judge reads the same inputs -- the 1 / 0 verdicts equal, P(yes) / (P(yes) + P(no)) within the
-    fp32 log-prob budget.  (The hf engine's verdicts equal transformers' own generation:
-    tests/e2e/test_train_e2e.py::test_generative_judges_score_their_own_verdicts.)  The engine is
-    part of the judge's identity: the two runs' origins differ by it alone."""
+    writes on the same samples -- one run in which each of two judges is served twice, by the hf
+    engine and by SGLang, so every pair reads the same inputs -- the 1 / 0 verdicts equal,
+    P(yes) / (P(yes) + P(no)) within the fp32 log-prob budget.  (The hf engine's verdicts equal
+    transformers' own generation: tests/e2e/test_train_e2e.py::test_generative_judges_score_their_own_verdicts.)
+    The engine is part of the judge's identity: a pair's origins differ by it alone."""
     import json
 
     from tests._judges import yes_no_judge
@@ -125,33 +125,31 @@ def test_a_generative_judge_on_sglang_scores_as_on_the_hf_engine(assets, tmp_pat
     # the strict judge's own template ends on the response (its last digit steers the verdict)
     prompt, tpl = "question : {prompt} answer : {response}", tmp_path / "judge.jinja"
     tpl.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    records, origins = {}, {}
-    for engine in ("hf", "sglang"):
-        run_dir = str(tmp_path / engine)
-        cmd = [sys.executable, "-m", "megarl.train", "--config", GRPO, f"model.path={assets['model']}",
-               "model.build_tiny=false", f"data.train_path={assets['train']}", f"data.heldout_path={assets['heldout']}",
-               "data.task.build=false", "trainer.iterations=1", f"trainer.run_dir={run_dir}",
-               "trainer.prompts_per_iteration=4", "rollout.n=4", "eval.every=0", "trainer.save_experience=true",
-               "trainer.checkpoint_every=1", "trainer.run_id=judge-engines", "reward.penalty.invalid=-1",
-               f"reward.judges=[{{name: strict, path: {hard}, max_new_tokens: 3, prompt: '{prompt}', "
-               f"chat_template: {tpl}, engine: {engine}}}, "
-               f"{{name: soft, path: {soft}, probability: true, max_new_tokens: 4, engine: {engine}}}]"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), timeout=900)
-        assert proc.returncode == 0, f"--- stdout ---\n{proc.stdout[-5000:]}\n--- stderr ---\n{proc.stderr[-8000:]}"
-        (b,) = batches(run_dir)
-        records[engine] = b.facts.rewards
-        with open(os.path.join(run_dir, "checkpoints", "iter_000001", "state.json")) as fh:
-            origins[engine] = json.load(fh)["origins"]
-    verdicts, worst = set(), 0.0
-    for hf, sg in zip(records["hf"], records["sglang"], strict=True):
-        assert hf.status == sg.status, (hf.to_json(), sg.to_json())
-        if hf.status.value != "ok":
+    judges = ", ".join(
+        f"{{name: strict_{e}, path: {hard}, max_new_tokens: 3, prompt: '{prompt}', chat_template: {tpl}, engine: {e}}}, "
+        f"{{name: soft_{e}, path: {soft}, probability: true, max_new_tokens: 4, engine: {e}}}" for e in ("hf", "sglang"))
+    run_dir = str(tmp_path / "run")
+    cmd = [sys.executable, "-m", "megarl.train", "--config", GRPO, f"model.path={assets['model']}",
+           "model.build_tiny=false", f"data.train_path={assets['train']}", f"data.heldout_path={assets['heldout']}",
+           "data.task.build=false", "trainer.iterations=1", f"trainer.run_dir={run_dir}",
+           "trainer.prompts_per_iteration=4", "rollout.n=4", "eval.every=0", "trainer.save_experience=true",
+           "trainer.checkpoint_every=1", "reward.penalty.invalid=-1", f"reward.judges=[{judges}]"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), timeout=900)
+    assert proc.returncode == 0, f"--- stdout ---\n{proc.stdout[-5000:]}\n--- stderr ---\n{proc.stderr[-8000:]}"
+    (b,) = batches(run_dir)
+    verdicts, worst = [], 0.0
+    for r in b.facts.rewards:
+        if r.status.value != "ok":  # no verdict from some judge: both engines' judges are in the record
             continue
-        assert hf.components["strict"] == sg.components["strict"], (hf.to_json(), sg.to_json())
-        worst = max(worst, abs(hf.components["soft"] - sg.components["soft"]))
-        verdicts.add(hf.components["strict"])
+        c = r.components
+        assert c["strict_hf"] == c["strict_sglang"], r.to_json()
+        worst = max(worst, abs(c["soft_hf"] - c["soft_sglang"]))
+        verdicts.append(c["strict_hf"])
     # two implementations of one fp32 network through a sigmoid (Lipschitz 1/4): the log-prob budget
     assert within(worst, NET_FP32_LOGPROB, "sglang_cpu/judge_probability_vs_hf"), worst
-    assert verdicts == {0.0, 1.0}, verdicts  # both verdicts occur: the judge read the samples
-    hf_id, sg_id = (origins[e]["judge/soft"]["id"].split(" judge=")[1] for e in ("hf", "sglang"))
-    assert "-esglang-" in sg_id and sg_id.replace("-esglang", "") == hf_id, (hf_id, sg_id)
+    assert set(verdicts) == {0.0, 1.0} and len(verdicts) >= 8, verdicts  # the judge read the samples
+    with open(os.path.join(run_dir, "checkpoints", "iter_000001", "state.json")) as fh:
+        origins = json.load(fh)["origins"]
+    for name in ("strict", "soft"):
+        hf_id, sg_id = (origins[f"judge/{name}_{e}"]["id"].split(" judge=")[1] for e in ("hf", "sglang"))
+        assert "-esglang-" in sg_id and sg_id.replace("-esglang", "") == hf_id, (hf_id, sg_id)
