@@ -59,31 +59,43 @@ def _fp32_chunk(logits: torch.Tensor, i: int, sl: slice, keep: torch.Tensor, tem
 
 def _vocab_keep(logits: torch.Tensor, vocab_size: int, rank: int):
     """This shard's columns that are real vocabulary (None: all of them)."""
-    per = logits.shape[-1]
+    return _vocab_keep_of(logits.shape[-1], vocab_size, rank, logits.device)
+
+
+def _vocab_keep_of(per: int, vocab_size: int, rank: int, device):
+    """Of a shard of ``per`` vocabulary columns on this TP rank, those that are real (None: all)."""
     start = rank * per
     if start + per <= vocab_size:
         return None
-    return torch.arange(start, start + per, device=logits.device) < vocab_size
+    return torch.arange(start, start + per, device=device) < vocab_size
+
+
+def _centre_and_pick(z: torch.Tensor, targets: torch.Tensor, rank: int, group, tp: int):
+    """``z`` (positions x this shard's columns, fp32) minus its global max in place; returns that
+    max ``m`` and ``z_t - m`` on this shard (0 where the target lies on another shard): the first
+    half of megatron's vocab-parallel cross-entropy, in its order."""
+    per = z.shape[-1]
+    m = z.max(dim=-1).values
+    if tp > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    z.sub_(m.unsqueeze(-1))
+    local = targets - rank * per
+    outside = (local < 0) | (local >= per)
+    zt = z.gather(-1, local.masked_fill(outside, 0).unsqueeze(-1)).squeeze(-1)
+    zt.masked_fill_(outside, 0.0)
+    return m, zt
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, vocab_size: int, temperature: float, chunk: int):
         group, tp, rank = _tp()
-        per = logits.shape[-1]
         keep = _vocab_keep(logits, vocab_size, rank)
         out = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
         maxes, sums_z = torch.empty_like(out), torch.empty_like(out)  # m and Z per position: the backward's softmax
         for i, sl in _chunks(logits.shape, chunk):
             z = _fp32_chunk(logits, i, sl, keep, temperature)
-            m = z.max(dim=-1).values
-            if tp > 1:
-                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-            z.sub_(m.unsqueeze(-1))
-            local = targets[i, sl] - rank * per
-            outside = (local < 0) | (local >= per)
-            zt = z.gather(-1, local.masked_fill(outside, 0).unsqueeze(-1)).squeeze(-1)
-            zt.masked_fill_(outside, 0.0)
+            m, zt = _centre_and_pick(z, targets[i, sl], rank, group, tp)
             z.exp_()
             sums = torch.stack([zt, z.sum(dim=-1)])
             if tp > 1:

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megarl.models.chunked_logits import _chunks, _tp, _vocab_keep
+from megarl.models.chunked_logits import _centre_and_pick, _chunks, _tp, _vocab_keep_of
 from megarl.models.micro_batches import next_token_terms
 from megarl.models.vocab_parallel import token_log_probs_from_logits, vocab_parallel_entropy
 from megarl.models.weights import as_chunks, unwrap
@@ -45,20 +45,13 @@ class _FusedOutput(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, vocab_size: int, temperature: float, chunk: int):
         group, tp, rank = _tp()
         per = weight.shape[0]
-        keep = _vocab_keep_rows(per, vocab_size, rank, weight.device)
+        keep = _vocab_keep_of(per, vocab_size, rank, weight.device)
         shape = targets.shape
         lp = torch.empty(shape, dtype=torch.float32, device=hidden.device)
         ent, maxes, sums_z, mean_z = (torch.empty_like(lp) for _ in range(4))
         for i, sl in _chunks(hidden.shape, chunk):
             z = _logits(hidden, weight, i, sl, keep, temperature)
-            m = z.max(dim=-1).values
-            if tp > 1:
-                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-            z.sub_(m.unsqueeze(-1))
-            local = targets[i, sl] - rank * per
-            outside = (local < 0) | (local >= per)
-            zt = z.gather(-1, local.masked_fill(outside, 0).unsqueeze(-1)).squeeze(-1)
-            zt.masked_fill_(outside, 0.0)
+            m, zt = _centre_and_pick(z, targets[i, sl], rank, group, tp)
             e = torch.exp(z)
             if keep is not None:
                 z.masked_fill_(~keep, 0.0)  # (-inf) x 0 would be NaN; those rows carry no mass
@@ -79,7 +72,7 @@ class _FusedOutput(torch.autograd.Function):
         hidden, weight, targets, maxes, sums_z, mean_z = ctx.saved_tensors
         _group, _tp_size, rank = _tp()
         per = weight.shape[0]
-        keep = _vocab_keep_rows(per, ctx.vocab_size, rank, weight.device)
+        keep = _vocab_keep_of(per, ctx.vocab_size, rank, weight.device)
         d_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
             if ctx.needs_input_grad[1] else None
@@ -112,11 +105,6 @@ class _FusedOutput(torch.autograd.Function):
         if d_weight is not None:
             d_weight = d_weight.to(weight.dtype)
         return d_hidden, d_weight, None, None, None, None
-
-
-def _vocab_keep_rows(per: int, vocab_size: int, rank: int, device):
-    """This shard's vocabulary rows that are real (None: all of them)."""
-    return _vocab_keep(torch.empty((0, per), device=device), vocab_size, rank)
 
 
 def _logits(hidden, weight, i: int, sl: slice, keep, temperature: float) -> torch.Tensor:
