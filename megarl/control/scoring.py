@@ -143,14 +143,15 @@ def add_judge_verdicts(rs, records, key: str, settings, judge, counters: Counter
     with the judge's text quoted; a judge that raised makes every sample status ``error``."""
     payload = None
     if judge is not None:
-        texts = [judge.render(x.messages, x.prompt_text, x.response_text) for x in rs]
+        texts = []
         try:
+            texts = [judge.render(x.messages, x.prompt_text, x.response_text, x.ground_truth) for x in rs]
             # request ids from the samples' own: a sampled verdict draws the same on a resume
             verdicts = judge.judge(texts, [f"{settings.name}/{x.sample_id}" for x in rs])
             payload = ([(v.score, v.error) for v in verdicts], None, judge.version, [input_digest(t) for t in texts])
         except Exception as e:  # noqa: BLE001 -- a status for every sample, below
-            payload = (None, f"judge {settings.name!r} ({key}) failed: {type(e).__name__}: {e}", judge.version,
-                       [input_digest(t) for t in texts])
+            digests = [input_digest(t) for t in texts] if len(texts) == len(rs) else [None] * len(rs)
+            payload = (None, f"judge {settings.name!r} ({key}) failed: {type(e).__name__}: {e}", judge.version, digests)
     with span("judge_broadcast"):
         verdicts, failure, version, digests = broadcast_object(payload)
     merged = []
@@ -159,7 +160,7 @@ def add_judge_verdicts(rs, records, key: str, settings, judge, counters: Counter
         if base is not None and base.status is not RewardStatus.OK:
             merged.append(base)
             continue
-        inputs = {**(base.inputs if base is not None else {}), settings.name: digests[i]}
+        inputs = {**(base.inputs if base is not None else {}), **({settings.name: digests[i]} if digests[i] else {})}
         score, error = (None, failure) if verdicts is None else verdicts[i]
         if score is None:
             status = RewardStatus.ERROR if verdicts is None else RewardStatus.INVALID

@@ -13,7 +13,8 @@ counted and printed, and :func:`drop_rows_missing_fields` drops them from the lo
 (counted in its ``stats["dropped_missing_fields"]``).
 
 What a reward reads comes from ``reward.required_fields`` when set, else from the reward's own
-declaration (:mod:`megarl.rewards.declarations`); a reward model (``reward.model``) reads none.
+declaration (:mod:`megarl.rewards.declarations`) and the fields a reference-guided judge's prompt
+names (``reward.judges[i].prompt``: ``{answer}``); a reward model (``reward.model``) reads none.
 """
 
 from __future__ import annotations
@@ -44,17 +45,30 @@ def configured_reward(cfg):
 
 def reward_requirements(cfg) -> Tuple[tuple, str]:
     """``(requirements, what)``: the fields the configured reward reads, and a phrase naming
-    where that came from (for the error text)."""
+    where that came from (for the error text): ``reward.required_fields``, else ``reward.fn``'s
+    declaration; and, either way, the ground-truth fields each reference-guided judge's prompt
+    names."""
     r = cfg.reward
+    requirements, what = (), []
     if r.required_fields is not None:
         from megarl.rewards.declarations import normalise_requirements
 
-        return normalise_requirements(list(r.required_fields), "reward.required_fields"), "reward.required_fields"
-    if not r.fn:
-        return (), "the reward model(s) (read no fields)"
-    from megarl.rewards.declarations import required_fields
+        requirements = normalise_requirements(list(r.required_fields), "reward.required_fields")
+        what = ["reward.required_fields"]
+    elif r.fn:
+        from megarl.rewards.declarations import required_fields
 
-    return required_fields(configured_reward(cfg)) or (), f"reward.fn {r.fn!r}"
+        requirements, what = tuple(required_fields(configured_reward(cfg)) or ()), [f"reward.fn {r.fn!r}"]
+    from megarl.rewards.verdicts import template_ground_truth_fields
+
+    for i, j in enumerate(r.judges):
+        reads = [f for f in template_ground_truth_fields(j.prompt) if f not in requirements]
+        if reads:
+            requirements += tuple(reads)
+            what.append(f"reward.judges[{i}].prompt")
+    if not what:
+        return (), "the reward model(s) (read no fields)"
+    return requirements, " and ".join(what)
 
 
 def first_missing(ground_truth: Mapping, requirements) -> Optional[object]:

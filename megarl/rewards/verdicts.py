@@ -87,17 +87,32 @@ def yes_probability(log_p_yes: float, log_p_no: float) -> float:
 
 
 def check_template(template: str, key: str) -> Tuple[str, ...]:
-    """The fields the judge's prompt template fills; it must hold ``{response}`` (``{prompt}``
-    optional).  Raises ValueError naming ``key``."""
+    """The fields the judge's prompt template fills: ``{response}`` (required), ``{prompt}``, and
+    any other name is a ground-truth field of the sample's row (``{answer}``: a reference-guided
+    judge), which every train and held-out row must then carry
+    (:func:`template_ground_truth_fields`).  Raises ValueError naming ``key``."""
     import string
 
     try:
         fields = tuple(f for _, f, _, _ in string.Formatter().parse(template) if f is not None)
     except ValueError as e:
         raise ValueError(f"{key}: not a format template ({e})") from None
-    unknown = [f for f in fields if f not in ("prompt", "response")]
-    if unknown:
-        raise ValueError(f"{key}: unknown field(s) {unknown}; the template may use {{prompt}} and {{response}}")
+    odd = [f for f in fields if not f.isidentifier()]
+    if odd:
+        raise ValueError(f"{key}: field(s) {odd} are not names; the template may use {{prompt}}, {{response}} "
+                         "and the row's ground-truth fields by name (e.g. {answer})")
     if "response" not in fields:
         raise ValueError(f"{key}: the judge's prompt has no {{response}}: it would judge without reading the answer")
     return fields
+
+
+#: the fields a judge's prompt fills from the sample itself; any other is the row's ground truth
+SAMPLE_FIELDS = ("prompt", "response")
+
+
+def template_ground_truth_fields(template: str) -> Tuple[str, ...]:
+    """The ground-truth fields a (checked) judge prompt reads, in order, each once."""
+    import string
+
+    fields = (f for _, f, _, _ in string.Formatter().parse(template) if f is not None)
+    return tuple(dict.fromkeys(f for f in fields if f not in SAMPLE_FIELDS))

@@ -13,10 +13,26 @@ another is refused (megarl/control/persistence.py, origins).
 from __future__ import annotations
 
 import hashlib
-from typing import List, Optional, Sequence
+from typing import List, Mapping, Optional, Sequence
 
 from megarl.data.tokenizer import TokenizerContract
-from megarl.rewards.verdicts import Verdict, VerdictRule, parse_verdict, yes_probability
+from megarl.rewards.verdicts import Verdict, VerdictRule, parse_verdict, template_ground_truth_fields, yes_probability
+
+
+def judge_input(contract: TokenizerContract, template: str, prompt_text: str, response_text: str,
+                ground_truth: Optional[Mapping] = None, key: str = "reward.judges[i]") -> List[int]:
+    """A judge's input ids: ``template`` filled with the sample (``{prompt}``, ``{response}``) and
+    the row's ground-truth fields it names (``{answer}``), as one user turn through ``contract``'s
+    chat template with the assistant's turn opened, or the text as it is without one.  (What a
+    judge's warm start trains on: megarl/builtin/tasks/arithmetic_judge.py.)"""
+    truth, reads = ground_truth or {}, template_ground_truth_fields(template)
+    missing = [f for f in reads if truth.get(f) is None]
+    if missing:  # the start-up check refuses such rows (megarl/rewards/dataset_fields.py)
+        raise KeyError(f"{key}.prompt reads the row's {missing}; this sample's ground truth has {sorted(truth)}")
+    text = template.format(prompt=prompt_text, response=response_text, **{f: str(truth[f]).strip() for f in reads})
+    if contract.chat_template is not None:
+        return contract.encode_prompt([{"role": "user", "content": text}], add_generation_prompt=True)
+    return contract.tokenizer.encode(text, add_special_tokens=True)
 
 
 class GenerativeJudge:
@@ -46,13 +62,12 @@ class GenerativeJudge:
                         f"v{h(rule)}-t{cfg.temperature:g}x{cfg.max_new_tokens}{engine}-"
                         f"w{weights_manifest_digest(cfg.path)[:8]}-{cfg.path}")
 
-    def render(self, messages: Optional[Sequence[dict]], prompt_text: str, response_text: str) -> List[int]:
-        """The judge's input: its prompt filled with the sample, as one user turn through its
+    def render(self, messages: Optional[Sequence[dict]], prompt_text: str, response_text: str,
+               ground_truth: Optional[Mapping] = None) -> List[int]:
+        """The judge's input: its prompt filled with the sample (and, for a reference-guided judge,
+        the row's ground-truth fields it names, e.g. ``{answer}``), as one user turn through its
         template (with the assistant's turn opened), or the text as it is without one."""
-        text = self.cfg.prompt.format(prompt=prompt_text, response=response_text)
-        if self.contract.chat_template is not None:
-            return self.contract.encode_prompt([{"role": "user", "content": text}], add_generation_prompt=True)
-        return self.contract.tokenizer.encode(text, add_special_tokens=True)
+        return judge_input(self.contract, self.cfg.prompt, prompt_text, response_text, ground_truth, self.key)
 
     def judge(self, inputs: Sequence[Sequence[int]], request_ids: Sequence[str]) -> List[Verdict]:
         """One verdict per input, generated in batches of ``batch_size`` (``request_ids``: one per

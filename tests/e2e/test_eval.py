@@ -141,6 +141,12 @@ def test_config_declares_or_overrides_and_a_reward_model_reads_nothing():
     assert reward_requirements(load_cfg("reward.kwargs.answer_key=target"))[0] == ("target",)
     assert reward_requirements(load_cfg("reward.required_fields=[gold,[a,b]]"))[0] == ("gold", ("a", "b"))
     assert reward_requirements(load_cfg("reward.fn=null", "reward.model.path=/rm"))[0] == ()
+    # a reference-guided judge reads the fields its prompt names, beside (or without) the rule's
+    judge = "reward.judges=[{name: j, path: /j, prompt: '{gold} {response} {answer} {gold}'}]"
+    assert reward_requirements(load_cfg(judge)) == (("answer", "gold"), "reward.fn 'arithmetic' and "
+                                                                        "reward.judges[0].prompt")
+    assert reward_requirements(load_cfg("reward.fn=null", judge)) == (("gold", "answer"), "reward.judges[0].prompt")
+    assert reward_requirements(load_cfg("reward.required_fields=[answer]", judge))[0] == ("answer", "gold")
     with pytest.raises(ConfigError, match="data.on_missing_fields"):
         check_run(load_cfg("data.on_missing_fields=drop"), 1)
     with pytest.raises(ConfigError, match=r"eval.k\[1\]"):

@@ -881,7 +881,8 @@ def test_reuse_rollout_log_probs_after_parity_check(assets, tmp_path):
 
 def test_generative_judges_score_their_own_verdicts(assets, tmp_path):
     """A rule and two generative judges in one run (reward.judges): each judge reads its own
-    rendering of (prompt, response) -- its prompt, through its template -- and generates greedily
+    rendering of (prompt, response) -- its prompt, through its template; one also reads the row's
+    reference answer (``{answer}``) -- and generates greedily
     through the hf engine; the verdict is the first yes / no word (1 / 0), or with
     ``probability`` P(yes) / (P(yes) + P(no)) where it stands.  Every record's component equals
     transformers' greedy generation of the same judge input, parsed by the same rule, and the
@@ -896,8 +897,9 @@ def test_generative_judges_score_their_own_verdicts(assets, tmp_path):
 
     hard = yes_no_judge(str(tmp_path / "judge_a"), assets["model"], seed=5)
     soft = yes_no_judge(str(tmp_path / "judge_b"), assets["model"], seed=6)
-    # the strict judge's own template ends on the response (its last digit steers the verdict)
-    prompt, tpl = "question : {prompt} answer : {response}", tmp_path / "judge.jinja"
+    # the strict judge's own template ends on the response (its last digit steers the verdict); it
+    # is reference-guided: {answer} is the row's ground-truth field
+    prompt, tpl = "question : {prompt} the answer : {answer} result : {response}", tmp_path / "judge.jinja"
     tpl.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     run_dir = str(tmp_path / "judge_run")
     run_train(assets, run_dir, GRPO, extra=[
@@ -921,8 +923,9 @@ def test_generative_judges_score_their_own_verdicts(assets, tmp_path):
         resp = policy.decode(f.response_ids[i][: int(lens[i])].tolist(), skip_special_tokens=True)
         r, expect = f.rewards[i], {}
         for name, (path, text, budget) in judges.items():
+            row = rows[f.prompt_id[i]]
             ids = contracts[name].encode_prompt([{"role": "user", "content": text.format(
-                prompt=rows[f.prompt_id[i]]["prompt"], response=resp)}], add_generation_prompt=True)
+                prompt=row["prompt"], response=resp, answer=row["answer"])}], add_generation_prompt=True)
             with torch.no_grad():
                 out = models[name].generate(torch.tensor([ids]), max_new_tokens=budget, do_sample=False,
                                             eos_token_id=contract.eos_token_id, pad_token_id=0,

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from megarl.rewards.verdicts import VerdictRule, check_template, parse_verdict, yes_probability
+from megarl.rewards.verdicts import VerdictRule, check_template, parse_verdict, template_ground_truth_fields, yes_probability
 
 
 def test_yes_no_is_the_first_whole_word():
@@ -45,8 +45,13 @@ def test_the_prompt_must_read_the_response():
     assert check_template("q: {prompt} a: {response}", "k") == ("prompt", "response")
     with pytest.raises(ValueError, match=r"reward.judges\[0\].prompt: the judge's prompt has no \{response\}"):
         check_template("is {prompt} easy?", "reward.judges[0].prompt")
-    with pytest.raises(ValueError, match="unknown field"):
-        check_template("{prompt} {answer} {response}", "k")
+    # any other name is a ground-truth field of the row (a reference-guided judge)
+    assert check_template("{prompt} {answer} {response} {answer}", "k") == ("prompt", "answer", "response", "answer")
+    assert template_ground_truth_fields("{prompt} {answer} {response} {answer}") == ("answer",)
+    assert template_ground_truth_fields("q: {prompt} a: {response}") == ()
+    for bad in ("{prompt} {0} {response}", "{answer.x} {response}", "{answer[0]} {response}", "{} {response}"):
+        with pytest.raises(ValueError, match="are not names"):
+            check_template(bad, "k")
 
 
 def test_yes_probability_is_the_two_words_renormalised():
