@@ -49,7 +49,7 @@ def main(argv=None) -> None:
     p.add_argument("--heldout-n", type=int, default=200,
                    help="problems in the evaluation set (the recipe's held-out file: data.task.heldout_n), kept "
                         "apart from validation; the reported held-out accuracy is on it")
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, default=None, help="the warm start's learning rate (default: the task's, else 2e-3)")
     p.add_argument("--adam-beta2", type=float, default=0.999, help="Adam's second-moment decay")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
@@ -63,6 +63,7 @@ def main(argv=None) -> None:
     steps = defaults["steps"] if a.steps is None else a.steps
     target = defaults["target_accuracy"] if a.target_accuracy is None else a.target_accuracy
     check_every = defaults["check_every"] if a.check_every is None else a.check_every
+    lr = defaults.get("lr", 2e-3) if a.lr is None else a.lr
     if steps < 0 or a.batch < 1:
         raise MegarlError("--steps must be >= 0 and --batch >= 1")
     if not 0.0 <= a.adam_beta2 < 1.0:
@@ -73,7 +74,7 @@ def main(argv=None) -> None:
     if a.family != "llama" and not 1 <= a.top_k <= a.num_experts:
         raise MegarlError(f"--top-k {a.top_k}: must be between 1 and --num-experts {a.num_experts}")
     settings = task_settings(a.task, dict(_task_arg(t) for t in a.task_arg), key="--task-arg")
-    run = WarmStartRun(steps=steps, batch=a.batch, seed=a.seed, lr=a.lr, adam_beta2=a.adam_beta2,
+    run = WarmStartRun(steps=steps, batch=a.batch, seed=a.seed, lr=lr, adam_beta2=a.adam_beta2,
                        target_accuracy=target, check_every=check_every, validation_n=a.validation_n,
                        heldout_n=a.heldout_n)
     problem = getattr(settings, "check_run", lambda run: None)(run)

@@ -29,10 +29,10 @@ def task_args_help() -> str:
     import dataclasses
     import typing
 
-    from megarl.builtin.tasks import TASKS, get_task
+    from megarl.builtin.tasks import POLICY_TASKS, get_task
 
     lines = ["data.task.args, by data.task.name (each task's own settings; docs/tiny-model.md):"]
-    for name in TASKS:
+    for name in POLICY_TASKS:
         settings = get_task(name).Settings
         hints = typing.get_type_hints(settings)
         lines.append(f"  {name}:")

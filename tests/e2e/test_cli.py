@@ -286,6 +286,12 @@ def _recipes(tmp_path):
         "architectures": ["LlamaForSequenceClassification"], "model_type": "llama", "num_labels": 1, "vocab_size": 112,
         "hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
         "intermediate_size": 256, "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "pad_token_id": 0})
+    tiny_judge = _fake_hf(tmp_path / "tiny_judge", {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 112, "hidden_size": 128,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 256,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "pad_token_id": 0})
+    from megarl.builtin.tasks.arithmetic_judge import PROMPT
+
     def published(name):  # tests/data/hf_configs: the real config.json files the full-size plan runs on
         with open(os.path.join(ROOT, "tests", "data", "hf_configs", name, "config.json")) as f:
             return json.load(f)
@@ -303,6 +309,9 @@ def _recipes(tmp_path):
            "opd_arith_tiny.yaml": (1, []), "opd_rsum_tiny.yaml": (1, []),
            # its reward model is configs/train_rm/arith_tiny.yaml's export: a config.json-only one here
            "ppo_arith_rm_tiny.yaml": (1, [f"reward.models=[{{name: arith_rm, path: {tiny_rm}}}]"]),
+           # its judge is python -m megarl.tinymodel --task arithmetic_judge's build: a config.json-only one here
+           "grpo_arith_judge_tiny.yaml": (1, [f"reward.judges=[{{name: arith_judge, path: {tiny_judge}, "
+                                              f"prompt: '{PROMPT}', max_new_tokens: 2}}]"]),
            "grpo_qwen2_7b.yaml": (8, [f"model.path={qwen}", f"data.train_path={data}"]),
            # the recipe names the Hub id; without network the test points it at config.json only
            "grpo_qwen3_30b_a3b.yaml": (8, [f"model.path={qwen3_moe}", f"data.train_path={data}"]),

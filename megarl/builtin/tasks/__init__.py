@@ -11,7 +11,8 @@ sequences the tiny model is warm-started on, and the settings both read.  It exp
 * ``WarmStart`` -- its warm-start sequence source (:class:`megarl.builtin.warmstart.SequenceSource`);
 * ``recorded(settings)`` -- what ``tiny_model.json`` records of these settings (dotted key ->
   value) and ``CONFIG_KEYS``, the config key behind each entry;
-* ``DEFAULTS`` -- its build's defaults (``steps``, ``target_accuracy``, ``check_every``).
+* ``DEFAULTS`` -- its build's defaults (``steps``, ``target_accuracy``, ``check_every``; ``lr`` where it is not
+  the tiny model's 2e-3).
 
 A new task is a new module here and one line in :data:`REGISTRY`.
 """
@@ -30,8 +31,12 @@ REGISTRY = {
     "calculator": "megarl.builtin.tasks.calculator",
     "two_turn": "megarl.builtin.tasks.two_turn",
     "running_sum": "megarl.builtin.tasks.running_sum",
+    "arithmetic_judge": "megarl.builtin.tasks.arithmetic_judge",  # a judge's warm start, not a policy's task
 }
 TASKS = tuple(REGISTRY)
+#: the tasks that warm-start a generative judge (``reward.judges``), never a policy's ``data.task.name``
+JUDGE_TASKS = ("arithmetic_judge",)
+POLICY_TASKS = tuple(n for n in TASKS if n not in JUDGE_TASKS)
 
 
 def get_task(name: str, key: str = "data.task.name"):

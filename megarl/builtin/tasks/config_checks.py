@@ -3,7 +3,7 @@ settings, and those settings against the tiny model's warm start (``model.tiny.*
 
 from __future__ import annotations
 
-from megarl.builtin.tasks import get_task, task_settings, warmstart_run
+from megarl.builtin.tasks import JUDGE_TASKS, POLICY_TASKS, get_task, task_settings, warmstart_run
 from megarl.errors import ConfigError
 
 
@@ -11,7 +11,10 @@ def check_builtin_task(cfg) -> None:
     task = cfg.data.task
     if task.name is None:
         return
-    get_task(task.name)
+    if task.name in JUDGE_TASKS:
+        raise ConfigError(f"data.task.name: {task.name} is a generative judge's warm start (python -m megarl.tinymodel "
+                          f"--task {task.name}; the judge goes in reward.judges), not a policy's task; choose from "
+                          f"{', '.join(POLICY_TASKS)}")
     settings = task_settings(task.name, task.args)
     check_run = getattr(settings, "check_run", None)
     if cfg.model.build_tiny and check_run is not None:

@@ -26,7 +26,7 @@ def test_a_field_declares_a_range_or_choices_never_both():
     assert CHOICES["placement.mode"] == schema.PLACEMENTS and CHOICES["algo.name"] == schema.ALGORITHMS
 
 
-@pytest.mark.parametrize("task", ["arithmetic", "calculator", "two_turn", "running_sum"])
+@pytest.mark.parametrize("task", ["arithmetic", "calculator", "two_turn", "running_sum", "arithmetic_judge"])
 def test_every_task_setting_declares_what_it_accepts_and_is_enforced(task):
     """A built-in task's own keys (data.task.args) follow the schema's rule: every int / float
     declares its range; a value out of it, or not of a declared choice, is refused naming the key."""
@@ -35,7 +35,7 @@ def test_every_task_setting_declares_what_it_accepts_and_is_enforced(task):
 
     from megarl.builtin.tasks import TASKS, get_task, task_settings
 
-    assert set(TASKS) == {"arithmetic", "calculator", "two_turn", "running_sum"}
+    assert set(TASKS) == {"arithmetic", "calculator", "two_turn", "running_sum", "arithmetic_judge"}
     settings = get_task(task).Settings
     hints = typing.get_type_hints(settings)
     for f in dataclasses.fields(settings):

@@ -35,8 +35,9 @@ def _flattened(path: str) -> dict:
 
 def test_every_tiny_recipe_starts_from_the_tiny_base():
     """Directly, or through another tiny recipe (ppo_arith_rm_tiny.yaml is ppo_arith_tiny.yaml's
-    variant, grpo_rsum_process_tiny.yaml and opd_rsum_tiny.yaml grpo_rsum_tiny.yaml's)."""
-    assert len(TINY) == 11
+    variant, grpo_arith_judge_tiny.yaml grpo_arith_tiny.yaml's, grpo_rsum_process_tiny.yaml and
+    opd_rsum_tiny.yaml grpo_rsum_tiny.yaml's)."""
+    assert len(TINY) == 12
     for path in TINY:
         with open(path) as f:
             base = yaml.safe_load(f)["base"]
