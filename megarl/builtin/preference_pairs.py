@@ -17,6 +17,13 @@ MISSES = ("off_by_small", "off_by_ten", "dropped_digit", "extra_digit", "sign", 
 SEEDS = {"train": 11, "heldout": 12}
 
 
+def one_digit_replaced(digits: str, rng: random.Random) -> str:
+    """``digits`` with one digit replaced by another (no new leading zero): a close, wrong guess."""
+    k = rng.randrange(len(digits))
+    digit = rng.choice([d for d in "0123456789" if d != digits[k] and (k or d != "0" or len(digits) == 1)])
+    return digits[:k] + digit + digits[k + 1:]
+
+
 def near_miss(answer: str, kind: str, rng: random.Random) -> str:
     """A wrong answer one edit from ``answer`` (an integer as digits): ``kind`` of :data:`MISSES`."""
     v = int(answer)

@@ -67,7 +67,8 @@ class Settings:
         except ValueError as e:
             return "prompt", str(e).split(": ", 1)[1]
         if set(template_ground_truth_fields(self.prompt)) - {"answer"}:
-            return "prompt", f"{self.prompt!r}: the judge's rows carry only {{answer}} (the reference) beside {{prompt}} and {{response}}"
+            return "prompt", (f"{self.prompt!r}: the judge's rows carry only {{answer}} (the reference) beside "
+                              "{prompt} and {response}")
         return arithmetic.Settings.check(self)
 
 
@@ -78,9 +79,7 @@ def wrong_answer(answer: str, kind: str, rng: random.Random) -> str:
 
     if kind == "one_digit":
         digits = answer.lstrip("-")
-        k = rng.randrange(len(digits))
-        d = rng.choice([c for c in "0123456789" if c != digits[k] and (k or c != "0" or len(digits) == 1)])
-        return answer[:len(answer) - len(digits)] + digits[:k] + d + digits[k + 1:]
+        return answer[:len(answer) - len(digits)] + preference_pairs.one_digit_replaced(digits, rng)
     if kind != "unrelated":
         for _ in range(8):  # a near miss the rule still grades right ("00" for "0") is drawn again
             miss = preference_pairs.near_miss(answer, kind, rng)

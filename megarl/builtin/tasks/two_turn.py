@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megarl.builtin.preference_pairs import one_digit_replaced
 from megarl.builtin.tasks import arithmetic
 from megarl.builtin.warmstart import SequenceSource, is_demo, prompt_answer_sequences, training_tensors
 from megarl.config.schema import COUNT, Range, setting
@@ -43,13 +44,6 @@ def recorded(s, targeted: bool) -> dict:
 CONFIG_KEYS = {"task.digits": "data.task.args.min_digits / max_digits", "two_turn_demos": "data.task.args.demos"}
 
 
-def _near_miss(answer: str, rng) -> str:
-    """``answer`` with one digit replaced by another (a guess that is close but wrong)."""
-    k = rng.randrange(len(answer))
-    digit = rng.choice([d for d in "0123456789" if d != answer[k] and (k or d != "0" or len(answer) == 1)])
-    return answer[:k] + digit + answer[k + 1:]
-
-
 def two_turn_sequences(tok, problems, share: float, seed: int):
     """The two-turn build's warm-start sequences: ``(prompts, responses, loss masks)``.
 
@@ -74,7 +68,7 @@ def two_turn_sequences(tok, problems, share: float, seed: int):
         if not is_demo(i, share):
             continue
         answer = str(row["answer"]).strip()
-        guess = answer if rng.random() < 0.5 else _near_miss(answer, rng)
+        guess = answer if rng.random() < 0.5 else one_digit_replaced(answer, rng)
         conv = render_conversation(renderer, demonstration(row, " ".join(guess), restate=True))
         prompts[i], answers[i] = conv.prompt_ids, conv.response_ids
         masks[i] = [1.0 if s == 1 else 0.0 for s in conv.sources]
