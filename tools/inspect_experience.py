@@ -19,7 +19,8 @@ the turn, the source, the response positions, the response / loss mask counts, t
 version(s) and the tokens.  ``--list`` prints one line per sample instead.
 
 ``--scorer-input NAME=RM_DIR[:TEMPLATE] --data FILE --tokenizer POLICY_TOKDIR`` renders the
-sample again as the neural scorer NAME read it and compares it with the digest its record kept.
+sample again as the neural scorer NAME read it and compares it with the digest its record kept
+(``--scorer-prompt T``: a reference-guided model's user turn; default the one RM_DIR records).
 
 ``--rederive [KEY=VALUE ...]`` derives the batch's advantages, returns, loss mask and weights
 again from its sealed facts (:func:`megarl.algo.derivation.derive`) at the settings its
@@ -35,6 +36,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -367,12 +369,14 @@ def rederive_report(batch, overrides: dict) -> list[str]:
     return out
 
 
-def scorer_input_report(batch, i: int, spec: str, data_path: str, policy_tok) -> tuple[list[str], bool]:
+def scorer_input_report(batch, i: int, spec: str, data_path: str, policy_tok,
+                        scorer_prompt: Optional[str] = None) -> tuple[list[str], bool]:
     """Render sample ``i`` again as the neural scorer ``NAME=DIR[:TEMPLATE]`` read it (its own
     tokenizer and template, the prompt row of ``data_path`` and the response decoded with the
-    policy's tokenizer) and compare the digest with the one its record kept: ``(lines, same)``."""
+    policy's tokenizer; a reference-guided model's user turn ``scorer_prompt``, by default the one
+    its directory records) and compare the digest with the one its record kept: ``(lines, same)``."""
     from megarl.data.tokenizer import TokenizerContract
-    from megarl.roles.reward_model import input_digest, render_for_scorer
+    from megarl.roles.reward_model import input_digest, recorded_scorer_prompt, render_for_scorer
 
     if "=" not in spec:
         raise InspectError(f"--scorer-input {spec!r}: expected NAME=RM_DIR[:TEMPLATE_FILE]")
@@ -396,9 +400,12 @@ def scorer_input_report(batch, i: int, spec: str, data_path: str, policy_tok) ->
     n = int(f.attention_mask[i, P:].sum())
     response = policy_tok.decode(f.response_ids[i][:n].tolist(), skip_special_tokens=True)
     contract = TokenizerContract.load(rm_dir, template or None)
-    ids = render_for_scorer(contract, row.get("messages"), row.get("prompt") or "", response)
+    context = scorer_prompt if scorer_prompt is not None else recorded_scorer_prompt(rm_dir)[1]
+    truth = {k: v for k, v in row.items() if k not in ("id", "prompt", "messages")}
+    ids = render_for_scorer(contract, row.get("messages"), row.get("prompt") or "", response, context, truth)
     same = input_digest(ids) == kept
-    return ([f"scorer {name}: {rm_dir}" + (f" with template {template}" if template else ""),
+    return ([f"scorer {name}: {rm_dir}" + (f" with template {template}" if template else "")
+             + (f", user turn {context!r}" if context else ""),
              f"  rendered ({len(ids)} tokens): {contract.tokenizer.decode(ids)!r}", f"  ids {ids}",
              f"  digest  {input_digest(ids)}", f"  kept    {kept}",
              "  the same input" if same else "  DIFFERS from what the scorer read"], same)
@@ -419,6 +426,9 @@ def main(argv=None) -> None:
                    help="render the sample again as the neural scorer NAME read it (needs --data and --tokenizer, "
                         "the policy's) and compare with the digest its record kept; exit 2 if it differs")
     p.add_argument("--data", help="the prompt file the run trained on (for --scorer-input)")
+    p.add_argument("--scorer-prompt", default=None, metavar="TEMPLATE",
+                   help="--scorer-input: a reference-guided model's user turn (reward.models[i].prompt; default: "
+                        "the one RM_DIR records, else none)")
     args = p.parse_args(argv)
 
     if hasattr(sys.stdout, "reconfigure"):
@@ -432,7 +442,7 @@ def main(argv=None) -> None:
         if not (args.data and args.tokenizer):
             raise InspectError("--scorer-input needs --data (the prompt file) and --tokenizer (the policy's)")
         lines, same = scorer_input_report(batch, select(batch, args.sample, args.index), args.scorer_input,
-                                          args.data, load_tokenizer(args.tokenizer))
+                                          args.data, load_tokenizer(args.tokenizer), args.scorer_prompt)
         print("\n".join(lines))
         if not same:
             raise InspectError(f"--scorer-input {args.scorer_input}: the rendering differs from the kept input")

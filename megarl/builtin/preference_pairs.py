@@ -47,7 +47,8 @@ def near_miss(answer: str, kind: str, rng: random.Random) -> str:
 
 
 def arithmetic_pairs(split: str, n: int) -> List[dict]:
-    """``n`` pairs ``{id, prompt, chosen, rejected, miss}`` over the arithmetic task's ``split``."""
+    """``n`` pairs ``{id, prompt, chosen, rejected, miss, answer}`` over the arithmetic task's ``split``
+    (``answer``: the reference, which is also ``chosen``)."""
     from megarl.builtin.tasks import task_settings
     from megarl.data.tasks.arithmetic import make_problems, score
 
@@ -60,6 +61,7 @@ def arithmetic_pairs(split: str, n: int) -> List[dict]:
         rejected = near_miss(p["answer"], kind, rng)
         if score(rejected, p["answer"]) or not score(p["answer"], p["answer"]):
             raise AssertionError(f"{split} pair {i}: the rule does not prefer {p['answer']!r} to {rejected!r}")
+        # the reference a reference-guided model reads (data.prompt: "{prompt} answer : {answer}")
         out.append({"id": f"arith-pair-{split}-{i}", "prompt": p["prompt"], "chosen": p["answer"],
-                    "rejected": rejected, "miss": kind})
+                    "rejected": rejected, "miss": kind, "answer": p["answer"]})
     return out

@@ -248,6 +248,12 @@ def check_model(cfg) -> dict:
             raise ConfigError(f"{key}.path: {m.path} is {head.architecture}, not a reward model (expected an HF "
                               "*ForSequenceClassification or *ForTokenClassification with num_labels=1; "
                               "python -m megarl.train_rm makes one from a causal LM)")
+        from megarl.roles.reward_model import recorded_scorer_prompt
+
+        known, trained = recorded_scorer_prompt(m.path)
+        if known and trained != m.prompt:  # it would score inputs unlike any it was trained on
+            raise ConfigError(f"{key}.prompt: {m.prompt!r}, but {m.path} was trained reading the user turn as "
+                              f"{trained!r} (megarl.train_rm's data.prompt); set {key}.prompt to that")
     for i, j in enumerate(cfg.reward.judges):
         key = f"reward.judges[{i}].path"
         if not os.path.isfile(os.path.join(j.path, "config.json")):

@@ -25,6 +25,13 @@ def check_rm_config(cfg, world: int) -> int:
 
     for key, msg in range_errors(cfg, declared_ranges(RMTrainConfig)):
         raise ConfigError(f"{key}: {msg}")
+    if cfg.data.prompt is not None:
+        from megarl.rewards.verdicts import check_context_template
+
+        try:
+            check_context_template(cfg.data.prompt, "data.prompt")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     for key, choices in declared_choices(RMTrainConfig).items():
         _, v = lookup(cfg, key)
         for item in (v if isinstance(v, list) else [v]):
@@ -57,9 +64,10 @@ def load_pairs(cfg):
 
     contract = TokenizerContract.load(cfg.model.tokenizer or cfg.model.path, cfg.model.chat_template)
     d = cfg.data
-    train = render_pairs(contract, read_pairs(d.train_path, "data.train_path"), d.max_tokens, "data.max_tokens")
-    heldout = (render_pairs(contract, read_pairs(d.heldout_path, "data.heldout_path"), d.max_tokens, "data.max_tokens")
-               if d.heldout_path else [])
+    train = render_pairs(contract, read_pairs(d.train_path, "data.train_path"), d.max_tokens, "data.max_tokens",
+                         d.prompt)
+    heldout = (render_pairs(contract, read_pairs(d.heldout_path, "data.heldout_path"), d.max_tokens, "data.max_tokens",
+                            d.prompt) if d.heldout_path else [])
     return contract, RMData(train, heldout, file_sha256(d.train_path))
 
 

@@ -34,6 +34,10 @@ class RMDataConfig:
     heldout_path: Optional[str] = None  # held-out pairs: their accuracy is the metric (null: none)
     #: a pair whose longer rendering exceeds this many tokens is refused at load, naming its line
     max_tokens: int = setting(512, range=COUNT)
+    #: a reference-guided model's user turn: a format string with {prompt} (the turn's text) and the
+    #: row's other fields (e.g. "{prompt} answer : {answer}"); recorded in the export, and what
+    #: reward.models[i].prompt must then say.  null: the prompt as it is
+    prompt: Optional[str] = None
     #: the built-in pairs (megarl/builtin/preference_pairs.py) are written to the paths first when
     #: they are missing: "arithmetic" (right answers over near misses) or null (use the files)
     builtin: Optional[str] = setting(None, choices=("arithmetic", None))

@@ -541,6 +541,10 @@ class RewardModelConfig:
     path: Optional[str] = None  # an HF *ForSequenceClassification or *ForTokenClassification (num_labels=1)
     tokenizer: Optional[str] = None  # default: reward_model.path
     chat_template: Optional[str] = None  # a Jinja file for the RM's prompts (default: its tokenizer's)
+    #: a reference-guided model's user turn: a format string with {prompt} (the turn's text) and the
+    #: row's ground-truth fields (e.g. "{prompt} answer : {answer}"), as it was trained
+    #: (megarl.train_rm's data.prompt, recorded in its export); null: the prompt as it is
+    prompt: Optional[str] = None
     weight: float = setting(1.0, range=Range())  # weight of the RM score in a composite with reward.fn
     offload: bool = False  # on the host between its forwards (GPU time-slicing)
     #: seconds the forward over one batch may take (the slowest rank's); past it every sample of

@@ -174,7 +174,7 @@ def _rewards(cfg: TrainConfig, injector: Optional[FaultInjector], rank0: bool):
                          vocab_multiple=cfg.model.vocab_multiple, offload=m.offload,
                          micro_batch_size=cfg.algo.forward_micro_batch_size, pack=cfg.algo.pack_sequences,
                          micro_batch_tokens=cfg.algo.micro_batch_tokens, sequence_parallel=p.sequence_parallel,
-                         key=key)
+                         key=key, prompt=m.prompt)
         if injector is not None and (cfg.faults.reward_model_error_at or cfg.faults.reward_model_timeout_at):
             rm = FaultyRewardModel(rm, injector, m.timeout_s)
         reward_models.append(rm)

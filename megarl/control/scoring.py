@@ -103,7 +103,7 @@ class Scorer:
         timeout, naming why: a failed scorer is never a score.  (A rank that fails inside a
         collective leaves its peers blocked there: that is the lost-rank path,
         megarl/runtime/liveness.py.)"""
-        texts = [rm.encode(x.messages, x.prompt_text, x.response_text) for x in rs]
+        texts = [rm.encode(x.messages, x.prompt_text, x.response_text, x.ground_truth) for x in rs]
         t0 = time.monotonic()
         try:
             scores, error = rm.score(texts), None

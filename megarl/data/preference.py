@@ -37,6 +37,8 @@ class PreferencePair:
     chosen: str
     rejected: str
     where: str  # ``file:line``, for messages
+    #: the row's other fields (a reference-guided model's template reads them: ``{answer}``)
+    ground_truth: Optional[dict] = None
 
 
 def _is_messages(v) -> bool:
@@ -62,7 +64,16 @@ def _from_chats(row: dict, where: str) -> PreferencePair:
 
 
 def parse_pair(row, where: str) -> PreferencePair:
-    """One JSON row as a :class:`PreferencePair` (the layouts in the module docstring)."""
+    """One JSON row as a :class:`PreferencePair` (the layouts in the module docstring), its
+    other fields kept as the pair's ground truth."""
+    import dataclasses
+
+    pair = _parse_pair(row, where)
+    truth = {k: v for k, v in row.items() if k not in ("prompt", "chosen", "rejected")}
+    return dataclasses.replace(pair, ground_truth=truth)
+
+
+def _parse_pair(row, where: str) -> PreferencePair:
     if not isinstance(row, dict):
         raise PreferenceDataError(f"{where}: expected a JSON object with chosen and rejected, got {type(row).__name__}")
     missing = [k for k in ("chosen", "rejected") if k not in row]
@@ -111,14 +122,21 @@ def read_pairs(path: str, key: str) -> List[PreferencePair]:
     return out
 
 
-def render_pairs(contract, pairs: Sequence[PreferencePair], max_tokens: int, key: str) -> List[tuple]:
+def render_pairs(contract, pairs: Sequence[PreferencePair], max_tokens: int, key: str,
+                 context: Optional[str] = None, context_key: str = "data.prompt") -> List[tuple]:
     """``[(chosen ids, rejected ids)]`` through the reward model's tokenizer ``contract`` and
-    template; a side longer than ``max_tokens`` is refused naming its line (``key``: the limit's key)."""
+    template (and, for a reference-guided model, its user-turn ``context`` filled with the row's
+    fields); a side longer than ``max_tokens`` is refused naming its line (``key``: the limit's
+    key), a row without a field ``context`` names too."""
     from megarl.data.scorer_input import render_for_scorer
 
     out = []
     for p in pairs:
-        sides = tuple(render_for_scorer(contract, p.messages, p.prompt_text, text) for text in (p.chosen, p.rejected))
+        try:
+            sides = tuple(render_for_scorer(contract, p.messages, p.prompt_text, text, context, p.ground_truth,
+                                            key=context_key) for text in (p.chosen, p.rejected))
+        except KeyError as e:
+            raise PreferenceDataError(f"{p.where}: {e.args[0]}") from None
         longest = max(len(s) for s in sides)
         if longest > max_tokens:
             raise PreferenceDataError(f"{p.where}: renders to {longest} tokens, over {key}={max_tokens}")

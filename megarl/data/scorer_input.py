@@ -3,32 +3,67 @@ template (a reward model, a judge, a model trained on preference pairs), never t
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 
-def render_for_scorer(contract, messages: Optional[Sequence[dict]], prompt_text: str, response_text: str) -> list:
+def scorer_chat(messages: Optional[Sequence[dict]], prompt_text: str, context: Optional[str] = None,
+                ground_truth: Optional[Mapping] = None, key: str = "reward.models[i].prompt") -> list:
+    """The chat a scorer reads before the response: the prompt's messages, or its text as one
+    user turn.  With ``context`` (a reference-guided scorer's template: ``"{prompt} answer :
+    {answer}"``) the last user turn is that template filled with the turn's text (``{prompt}``)
+    and the row's ground-truth fields it names; a field the row lacks raises KeyError naming
+    ``key`` (the start-up data check refuses such rows first)."""
+    chat = list(messages) if messages else [{"role": "user", "content": prompt_text}]
+    if context is None:
+        return chat
+    import string
+
+    truth = ground_truth or {}
+    reads = [f for _, f, _, _ in string.Formatter().parse(context) if f is not None and f != "prompt"]
+    missing = sorted({f for f in reads if truth.get(f) is None})
+    if missing:
+        raise KeyError(f"{key} reads the row's {missing}; this sample's ground truth has {sorted(truth)}")
+    last = max(i for i, m in enumerate(chat) if m["role"] == "user") if any(m["role"] == "user" for m in chat) else None
+    if last is None:
+        raise KeyError(f"{key}: the prompt has no user turn to fill")
+    filled = context.format(prompt=chat[last]["content"], **{f: str(truth[f]).strip() for f in reads})
+    return chat[:last] + [dict(chat[last], content=filled)] + chat[last + 1:]
+
+
+def render_for_scorer(contract, messages: Optional[Sequence[dict]], prompt_text: str, response_text: str,
+                      context: Optional[str] = None, ground_truth: Optional[Mapping] = None,
+                      key: str = "reward.models[i].prompt") -> list:
     """A scorer's own rendering of (prompt, response) with its tokenizer ``contract``: the chat
-    (the prompt's messages, or the prompt text as one user turn) and the response as the
-    assistant's turn through its chat template; without a template, the two texts joined."""
+    (:func:`scorer_chat`) and the response as the assistant's turn through its chat template;
+    without a template, the user turn's text and the response joined."""
+    chat = scorer_chat(messages, prompt_text, context, ground_truth, key)
     if contract.chat_template is not None:
-        chat = list(messages) if messages else [{"role": "user", "content": prompt_text}]
         return contract.encode_prompt(chat + [{"role": "assistant", "content": response_text}],
                                       add_generation_prompt=False)
-    return contract.tokenizer.encode(prompt_text + response_text, add_special_tokens=True)
+    return contract.tokenizer.encode(_user_text(chat, messages, prompt_text, context) + response_text,
+                                     add_special_tokens=True)
+
+
+def _user_text(chat, messages, prompt_text: str, context: Optional[str]) -> str:
+    """Without a chat template: the prompt text as it is (the filled context when one is given)."""
+    if context is None:
+        return prompt_text
+    return [m for m in chat if m["role"] == "user"][-1]["content"]
 
 
 def render_with_offsets(contract, messages: Optional[Sequence[dict]], prompt_text: str,
-                        response_text: str) -> tuple:
+                        response_text: str, context: Optional[str] = None,
+                        ground_truth: Optional[Mapping] = None, key: str = "reward.models[i].prompt") -> tuple:
     """:func:`render_for_scorer`'s ids with the rendered text and each token's character span in
     it (``(ids, text, offsets)``): what maps a process reward model's steps through characters."""
     tok = contract.tokenizer
+    chat = scorer_chat(messages, prompt_text, context, ground_truth, key)
     if contract.chat_template is not None:
-        chat = list(messages) if messages else [{"role": "user", "content": prompt_text}]
         text = tok.apply_chat_template(chat + [{"role": "assistant", "content": response_text}],
                                        chat_template=contract.chat_template, tokenize=False,
                                        add_generation_prompt=False)
         enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     else:
-        text = prompt_text + response_text
+        text = _user_text(chat, messages, prompt_text, context) + response_text
         enc = tok(text, add_special_tokens=True, return_offsets_mapping=True)
     return list(enc["input_ids"]), text, [tuple(o) for o in enc["offset_mapping"]]

@@ -177,7 +177,8 @@ class RMRun:
         return last
 
     def export(self) -> str:
-        """``<run_dir>/export``: the HF checkpoint with the tokenizer and chat template it read with."""
+        """``<run_dir>/export``: the HF checkpoint with the tokenizer and chat template it read with,
+        and the user-turn template of a reference-guided model (``data.prompt``)."""
         out = os.path.join(self.run_dir, "export")
         dtype = getattr(torch, self.cfg.trainer.export_dtype) if self.cfg.trainer.export_dtype else None
         self.model.export(out, tokenizer_dir=None, dtype=dtype)
@@ -186,6 +187,9 @@ class RMRun:
             if self.contract.chat_template is not None:
                 tok.chat_template = self.contract.chat_template
             tok.save_pretrained(out)
+            from megarl.roles.reward_model import write_scorer_prompt
+
+            write_scorer_prompt(out, self.cfg.data.prompt)
         if dist.is_initialized():
             dist.barrier()
         return out

@@ -18,8 +18,16 @@ __all__ = ["check_judges", "check_reward_isolation", "check_required_fields", "c
 
 
 def check_judges(cfg) -> None:
-    """Each generative judge's prompt reads the response, and its verdict rule can be parsed."""
-    from megarl.rewards.verdicts import VERDICTS, VerdictRule, check_template
+    """Each generative judge's prompt reads the response, and its verdict rule can be parsed;
+    each reference-guided reward model's prompt is a user turn's template."""
+    from megarl.rewards.verdicts import VERDICTS, VerdictRule, check_context_template, check_template
+
+    for key, m in cfg.reward.neural_models():
+        if m.prompt is not None:
+            try:
+                check_context_template(m.prompt, f"{key}.prompt")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
     for i, j in enumerate(cfg.reward.judges):
         key = f"reward.judges[{i}]"

@@ -13,8 +13,9 @@ counted and printed, and :func:`drop_rows_missing_fields` drops them from the lo
 (counted in its ``stats["dropped_missing_fields"]``).
 
 What a reward reads comes from ``reward.required_fields`` when set, else from the reward's own
-declaration (:mod:`megarl.rewards.declarations`) and the fields a reference-guided judge's prompt
-names (``reward.judges[i].prompt``: ``{answer}``); a reward model (``reward.model``) reads none.
+declaration (:mod:`megarl.rewards.declarations`) and the fields a reference-guided scorer's prompt
+names (``reward.models[i].prompt``, ``reward.judges[i].prompt``: ``{answer}``); a reward model
+without one reads none.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ def configured_reward(cfg):
 def reward_requirements(cfg) -> Tuple[tuple, str]:
     """``(requirements, what)``: the fields the configured reward reads, and a phrase naming
     where that came from (for the error text): ``reward.required_fields``, else ``reward.fn``'s
-    declaration; and, either way, the ground-truth fields each reference-guided judge's prompt
-    names."""
+    declaration; and, either way, the ground-truth fields each reference-guided reward model's or
+    judge's prompt names."""
     r = cfg.reward
     requirements, what = (), []
     if r.required_fields is not None:
@@ -61,11 +62,14 @@ def reward_requirements(cfg) -> Tuple[tuple, str]:
         requirements, what = tuple(required_fields(configured_reward(cfg)) or ()), [f"reward.fn {r.fn!r}"]
     from megarl.rewards.verdicts import template_ground_truth_fields
 
-    for i, j in enumerate(r.judges):
-        reads = [f for f in template_ground_truth_fields(j.prompt) if f not in requirements]
+    templates = [(f"{key}.prompt", template_ground_truth_fields(m.prompt, own=("prompt",)))
+                 for key, m in r.neural_models() if m.prompt]
+    templates += [(f"reward.judges[{i}].prompt", template_ground_truth_fields(j.prompt)) for i, j in enumerate(r.judges)]
+    for key, fields in templates:
+        reads = [f for f in fields if f not in requirements]
         if reads:
             requirements += tuple(reads)
-            what.append(f"reward.judges[{i}].prompt")
+            what.append(key)
     if not what:
         return (), "the reward model(s) (read no fields)"
     return requirements, " and ".join(what)

@@ -110,9 +110,30 @@ def check_template(template: str, key: str) -> Tuple[str, ...]:
 SAMPLE_FIELDS = ("prompt", "response")
 
 
-def template_ground_truth_fields(template: str) -> Tuple[str, ...]:
-    """The ground-truth fields a (checked) judge prompt reads, in order, each once."""
+def template_ground_truth_fields(template: str, own: Tuple[str, ...] = SAMPLE_FIELDS) -> Tuple[str, ...]:
+    """The ground-truth fields a (checked) scorer template reads, in order, each once: every
+    field but the sample's own (``own``)."""
     import string
 
     fields = (f for _, f, _, _ in string.Formatter().parse(template) if f is not None)
-    return tuple(dict.fromkeys(f for f in fields if f not in SAMPLE_FIELDS))
+    return tuple(dict.fromkeys(f for f in fields if f not in own))
+
+
+def check_context_template(template: str, key: str) -> Tuple[str, ...]:
+    """A reference-guided reward model's user turn (``reward.models[i].prompt``, ``megarl.train_rm``'s
+    ``data.prompt``): a format template of ``{prompt}`` and the row's ground-truth fields, never
+    ``{response}`` (the response is the assistant's turn).  Returns the ground-truth fields;
+    raises ValueError naming ``key``."""
+    import string
+
+    try:
+        fields = tuple(f for _, f, _, _ in string.Formatter().parse(template) if f is not None)
+    except ValueError as e:
+        raise ValueError(f"{key}: not a format template ({e})") from None
+    odd = [f for f in fields if not f.isidentifier()]
+    if odd:
+        raise ValueError(f"{key}: field(s) {odd} are not names; the template may use {{prompt}} and the row's "
+                         "ground-truth fields by name (e.g. {answer})")
+    if "response" in fields:
+        raise ValueError(f"{key}: {{response}} is not the user turn's; the response is the assistant's turn after it")
+    return template_ground_truth_fields(template, own=("prompt",))

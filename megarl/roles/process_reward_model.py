@@ -25,8 +25,9 @@ AGGREGATES = {"min": min, "mean": lambda xs: sum(xs) / len(xs), "last": lambda x
 
 def _plan(rm, settings, x):
     """``(ids, PRM positions, step char ends)`` of one sample, or a string saying why not."""
-    ids, text, offsets = render_with_offsets(rm.contract, x.messages, x.prompt_text, x.response_text)
-    if ids != rm.encode(x.messages, x.prompt_text, x.response_text):
+    ids, text, offsets = render_with_offsets(rm.contract, x.messages, x.prompt_text, x.response_text, rm.prompt,
+                                             x.ground_truth, key=f"{rm.key}.prompt")
+    if ids != rm.encode(x.messages, x.prompt_text, x.response_text, x.ground_truth):
         return ids, "its tokenizer does not give the same ids for the text with offsets"
     ends = step_char_ends(x.response_text, settings.step_separator)
     if not ends:  # an empty response: its one step is its end

@@ -18,7 +18,7 @@ import contextlib
 import hashlib
 import json
 import os
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -30,6 +30,25 @@ from megarl.models.megatron_ckpt import load_model
 from megarl.models.weights import unwrap
 from megarl.roles.common import freeze
 from megarl.runtime.data_parallel import map_rows
+
+
+#: beside a reward model trained here: the user-turn template it was trained with (data.prompt)
+SCORER_PROMPT_FILE = "megarl_scorer.json"
+
+
+def write_scorer_prompt(model_dir: str, prompt: Optional[str]) -> None:
+    """Record ``prompt`` (None included: trained on the prompt as it is) beside an exported model."""
+    with open(os.path.join(model_dir, SCORER_PROMPT_FILE), "w") as f:
+        json.dump({"prompt": prompt}, f, indent=1)
+
+
+def recorded_scorer_prompt(model_dir: str):
+    """``(True, prompt)`` when the model records the template it was trained with, else ``(False, None)``."""
+    path = os.path.join(model_dir, SCORER_PROMPT_FILE)
+    if not os.path.isfile(path):
+        return False, None
+    with open(path) as f:
+        return True, json.load(f).get("prompt")
 
 
 def input_digest(ids: Sequence[int]) -> str:
@@ -70,7 +89,7 @@ class RewardModel:
     def __init__(self, path: str, tp: int, pp: int, tokenizer: Optional[str] = None,
                  chat_template: Optional[str] = None, vocab_multiple: int = 128, offload: bool = False,
                  micro_batch_size: int = 8, pack: bool = False, sequence_parallel: bool = False,
-                 micro_batch_tokens: int = 0, key: str = "reward.model"):
+                 micro_batch_tokens: int = 0, key: str = "reward.model", prompt: Optional[str] = None):
         from megarl.errors import ConfigError
 
         self.model = load_model(path, tp=tp, pp=pp, vocab_multiple=vocab_multiple, sequence_parallel=sequence_parallel)
@@ -86,7 +105,10 @@ class RewardModel:
         # what it computes: its tokenizer, its template and its weights' manifest (the names, dtypes
         # and shapes its safetensors declare); the weights' content is the run's origins (state.json)
         template = hashlib.sha256((self.contract.chat_template or "").encode()).hexdigest()
-        self.version = (f"rm-{self.contract.hash[7:15]}-tpl{template[:8]}-w{weights_manifest_digest(path)[:8]}-"
+        #: a reference-guided model's user turn (reward.models[i].prompt): part of what it computes
+        self.prompt = prompt
+        context = "" if prompt is None else f"-p{hashlib.sha256(prompt.encode()).hexdigest()[:8]}"
+        self.version = (f"rm-{self.contract.hash[7:15]}-tpl{template[:8]}{context}-w{weights_manifest_digest(path)[:8]}-"
                         f"{path}")
         self.key = key  # the config entry it was built from (reward.model, reward.models[i])
         self.micro_batch_size = micro_batch_size
@@ -107,9 +129,12 @@ class RewardModel:
             return position_scores(self.model, inputs, positions, self.contract.pad_token_id or 0,
                                    self.micro_batch_size)
 
-    def encode(self, messages: Optional[Sequence[dict]], prompt_text: str, response_text: str) -> list[int]:
-        """The RM's own rendering of (prompt, response)."""
-        return render_for_scorer(self.contract, messages, prompt_text, response_text)
+    def encode(self, messages: Optional[Sequence[dict]], prompt_text: str, response_text: str,
+               ground_truth: Optional[Mapping] = None) -> list[int]:
+        """The RM's own rendering of (prompt, response); a reference-guided model's user turn is its
+        ``prompt`` filled with the turn and the row's ``ground_truth`` fields."""
+        return render_for_scorer(self.contract, messages, prompt_text, response_text, self.prompt, ground_truth,
+                                 key=f"{self.key}.prompt")
 
     @torch.no_grad()
     def score(self, inputs: Sequence[Sequence[int]]) -> torch.Tensor:

@@ -663,11 +663,14 @@ def _permuted_tokenizer(src: str, out) -> str:
     return str(out)
 
 
+STYLE_PROMPT = "{prompt} answer : {answer}"  # a reference-guided reward model's user turn
+
+
 def test_two_reward_models_each_score_their_own_rendering(assets, tmp_path):
     """A rule (reward.fn) and two neural reward models in one run: a token-classification RM on
     the policy's tokenizer with a template of its own (reward.model), and a sequence-
     classification RM on another tokenizer (the same words, other ids) with its EOS as the pad
-    id (reward.models).  Every sample's record keeps each as a named component, each score
+    id, reference-guided (reward.models[0].prompt: its user turn reads the row's answer).  Every sample's record keeps each as a named component, each score
     equal to that model's transformers score on *its own* rendering (the sequence head read at
     the last non-pad token), the total the rule plus each weighted score; the run's origins
     record each model's identity under its own key, and each model's input digest, which
@@ -687,7 +690,8 @@ def test_two_reward_models_each_score_their_own_rendering(assets, tmp_path):
     run_dir = str(tmp_path / "two_rm_run")
     run_train(assets, run_dir, GRPO, extra=[
         f"reward.model.path={rm_dir}", f"reward.model.chat_template={tpl}", "reward.model.weight=0.5",
-        f"reward.models=[{{name: style, path: {seq_dir}, chat_template: {tpl}, weight: -2.0}}]",
+        f"reward.models=[{{name: style, path: {seq_dir}, chat_template: {tpl}, weight: -2.0, "
+        f"prompt: '{STYLE_PROMPT}'}}]",
         "eval.every=0", "trainer.iterations=1", "trainer.checkpoint_every=1"])
     f = batches(run_dir)[0].facts
     policy = transformers.AutoTokenizer.from_pretrained(assets["model"])
@@ -701,10 +705,13 @@ def test_two_reward_models_each_score_their_own_rendering(assets, tmp_path):
     worst, ids_differ = 0.0, False
     for i in range(f.batch_size):
         resp = policy.decode(f.response_ids[i][: int(lens[i])].tolist(), skip_special_tokens=True)
-        chat = [{"role": "user", "content": rows[f.prompt_id[i]]["prompt"]}, {"role": "assistant", "content": resp}]
+        row = rows[f.prompt_id[i]]
         r = f.rewards[i]
         assert set(r.components) == {"arithmetic", "reward_model", "style"}, r.components
         for name, (tok, model) in models.items():
+            # the style model is reference-guided: its user turn also reads the row's answer
+            user = STYLE_PROMPT.format(prompt=row["prompt"], answer=row["answer"]) if name == "style" else row["prompt"]
+            chat = [{"role": "user", "content": user}, {"role": "assistant", "content": resp}]
             ids = tok.encode(tok.apply_chat_template(chat, chat_template=RM_TEMPLATE, tokenize=False),
                              add_special_tokens=False)
             with torch.no_grad():
@@ -714,6 +721,7 @@ def test_two_reward_models_each_score_their_own_rendering(assets, tmp_path):
             ids_differ |= name == "style" and ids != models["reward_model"][0].encode(
                 models["reward_model"][0].apply_chat_template(chat, chat_template=RM_TEMPLATE, tokenize=False),
                 add_special_tokens=False)
+            assert name != "style" or f" answer : {row['answer']}" in user
         want_total = r.components["arithmetic"] + 0.5 * r.components["reward_model"] - 2.0 * r.components["style"]
         assert r.total == pytest.approx(want_total, abs=1e-9)
     assert within(worst, NET_FP32_LOGPROB, "train_e2e/two_reward_models_vs_transformers"), worst
@@ -730,13 +738,15 @@ def test_two_reward_models_each_score_their_own_rendering(assets, tmp_path):
     inspect = [sys.executable, os.path.join(ROOT, "tools", "inspect_experience.py"),
                os.path.join(run_dir, "experience", "iter_000000"), "--index", "3", "--data", assets["train"],
                "--tokenizer", assets["model"]]
-    for spec in (f"reward_model={rm_dir}:{tpl}", f"style={seq_dir}:{tpl}"):
-        p = subprocess.run(inspect + ["--scorer-input", spec], capture_output=True, text=True, env=subprocess_env(),
+    for spec in ([f"reward_model={rm_dir}:{tpl}"], [f"style={seq_dir}:{tpl}", "--scorer-prompt", STYLE_PROMPT]):
+        p = subprocess.run(inspect + ["--scorer-input", *spec], capture_output=True, text=True, env=subprocess_env(),
                            timeout=300)
         assert p.returncode == 0 and "the same input" in p.stdout, p.stdout + p.stderr[-2000:]
-    p = subprocess.run(inspect + ["--scorer-input", f"style={seq_dir}"], capture_output=True, text=True,
-                       env=subprocess_env(), timeout=300)
-    assert p.returncode == 2 and "DIFFERS" in p.stdout, p.stdout + p.stderr[-2000:]
+    # negative controls: another template (the tokenizer's own), or the user turn without the reference
+    for spec in ([f"style={seq_dir}", "--scorer-prompt", STYLE_PROMPT], [f"style={seq_dir}:{tpl}"]):
+        p = subprocess.run(inspect + ["--scorer-input", *spec], capture_output=True, text=True,
+                           env=subprocess_env(), timeout=300)
+        assert p.returncode == 2 and "DIFFERS" in p.stdout, p.stdout + p.stderr[-2000:]
 
 
 def test_neural_reward_model_uses_its_own_template(assets, tmp_path):

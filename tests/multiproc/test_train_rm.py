@@ -99,11 +99,19 @@ def test_export_scores_as_transformers_reads_it(assets, reference):
     from megarl.data.preference import read_pairs, render_pairs
     from megarl.data.tokenizer import TokenizerContract
 
+    from megarl.config.loading import load_config
+    from megarl.config.rm_schema import RMTrainConfig
+    from megarl.roles.reward_model import recorded_scorer_prompt
+
     export = reference / "ref" / "export"
     cfg = json.load(open(export / "config.json"))
     assert cfg["architectures"] == ["LlamaForSequenceClassification"] and cfg["num_labels"] == 1
+    # the recipe's model is reference-guided: the export records the user turn it was trained on
+    prompt = load_config(RECIPE, [], schema=RMTrainConfig).data.prompt
+    assert "{answer}" in prompt and recorded_scorer_prompt(str(export)) == (True, prompt)
     contract = TokenizerContract.load(str(export), None)
-    pairs = render_pairs(contract, read_pairs(str(reference / "heldout.jsonl"), "heldout"), 64, "max")
+    pairs = render_pairs(contract, read_pairs(str(reference / "heldout.jsonl"), "heldout"), 64, "max", prompt)
+    assert contract.decode(pairs[0][0]).count(" answer : ") == 1
     rows = [side for p in pairs for side in p]
     L = max(len(r) for r in rows)
     ids = torch.full((len(rows), L), contract.pad_token_id)
@@ -139,11 +147,22 @@ def test_bad_input_is_one_error_line_before_any_model_loads(assets, reference, t
     (bad_head / "config.json").write_text(_json.dumps(dict(c, architectures=["LlamaForQuestionAnswering"])))
     no_keys = tmp_path / "pairs.jsonl"
     no_keys.write_text('{"prompt": "q", "good": "a", "bad": "b"}\n')
+    no_answer = tmp_path / "pairs_without_answer.jsonl"
+    no_answer.write_text('{"prompt": "what is 1 plus 2 ?", "chosen": "3", "rejected": "4"}\n')
+    ppo_dry = [sys.executable, "-m", "megarl.train", "--config", os.path.join(ROOT, "configs", "ppo_arith_tiny.yaml"),
+               "--dry-run", f"model.path={assets['model']}", "model.build_tiny=false", "data.task.build=false",
+               f"data.train_path={assets['train']}", f"data.heldout_path={assets['heldout']}"]
+    export = reference / "ref" / "export"
     cases = [
         (_cmd(assets, reference, tmp_path / "a", 1, f"model.path={bad_head}"), 2, "model.path: ",
          "LlamaForQuestionAnswering"),
         (_cmd(assets, reference, tmp_path / "b", 1, "data.builtin=null", f"data.train_path={no_keys}"), 2,
          f"{no_keys}:1: no chosen / rejected key", "good"),
+        # a reference-guided model's template: never the response; every row carries its fields
+        (_cmd(assets, reference, tmp_path / "d", 1, "data.prompt='{prompt} {response}'"), 2,
+         "data.prompt: {response} is not the user turn's"),
+        (_cmd(assets, reference, tmp_path / "e", 1, "data.builtin=null", f"data.train_path={no_answer}"), 2,
+         f"{no_answer}:1: data.prompt reads the row's ['answer']"),
         # torchrun reports its workers' exit status 2 as its own 1
         (_cmd(assets, reference, tmp_path / "c", 2, "trainer.pairs_per_step=7"), 1, "trainer.pairs_per_step: 7", "dp=2"),
         ([sys.executable, "-m", "megarl.train", "--config", os.path.join(ROOT, "configs", "ppo_arith_tiny.yaml"), "--dry-run",
@@ -151,6 +170,9 @@ def test_bad_input_is_one_error_line_before_any_model_loads(assets, reference, t
           f"data.train_path={assets['train']}", f"data.heldout_path={assets['heldout']}",
           f"reward.models=[{{name: judge, path: {assets['model']}}}]"], 2,
          "reward.models[0].path: ", "LlamaForCausalLM, not a reward model"),
+        # a reference-guided export read without its template would score inputs it never saw
+        (ppo_dry + [f"reward.models=[{{name: rm, path: {export}}}]"], 2, "reward.models[0].prompt: None, but ",
+         "was trained reading the user turn as '{prompt} answer : {answer}'"),
     ]
     for cmd, rc, *words in cases:
         out = run_to_exit(cmd, expect=rc)

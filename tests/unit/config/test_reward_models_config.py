@@ -34,6 +34,10 @@ def test_entries_in_scoring_order_with_their_keys():
     (["reward.fn=null"], "reward.fn: is null and no reward model or judge is given"),
     (["reward.models=[{name: s, path: /b}]", "faults.reward_model_timeout_at=[1]"],
      "faults.reward_model_timeout_at: holds the reward model's forward past reward.models[0].timeout_s"),
+    # a reference-guided reward model's user turn: never the response
+    (["reward.models=[{name: s, path: /b, prompt: '{prompt} {response}'}]"],
+     "reward.models[0].prompt: {response} is not the user turn's"),
+    (["reward.model.path=/a", "reward.model.prompt='{0}'"], "reward.model.prompt: field(s) ['0'] are not names"),
     # generative judges (reward.judges): the prompt must read the response, the rule must parse
     (["reward.judges=[{name: j}]"], "reward.judges[0].path: is required"),
     (["reward.judges=[{name: j, path: /j, prompt: 'is {prompt} hard ?'}]"],

@@ -74,10 +74,40 @@ def test_rendering_refuses_long_rows_and_pairs_without_a_preference(tmp_path):
         render_pairs(contract, [same], 8, "data.max_tokens")
 
 
+def test_a_reference_guided_rendering_fills_the_user_turn_with_the_rows_fields(tmp_path):
+    """``data.prompt`` / ``reward.models[i].prompt``: the last user turn is the template filled with
+    the turn's text and the row's fields (the other turns kept); a row without a field is refused
+    naming its line and the key."""
+    from megarl.builtin.tiny_tokenizer import build_tiny_tokenizer
+    from megarl.data.scorer_input import render_for_scorer, scorer_chat
+    from megarl.data.tokenizer import TokenizerContract
+
+    ctx = "{prompt} answer : {answer}"
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is 1 plus 2 ?"}]
+    assert scorer_chat(chat, "ignored", ctx, {"answer": " 3 "}) == [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "what is 1 plus 2 ? answer : 3"}]
+    assert scorer_chat(None, "q", None, {"answer": 3}) == [{"role": "user", "content": "q"}]
+    with pytest.raises(KeyError, match=r"reward.models\[0\].prompt reads the row's \['answer'\]"):
+        scorer_chat(None, "q", ctx, {"target": 3}, key="reward.models[0].prompt")
+    build_tiny_tokenizer(tmp_path / "tok")
+    contract = TokenizerContract.load(str(tmp_path / "tok"))
+    pair = parse_pair({"id": "p1", "prompt": "what is 1 plus 2 ?", "chosen": "3", "rejected": "4", "answer": "3"},
+                      "f:1")
+    assert pair.ground_truth == {"id": "p1", "answer": "3"}
+    (good, bad), = render_pairs(contract, [pair], 64, "data.max_tokens", ctx)
+    assert good == render_for_scorer(contract, None, "what is 1 plus 2 ?", "3", ctx, {"answer": "3"})
+    assert contract.decode(good) == ("<bos> <|user|> what is 1 plus 2 ? answer : 3 <|end|> <|assistant|> 3 <|end|>")
+    assert render_pairs(contract, [pair], 64, "data.max_tokens") != [(good, bad)]  # without it: another input
+    lacking = parse_pair({"prompt": "what is 1 plus 2 ?", "chosen": "3", "rejected": "4"}, "f:4")
+    with pytest.raises(PreferenceDataError, match=r"f:4: data.prompt reads the row's \['answer'\]"):
+        render_pairs(contract, [lacking], 64, "data.max_tokens", ctx)
+
+
 def test_builtin_pairs_are_ranked_by_the_rule_and_splits_never_share_a_problem():
     train, heldout = arithmetic_pairs("train", 300), arithmetic_pairs("heldout", 120)
     assert arithmetic_pairs("train", 300) == train  # a function of (split, n)
     for p in train + heldout:
         assert score(p["chosen"], p["chosen"]) == 1.0 and score(p["rejected"], p["chosen"]) == 0.0, p
+        assert p["answer"] == p["chosen"]  # the reference a reference-guided model reads
     assert {p["miss"] for p in train} == set(MISSES)
     assert not {problem_key(p) for p in train} & {problem_key(p) for p in heldout}

@@ -54,6 +54,17 @@ def test_the_prompt_must_read_the_response():
             check_template(bad, "k")
 
 
+def test_a_reward_models_user_turn_reads_the_prompt_and_the_rows_fields_never_the_response():
+    from megarl.rewards.verdicts import check_context_template
+
+    assert check_context_template("{prompt} answer : {answer} {answer}", "k") == ("answer",)
+    assert check_context_template("{prompt}", "k") == ()
+    with pytest.raises(ValueError, match=r"^reward.models\[0\].prompt: \{response\} is not the user turn's"):
+        check_context_template("{prompt} {response}", "reward.models[0].prompt")
+    with pytest.raises(ValueError, match="are not names"):
+        check_context_template("{prompt} {answer[0]}", "k")
+
+
 def test_yes_probability_is_the_two_words_renormalised():
     assert yes_probability(math.log(0.3), math.log(0.1)) == pytest.approx(0.75, abs=1e-12)
     assert yes_probability(0.0, 0.0) == 0.5
