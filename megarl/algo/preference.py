@@ -14,9 +14,18 @@ import torch
 import torch.nn.functional as F
 
 
-def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor,
-                       normaliser: float) -> Tuple[torch.Tensor, Dict[str, float]]:
-    """``sum_i -log sigma(s_c,i - s_r,i) / normaliser`` over this share of the pairs.
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, normaliser: float,
+                       center_coef: float = 0.0) -> Tuple[torch.Tensor, Dict[str, float]]:
+    """``sum_i [-log sigma(s_c,i - s_r,i) + center_coef (s_c,i + s_r,i)^2] / normaliser`` over this
+    share of the pairs.
+
+    The likelihood fixes only score differences within a pair, so each prompt's scores may sit at
+    an offset of their own: a right answer to one prompt can score below a wrong one to another.
+    A policy trained against such scores without a per-prompt baseline (PPO's critic must learn
+    it) is rewarded by the offsets.  ``center_coef > 0`` adds the reward-centering term of
+    Eisenstein et al. 2023 ("Helping or Herding?", TRL's ``center_rewards_coefficient``): each
+    pair's mean score is pulled to 0, so across prompts the preferred answers score above 0 and
+    the others below.
 
     ``chosen`` / ``rejected``: ``(n,)`` scores of the same ``n`` pairs; ``normaliser``: the number
     of pairs in the global batch (all micro-batches, all DP ranks), so summing the shares over
@@ -29,6 +38,8 @@ def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor,
                          "must be two (n,) vectors")
     margin = chosen.float() - rejected.float()
     terms = -F.logsigmoid(margin)
+    if center_coef:
+        terms = terms + center_coef * (chosen.float() + rejected.float()) ** 2
     loss = terms.sum() / normaliser
     d = margin.detach()
     return loss, {"pairs": float(d.numel()), "correct": float((d > 0).sum()), "margin_sum": float(d.sum()),

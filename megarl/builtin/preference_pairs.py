@@ -1,11 +1,20 @@
 """Built-in preference pairs from the arithmetic task: the right answer chosen over a near miss.
 
 A reward model learns the rule only if the wrong answers it sees are the ones a policy makes, so
-each rejected answer is one small edit away from the right one, drawn evenly from :data:`MISSES`:
-off by 1 to 3, off by ten, a digit dropped, a digit added, the sign flipped, or the right answer
-followed by a stray word (which the rule also scores 0).  Train pairs come from the task's train
-split and held-out pairs from its held-out split, so no problem is in both; each file is a
-function of (split, n, seed) and a cached file must hold exactly that (as the task files).
+each rejected answer is one small edit away from the right one (:data:`MISSES`): off by 1 to 3,
+off by ten, a digit dropped, a digit added, the sign flipped, or the right answer followed by a
+stray word (which the rule also scores 0).
+
+The train pairs draw them in the cycle :data:`TRAIN_MIX`, half of them off by 1 to 3: that is the
+tiny policy's most frequent miss, and the hardest to tell from the right answer, since it differs
+in the last digit only.  Drawn evenly, a model reached 1.0 held-out pair accuracy yet PPO against
+it went nowhere (0.320 -> 0.315); with reward centering it reached 0.425, and with this mix
+besides 0.555 in the same 160 iterations (docs/rewards.md).  The held-out pairs stay even over
+:data:`MISSES`, so their accuracy weighs every kind alike.
+
+Train pairs come from the task's train split and held-out pairs from its held-out split, so no
+problem is in both; each file is a function of (split, n, seed) and a cached file must hold exactly
+that (as the task files).
 """
 
 from __future__ import annotations
@@ -14,6 +23,10 @@ import random
 from typing import List
 
 MISSES = ("off_by_small", "off_by_ten", "dropped_digit", "extra_digit", "sign", "extra_word")
+#: the train pairs' cycle of kinds: off by 1 to 3 every other pair, each other kind once in ten
+TRAIN_MIX = ("off_by_small", "off_by_ten", "off_by_small", "dropped_digit", "off_by_small", "extra_digit",
+             "off_by_small", "sign", "off_by_small", "extra_word")
+MIXES = {"train": TRAIN_MIX, "heldout": MISSES}
 SEEDS = {"train": 11, "heldout": 12}
 
 
@@ -48,18 +61,21 @@ def near_miss(answer: str, kind: str, rng: random.Random) -> str:
 
 def arithmetic_pairs(split: str, n: int) -> List[dict]:
     """``n`` pairs ``{id, prompt, chosen, rejected, miss, answer}`` over the arithmetic task's ``split``
-    (``answer``: the reference, which is also ``chosen``)."""
+    (``answer``: the reference, which is also ``chosen``), the misses drawn in ``MIXES[split]``."""
     from megarl.builtin.tasks import task_settings
     from megarl.data.tasks.arithmetic import make_problems, score
 
     s = task_settings("arithmetic", {})
     problems = make_problems(split, SEEDS[split], n, digits=s.digits, ops=s.op_tuple)
     rng = random.Random(SEEDS[split])
+    mix = MIXES[split]
     out = []
     for i, p in enumerate(problems):
-        kind = MISSES[i % len(MISSES)]
+        kind = mix[i % len(mix)]
         rejected = near_miss(p["answer"], kind, rng)
-        if score(rejected, p["answer"]) or not score(p["answer"], p["answer"]):
+        while score(rejected, p["answer"]):  # "0" with a "0" appended is still right: draw again
+            rejected = near_miss(p["answer"], kind, rng)
+        if not score(p["answer"], p["answer"]):
             raise AssertionError(f"{split} pair {i}: the rule does not prefer {p['answer']!r} to {rejected!r}")
         # the reference a reference-guided model reads (data.prompt: "{prompt} answer : {answer}")
         out.append({"id": f"arith-pair-{split}-{i}", "prompt": p["prompt"], "chosen": p["answer"],

@@ -88,7 +88,8 @@ def run(cfg, world: int) -> dict:
     run_dir = _run_dir(cfg)
     model = ScoreModel(cfg.model.path, cfg.optim, cfg.trainer.steps, contract.pad_token_id or 0, p.tp, p.pp,
                        cfg.model.vocab_multiple, sequence_parallel=p.sequence_parallel, recompute=p.recompute,
-                       distributed_optimizer=p.distributed_optimizer, overlap_grad_reduce=p.overlap_grad_reduce)
+                       distributed_optimizer=p.distributed_optimizer, overlap_grad_reduce=p.overlap_grad_reduce,
+                       center_coef=cfg.trainer.center_rewards_coef)
     hashes = {"config_hash": config_hash(cfg, exclude=("trainer.run_dir", "trainer.stop_after")),
               "train_sha256": data.train_sha256, "tokenizer_hash": contract.hash}
     rm = RMRun(cfg, model, data, contract, run_dir, hashes)

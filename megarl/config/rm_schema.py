@@ -53,6 +53,9 @@ class RMTrainerConfig:
     pairs_per_step: int = setting(32, range=COUNT)  # the global batch (pairs over all DP ranks)
     micro_batch_pairs: int = setting(0, range=COUNT0)  # pairs per forward/backward per DP rank (0: all at once)
     seed: int = setting(1234, range=SEED)  # of the pair order
+    #: the reward-centering term's weight: coef * (s_chosen + s_rejected)^2 per pair, pulling each
+    #: pair's mean score to 0 so scores compare across prompts (megarl/algo/preference.py); 0: off
+    center_rewards_coef: float = setting(0.0, range=Range(lo=0))
     run_dir: Optional[str] = None  # default runs/<recipe>-<timestamp>
     eval_every: int = setting(20, range=COUNT0)  # held-out pair accuracy every this many steps (0: at the end only)
     checkpoint_every: int = setting(0, range=COUNT0)  # steps between training-position checkpoints (0: at the end)

@@ -61,15 +61,18 @@ def _reduced(metrics: List[dict]) -> Dict[str, float]:
 
 
 def heldout_accuracy(model, pairs: List[tuple], micro_batch_size: int) -> Dict[str, float]:
-    """Held-out pair accuracy (``s_c > s_r``), mean margin and mean Bradley-Terry loss (collective)."""
+    """Held-out pair accuracy (``s_c > s_r``), mean margin and mean Bradley-Terry loss, and the sign
+    accuracy: the share of held-out answers on the right side of 0 (chosen above, rejected below),
+    which compares scores across prompts as a policy's reward does (collective)."""
     from megarl.algo.preference import bradley_terry_loss, pair_accuracy
 
     rows = [side for pair in pairs for side in pair]
     s = model.scores(rows, micro_batch_size)
     c, r = s[0::2], s[1::2]
     loss, m = bradley_terry_loss(c, r, normaliser=len(pairs))
-    return {"eval/pair_accuracy": pair_accuracy(c, r), "eval/margin": m["margin_sum"] / len(pairs),
-            "eval/loss": float(loss), "eval/pairs": float(len(pairs))}
+    sign = float(((c > 0).float().sum() + (r < 0).float().sum()) / (2 * len(pairs)))
+    return {"eval/pair_accuracy": pair_accuracy(c, r), "eval/sign_accuracy": sign,
+            "eval/margin": m["margin_sum"] / len(pairs), "eval/loss": float(loss), "eval/pairs": float(len(pairs))}
 
 
 class RMRun:

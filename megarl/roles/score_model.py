@@ -49,7 +49,8 @@ class ScoreModel:
 
     def __init__(self, path: str, optim, total_steps: int, pad_token_id: int, tp: int, pp: int,
                  vocab_multiple: int, sequence_parallel: bool = False, recompute=None,
-                 distributed_optimizer=None, overlap_grad_reduce: bool = False):
+                 distributed_optimizer=None, overlap_grad_reduce: bool = False, center_coef: float = 0.0):
+        self.center_coef = center_coef  # trainer.center_rewards_coef: the loss's reward-centering term
         kw = dict(tp=tp, pp=pp, vocab_multiple=vocab_multiple, sequence_parallel=sequence_parallel,
                   recompute=recompute)
         if load_spec(path).value_head:  # a reward model already: trained further as it is
@@ -96,7 +97,7 @@ class ScoreModel:
         def loss_fn(output, mb):
             v = token_terms(output[..., 0].float(), mb)
             s = v.gather(1, mb["score_at"][:, None].to(v.device))[:, 0]
-            return bradley_terry_loss(s[0::2], s[1::2], normaliser=global_pairs)
+            return bradley_terry_loss(s[0::2], s[1::2], normaliser=global_pairs, center_coef=self.center_coef)
 
         result = train_step(self.ddp, self.optimizer, micro_batches, loss_fn)
         if result.update_successful:

@@ -2,10 +2,11 @@
 (megarl/builtin/preference_pairs.py)."""
 
 import json
+from collections import Counter
 
 import pytest
 
-from megarl.builtin.preference_pairs import MISSES, arithmetic_pairs
+from megarl.builtin.preference_pairs import MISSES, TRAIN_MIX, arithmetic_pairs
 from megarl.data.preference import PreferenceDataError, parse_pair, read_pairs, render_pairs
 from megarl.data.tasks.arithmetic import problem_key, score
 
@@ -109,5 +110,8 @@ def test_builtin_pairs_are_ranked_by_the_rule_and_splits_never_share_a_problem()
     for p in train + heldout:
         assert score(p["chosen"], p["chosen"]) == 1.0 and score(p["rejected"], p["chosen"]) == 0.0, p
         assert p["answer"] == p["chosen"]  # the reference a reference-guided model reads
-    assert {p["miss"] for p in train} == set(MISSES)
+    # train: half off by 1-3 (the policy's most frequent miss), every kind present; held-out: even
+    assert Counter(p["miss"] for p in train) == {k: 300 // len(TRAIN_MIX) * TRAIN_MIX.count(k) for k in MISSES}
+    assert Counter(p["miss"] for p in train)["off_by_small"] == 150
+    assert Counter(p["miss"] for p in heldout) == {k: 120 // len(MISSES) for k in MISSES}
     assert not {problem_key(p) for p in train} & {problem_key(p) for p in heldout}
