@@ -30,6 +30,7 @@ held-out accuracy curves.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -67,6 +68,14 @@ def run(method: str, seed: int, args, workdir: str, target: Optional[float] = No
            f"trainer.iterations={args.iterations}", f"eval.every={args.eval_every}", *extra]
     metrics = os.path.join(run_dir, "metrics.jsonl")
     stopped = False
+    done = [r for r in _rows(metrics) if "e2e/iteration_s" in r]
+    hit = target is not None and any(r.get("eval/accuracy", -1) >= target for r in _rows(metrics))
+    if len(done) >= args.iterations or hit:  # a finished run kept in --workdir: read, not run again
+        print(f"  {method} seed {seed}: read from {run_dir}", flush=True)
+        return _result(method, seed, metrics, hit)
+    if os.path.exists(metrics):
+        raise SystemExit(f"{run_dir} holds an unfinished run ({len(done)} of {args.iterations} iterations): "
+                         "delete it to run it again")
     with open(run_dir + ".log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                 env=dict(os.environ, PYTHONWARNINGS="ignore"))
@@ -82,6 +91,10 @@ def run(method: str, seed: int, args, workdir: str, target: Optional[float] = No
                     proc.wait()
     if proc.returncode != 0 and not stopped:
         raise SystemExit(f"{method} seed {seed}: exit {proc.returncode}\n{open(run_dir + '.log').read()[-3000:]}")
+    return _result(method, seed, metrics, stopped)
+
+
+def _result(method: str, seed: int, metrics: str, stopped: bool) -> dict:
     rows = _rows(metrics)
     evals = [(r["iteration"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
     elapsed, wall = {}, 0.0
@@ -99,7 +112,7 @@ def held_out_accuracy(model: str, workdir: str, args, name: str) -> float:
     from megarl.config import load_config
 
     recipe = os.path.join(ROOT, "configs", f"{RECIPES[args.task][0]}.yaml")
-    out = os.path.join(workdir, f"{name}_eval.json")
+    out = os.path.join(workdir, f"{name}_eval.{os.getpid()}.json")  # several benches may share --workdir
     cmd = [sys.executable, "-m", "megarl.eval", "--model", model, "--data", load_config(recipe).data.heldout_path,
            "--config", recipe, "--metrics-out", out]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
@@ -130,10 +143,15 @@ def main() -> None:
     ap.add_argument("--stop-at-target", action="store_true",
                     help="evaluate the student first and stop each run at its first evaluation at or above the "
                          "target (the table is the same; the runs are shorter)")
+    ap.add_argument("--workdir", help="keep the runs here (default: a temporary directory); a run already "
+                                      "finished there is read, not run again, so seeds run apart can be tabulated "
+                                      "together")
     ap.add_argument("--json")
     ap.add_argument("--png")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="megarl-distill-") as workdir:
+    with contextlib.nullcontext(os.path.abspath(args.workdir)) if args.workdir else \
+            tempfile.TemporaryDirectory(prefix="megarl-distill-") as workdir:
+        os.makedirs(workdir, exist_ok=True)
         t_acc = args.teacher_accuracy if args.teacher_accuracy is not None else \
             held_out_accuracy(args.teacher, workdir, args, "teacher")
         target = None
@@ -150,11 +168,17 @@ def main() -> None:
         student = statistics.mean(r["evals"][0][1] for r in results)
         target = student + 0.9 * (t_acc - student)
     print(f"teacher {t_acc:.3f}  student {student:.3f}  target (90% of the gap) {target:.3f}")
-    print(f"{'method':9s} {'seed':>4s} {'final':>6s} {'best':>6s} {'iters to target':>15s} {'wall to target':>14s}")
+    print(f"{'method':9s} {'seed':>4s} {'final':>6s} {'best':>6s} {'last 5':>6s} {'s/iter':>6s} "
+          f"{'iters to target':>15s} {'wall to target':>14s}")
     for r in results:
         it, wall = reached(r, target)
-        r.update(target=target, teacher=t_acc, iterations_to_target=it, wall_to_target_s=wall)
+        per_iter = max(r["elapsed_s"].values()) / len(r["elapsed_s"]) if r["elapsed_s"] else None
+        # the mean of the last five evaluations: one evaluation moves several points, a run's level does not
+        last5 = statistics.mean(a for _, a in r["evals"][-5:])
+        r.update(target=target, teacher=t_acc, iterations_to_target=it, wall_to_target_s=wall,
+                 seconds_per_iteration=per_iter, last5_mean=last5)
         print(f"{r['method']:9s} {r['seed']:4d} {r['evals'][-1][1]:6.3f} {max(a for _, a in r['evals']):6.3f} "
+              f"{last5:6.3f} {'-' if per_iter is None else f'{per_iter:.2f}':>6} "
               f"{'-' if it is None else it:>15} {'-' if wall is None else f'{wall:.1f} s':>14}")
     for m in args.methods:
         rs = [r for r in results if r["method"] == m]
@@ -162,7 +186,9 @@ def main() -> None:
         mean_wall = statistics.mean(r["wall_to_target_s"] for r in hit) if hit else None
         print(f"{m:9s} mean: reached {len(hit)}/{len(rs)}"
               + (f", {statistics.mean(r['iterations_to_target'] for r in hit):.0f} iterations, {mean_wall:.1f} s"
-                 if hit else ""))
+                 if hit else "")
+              + f"; final {statistics.mean(r['evals'][-1][1] for r in rs):.3f}, last five evaluations "
+                f"{statistics.mean(r['last5_mean'] for r in rs):.3f}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump([{k: v for k, v in r.items() if k != "elapsed_s"} for r in results], fh, indent=1)
