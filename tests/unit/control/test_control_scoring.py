@@ -190,10 +190,11 @@ class FakeRewardModel:
     version = "rm/7"
 
     def __init__(self, scores):
-        self.scores, self.encoded = scores, []
+        self.scores, self.encoded, self.truths = scores, [], []
 
-    def encode(self, messages, prompt_text, response_text):
+    def encode(self, messages, prompt_text, response_text, ground_truth=None):
         self.encoded.append((messages, prompt_text, response_text))
+        self.truths.append(ground_truth)  # a reference-guided model fills its user turn from it
         return [ord(c) for c in f"{prompt_text} || {response_text}"]  # its own "token ids"
 
     def score(self, texts):
@@ -217,6 +218,7 @@ def test_the_reward_model_adds_its_weighted_score_to_ok_records_only(tmp_path):
     assert "inputs" in ss[0].record.to_json() and ss[0].record.from_json(ss[0].record.to_json()) == ss[0].record
     assert ss[2].record.status is RewardStatus.INVALID  # the RM never papers over a rule failure
     assert rm.encoded[0][1:] == ("question 0", FakeTok().decode(ss[0].response_ids, skip_special_tokens=True))
+    assert dict(rm.truths[0]) == {"answer": "0"}  # the sample's row reaches the model (its reference)
 
 
 def test_reward_model_alone(tmp_path):
