@@ -16,16 +16,17 @@ def scorer_chat(messages: Optional[Sequence[dict]], prompt_text: str, context: O
     chat = list(messages) if messages else [{"role": "user", "content": prompt_text}]
     if context is None:
         return chat
-    import string
+    from megarl.rewards.verdicts import template_ground_truth_fields
 
     truth = ground_truth or {}
-    reads = [f for _, f, _, _ in string.Formatter().parse(context) if f is not None and f != "prompt"]
-    missing = sorted({f for f in reads if truth.get(f) is None})
+    reads = template_ground_truth_fields(context, own=("prompt",))
+    missing = sorted(f for f in reads if truth.get(f) is None)
     if missing:
         raise KeyError(f"{key} reads the row's {missing}; this sample's ground truth has {sorted(truth)}")
-    last = max(i for i, m in enumerate(chat) if m["role"] == "user") if any(m["role"] == "user" for m in chat) else None
-    if last is None:
+    users = [i for i, m in enumerate(chat) if m["role"] == "user"]
+    if not users:
         raise KeyError(f"{key}: the prompt has no user turn to fill")
+    last = users[-1]
     filled = context.format(prompt=chat[last]["content"], **{f: str(truth[f]).strip() for f in reads})
     return chat[:last] + [dict(chat[last], content=filled)] + chat[last + 1:]
 

@@ -86,11 +86,9 @@ def yes_probability(log_p_yes: float, log_p_no: float) -> float:
     return 1.0 / (1.0 + math.exp(log_p_no - log_p_yes))
 
 
-def check_template(template: str, key: str) -> Tuple[str, ...]:
-    """The fields the judge's prompt template fills: ``{response}`` (required), ``{prompt}``, and
-    any other name is a ground-truth field of the sample's row (``{answer}``: a reference-guided
-    judge), which every train and held-out row must then carry
-    (:func:`template_ground_truth_fields`).  Raises ValueError naming ``key``."""
+def _named_fields(template: str, key: str, own: str) -> Tuple[str, ...]:
+    """The fields of a scorer's format ``template``, each a plain name; raises ValueError naming
+    ``key`` (``own``: the sample's fields the template may use, for the message)."""
     import string
 
     try:
@@ -99,8 +97,17 @@ def check_template(template: str, key: str) -> Tuple[str, ...]:
         raise ValueError(f"{key}: not a format template ({e})") from None
     odd = [f for f in fields if not f.isidentifier()]
     if odd:
-        raise ValueError(f"{key}: field(s) {odd} are not names; the template may use {{prompt}}, {{response}} "
-                         "and the row's ground-truth fields by name (e.g. {answer})")
+        raise ValueError(f"{key}: field(s) {odd} are not names; the template may use {own} and the row's "
+                         "ground-truth fields by name (e.g. {answer})")
+    return fields
+
+
+def check_template(template: str, key: str) -> Tuple[str, ...]:
+    """The fields the judge's prompt template fills: ``{response}`` (required), ``{prompt}``, and
+    any other name is a ground-truth field of the sample's row (``{answer}``: a reference-guided
+    judge), which every train and held-out row must then carry
+    (:func:`template_ground_truth_fields`).  Raises ValueError naming ``key``."""
+    fields = _named_fields(template, key, "{prompt}, {response}")
     if "response" not in fields:
         raise ValueError(f"{key}: the judge's prompt has no {{response}}: it would judge without reading the answer")
     return fields
@@ -124,16 +131,7 @@ def check_context_template(template: str, key: str) -> Tuple[str, ...]:
     ``data.prompt``): a format template of ``{prompt}`` and the row's ground-truth fields, never
     ``{response}`` (the response is the assistant's turn).  Returns the ground-truth fields;
     raises ValueError naming ``key``."""
-    import string
-
-    try:
-        fields = tuple(f for _, f, _, _ in string.Formatter().parse(template) if f is not None)
-    except ValueError as e:
-        raise ValueError(f"{key}: not a format template ({e})") from None
-    odd = [f for f in fields if not f.isidentifier()]
-    if odd:
-        raise ValueError(f"{key}: field(s) {odd} are not names; the template may use {{prompt}} and the row's "
-                         "ground-truth fields by name (e.g. {answer})")
+    fields = _named_fields(template, key, "{prompt}")
     if "response" in fields:
         raise ValueError(f"{key}: {{response}} is not the user turn's; the response is the assistant's turn after it")
     return template_ground_truth_fields(template, own=("prompt",))
